@@ -1,0 +1,145 @@
+// dtrain: the command line. Parses, loads and validates the job, hands it to the library,
+// and maps errors to the exit codes of DESIGN.md. No training logic lives here.
+#include <filesystem>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "config/schema.hpp"
+#include "train/trainer.hpp"
+#include "util/error.hpp"
+#include "util/shape.hpp"
+
+namespace {
+
+using namespace dtrain;
+
+struct JobArgs {
+  std::string path;
+  std::vector<std::string> sets;
+};
+
+void add_job_args(CLI::App* cmd, JobArgs& a) {
+  cmd->add_option("JOB", a.path, "job spec (YAML)")->required();
+  cmd->add_option("--set", a.sets, "override a key: --set optimizer.lr=0.1 (repeatable)")
+      ->allow_extra_args(false);
+}
+
+JobConfig load(const JobArgs& a, const std::string& run_dir = "") {
+  JobConfig cfg = load_job(a.path, a.sets);
+  if (!run_dir.empty()) cfg.run_dir = run_dir;
+  resolve(cfg);
+  validate(cfg);
+  return cfg;
+}
+
+int inspect(const std::string& folder) {
+  auto manifest = verify_checkpoint(folder);
+  auto state = load_checkpoint(folder);
+  std::cout << fmt::format("checkpoint {}\n  step {}  epoch {}  layout {}  format v{}\n", folder,
+                           manifest["step"].get<int64_t>(), manifest["epoch"].get<int64_t>(),
+                           manifest["layout"].dump(), manifest["version"].get<int>());
+  if (manifest.contains("metric"))
+    std::cout << fmt::format("  {} {}\n", manifest["metric"]["name"].get<std::string>(),
+                             manifest["metric"]["value"].get<double>());
+  auto print_tensors = [](const char* title, const NamedTensors& ts) {
+    int64_t total = 0;
+    for (const auto& [n, t] : ts) total += t.numel();
+    std::cout << fmt::format("{} ({} tensors, {} values):\n", title, ts.size(), total);
+    for (const auto& [n, t] : ts)
+      std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t),
+                               c10::toString(t.scalar_type()));
+  };
+  print_tensors("model", state.model);
+  print_tensors("optimizer", state.optimizer);
+  auto trainer = state.trainer;
+  trainer.erase("rng_torch_cpu");
+  std::cout << "trainer state: " << trainer.dump() << "\nconfig:\n" << state.config_yaml;
+  return 0;
+}
+
+int export_weights(const std::string& folder, const std::string& out) {
+  verify_checkpoint(folder);
+  std::filesystem::copy_file(std::filesystem::path(folder) / "model.safetensors", out,
+                             std::filesystem::copy_options::overwrite_existing);
+  std::cerr << fmt::format("wrote {}\n", out);
+  return 0;
+}
+
+int run_cli(int argc, char** argv) {
+  CLI::App app{"dtrain: distributed training jobs from one YAML file"};
+  app.set_version_flag("--version", std::string(DTRAIN_VERSION));
+  app.require_subcommand(1);
+
+  JobArgs job;
+  std::string run_dir, resume;
+  auto* run = app.add_subcommand("run", "train a job");
+  add_job_args(run, job);
+  run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
+  run->add_option("--resume", resume, "auto (newest valid checkpoint, or start fresh) or a "
+                                      "checkpoint folder");
+
+  auto* validate_cmd = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
+  add_job_args(validate_cmd, job);
+  auto* config_cmd = app.add_subcommand("config", "print the fully resolved job as YAML");
+  add_job_args(config_cmd, job);
+
+  std::string folder, out;
+  auto* inspect_cmd = app.add_subcommand("inspect", "what a checkpoint holds");
+  inspect_cmd->add_option("CHECKPOINT_DIR", folder, "checkpoint folder")->required();
+  auto* export_cmd = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
+  export_cmd->add_option("CHECKPOINT_DIR", folder, "checkpoint folder")->required();
+  export_cmd->add_option("OUT", out, "output .safetensors file")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    throw ConfigError(e.what());
+  }
+
+  if (*run) {
+    auto cfg = load(job, run_dir);
+    return run_training(cfg, RunOptions{resume}).exit_code;
+  }
+  if (*validate_cmd) {
+    auto cfg = load(job);
+    std::cout << fmt::format("{}: ok\n", job.path);
+    return 0;
+  }
+  if (*config_cmd) {
+    std::cout << to_yaml(load(job));
+    return 0;
+  }
+  if (*inspect_cmd) return inspect(folder);
+  if (*export_cmd) return export_weights(folder, out);
+  return kExitBadSpec;
+}
+
+// Errors are one line: the first line of what a library said, without backtraces.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run_cli(argc, argv);
+  } catch (const dtrain::Error& e) {
+    std::cerr << "dtrain: error: " << first_line(e.what()) << "\n";
+    return e.code;
+  } catch (const c10::Error& e) {
+    std::cerr << "dtrain: error: " << first_line(e.what_without_backtrace()) << "\n";
+    return dtrain::kExitFailure;
+  } catch (const std::exception& e) {
+    std::cerr << "dtrain: error: " << first_line(e.what()) << "\n";
+    return dtrain::kExitFailure;
+  }
+}

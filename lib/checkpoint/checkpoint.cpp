@@ -1,0 +1,176 @@
+#include "checkpoint/checkpoint.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "util/error.hpp"
+#include "util/files.hpp"
+
+namespace dtrain {
+namespace fs = std::filesystem;
+
+namespace {
+const char* kFiles[] = {"model.safetensors", "optimizer.safetensors", "trainer.json",
+                        "config.yaml"};
+
+std::string folder_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+
+bool is_checkpoint_name(const std::string& name) {
+  return name.size() == 13 && name.rfind("step-", 0) == 0 &&
+         std::all_of(name.begin() + 5, name.end(), ::isdigit);
+}
+
+// Checkpoint folders, oldest first (zero-padded names sort by step).
+std::vector<std::string> list_checkpoints(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.is_directory() && is_checkpoint_name(e.path().filename().string()))
+      names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::optional<std::string> read_pointer(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::nullopt;
+  auto s = read_file(path);
+  s.erase(s.find_last_not_of(" \n") + 1);
+  return s;
+}
+}  // namespace
+
+CheckpointStore::CheckpointStore(std::string run_dir, const CheckpointConfig& cfg)
+    : dir_((fs::path(run_dir) / "checkpoints").string()), cfg_(cfg) {
+  fs::create_directories(dir_);
+  // A crash mid-save leaves a temporary folder that never became a checkpoint.
+  for (const auto& e : fs::directory_iterator(dir_))
+    if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
+}
+
+std::string CheckpointStore::save(const CheckpointState& state, int64_t step, int64_t epoch,
+                                  const nlohmann::json& layout,
+                                  const std::optional<Metric>& metric) {
+  const std::string name = folder_name(step);
+  const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  write_safetensors((tmp / kFiles[0]).string(), state.model, {{"format", "dtrain-model"}});
+  write_safetensors((tmp / kFiles[1]).string(), state.optimizer, {{"format", "dtrain-optimizer"}});
+  write_file_synced((tmp / kFiles[2]).string(), state.trainer.dump(1) + "\n");
+  write_file_synced((tmp / kFiles[3]).string(), state.config_yaml);
+
+  nlohmann::json manifest{{"format", "dtrain-checkpoint"}, {"version", kCheckpointVersion},
+                          {"step", step}, {"epoch", epoch}, {"layout", layout},
+                          {"created_unix", std::chrono::duration<double>(
+                                               std::chrono::system_clock::now().time_since_epoch())
+                                               .count()}};
+  if (metric) manifest["metric"] = {{"name", metric->name}, {"value", metric->value}};
+  for (const char* f : kFiles)
+    manifest["files"].push_back({{"name", f},
+                                 {"bytes", fs::file_size(tmp / f)},
+                                 {"crc32", crc32_of_file((tmp / f).string())}});
+  write_file_synced((tmp / "manifest.json").string(), manifest.dump(1) + "\n");
+  fsync_dir(tmp.string());
+
+  fs::remove_all(final_path);  // a re-save of the same step (e.g. after a restart)
+  fs::rename(tmp, final_path);
+  fsync_dir(dir_);
+  write_file_atomic((fs::path(dir_) / "latest").string(), name + "\n");
+
+  if (cfg_.keep_best && metric) {
+    auto current = best();
+    double best_value = -std::numeric_limits<double>::infinity();
+    if (current) {
+      try {
+        best_value = verify_checkpoint((fs::path(dir_) / *current).string())["metric"]["value"];
+      } catch (const std::exception&) {  // a vanished or damaged best is simply replaced
+      }
+    }
+    if (metric->value > best_value) write_file_atomic((fs::path(dir_) / "best").string(), name + "\n");
+  }
+  prune();
+  return final_path.string();
+}
+
+std::optional<std::string> CheckpointStore::best() const {
+  return read_pointer((fs::path(dir_) / "best").string());
+}
+
+void CheckpointStore::prune() {
+  auto names = list_checkpoints(dir_);
+  auto keep_best = cfg_.keep_best ? best() : std::nullopt;
+  const size_t keep = static_cast<size_t>(cfg_.keep_last);
+  for (size_t i = 0; i + keep < names.size(); ++i)
+    if (!keep_best || names[i] != *keep_best) fs::remove_all(fs::path(dir_) / names[i]);
+}
+
+std::optional<std::string> CheckpointStore::newest_valid() const {
+  auto names = list_checkpoints(dir_);
+  for (auto it = names.rbegin(); it != names.rend(); ++it) {
+    auto path = (fs::path(dir_) / *it).string();
+    try {
+      verify_checkpoint(path);
+      return path;
+    } catch (const CheckpointError&) {  // damaged: fall back to an older one
+    }
+  }
+  return std::nullopt;
+}
+
+nlohmann::json verify_checkpoint(const std::string& folder) {
+  const fs::path dir(folder), manifest_path = dir / "manifest.json";
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw CheckpointError(fmt::format("checkpoint '{}' does not exist", folder));
+  if (!fs::exists(manifest_path, ec))
+    throw CheckpointError(fmt::format("checkpoint '{}' has no manifest.json (incomplete)", folder));
+  nlohmann::json m;
+  try {
+    m = nlohmann::json::parse(read_file(manifest_path.string()));
+    if (m.at("format") != "dtrain-checkpoint")
+      throw CheckpointError(fmt::format("{}: not a dtrain checkpoint", manifest_path.string()));
+    if (m.at("version").get<int>() > kCheckpointVersion)
+      throw CheckpointError(fmt::format("{}: format version {} is newer than this dtrain ({})",
+                                        manifest_path.string(), m["version"].get<int>(),
+                                        kCheckpointVersion));
+    for (const auto& f : m.at("files")) {
+      const auto path = dir / f.at("name").get<std::string>();
+      if (!fs::exists(path, ec))
+        throw CheckpointError(fmt::format("checkpoint '{}' is missing {}", folder,
+                                          f["name"].get<std::string>()));
+      if (fs::file_size(path) != f.at("bytes").get<uint64_t>() ||
+          crc32_of_file(path.string()) != f.at("crc32").get<uint32_t>())
+        throw CheckpointError(fmt::format("checkpoint '{}': {} is corrupt (size or checksum "
+                                          "differs from the manifest)", folder,
+                                          f["name"].get<std::string>()));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: unreadable manifest ({})", manifest_path.string(),
+                                      e.what()));
+  } catch (const std::runtime_error& e) {
+    if (dynamic_cast<const CheckpointError*>(&e)) throw;
+    throw CheckpointError(e.what());
+  }
+  return m;
+}
+
+CheckpointState load_checkpoint(const std::string& folder) {
+  verify_checkpoint(folder);
+  const fs::path dir(folder);
+  CheckpointState s;
+  s.model = read_safetensors((dir / kFiles[0]).string()).tensors;
+  s.optimizer = read_safetensors((dir / kFiles[1]).string()).tensors;
+  try {
+    s.trainer = nlohmann::json::parse(read_file((dir / kFiles[2]).string()));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}/trainer.json: {}", folder, e.what()));
+  }
+  s.config_yaml = read_file((dir / kFiles[3]).string());
+  return s;
+}
+
+}  // namespace dtrain

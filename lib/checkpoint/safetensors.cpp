@@ -1,0 +1,138 @@
+#include "checkpoint/safetensors.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "util/error.hpp"
+#include "util/files.hpp"
+
+namespace dtrain {
+namespace {
+
+const std::vector<std::pair<std::string, torch::ScalarType>>& dtypes() {
+  static const std::vector<std::pair<std::string, torch::ScalarType>> table{
+      {"F32", torch::kFloat32}, {"F64", torch::kFloat64}, {"F16", torch::kFloat16},
+      {"BF16", torch::kBFloat16}, {"I64", torch::kInt64}, {"I32", torch::kInt32},
+      {"I16", torch::kInt16}, {"I8", torch::kInt8}, {"U8", torch::kUInt8}, {"BOOL", torch::kBool}};
+  return table;
+}
+
+std::string dtype_name(torch::ScalarType t) {
+  for (const auto& [name, type] : dtypes())
+    if (type == t) return name;
+  throw std::runtime_error(fmt::format("safetensors: no dtype for {}", c10::toString(t)));
+}
+
+torch::ScalarType dtype_of(const std::string& name, const std::string& path) {
+  for (const auto& [n, type] : dtypes())
+    if (n == name) return type;
+  throw CheckpointError(fmt::format("{}: unsupported dtype '{}'", path, name));
+}
+
+// Parses the header; returns it and the offset where tensor data begins.
+std::pair<nlohmann::json, size_t> parse_header(const std::string& bytes, const std::string& path) {
+  if (bytes.size() < 8) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  if (n > bytes.size() - 8)
+    throw CheckpointError(fmt::format("{}: header length {} past the end of the file", path, n));
+  try {
+    return {nlohmann::json::parse(bytes.substr(8, n)), 8 + n};
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: unreadable safetensors header ({})", path, e.what()));
+  }
+}
+
+}  // namespace
+
+SafetensorsFile tensors_from(const nlohmann::json& header, const std::string& bytes, size_t base,
+                             const std::string& path);
+
+void write_safetensors(const std::string& path, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<torch::Tensor> data;
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    auto c = t.detach().to(torch::kCPU).contiguous();
+    size_t bytes = c.numel() * c.element_size();
+    header[name] = {{"dtype", dtype_name(c.scalar_type())},
+                    {"shape", c.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    data.push_back(c);
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // the format recommends 8-byte aligned data
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((uint64_t(h.size()) >> (8 * i)) & 0xff);
+  out += h;
+  out.reserve(out.size() + offset);
+  for (const auto& c : data)
+    out.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+  write_file_synced(path, out);
+}
+
+nlohmann::json read_safetensors_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(fmt::format("cannot read '{}'", path));
+  char len[8];
+  if (!in.read(len, 8)) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(len[i]);
+  if (n > (uint64_t(1) << 30)) throw CheckpointError(fmt::format("{}: corrupt header", path));
+  std::string head(8 + n, '\0');
+  std::memcpy(head.data(), len, 8);
+  if (!in.read(head.data() + 8, static_cast<std::streamsize>(n)))
+    throw CheckpointError(fmt::format("{}: truncated header", path));
+  return parse_header(head, path).first;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::string bytes;
+  try {
+    bytes = read_file(path);
+  } catch (const std::exception& e) {
+    throw CheckpointError(e.what());
+  }
+  auto [header, base] = parse_header(bytes, path);
+  try {
+    return tensors_from(header, bytes, base, path);
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: malformed safetensors header ({})", path, e.what()));
+  }
+}
+
+SafetensorsFile tensors_from(const nlohmann::json& header, const std::string& bytes, size_t base,
+                             const std::string& path) {
+  SafetensorsFile out;
+  std::vector<std::pair<size_t, std::string>> order;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      for (auto m = it->begin(); m != it->end(); ++m) out.metadata[m.key()] = m->get<std::string>();
+      continue;
+    }
+    order.emplace_back(it->at("data_offsets").at(0).get<size_t>(), it.key());
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [start, name] : order) {
+    const auto& e = header.at(name);
+    auto type = dtype_of(e.at("dtype").get<std::string>(), path);
+    auto shape = e.at("shape").get<std::vector<int64_t>>();
+    size_t end = e.at("data_offsets").at(1).get<size_t>();
+    auto t = torch::empty(shape, type);
+    size_t bytes_needed = t.numel() * t.element_size();
+    if (end < start || end - start != bytes_needed || base + end > bytes.size())
+      throw CheckpointError(fmt::format("{}: tensor '{}' has inconsistent offsets", path, name));
+    std::memcpy(t.data_ptr(), bytes.data() + base + start, bytes_needed);
+    out.tensors.emplace_back(name, t);
+  }
+  return out;
+}
+
+}  // namespace dtrain

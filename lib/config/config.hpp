@@ -1,0 +1,222 @@
+// The job spec: typed structs whose member initialisers are the only defaults in dtrain.
+// Each struct's visit() lists its keys once; loading, --set overrides, printing and the
+// unknown-key suggestions are all driven from those lists (see schema.hpp).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+using Ints = std::vector<int64_t>;
+using Choices = std::vector<std::string>;
+
+struct DataConfig {
+  std::string dataset = "fashion_mnist";                  // fashion_mnist | mnist | synthetic
+  std::string path = "/usr/share/datasets/fashion-mnist"; // folder of the IDX .gz files
+  int64_t batch_size = 64;    // GLOBAL batch per optimizer step, over all data-parallel ranks
+  bool shuffle = true;        // a new permutation every epoch, from (seed, epoch)
+  int64_t workers = 2;        // loader threads per process; 0 = load on the training thread
+  int64_t prefetch = 4;       // batches prepared ahead of the step
+  int64_t samples = 8192;     // synthetic: training samples
+  int64_t test_samples = 2048;// synthetic: test samples
+  Ints input_shape = {1, 28, 28};  // synthetic: one sample's shape
+  int64_t classes = 10;       // synthetic: number of classes
+
+  template <class V> void visit(V&& v) {
+    v("dataset", dataset, Choices{"fashion_mnist", "mnist", "synthetic"});
+    v("path", path);
+    v("batch_size", batch_size);
+    v("shuffle", shuffle);
+    v("workers", workers);
+    v("prefetch", prefetch);
+    v("samples", samples);
+    v("test_samples", test_samples);
+    v("input_shape", input_shape);
+    v("classes", classes);
+  }
+};
+
+struct ModelConfig {
+  std::string arch = "cnn";     // mlp | cnn
+  Ints hidden = {512, 256};     // mlp: hidden layer widths
+  Ints channels = {32, 64};     // cnn: conv widths, each conv 3x3 (pad 1) + ReLU + 2x2 max-pool
+  Ints fc = {128};              // cnn: hidden fully-connected widths after the convs
+  bool batch_norm = false;      // cnn: BatchNorm after each conv
+  double dropout = 0.0;         // mlp/cnn: dropout before each hidden->next layer
+
+  template <class V> void visit(V&& v) {
+    v("arch", arch, Choices{"mlp", "cnn"});
+    v("hidden", hidden);
+    v("channels", channels);
+    v("fc", fc);
+    v("batch_norm", batch_norm);
+    v("dropout", dropout);
+  }
+};
+
+struct OptimizerConfig {
+  std::string name = "sgd";   // sgd | adamw
+  double lr = 0.05;           // peak learning rate (after warmup)
+  double momentum = 0.9;      // sgd
+  bool nesterov = false;      // sgd
+  double weight_decay = 0.0;  // sgd: L2 added to the gradient; adamw: decoupled
+  double beta1 = 0.9;         // adamw
+  double beta2 = 0.999;       // adamw
+  double eps = 1e-8;          // adamw
+  double grad_clip = 0.0;     // max global gradient norm; 0 = off
+
+  template <class V> void visit(V&& v) {
+    v("name", name, Choices{"sgd", "adamw"});
+    v("lr", lr);
+    v("momentum", momentum);
+    v("nesterov", nesterov);
+    v("weight_decay", weight_decay);
+    v("beta1", beta1);
+    v("beta2", beta2);
+    v("eps", eps);
+    v("grad_clip", grad_clip);
+  }
+};
+
+struct ScheduleConfig {
+  int64_t warmup_steps = 0;        // linear ramp from 0 to optimizer.lr
+  std::string decay = "cosine";    // constant | cosine | linear | step
+  double min_lr = 0.0;             // floor of cosine/linear decay
+  int64_t step_size = 1000;        // step decay: multiply by gamma every step_size steps
+  double gamma = 0.1;              // step decay factor
+
+  template <class V> void visit(V&& v) {
+    v("warmup_steps", warmup_steps);
+    v("decay", decay, Choices{"constant", "cosine", "linear", "step"});
+    v("min_lr", min_lr);
+    v("step_size", step_size);
+    v("gamma", gamma);
+  }
+};
+
+struct TrainConfig {
+  int64_t epochs = 1;           // used when max_steps is 0
+  int64_t max_steps = 0;        // > 0 wins over epochs
+  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  int64_t eval_every = 0;       // steps; 0 = at the end of each epoch
+  int64_t eval_batch_size = 1000;
+  int64_t log_every = 10;       // steps between train lines in metrics.jsonl
+  int64_t threads = 0;          // intra-op threads per process; 0 = cores / local processes
+
+  template <class V> void visit(V&& v) {
+    v("epochs", epochs);
+    v("max_steps", max_steps);
+    v("grad_accum", grad_accum);
+    v("eval_every", eval_every);
+    v("eval_batch_size", eval_batch_size);
+    v("log_every", log_every);
+    v("threads", threads);
+  }
+};
+
+struct ParallelConfig {
+  int64_t data = 0;                  // 0 = world / (tensor * pipeline)
+  int64_t tensor = 1;
+  int64_t pipeline = 1;
+  std::string schedule = "1f1b";     // gpipe | 1f1b
+  int64_t micro_batches = 4;
+  int64_t zero = 0;                  // 0 | 1
+  bool sync_batchnorm = false;
+  double bucket_mb = 25.0;
+  std::string compression = "none";  // none | fp16 | bf16 | sign | topk
+  double topk_ratio = 0.01;
+  std::string mode = "sync";         // sync | async_ps | local_sgd
+  int64_t staleness = 4;             // async_ps bound
+  int64_t average_every = 8;         // local_sgd
+
+  template <class V> void visit(V&& v) {
+    v("data", data);
+    v("tensor", tensor);
+    v("pipeline", pipeline);
+    v("schedule", schedule, Choices{"gpipe", "1f1b"});
+    v("micro_batches", micro_batches);
+    v("zero", zero);
+    v("sync_batchnorm", sync_batchnorm);
+    v("bucket_mb", bucket_mb);
+    v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk"});
+    v("topk_ratio", topk_ratio);
+    v("mode", mode, Choices{"sync", "async_ps", "local_sgd"});
+    v("staleness", staleness);
+    v("average_every", average_every);
+  }
+};
+
+struct PrecisionConfig {
+  std::string dtype = "fp32";        // fp32 | bf16 | fp16
+  std::string loss_scale = "dynamic";// dynamic | a fixed number (fp16)
+
+  template <class V> void visit(V&& v) {
+    v("dtype", dtype, Choices{"fp32", "bf16", "fp16"});
+    v("loss_scale", loss_scale);
+  }
+};
+
+struct DistConfig {
+  std::string backend = "auto";  // auto | gloo | nccl
+  int64_t timeout_s = 120;       // bound on every collective
+  int64_t port = 29500;          // rendezvous port when the launcher gives none
+
+  template <class V> void visit(V&& v) {
+    v("backend", backend, Choices{"auto", "gloo", "nccl"});
+    v("timeout_s", timeout_s);
+    v("port", port);
+  }
+};
+
+struct CheckpointConfig {
+  int64_t every_steps = 0;   // 0 = at the end of each epoch
+  int64_t keep_last = 3;     // newest checkpoints kept (best is kept besides)
+  bool keep_best = true;     // keep the checkpoint with the best eval metric
+
+  template <class V> void visit(V&& v) {
+    v("every_steps", every_steps);
+    v("keep_last", keep_last);
+    v("keep_best", keep_best);
+  }
+};
+
+struct LoggingConfig {
+  std::string progress = "auto";  // auto (only on a terminal) | on | off
+
+  template <class V> void visit(V&& v) { v("progress", progress, Choices{"auto", "on", "off"}); }
+};
+
+struct JobConfig {
+  std::string name = "dtrain-job";
+  int64_t seed = 1234;
+  std::string run_dir = "";     // "" = runs/NAME; --run-dir overrides
+  DataConfig data;
+  ModelConfig model;
+  OptimizerConfig optimizer;
+  ScheduleConfig schedule;
+  TrainConfig train;
+  ParallelConfig parallel;
+  PrecisionConfig precision;
+  DistConfig dist;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+
+  template <class V> void visit(V&& v) {
+    v("name", name);
+    v("seed", seed);
+    v("run_dir", run_dir);
+    v.section("data", data);
+    v.section("model", model);
+    v.section("optimizer", optimizer);
+    v.section("schedule", schedule);
+    v.section("train", train);
+    v.section("parallel", parallel);
+    v.section("precision", precision);
+    v.section("dist", dist);
+    v.section("checkpoint", checkpoint);
+    v.section("logging", logging);
+  }
+};
+
+}  // namespace dtrain

@@ -1,0 +1,406 @@
+// Job spec I/O: YAML file -> JobConfig -> validated, with errors a user can act on.
+#include "config/schema.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <yaml-cpp/yaml.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+struct Collector {
+  std::vector<Field>* out;
+  std::string prefix;
+  template <class T>
+  void operator()(const char* key, T& value, Choices choices = {}) {
+    out->push_back(Field{prefix + key, &value, std::move(choices)});
+  }
+  template <class S>
+  void section(const char* key, S& s) {
+    Collector sub{out, prefix + key + "."};
+    s.visit(sub);
+  }
+};
+
+struct SectionLister {
+  std::vector<std::string>* out;
+  template <class T>
+  void operator()(const char*, T&, Choices = {}) {}
+  template <class S>
+  void section(const char* key, S&) { out->push_back(key); }
+};
+
+std::vector<std::string> section_names() {
+  JobConfig probe;
+  std::vector<std::string> names;
+  SectionLister lister{&names};
+  probe.visit(lister);
+  return names;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string leaf(const std::string& key) {
+  auto dot = key.rfind('.');
+  return dot == std::string::npos ? key : key.substr(dot + 1);
+}
+
+std::string did_you_mean(const std::string& key) {
+  auto near = nearest_key(key);
+  return near.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", near);
+}
+
+std::string where(const YAML::Mark& m, const std::string& origin) {
+  if (m.is_null()) return origin;
+  return fmt::format("{}:{}:{}", origin, m.line + 1, m.column + 1);
+}
+
+Field* find_field(std::vector<Field>& fields, const std::string& key) {
+  for (auto& f : fields)
+    if (f.key == key) return &f;
+  return nullptr;
+}
+
+// Sets one field from a YAML node; `at` says where the value came from.
+void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
+  auto bad = [&](const char* expected) {
+    std::string got = node.IsScalar() ? fmt::format("'{}'", node.Scalar())
+                      : node.IsSequence() ? std::string("a list")
+                      : node.IsMap() ? std::string("a mapping") : std::string("nothing");
+    return ConfigError(fmt::format("{}: {}: expected {}, got {}", at, f.key, expected, got));
+  };
+  if (!node.IsDefined() || node.IsNull()) throw bad("a value");
+  try {
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, Ints>) {
+            if (!node.IsSequence()) throw bad("a list of integers such as [512, 256]");
+            Ints v;
+            for (const auto& item : node) v.push_back(item.as<int64_t>());
+            *p = v;
+          } else {
+            if (!node.IsScalar()) throw bad("a single value");
+            *p = node.as<T>();
+          }
+        },
+        f.value);
+  } catch (const YAML::BadConversion&) {
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, bool>) throw bad("true or false");
+          if constexpr (std::is_same_v<T, int64_t>) throw bad("an integer");
+          if constexpr (std::is_same_v<T, double>) throw bad("a number");
+          if constexpr (std::is_same_v<T, Ints>) throw bad("a list of integers such as [512, 256]");
+          throw bad("a string");
+        },
+        f.value);
+  }
+  if (!f.choices.empty()) {
+    const auto& s = *std::get<std::string*>(f.value);
+    if (std::find(f.choices.begin(), f.choices.end(), s) == f.choices.end())
+      throw ConfigError(fmt::format("{}: {}: '{}' is not one of {}", at, f.key, s,
+                                    fmt::join(f.choices, " | ")));
+  }
+}
+
+void load_map(std::vector<Field>& fields, const YAML::Node& map, const std::string& prefix,
+              const std::string& origin, const std::vector<std::string>& sections) {
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    const std::string key = prefix + it->first.as<std::string>();
+    const std::string at = where(it->first.Mark(), origin);
+    if (prefix.empty() && std::find(sections.begin(), sections.end(), key) != sections.end()) {
+      if (it->second.IsNull()) continue;
+      if (!it->second.IsMap())
+        throw ConfigError(fmt::format("{}: '{}' must be a mapping of keys", at, key));
+      load_map(fields, it->second, key + ".", origin, sections);
+      continue;
+    }
+    Field* f = find_field(fields, key);
+    if (!f) throw ConfigError(fmt::format("{}: unknown key '{}'{}", at, key, did_you_mean(key)));
+    set_field(*f, it->second, where(it->second.Mark(), origin));
+  }
+}
+
+JobConfig from_node(const YAML::Node& root, const std::string& origin,
+                    const std::vector<std::string>& overrides) {
+  JobConfig cfg;
+  auto fields = fields_of(cfg);
+  if (root.IsDefined() && !root.IsNull()) {
+    if (!root.IsMap())
+      throw ConfigError(fmt::format("{}: a job spec must be a mapping of keys", origin));
+    load_map(fields, root, "", origin, section_names());
+  }
+  for (const auto& o : overrides) apply_override(cfg, o);
+  return cfg;
+}
+
+// Emits a JobConfig as nested YAML maps, in visit() order.
+struct Emitter {
+  YAML::Emitter* out;
+  template <class T>
+  void operator()(const char* key, const T& value, Choices = {}) {
+    *out << YAML::Key << key << YAML::Value;
+    if constexpr (std::is_same_v<T, Ints>) {
+      *out << YAML::Flow << YAML::BeginSeq;
+      for (auto x : value) *out << x;
+      *out << YAML::EndSeq;
+    } else if constexpr (std::is_same_v<T, double>) {
+      *out << fmt::format("{}", value);  // shortest form that reads back exactly
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (value.empty()) *out << YAML::DoubleQuoted << value; else *out << value;
+    } else {
+      *out << value;
+    }
+  }
+  template <class S>
+  void section(const char* key, S& s) {
+    *out << YAML::Key << key << YAML::Value << YAML::BeginMap;
+    s.visit(*this);
+    *out << YAML::EndMap;
+  }
+};
+
+}  // namespace
+
+std::vector<Field> fields_of(JobConfig& cfg) {
+  std::vector<Field> fields;
+  Collector c{&fields, ""};
+  cfg.visit(c);
+  return fields;
+}
+
+std::vector<std::string> all_keys() {
+  JobConfig probe;
+  std::vector<std::string> keys;
+  for (const auto& f : fields_of(probe)) keys.push_back(f.key);
+  return keys;
+}
+
+std::string nearest_key(const std::string& key) {
+  std::string best;
+  size_t best_score = std::string::npos;
+  for (const auto& cand : all_keys()) {
+    // A misspelt leaf in the right section, or a right leaf in the wrong section.
+    size_t score = std::min(edit_distance(key, cand), edit_distance(leaf(key), leaf(cand)) + 1);
+    if (score < best_score) best_score = score, best = cand;
+  }
+  size_t limit = std::max<size_t>(2, leaf(key).size() / 2);
+  return best_score <= limit ? best : std::string();
+}
+
+void apply_override(JobConfig& cfg, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  const std::string at = fmt::format("--set {}", assignment);
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(fmt::format("{}: expected KEY=VALUE, e.g. --set optimizer.lr=0.1", at));
+  std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
+  auto fields = fields_of(cfg);
+  Field* f = find_field(fields, key);
+  if (!f) throw ConfigError(fmt::format("{}: unknown key '{}'{}", at, key, did_you_mean(key)));
+  // Strings are taken verbatim; everything else is read as YAML so lists work: [128, 64].
+  YAML::Node node;
+  if (std::holds_alternative<std::string*>(f->value)) {
+    node = YAML::Node(text);
+  } else {
+    try {
+      node = YAML::Load(text);
+    } catch (const YAML::Exception& e) {
+      throw ConfigError(fmt::format("{}: {}: cannot read '{}': {}", at, key, text, e.msg));
+    }
+  }
+  set_field(*f, node, at);
+}
+
+JobConfig parse_job(const std::string& yaml_text, const std::string& origin,
+                    const std::vector<std::string>& overrides) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(fmt::format("{}: {}", where(e.mark, origin), e.msg));
+  }
+  return from_node(root, origin, overrides);
+}
+
+JobConfig load_job(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("cannot read job file '{}'", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_job(ss.str(), path, overrides);
+}
+
+std::string to_yaml(const JobConfig& cfg) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  Emitter e{&out};
+  const_cast<JobConfig&>(cfg).visit(e);  // visit() is shared with the mutating walkers
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+void resolve(JobConfig& cfg) {
+  if (cfg.run_dir.empty()) cfg.run_dir = "runs/" + cfg.name;
+}
+
+Layout derive_layout(const JobConfig& cfg, int64_t world_size) {
+  const auto& p = cfg.parallel;
+  Layout l;
+  l.tensor = p.tensor;
+  l.pipeline = p.pipeline;
+  fail_if<ConfigError>(world_size % (p.tensor * p.pipeline) != 0,
+                       "parallel: tensor ({}) x pipeline ({}) does not divide the world size {}",
+                       p.tensor, p.pipeline, world_size);
+  l.data = p.data > 0 ? p.data : world_size / (p.tensor * p.pipeline);
+  fail_if<ConfigError>(l.world() != world_size,
+                       "parallel: data ({}) x tensor ({}) x pipeline ({}) = {} but {} processes "
+                       "are running", l.data, l.tensor, l.pipeline, l.world(), world_size);
+  return l;
+}
+
+namespace {
+
+// Range checks in one table-like function: each line names its key and the valid range.
+void check_ranges(const JobConfig& c) {
+  auto need = [](bool ok, const std::string& key, const std::string& rule, const auto& value) {
+    if (!ok) throw ConfigError(fmt::format("{}: must be {} (got {})", key, rule, value));
+  };
+  auto finite = [](double x) { return std::isfinite(x); };
+  need(!c.name.empty() && c.name.find('/') == std::string::npos, "name",
+       "a non-empty name without '/'", fmt::format("'{}'", c.name));
+  need(c.seed >= 0, "seed", ">= 0", c.seed);
+
+  const auto& d = c.data;
+  need(d.batch_size >= 1, "data.batch_size", ">= 1", d.batch_size);
+  need(d.workers >= 0 && d.workers <= 64, "data.workers", "between 0 and 64", d.workers);
+  need(d.prefetch >= 1, "data.prefetch", ">= 1", d.prefetch);
+  need(d.dataset == "synthetic" || !d.path.empty(), "data.path", "a folder", "\"\"");
+  need(d.samples >= 1, "data.samples", ">= 1", d.samples);
+  need(d.test_samples >= 1, "data.test_samples", ">= 1", d.test_samples);
+  need(!d.input_shape.empty() && d.input_shape.size() <= 3 &&
+           std::all_of(d.input_shape.begin(), d.input_shape.end(), [](int64_t x) { return x > 0; }),
+       "data.input_shape", "1 to 3 positive sizes", fmt::format("{}", d.input_shape));
+  need(d.classes >= 2, "data.classes", ">= 2", d.classes);
+
+  const auto& m = c.model;
+  auto positive = [](const Ints& v) {
+    return std::all_of(v.begin(), v.end(), [](int64_t x) { return x > 0; });
+  };
+  need(positive(m.hidden), "model.hidden", "positive widths", fmt::format("{}", m.hidden));
+  need(positive(m.channels), "model.channels", "positive widths", fmt::format("{}", m.channels));
+  need(positive(m.fc), "model.fc", "positive widths", fmt::format("{}", m.fc));
+  need(m.dropout >= 0 && m.dropout < 1, "model.dropout", "in [0, 1)", m.dropout);
+
+  const auto& o = c.optimizer;
+  need(finite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
+  need(o.momentum >= 0 && o.momentum < 1, "optimizer.momentum", "in [0, 1)", o.momentum);
+  need(!o.nesterov || o.momentum > 0, "optimizer.nesterov", "false when momentum is 0", "true");
+  need(finite(o.weight_decay) && o.weight_decay >= 0, "optimizer.weight_decay", ">= 0",
+       o.weight_decay);
+  need(o.beta1 >= 0 && o.beta1 < 1, "optimizer.beta1", "in [0, 1)", o.beta1);
+  need(o.beta2 >= 0 && o.beta2 < 1, "optimizer.beta2", "in [0, 1)", o.beta2);
+  need(finite(o.eps) && o.eps > 0, "optimizer.eps", "> 0", o.eps);
+  need(finite(o.grad_clip) && o.grad_clip >= 0, "optimizer.grad_clip", ">= 0 (0 = off)",
+       o.grad_clip);
+
+  const auto& s = c.schedule;
+  need(s.warmup_steps >= 0, "schedule.warmup_steps", ">= 0", s.warmup_steps);
+  need(s.min_lr >= 0 && s.min_lr <= o.lr, "schedule.min_lr", "between 0 and optimizer.lr",
+       s.min_lr);
+  need(s.step_size >= 1, "schedule.step_size", ">= 1", s.step_size);
+  need(s.gamma > 0 && s.gamma <= 1, "schedule.gamma", "in (0, 1]", s.gamma);
+
+  const auto& t = c.train;
+  need(t.epochs >= 1, "train.epochs", ">= 1", t.epochs);
+  need(t.max_steps >= 0, "train.max_steps", ">= 0 (0 = run train.epochs)", t.max_steps);
+  need(t.grad_accum >= 1, "train.grad_accum", ">= 1", t.grad_accum);
+  need(t.eval_every >= 0, "train.eval_every", ">= 0 (0 = each epoch)", t.eval_every);
+  need(t.eval_batch_size >= 1, "train.eval_batch_size", ">= 1", t.eval_batch_size);
+  need(t.log_every >= 1, "train.log_every", ">= 1", t.log_every);
+  need(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", t.threads);
+
+  const auto& p = c.parallel;
+  need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
+  need(p.tensor >= 1, "parallel.tensor", ">= 1", p.tensor);
+  need(p.pipeline >= 1, "parallel.pipeline", ">= 1", p.pipeline);
+  need(p.micro_batches >= 1, "parallel.micro_batches", ">= 1", p.micro_batches);
+  need(p.zero == 0 || p.zero == 1, "parallel.zero", "0 or 1", p.zero);
+  need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
+  need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
+  need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
+  need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
+
+  const auto& pr = c.precision;
+  if (pr.loss_scale != "dynamic") {
+    double v = 0;
+    try {
+      size_t used = 0;
+      v = std::stod(pr.loss_scale, &used);
+      if (used != pr.loss_scale.size()) v = 0;
+    } catch (const std::exception&) {
+    }
+    need(finite(v) && v > 0, "precision.loss_scale", "'dynamic' or a positive number",
+         fmt::format("'{}'", pr.loss_scale));
+  }
+  need(c.dist.timeout_s >= 1, "dist.timeout_s", ">= 1", c.dist.timeout_s);
+  need(c.dist.port >= 1 && c.dist.port <= 65535, "dist.port", "between 1 and 65535", c.dist.port);
+  need(c.checkpoint.every_steps >= 0, "checkpoint.every_steps", ">= 0 (0 = each epoch)",
+       c.checkpoint.every_steps);
+  need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
+}
+
+// What this build of dtrain can run; a value outside it is refused up front rather than
+// half-run. Each line names the key so the user knows what to change.
+void check_supported(const JobConfig& c, const Layout& layout) {
+  auto refuse = [](bool bad, const std::string& key, const std::string& value) {
+    if (bad)
+      throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
+                                    value));
+  };
+  refuse(layout.tensor != 1, "parallel.tensor", "tensor parallelism");
+  refuse(layout.pipeline != 1, "parallel.pipeline", "pipeline parallelism");
+  refuse(layout.data != 1, "parallel.data", "more than one process");
+  refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
+  refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
+  refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
+  refuse(c.precision.dtype == "fp16", "precision.dtype",
+         "fp16 (it needs a CUDA device; use bf16 on CPU)");
+  refuse(c.dist.backend == "nccl", "dist.backend", "nccl on this CPU-only build");
+}
+
+}  // namespace
+
+void validate(const JobConfig& cfg, int64_t world_size) {
+  check_ranges(cfg);
+  Layout layout = derive_layout(cfg, world_size);
+  check_supported(cfg, layout);
+  const int64_t per_step = layout.data * cfg.train.grad_accum;
+  fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
+                       "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
+                       "train.grad_accum {}; use a multiple of {}",
+                       cfg.data.batch_size, layout.data, cfg.train.grad_accum, per_step);
+}
+
+}  // namespace dtrain

@@ -1,0 +1,50 @@
+// Reading, overriding, printing and checking a JobConfig. The keys and their types come
+// from the visit() lists in config.hpp; nothing here knows a default.
+#pragma once
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "config/config.hpp"
+
+namespace dtrain {
+
+// One leaf key of the job spec, e.g. "data.batch_size", pointing into a JobConfig.
+struct Field {
+  std::string key;
+  std::variant<bool*, int64_t*, double*, std::string*, Ints*> value;
+  Choices choices;  // non-empty for enum-like string keys
+};
+
+std::vector<Field> fields_of(JobConfig& cfg);
+std::vector<std::string> all_keys();
+
+// Defaults, then the YAML file, then each "dotted.key=value" override, in order.
+// Throws ConfigError naming the file, line and column or the --set argument.
+JobConfig load_job(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text (tests, checkpoints); `origin` names it in messages.
+JobConfig parse_job(const std::string& yaml_text, const std::string& origin,
+                    const std::vector<std::string>& overrides = {});
+void apply_override(JobConfig& cfg, const std::string& assignment);
+
+// The closest known key to `key`, or "" when nothing is close.
+std::string nearest_key(const std::string& key);
+
+// The fully resolved job as YAML (every key, defaults filled), readable by load_job.
+std::string to_yaml(const JobConfig& cfg);
+
+// Fills derived values the spec leaves open (run_dir from name).
+void resolve(JobConfig& cfg);
+
+// How the world is split; data = world / (tensor * pipeline) when the spec says 0.
+struct Layout {
+  int64_t data = 1, tensor = 1, pipeline = 1;
+  int64_t world() const { return data * tensor * pipeline; }
+};
+Layout derive_layout(const JobConfig& cfg, int64_t world_size);
+
+// Every range, enum and divisibility check, for a job run on `world_size` processes.
+// Throws ConfigError with a message that names the key and what would be valid.
+void validate(const JobConfig& cfg, int64_t world_size = 1);
+
+}  // namespace dtrain

@@ -1,0 +1,144 @@
+// IDX files (MNIST, Fashion-MNIST): a 4-byte magic (0, 0, type, ndim), ndim big-endian
+// uint32 sizes, then the raw data. zlib's gzread reads .gz and plain files alike.
+#include <zlib.h>
+
+#include <filesystem>
+#include <memory>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "data/dataset.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+
+namespace {
+struct GzCloser {
+  void operator()(gzFile_s* f) const { gzclose(f); }
+};
+
+// Reads exactly n bytes or says why not.
+void read_exact(gzFile f, void* dst, size_t n, const std::string& path, const char* what) {
+  size_t got = 0;
+  auto* out = static_cast<unsigned char*>(dst);
+  while (got < n) {
+    unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - got, 1u << 30));
+    int r = gzread(f, out + got, chunk);
+    if (r < 0) {
+      int errnum = 0;
+      throw DataError(fmt::format("{}: corrupt file ({})", path, gzerror(f, &errnum)));
+    }
+    if (r == 0)
+      throw DataError(fmt::format("{}: truncated {}: expected {} bytes, found {}", path, what, n,
+                                  got));
+    got += static_cast<size_t>(r);
+  }
+}
+}  // namespace
+
+torch::Tensor read_idx(const std::string& path, int64_t expected_dims) {
+  std::unique_ptr<gzFile_s, GzCloser> f(gzopen(path.c_str(), "rb"));
+  if (!f) throw DataError(fmt::format("cannot open '{}'", path));
+  unsigned char magic[4];
+  read_exact(f.get(), magic, 4, path, "header");
+  if (magic[0] != 0 || magic[1] != 0 || magic[2] != 0x08)
+    throw DataError(fmt::format("{}: not an unsigned-byte IDX file (bad magic number)", path));
+  if (magic[3] != expected_dims)
+    throw DataError(fmt::format("{}: expected {} dimensions, the header says {}", path,
+                                expected_dims, magic[3]));
+  std::vector<int64_t> dims(expected_dims);
+  int64_t count = 1;
+  for (auto& d : dims) {
+    unsigned char b[4];
+    read_exact(f.get(), b, 4, path, "header");
+    d = (int64_t(b[0]) << 24) | (int64_t(b[1]) << 16) | (int64_t(b[2]) << 8) | int64_t(b[3]);
+    if (d <= 0 || d > (1 << 28))
+      throw DataError(fmt::format("{}: implausible dimension {} in the header", path, d));
+    count *= d;
+  }
+  if (count > (int64_t(1) << 34))
+    throw DataError(fmt::format("{}: header claims {} bytes of data", path, count));
+  auto t = torch::empty(dims, torch::kUInt8);
+  read_exact(f.get(), t.data_ptr<uint8_t>(), static_cast<size_t>(count), path, "data");
+  unsigned char extra;
+  if (gzread(f.get(), &extra, 1) != 0)
+    throw DataError(fmt::format("{}: more data than the header's {} bytes", path, count));
+  return t;
+}
+
+namespace {
+
+std::string where_to_get(const std::string& dataset) {
+  return dataset == "fashion_mnist"
+             ? " (Fashion-MNIST comes in Debian's package dataset-fashion-mnist: "
+               "apt-get install dataset-fashion-mnist)"
+             : " (put the MNIST IDX files there, .gz or plain)";
+}
+
+// Debian ships the .gz files; a plain copy next to them works as well.
+std::string find_split_file(const std::string& dir, const std::string& stem,
+                            const std::string& dataset) {
+  namespace fs = std::filesystem;
+  for (const auto& name : {stem + ".gz", stem})
+    if (fs::exists(fs::path(dir) / name)) return (fs::path(dir) / name).string();
+  throw DataError(fmt::format("data.path: cannot find '{}.gz' in '{}'{}", stem, dir,
+                              where_to_get(dataset)));
+}
+
+TensorDataset load_idx_split(const std::string& dir, const std::string& prefix,
+                             const std::string& dataset, double mean, double std) {
+  auto images_path = find_split_file(dir, prefix + "-images-idx3-ubyte", dataset);
+  auto labels_path = find_split_file(dir, prefix + "-labels-idx1-ubyte", dataset);
+  auto images = read_idx(images_path, 3);
+  auto labels = read_idx(labels_path, 1);
+  if (images.size(0) != labels.size(0))
+    throw DataError(fmt::format("{}: {} labels for {} images in '{}'", labels_path,
+                                labels.size(0), images.size(0), images_path));
+  if (labels.max().item<int64_t>() > 9)
+    throw DataError(fmt::format("{}: a label above 9", labels_path));
+  auto x = images.to(torch::kFloat32).div_(255.0).sub_(mean).div_(std).unsqueeze(1).contiguous();
+  return {x, labels.to(torch::kInt64)};
+}
+
+// Random inputs labelled by a fixed random linear teacher, so a model can learn them.
+DataSplits synthetic(const DataConfig& cfg, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Ints shape = cfg.input_shape;
+  int64_t features = 1;
+  for (auto s : shape) features *= s;
+  auto teacher = at::randn({features, cfg.classes}, gen);
+  auto make = [&](int64_t n) {
+    auto x = at::randn({n, features}, gen);
+    auto y = x.mm(teacher).argmax(1);
+    Ints full{n};
+    full.insert(full.end(), shape.begin(), shape.end());
+    return TensorDataset{x.view(full).contiguous(), y};
+  };
+  DataSplits s;
+  s.train = make(cfg.samples);
+  s.test = make(cfg.test_samples);
+  s.sample_shape = shape;
+  s.classes = cfg.classes;
+  return s;
+}
+
+}  // namespace
+
+DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
+  if (cfg.dataset == "synthetic") return synthetic(cfg, seed);
+  // Per-dataset pixel statistics (the usual published values).
+  const bool fashion = cfg.dataset == "fashion_mnist";
+  const double mean = fashion ? 0.2860 : 0.1307, std = fashion ? 0.3530 : 0.3081;
+  if (!std::filesystem::is_directory(cfg.path))
+    throw DataError(fmt::format("data.path: '{}' is not a folder{}", cfg.path,
+                                where_to_get(cfg.dataset)));
+  DataSplits s;
+  s.train = load_idx_split(cfg.path, "train", cfg.dataset, mean, std);
+  s.test = load_idx_split(cfg.path, "t10k", cfg.dataset, mean, std);
+  s.sample_shape = {1, s.train.x.size(2), s.train.x.size(3)};
+  s.classes = 10;
+  return s;
+}
+
+}  // namespace dtrain

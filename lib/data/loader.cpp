@@ -1,0 +1,98 @@
+// Worker threads claim steps in order, build them out of order, and the consumer takes them
+// in order from a reorder map; claims stop `prefetch` steps ahead of the consumer.
+#include "data/loader.hpp"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <chrono>
+#include <stdexcept>
+
+namespace dtrain {
+
+Loader::Loader(const TensorDataset& data, ShardedSampler sampler, int64_t first, int64_t end,
+               int64_t workers, int64_t prefetch)
+    : data_(data), sampler_(sampler), next_take_(first), end_(end), prefetch_(prefetch),
+      next_claim_(first) {
+  for (int64_t i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+}
+
+Loader::~Loader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  can_work_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+std::shared_ptr<const std::vector<int64_t>> Loader::order_for(int64_t epoch) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = orders_.find(epoch);
+  if (it != orders_.end()) return it->second;
+  lock.unlock();  // a permutation of 60k indices takes ~1 ms: not under the lock
+  auto order = std::make_shared<const std::vector<int64_t>>(sampler_.epoch_order(epoch));
+  lock.lock();
+  // Epochs behind the consumer are finished with.
+  const int64_t current = next_take_ / sampler_.steps_per_epoch();
+  for (auto o = orders_.begin(); o != orders_.end();)
+    o = o->first < current ? orders_.erase(o) : std::next(o);
+  return orders_.emplace(epoch, order).first->second;
+}
+
+Batch Loader::make(int64_t global_step) {
+  const int64_t spe = sampler_.steps_per_epoch();
+  auto order = order_for(global_step / spe);
+  return data_.gather(sampler_.rank_indices(*order, global_step % spe));
+}
+
+void Loader::work() {
+  // A gather big enough for ATen's parallel_for would start a second OpenMP team on this
+  // thread, whose spinning threads then fight the training step's team for the cores
+  // (measured: MLP steps 1.0 -> 1.6 ms on 2 cores). Loader threads gather serially.
+  at::internal::lazy_init_num_threads();
+  omp_set_num_threads(1);
+  for (;;) {
+    int64_t g;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      can_work_.wait(lock, [&] {
+        return stop_ || error_ || next_claim_ >= end_ || next_claim_ < next_take_ + prefetch_;
+      });
+      if (stop_ || error_ || next_claim_ >= end_) return;
+      g = next_claim_++;
+    }
+    try {
+      Batch b = make(g);
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.emplace(g, std::move(b));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::current_exception();
+    }
+    ready_cv_.notify_all();
+  }
+}
+
+Batch Loader::next(double* wait_ms) {
+  if (next_take_ >= end_) throw std::logic_error("Loader::next past the end of its range");
+  auto t0 = std::chrono::steady_clock::now();
+  Batch b;
+  if (threads_.empty()) {
+    b = make(next_take_++);
+  } else {
+    std::unique_lock<std::mutex> lock(mu_);
+    ready_cv_.wait(lock, [&] { return error_ || ready_.count(next_take_); });
+    if (error_) std::rethrow_exception(error_);
+    auto it = ready_.find(next_take_++);
+    b = std::move(it->second);
+    ready_.erase(it);
+  }
+  can_work_.notify_all();
+  if (wait_ms)
+    *wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                   .count();
+  return b;
+}
+
+}  // namespace dtrain

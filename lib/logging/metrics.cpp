@@ -1,0 +1,85 @@
+#include "logging/metrics.hpp"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace dtrain {
+
+MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step) {
+  std::string kept;
+  if (resume_step) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      try {
+        auto j = nlohmann::json::parse(line);
+        if (j.value("kind", "") != "summary" && j.value("step", int64_t(0)) <= *resume_step)
+          kept += line + "\n";
+      } catch (const nlohmann::json::exception&) {  // a line cut short by a crash
+      }
+    }
+  }
+  file_ = std::fopen(path.c_str(), "w");
+  if (!file_) throw std::runtime_error(fmt::format("cannot write '{}'", path));
+  std::fputs(kept.c_str(), file_);
+  std::fflush(file_);
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLog::write(const nlohmann::json& line) {
+  std::fputs((line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n").c_str(),
+             file_);
+  std::fflush(file_);
+}
+
+double unix_time() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+Progress::Progress(const std::string& mode, int64_t total_steps) : total_(total_steps) {
+  live_ = mode == "on" || (mode == "auto" && ::isatty(STDERR_FILENO));
+  start_ = last_draw_ = std::chrono::steady_clock::now();
+}
+
+void Progress::step(int64_t step, double loss, double lr, double samples_per_s, bool logged_step) {
+  auto now = std::chrono::steady_clock::now();
+  if (start_step_ < 0) start_step_ = step - 1, start_ = now;
+  if (!live_) {
+    if (logged_step)
+      std::fprintf(stderr, "step %lld/%lld  loss %.4f  lr %.3g  %.0f samples/s\n",
+                   static_cast<long long>(step), static_cast<long long>(total_), loss, lr,
+                   samples_per_s);
+    return;
+  }
+  if (now - last_draw_ < std::chrono::milliseconds(200) && step != total_) return;
+  last_draw_ = now;
+  const double elapsed = std::chrono::duration<double>(now - start_).count();
+  const double eta = elapsed / double(step - start_step_) * double(total_ - step);
+  std::fprintf(stderr, "\r\033[Kstep %lld/%lld  loss %.4f  lr %.3g  %.0f samples/s  ETA %d:%02d",
+               static_cast<long long>(step), static_cast<long long>(total_), loss, lr,
+               samples_per_s, int(eta) / 60, int(eta) % 60);
+  std::fflush(stderr);
+  drawn_ = true;
+}
+
+void Progress::print(const std::string& line) {
+  if (drawn_) std::fputs("\r\033[K", stderr);
+  std::fprintf(stderr, "%s\n", line.c_str());
+  drawn_ = false;
+}
+
+void Progress::finish() {
+  if (drawn_) std::fputs("\n", stderr);
+  drawn_ = false;
+}
+
+}  // namespace dtrain

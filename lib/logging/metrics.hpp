@@ -1,0 +1,46 @@
+// metrics.jsonl (one JSON object per line, flushed as written) and the human progress output.
+#pragma once
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace dtrain {
+
+class MetricsLog {
+ public:
+  // A fresh run truncates the file; a resumed run keeps the lines up to `resume_step` and
+  // drops anything a crashed attempt wrote after it (and old summaries), so the log reads
+  // as one run.
+  MetricsLog(const std::string& path, std::optional<int64_t> resume_step);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+  void write(const nlohmann::json& line);
+
+ private:
+  std::FILE* file_ = nullptr;
+};
+
+// Seconds since the Unix epoch, for the "time" field.
+double unix_time();
+
+// One live line on a terminal (redrawn at most 5 times a second), or plain lines at each
+// logged step otherwise. logging.progress: auto | on | off.
+class Progress {
+ public:
+  Progress(const std::string& mode, int64_t total_steps);
+  void step(int64_t step, double loss, double lr, double samples_per_s, bool logged_step);
+  void print(const std::string& line);  // a plain message, not erased by the live line
+  void finish();
+
+ private:
+  bool live_ = false, drawn_ = false;
+  int64_t total_;
+  std::chrono::steady_clock::time_point start_, last_draw_;
+  int64_t start_step_ = -1;
+};
+
+}  // namespace dtrain

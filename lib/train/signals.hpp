@@ -1,0 +1,13 @@
+// SIGTERM / SIGUSR1 (SLURM preemption) and SIGINT: remembered, then acted on between steps
+// so the trainer can write a checkpoint before it exits.
+#pragma once
+
+namespace dtrain {
+
+void install_stop_signals();
+// The signal that asked us to stop, or 0.
+int stop_signal();
+// The exit code for a stop: 130 for SIGINT, 143 for SIGTERM and SIGUSR1.
+int exit_code_for_signal(int sig);
+
+}  // namespace dtrain

@@ -1,0 +1,24 @@
+#include "util/blas.hpp"
+
+#include <fstream>
+
+namespace dtrain {
+
+std::string loaded_blas() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    auto pos = line.find('/');
+    if (pos == std::string::npos) continue;
+    auto path = line.substr(pos);
+    if (path.find("libblas.so") != std::string::npos || path.find("libopenblas") != std::string::npos)
+      return path;
+  }
+  return "";
+}
+
+bool is_reference_blas(const std::string& path) {
+  return path.find("/blas/libblas.so") != std::string::npos;
+}
+
+}  // namespace dtrain

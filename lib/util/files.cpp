@@ -1,0 +1,79 @@
+#include "util/files.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace dtrain {
+
+namespace {
+std::runtime_error sys_error(const char* what, const std::string& path) {
+  return std::runtime_error(fmt::format("cannot {} '{}': {}", what, path, std::strerror(errno)));
+}
+}  // namespace
+
+void write_file_synced(const std::string& path, const std::string& data) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw sys_error("create", path);
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ::close(fd);
+      throw sys_error("write", path);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    throw sys_error("fsync", path);
+  }
+  if (::close(fd) != 0) throw sys_error("close", path);
+}
+
+void write_file_atomic(const std::string& path, const std::string& data) {
+  const std::string tmp = path + ".tmp";
+  write_file_synced(tmp, data);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw sys_error("rename", tmp);
+  auto slash = path.rfind('/');
+  fsync_dir(slash == std::string::npos ? "." : path.substr(0, slash));
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw sys_error("open folder", dir);
+  ::fsync(fd);  // some file systems refuse fsync on folders; the rename is then as durable as it gets
+  ::close(fd);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw sys_error("read", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+uint32_t crc32_of_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw sys_error("read", path);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  std::vector<char> buf(1 << 20);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(in.gcount()));
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+}  // namespace dtrain
