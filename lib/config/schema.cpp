@@ -271,12 +271,13 @@ Layout derive_layout(const JobConfig& cfg, int64_t world_size) {
   l.tensor = p.tensor;
   l.pipeline = p.pipeline;
   fail_if<ConfigError>(world_size % (p.tensor * p.pipeline) != 0,
-                       "parallel: tensor ({}) x pipeline ({}) does not divide the world size {}",
+                       "parallel.tensor ({}) x parallel.pipeline ({}) does not divide the world "
+                       "size {}",
                        p.tensor, p.pipeline, world_size);
   l.data = p.data > 0 ? p.data : world_size / (p.tensor * p.pipeline);
   fail_if<ConfigError>(l.world() != world_size,
-                       "parallel: data ({}) x tensor ({}) x pipeline ({}) = {} but {} processes "
-                       "are running", l.data, l.tensor, l.pipeline, l.world(), world_size);
+                       "parallel.data ({}) x parallel.tensor ({}) x parallel.pipeline ({}) = {} "
+                       "but {} processes are running", l.data, l.tensor, l.pipeline, l.world(), world_size);
   return l;
 }
 

@@ -334,8 +334,8 @@ nlohmann::json Trainer::summary(const std::string& status) {
 }
 
 RunResult Trainer::run() {
+  install_stop_signals();  // before setup: a stop during loading still ends with a checkpoint
   setup();
-  install_stop_signals();
   loader_ = std::make_unique<Loader>(data_.train, *sampler_, step_, total_steps_,
                                      cfg_.data.workers, cfg_.data.prefetch);
   const int64_t spe = sampler_->steps_per_epoch();

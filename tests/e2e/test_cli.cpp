@@ -1,0 +1,84 @@
+// The command line's contract: exit codes and one-line errors for bad input.
+#include <doctest/doctest.h>
+
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+// Every error is one line on stderr that starts with "dtrain: error:".
+void check_one_line_error(const Result& r, int code, const std::string& needle) {
+  INFO("stderr: " << r.err);
+  CHECK(r.code == code);
+  CHECK(r.err.rfind("dtrain: error: ", 0) == 0);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(r.err.find(needle) != std::string::npos);
+}
+
+std::string write_job(const std::string& dir, const std::string& text) {
+  auto path = dir + "/job.yaml";
+  std::ofstream(path) << text;
+  return path;
+}
+}  // namespace
+
+TEST_SUITE("cli") {
+  TEST_CASE("shipped configs validate and print") {
+    for (const auto& e : std::filesystem::directory_iterator(DTRAIN_CONFIGS)) {
+      auto r = dtrain("validate " + e.path().string());
+      INFO(e.path() << ": " << r.err);
+      CHECK(r.code == 0);
+    }
+  }
+
+  TEST_CASE("config prints a resolved job that reads back to the same job") {
+    auto dir = temp_dir("config");
+    auto r = dtrain("config " + config("fashion_mnist_mlp.yaml") + " --set optimizer.lr=0.125" +
+                    " --set model.hidden=[64,32]");
+    REQUIRE(r.code == 0);
+    CHECK(r.out.find("lr: 0.125") != std::string::npos);
+    CHECK(r.out.find("hidden: [64, 32]") != std::string::npos);
+    CHECK(r.out.find("run_dir: runs/fashion-mnist-mlp") != std::string::npos);
+    auto resolved = write_job(dir, r.out);
+    auto again = dtrain("config " + resolved);
+    CHECK(again.code == 0);
+    CHECK(again.out == r.out);
+  }
+
+  TEST_CASE("bad specs exit 2 with a one-line error naming the key") {
+    auto dir = temp_dir("badspec");
+    struct Case { std::string yaml, sets, needle; };
+    std::vector<Case> cases{
+        {"data:\n  batchsize: 64\n", "", "did you mean 'data.batch_size'"},
+        {"lr: 0.1\n", "", "did you mean 'optimizer.lr'"},
+        {"data:\n  batch_size: abc\n", "", "job.yaml:2:15: data.batch_size: expected an integer"},
+        {"model:\n  arch: transformer\n", "", "'transformer' is not one of mlp | cnn"},
+        {"optimizer:\n  lr: -1\n", "", "optimizer.lr: must be > 0"},
+        {"data:\n  batch_size: 64\ntrain:\n  grad_accum: 5\n", "", "data.batch_size: 64 does not divide"},
+        {"data: [1, 2\n", "", "job.yaml:"},
+        {"", "--set optimizer.momentun=0.5", "did you mean 'optimizer.momentum'"},
+        {"", "--set train.epochs=two", "train.epochs: expected an integer"},
+        {"", "--set optimizer.lr", "expected KEY=VALUE"},
+        {"", "--set parallel.tensor=2", "parallel.tensor"},
+        {"", "--set checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1"},
+    };
+    for (const auto& c : cases) {
+      auto job = write_job(dir, c.yaml);
+      for (const char* cmd : {"validate", "run", "config"}) {
+        std::string run_dir = std::string(cmd) == "run" ? " --run-dir " + dir + "/run" : "";
+        auto r = dtrain(std::string(cmd) + " " + job + " " + c.sets + run_dir);
+        INFO(cmd << " with spec <" << c.yaml << "> " << c.sets);
+        check_one_line_error(r, 2, c.needle);
+      }
+    }
+    CHECK(!std::filesystem::exists(dir + "/run"));  // nothing was started
+  }
+
+  TEST_CASE("bad command lines exit 2") {
+    check_one_line_error(dtrain(""), 2, "");
+    check_one_line_error(dtrain("train x.yaml"), 2, "");
+    check_one_line_error(dtrain("validate /nonexistent/job.yaml"), 2, "/nonexistent/job.yaml");
+    check_one_line_error(dtrain("run " + config("fashion_mnist_mlp.yaml") + " --bogus"), 2, "--bogus");
+    CHECK(dtrain("--help").code == 0);
+  }
+}

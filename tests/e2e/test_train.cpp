@@ -1,0 +1,234 @@
+// Training end to end: accuracy on real data, the metrics contract, exact resume,
+// preemption, and data errors.
+#include <doctest/doctest.h>
+
+#include <zlib.h>
+
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+// A small synthetic CNN job with BatchNorm (buffers must survive a resume) and AdamW. One
+// thread: a model this small gains nothing from more, and tests share the machine.
+std::string synthetic_job(const std::string& dir) {
+  auto path = dir + "/synthetic.yaml";
+  std::ofstream(path) << R"(name: resume-check
+seed: 7
+data: {dataset: synthetic, samples: 512, test_samples: 128, input_shape: [1, 8, 8],
+       classes: 4, batch_size: 32, workers: 2}
+model: {arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}
+optimizer: {name: adamw, lr: 0.01, weight_decay: 0.01, grad_clip: 1.0}
+schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}
+train: {grad_accum: 2, log_every: 1, eval_every: 10, threads: 1}
+checkpoint: {every_steps: 7, keep_last: 2}
+)";
+  return path;
+}
+
+std::map<int64_t, double> train_losses(const std::string& run_dir) {
+  std::map<int64_t, double> out;
+  for (const auto& l : of_kind(metrics(run_dir), "train")) out[l["step"]] = l["loss"];
+  return out;
+}
+
+void check_identical_losses(const std::map<int64_t, double>& a, const std::map<int64_t, double>& b,
+                            int64_t from, int64_t to) {
+  for (int64_t s = from; s <= to; ++s) {
+    INFO("step " << s);
+    REQUIRE(a.count(s));
+    REQUIRE(b.count(s));
+    CHECK(a.at(s) == b.at(s));  // bit-identical, not approximately equal
+  }
+}
+}  // namespace
+
+TEST_SUITE("mlp_accuracy") {
+  TEST_CASE("the README's MLP job learns Fashion-MNIST and writes the metrics contract") {
+    REQUIRE_MESSAGE(std::filesystem::exists(kFashion), "install dataset-fashion-mnist");
+    auto dir = temp_dir("mlp");
+    auto r = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir +
+                    " --set train.max_steps=300" + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    auto lines = metrics(dir);
+    REQUIRE(!lines.empty());
+    auto train = of_kind(lines, "train");
+    REQUIRE(train.size() == 6);  // log_every 50
+    for (const char* key : {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s",
+                            "step_ms", "time"})
+      CHECK_MESSAGE(train[0].contains(key), key);
+    CHECK(train[0]["step"] == 50);
+    CHECK(train.back()["step"] == 300);
+    auto evals = of_kind(lines, "eval");
+    REQUIRE(evals.size() == 1);
+    CHECK(evals[0]["step"] == 300);
+    CHECK(evals[0].contains("loss"));
+    const auto& s = lines.back();
+    CHECK(s["kind"] == "summary");
+    for (const char* key : {"steps", "final_loss", "samples_per_s", "world_size", "layout",
+                            "best_accuracy"})
+      CHECK_MESSAGE(s.contains(key), key);
+    CHECK(s["steps"] == 300);
+    CHECK(s["world_size"] == 1);
+    CHECK(s["layout"] == nlohmann::json{{"data", 1}, {"tensor", 1}, {"pipeline", 1}});
+    CHECK(evals[0]["accuracy"].get<double>() >= 0.80);
+    CHECK(std::filesystem::exists(dir + "/config.yaml"));
+    CHECK(std::filesystem::exists(dir + "/checkpoints/step-00000300/manifest.json"));
+  }
+}
+
+TEST_SUITE("cnn_accuracy") {
+  TEST_CASE("the CNN job reaches 90% on Fashion-MNIST within its 3 epochs") {
+    REQUIRE_MESSAGE(std::filesystem::exists(kFashion), "install dataset-fashion-mnist");
+    auto dir = temp_dir("cnn");
+    auto r = dtrain("run " + config("fashion_mnist_cnn.yaml") + " --run-dir " + dir + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    auto evals = of_kind(metrics(dir), "eval");
+    REQUIRE(evals.size() == 3);  // one per epoch
+    CHECK(metrics(dir).back()["best_accuracy"].get<double>() >= 0.90);
+  }
+}
+
+TEST_SUITE("exact_resume") {
+  TEST_CASE("N steps then --resume auto to 2N gives bit-identical losses to 2N straight") {
+    auto dir = temp_dir("resume");
+    auto job = synthetic_job(dir);
+    const int n = 24;
+    auto full = dtrain("run " + job + " --run-dir " + dir + "/full --set train.max_steps=" +
+                       std::to_string(2 * n) + kQuiet);
+    REQUIRE(full.code == 0);
+    auto first = dtrain("run " + job + " --run-dir " + dir + "/split --set train.max_steps=" +
+                        std::to_string(n) + kQuiet);
+    REQUIRE(first.code == 0);
+    auto second = dtrain("run " + job + " --run-dir " + dir + "/split --resume auto" +
+                         " --set train.max_steps=" + std::to_string(2 * n) + kQuiet);
+    INFO(second.err);
+    REQUIRE(second.code == 0);
+    CHECK(second.err.find("resumed at step 24") != std::string::npos);
+    check_identical_losses(train_losses(dir + "/full"), train_losses(dir + "/split"), n + 1, 2 * n);
+    // The resumed log reads as one run: each step once, one summary, at the end.
+    auto lines = metrics(dir + "/split");
+    CHECK(of_kind(lines, "train").size() == size_t(2 * n));
+    CHECK(of_kind(lines, "summary").size() == 1);
+    CHECK(lines.back()["kind"] == "summary");
+  }
+
+  TEST_CASE("SIGTERM saves a checkpoint and exits 143; the resumed run is exact") {
+    auto dir = temp_dir("preempt");
+    auto job = synthetic_job(dir);
+    const std::string steps = " --set train.max_steps=5000 --set data.samples=4096"
+                              " --set checkpoint.every_steps=100000 --set train.eval_every=1000";
+    auto full = dtrain("run " + job + " --run-dir " + dir + "/full" + steps + kQuiet);
+    REQUIRE(full.code == 0);
+    auto stopped = dtrain("run " + job + " --run-dir " + dir + "/split" + steps + kQuiet,
+                          "timeout --preserve-status -s TERM 2");
+    INFO(stopped.err);
+    REQUIRE(stopped.code == 143);
+    auto summary = metrics(dir + "/split").back();
+    CHECK(summary["status"] == "stopped");
+    const int64_t at = summary["steps"];
+    CHECK(at > 0);
+    CHECK(at < 5000);
+    CHECK(std::filesystem::exists(dir + "/split/checkpoints/" + fmt::format("step-{:08d}", at)));
+    auto resumed = dtrain("run " + job + " --run-dir " + dir + "/split --resume auto" + steps + kQuiet);
+    INFO(resumed.err);
+    REQUIRE(resumed.code == 0);
+    check_identical_losses(train_losses(dir + "/full"), train_losses(dir + "/split"), 1, 5000);
+  }
+}
+
+TEST_SUITE("data_errors") {
+  TEST_CASE("missing and corrupt data exit 3 naming the file") {
+    auto dir = temp_dir("data");
+    auto r = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir +
+                    "/run --set data.path=" + dir + "/nowhere");
+    CHECK(r.code == 3);
+    CHECK(r.err.find("dataset-fashion-mnist") != std::string::npos);
+
+    // A folder whose images file is a truncated gzip stream.
+    auto bad = dir + "/bad";
+    std::filesystem::create_directories(bad);
+    for (const char* split : {"train", "t10k"}) {
+      for (auto [kind, dims] : {std::pair{"images-idx3", 3}, std::pair{"labels-idx1", 1}}) {
+        auto path = fmt::format("{}/{}-{}-ubyte.gz", bad, split, kind);
+        gzFile f = gzopen(path.c_str(), "wb");
+        unsigned char header[] = {0, 0, 8, (unsigned char)dims, 0, 0, 0, 100, 0, 0, 0, 28, 0, 0, 0, 28};
+        gzwrite(f, header, dims == 3 ? 16 : 8);
+        gzwrite(f, std::string(50, 'x').data(), 50);  // far less than 100 samples
+        gzclose(f);
+      }
+    }
+    r = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir + "/run2" +
+               " --set data.path=" + bad);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("train-images-idx3-ubyte.gz: truncated") != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+}
+
+TEST_SUITE("checkpoint_ops") {
+  TEST_CASE("inspect, export, keep_last, refusing to overwrite, and falling back past a bad checkpoint") {
+    auto dir = temp_dir("ckpt");
+    auto job = synthetic_job(dir);
+    auto run = dir + "/run";
+    auto r = dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=30" + kQuiet);
+    REQUIRE(r.code == 0);
+    // every_steps 7, keep_last 2: 21 and 28 survive, plus 30 (the end) replaces 21; best kept too.
+    std::vector<std::string> kept;
+    for (const auto& e : std::filesystem::directory_iterator(run + "/checkpoints"))
+      if (e.is_directory()) kept.push_back(e.path().filename().string());
+    std::sort(kept.begin(), kept.end());
+    auto best = slurp(run + "/checkpoints/best");
+    auto latest = slurp(run + "/checkpoints/latest");
+    CHECK(latest == "step-00000030\n");
+    CHECK(std::count(kept.begin(), kept.end(), "step-00000028") == 1);
+    CHECK(std::count(kept.begin(), kept.end(), "step-00000030") == 1);
+    CHECK(kept.size() <= 3);
+    CHECK(std::count(kept.begin(), kept.end(), best.substr(0, best.size() - 1)) == 1);
+
+    auto ck = run + "/checkpoints/step-00000030";
+    auto ins = dtrain("inspect " + ck);
+    INFO(ins.err);
+    REQUIRE(ins.code == 0);
+    CHECK(ins.out.find("step 30") != std::string::npos);
+    CHECK(ins.out.find("running_mean") != std::string::npos);
+    CHECK(ins.out.find("exp_avg_sq") != std::string::npos);
+    CHECK(ins.out.find("name: resume-check") != std::string::npos);
+
+    auto out = dir + "/weights.safetensors";
+    REQUIRE(dtrain("export " + ck + " " + out).code == 0);
+    auto bytes = slurp(out);
+    REQUIRE(bytes.size() > 8);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+    auto header = nlohmann::json::parse(bytes.substr(8, n));
+    CHECK(header.contains("0.weight"));
+    CHECK(header["0.weight"]["dtype"] == "F32");
+    CHECK(header["0.weight"]["shape"] == std::vector<int64_t>{4, 1, 3, 3});
+
+    // Starting fresh over a run with checkpoints would lose them: refused.
+    r = dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=40" + kQuiet);
+    CHECK(r.code == 2);
+    CHECK(r.err.find("--resume auto") != std::string::npos);
+
+    // A damaged newest checkpoint is skipped by --resume auto, and refused by --resume PATH.
+    {
+      std::fstream f(ck + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(-3, std::ios::end);
+      f.put('\x7f');
+    }
+    r = dtrain("run " + job + " --run-dir " + run + " --resume " + ck + kQuiet);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("corrupt") != std::string::npos);
+    r = dtrain("run " + job + " --run-dir " + run + " --resume auto --set train.max_steps=40" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK(r.err.find("resumed at step 28") != std::string::npos);
+    CHECK(dtrain("inspect " + dir + "/nothing-here").code == 3);
+  }
+}

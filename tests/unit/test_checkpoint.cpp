@@ -1,0 +1,295 @@
+// safetensors files (byte layout checked by hand) and the checkpoint store: keep-last-N plus
+// best, the latest pointer, verification, fallback past a damaged checkpoint, temp cleanup.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/safetensors.hpp"
+#include "temp_dir.hpp"
+#include "util/error.hpp"
+
+using namespace dtrain;
+using dtrain::test::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+NamedTensors sample_tensors() {
+  torch::manual_seed(5);
+  return {
+      {"layer.weight", torch::randn({3, 4})},
+      {"index", torch::tensor({-5, 0, 1234567890123LL}, torch::kInt64)},
+      {"bytes", torch::tensor({0, 1, 200, 255}, torch::kUInt8)},
+      {"half.precision", torch::randn({2, 3}).to(torch::kBFloat16)},
+      {"scalar", torch::tensor(3.5, torch::kFloat64)},
+      {"transposed", torch::arange(6, torch::kFloat32).view({2, 3}).t()},  // not contiguous
+  };
+}
+
+uint64_t header_length(const std::string& bytes) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  return n;
+}
+
+std::string trim(std::string s) {
+  s.erase(s.find_last_not_of(" \n") + 1);
+  return s;
+}
+
+// A checkpoint's content that depends on its step, so folders can be told apart.
+CheckpointState state_for(int64_t step) {
+  CheckpointState s;
+  s.model = {{"w", torch::full({2, 3}, static_cast<float>(step))},
+             {"b", torch::arange(4, torch::kFloat32) * step}};
+  s.optimizer = {{"steps", torch::tensor({step}, torch::kInt64)},
+                 {"w.momentum_buffer", torch::full({2, 3}, -0.5f * step)}};
+  s.trainer = {{"step", step}, {"epoch", step / 200}, {"rng", {1, 2, 3}}};
+  s.config_yaml = "name: ckpt-test\nseed: " + std::to_string(step) + "\n";
+  return s;
+}
+
+void check_same_tensors(const NamedTensors& got, const NamedTensors& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(want[i].first);
+    CHECK(got[i].first == want[i].first);
+    CHECK((got[i].second.scalar_type() == want[i].second.scalar_type()));
+    CHECK(got[i].second.sizes() == want[i].second.sizes());
+    CHECK(torch::equal(got[i].second, want[i].second.contiguous()));
+  }
+}
+
+std::vector<std::string> checkpoint_folders(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_directory()) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void flip_byte(const std::string& path, size_t from_end) {
+  std::string b = test::read_bytes(path);
+  REQUIRE(b.size() > from_end);
+  b[b.size() - 1 - from_end] = static_cast<char>(b[b.size() - 1 - from_end] ^ 0x01);
+  test::write_bytes(path, b);
+}
+
+}  // namespace
+
+TEST_CASE("safetensors: round trip of dtypes, shapes and metadata") {
+  TempDir dir;
+  const std::string path = dir / "t.safetensors";
+  const auto tensors = sample_tensors();
+  const std::map<std::string, std::string> meta{{"format", "test"}, {"note", "äöü \"quoted\""}};
+  write_safetensors(path, tensors, meta);
+
+  SafetensorsFile f = read_safetensors(path);
+  check_same_tensors(f.tensors, tensors);
+  CHECK(f.metadata == meta);
+
+  // No metadata at all.
+  write_safetensors(dir / "plain.safetensors", {{"x", torch::ones({2})}});
+  auto plain = read_safetensors(dir / "plain.safetensors");
+  CHECK(plain.metadata.empty());
+  REQUIRE(plain.tensors.size() == 1);
+  CHECK(torch::equal(plain.tensors[0].second, torch::ones({2})));
+}
+
+TEST_CASE("safetensors: the byte layout is the published format") {
+  TempDir dir;
+  const std::string path = dir / "t.safetensors";
+  const auto tensors = sample_tensors();
+  write_safetensors(path, tensors, {{"format", "test"}});
+  const std::string bytes = test::read_bytes(path);
+
+  // 8-byte little-endian header length, then that much JSON.
+  const uint64_t n = header_length(bytes);
+  REQUIRE(8 + n <= bytes.size());
+  CHECK((8 + n) % 8 == 0);  // data aligned to 8 bytes
+  nlohmann::json h;
+  REQUIRE_NOTHROW(h = nlohmann::json::parse(bytes.substr(8, n)));
+  CHECK(h["__metadata__"]["format"] == "test");
+
+  const std::map<std::string, std::string> want_dtype{
+      {"layer.weight", "F32"}, {"index", "I64"}, {"bytes", "U8"}, {"half.precision", "BF16"},
+      {"scalar", "F64"}, {"transposed", "F32"}};
+  const std::map<std::string, std::vector<int64_t>> want_shape{
+      {"layer.weight", {3, 4}}, {"index", {3}}, {"bytes", {4}}, {"half.precision", {2, 3}},
+      {"scalar", {}}, {"transposed", {3, 2}}};
+  const std::map<std::string, size_t> want_bytes{{"layer.weight", 48}, {"index", 24},
+                                                 {"bytes", 4}, {"half.precision", 12},
+                                                 {"scalar", 8}, {"transposed", 24}};
+  size_t total = 0;
+  std::vector<std::pair<size_t, size_t>> ranges;
+  for (const auto& [name, dtype] : want_dtype) {
+    CAPTURE(name);
+    REQUIRE(h.contains(name));
+    CHECK(h[name]["dtype"] == dtype);
+    CHECK(h[name]["shape"].get<std::vector<int64_t>>() == want_shape.at(name));
+    const size_t a = h[name]["data_offsets"][0], b = h[name]["data_offsets"][1];
+    CHECK(b - a == want_bytes.at(name));
+    ranges.emplace_back(a, b);
+    total += b - a;
+  }
+  // The data ranges tile the rest of the file exactly.
+  std::sort(ranges.begin(), ranges.end());
+  CHECK(ranges.front().first == 0);
+  for (size_t i = 1; i < ranges.size(); ++i) CHECK(ranges[i].first == ranges[i - 1].second);
+  CHECK(bytes.size() == 8 + n + total);
+
+  // Raw little-endian values (this host is little-endian, like every machine dtrain targets).
+  const size_t base = 8 + n;
+  const size_t w0 = h["layer.weight"]["data_offsets"][0];
+  float first;
+  std::memcpy(&first, bytes.data() + base + w0, sizeof first);
+  CHECK(first == tensors[0].second[0][0].item<float>());
+  const size_t i0 = h["index"]["data_offsets"][0];
+  int64_t big;
+  std::memcpy(&big, bytes.data() + base + i0 + 16, sizeof big);
+  CHECK(big == 1234567890123LL);
+  // The transposed tensor is written in its logical (row-major) order: 0 3 1 4 2 5.
+  const size_t t0 = h["transposed"]["data_offsets"][0];
+  float tv[6];
+  std::memcpy(tv, bytes.data() + base + t0, sizeof tv);
+  CHECK(tv[1] == 3.0f);
+  CHECK(tv[2] == 1.0f);
+
+  CHECK(read_safetensors_header(path) == h);
+}
+
+TEST_CASE("safetensors: malformed files throw CheckpointError") {
+  TempDir dir;
+  const std::string good = dir / "good.safetensors";
+  write_safetensors(good, {{"x", torch::arange(10, torch::kFloat32)}});
+  const std::string bytes = test::read_bytes(good);
+  auto bad = [&](const std::string& name, const std::string& content) {
+    const std::string p = dir / name;
+    test::write_bytes(p, content);
+    CAPTURE(name);
+    CHECK_THROWS_AS(read_safetensors(p), CheckpointError);
+  };
+  bad("empty", "");
+  bad("short", bytes.substr(0, 5));
+  bad("truncated-data", bytes.substr(0, bytes.size() - 4));
+  bad("truncated-header", bytes.substr(0, 20));
+  std::string huge = bytes;
+  huge[7] = 0x7f;  // header length far past the end
+  bad("huge-length", huge);
+  std::string garbage = bytes;
+  garbage[8] = '!';  // JSON no longer parses
+  bad("garbage-header", garbage);
+  CHECK_THROWS_AS(read_safetensors(dir / "missing"), CheckpointError);
+  CHECK_THROWS_AS(read_safetensors_header(dir / "missing"), CheckpointError);
+}
+
+TEST_CASE("checkpoint store: keep-last-N plus best, latest, verify, fallback") {
+  TempDir run;
+  CheckpointConfig cfg;
+  cfg.keep_last = 2;
+  cfg.keep_best = true;
+  CheckpointStore store(run.path().string(), cfg);
+  const std::string dir = store.dir();
+  CHECK(fs::path(dir) == run.path() / "checkpoints");
+
+  const double acc[] = {0.5, 0.9, 0.6, 0.7, 0.8};
+  const nlohmann::json layout{{"data", 1}, {"tensor", 1}, {"pipeline", 1}};
+  for (int i = 0; i < 5; ++i) {
+    const int64_t step = 100 * (i + 1);
+    auto folder = store.save(state_for(step), step, /*epoch=*/i, layout, Metric{"accuracy", acc[i]});
+    CHECK(fs::path(folder) == fs::path(dir) / fmt::format("step-{:08d}", step));
+    CHECK(fs::is_directory(folder));
+  }
+  // Best (0.9 at step 200) plus the two newest.
+  CHECK(checkpoint_folders(dir) ==
+        std::vector<std::string>{"step-00000200", "step-00000400", "step-00000500"});
+  auto pointer = [&](const char* name) {
+    const fs::path p = fs::path(dir) / name;
+    if (fs::is_symlink(p)) return fs::read_symlink(p).filename().string();
+    return trim(test::read_bytes(p.string()));
+  };
+  CHECK(pointer("latest") == "step-00000500");
+  CHECK(pointer("best") == "step-00000200");
+  for (const char* name : {"step-00000200", "step-00000400", "step-00000500"}) {
+    CAPTURE(name);
+    nlohmann::json m;
+    CHECK_NOTHROW(m = verify_checkpoint((fs::path(dir) / name).string()));
+    CHECK(m["step"] == std::stoi(std::string(name).substr(5)));
+    CHECK(m["metric"]["name"] == "accuracy");
+  }
+  CHECK(store.newest_valid().value_or("<none>") == (fs::path(dir) / "step-00000500").string());
+
+  // Everything comes back exactly.
+  CheckpointState loaded = load_checkpoint((fs::path(dir) / "step-00000400").string());
+  const CheckpointState want = state_for(400);
+  check_same_tensors(loaded.model, want.model);
+  check_same_tensors(loaded.optimizer, want.optimizer);
+  CHECK(loaded.trainer == want.trainer);
+  CHECK(loaded.config_yaml == want.config_yaml);
+
+  // One flipped bit in the newest checkpoint's weights: it no longer counts.
+  const std::string newest = (fs::path(dir) / "step-00000500").string();
+  flip_byte(newest + "/model.safetensors", /*from_end=*/3);
+  CHECK_THROWS_AS(verify_checkpoint(newest), CheckpointError);
+  CHECK_THROWS_AS(load_checkpoint(newest), CheckpointError);
+  CHECK(store.newest_valid().value_or("<none>") == (fs::path(dir) / "step-00000400").string());
+
+  // A newer folder without manifest.json (a crash before the marker) is not a checkpoint.
+  const fs::path incomplete = fs::path(dir) / "step-00000600";
+  fs::copy(fs::path(dir) / "step-00000400", incomplete);
+  fs::remove(incomplete / "manifest.json");
+  CHECK_THROWS_AS(verify_checkpoint(incomplete.string()), CheckpointError);
+  CHECK(store.newest_valid().value_or("<none>") == (fs::path(dir) / "step-00000400").string());
+
+  // A missing file, or a manifest that is not JSON, also fails verification.
+  const fs::path other = fs::path(dir) / "step-00000700";
+  fs::copy(fs::path(dir) / "step-00000400", other);
+  fs::remove(other / "trainer.json");
+  CHECK_THROWS_AS(verify_checkpoint(other.string()), CheckpointError);
+  test::write_bytes((other / "manifest.json").string(), "{not json");
+  CHECK_THROWS_AS(verify_checkpoint(other.string()), CheckpointError);
+  CHECK_THROWS_AS(verify_checkpoint((fs::path(dir) / "step-99999999").string()), CheckpointError);
+  CHECK(store.newest_valid().value_or("<none>") == (fs::path(dir) / "step-00000400").string());
+}
+
+TEST_CASE("checkpoint store: without keep_best only the newest are kept") {
+  TempDir run;
+  CheckpointConfig cfg;
+  cfg.keep_last = 2;
+  cfg.keep_best = false;
+  CheckpointStore store(run.path().string(), cfg);
+  for (int64_t step : {1, 2, 3, 4})
+    store.save(state_for(step), step, 0, nlohmann::json::object(),
+               Metric{"accuracy", step == 1 ? 0.99 : 0.1});
+  CHECK(checkpoint_folders(store.dir()) ==
+        std::vector<std::string>{"step-00000003", "step-00000004"});
+  // Saves without a metric work too.
+  store.save(state_for(5), 5, 0, nlohmann::json::object(), std::nullopt);
+  CHECK(checkpoint_folders(store.dir()) ==
+        std::vector<std::string>{"step-00000004", "step-00000005"});
+}
+
+TEST_CASE("checkpoint store: an empty store has no valid checkpoint; leftovers are removed") {
+  TempDir run;
+  CheckpointConfig cfg;
+  {
+    CheckpointStore store(run.path().string(), cfg);
+    CHECK_FALSE(store.newest_valid().has_value());
+  }
+  const fs::path leftover = run.path() / "checkpoints" / ".tmp-step-00000042";
+  fs::create_directories(leftover);
+  test::write_bytes((leftover / "model.safetensors").string(), "partial");
+  CheckpointStore store(run.path().string(), cfg);
+  CHECK_FALSE(fs::exists(leftover));
+  CHECK_FALSE(store.newest_valid().has_value());
+}

@@ -1,0 +1,120 @@
+// The distributed sampler: per-epoch permutations from (seed, epoch), and D ranks together
+// taking exactly the global batch one rank would take.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "data/sampler.hpp"
+#include "util/error.hpp"
+
+using namespace dtrain;
+
+namespace {
+std::vector<int64_t> to_vec(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+std::vector<int64_t> iota(int64_t n) {
+  std::vector<int64_t> v(n);
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+}  // namespace
+
+TEST_CASE("sampler: epoch_order is a permutation, fixed by (seed, epoch)") {
+  const int64_t n = 1000;
+  ShardedSampler s(n, /*global_batch=*/10, /*shuffle=*/true, /*seed=*/42);
+  auto o0 = s.epoch_order(0);
+  REQUIRE(o0.size() == static_cast<size_t>(n));
+  auto sorted = o0;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(sorted == iota(n));
+  CHECK(o0 != iota(n));  // actually shuffled
+
+  CHECK(s.epoch_order(0) == o0);  // same (seed, epoch), same order
+  CHECK(ShardedSampler(n, 10, true, 42).epoch_order(0) == o0);
+  auto o1 = s.epoch_order(1);
+  CHECK(o1 != o0);
+  auto sorted1 = o1;
+  std::sort(sorted1.begin(), sorted1.end());
+  CHECK(sorted1 == iota(n));
+  CHECK(ShardedSampler(n, 10, true, 43).epoch_order(0) != o0);
+  // The order does not depend on the rank or the number of ranks.
+  CHECK(ShardedSampler(n, 10, true, 42, /*rank=*/1, /*ranks=*/2).epoch_order(0) == o0);
+  CHECK(ShardedSampler(n, 10, true, 42, /*rank=*/4, /*ranks=*/5).epoch_order(1) == o1);
+
+  // Many epochs: all distinct (a collision would mean correlated epochs).
+  std::set<std::vector<int64_t>> seen;
+  for (int64_t e = 0; e < 20; ++e) seen.insert(s.epoch_order(e));
+  CHECK(seen.size() == 20);
+
+  // Tiny data sets too.
+  CHECK(ShardedSampler(1, 1, true, 5).epoch_order(3) == std::vector<int64_t>{0});
+  auto two = ShardedSampler(2, 1, true, 5).epoch_order(0);
+  std::sort(two.begin(), two.end());
+  CHECK(two == iota(2));
+}
+
+TEST_CASE("sampler: shuffle=false is the identity every epoch") {
+  ShardedSampler s(17, 4, /*shuffle=*/false, 42);
+  CHECK(s.epoch_order(0) == iota(17));
+  CHECK(s.epoch_order(5) == iota(17));
+  CHECK(to_vec(s.rank_indices(s.epoch_order(0), 2)) == std::vector<int64_t>{8, 9, 10, 11});
+}
+
+TEST_CASE("sampler: steps_per_epoch drops the incomplete tail") {
+  CHECK(ShardedSampler(10, 4, true, 1).steps_per_epoch() == 2);
+  CHECK(ShardedSampler(12, 4, true, 1).steps_per_epoch() == 3);
+  CHECK(ShardedSampler(60000, 64, true, 1).steps_per_epoch() == 937);
+  CHECK(ShardedSampler(5, 5, true, 1).steps_per_epoch() == 1);
+}
+
+TEST_CASE("sampler: D ranks together take exactly the global batch, disjointly") {
+  const int64_t n = 37, b = 8;  // 4 steps per epoch, 5 samples dropped
+  for (int64_t d : {1, 2, 4, 8}) {
+    CAPTURE(d);
+    std::vector<ShardedSampler> ranks;
+    for (int64_t r = 0; r < d; ++r) ranks.emplace_back(n, b, true, /*seed=*/7, r, d);
+    for (int64_t epoch = 0; epoch < 3; ++epoch) {
+      const auto order = ShardedSampler(n, b, true, 7).epoch_order(epoch);
+      const int64_t steps = ranks[0].steps_per_epoch();
+      CHECK(steps == 4);
+      for (int64_t step = 0; step < steps; ++step) {
+        CAPTURE(epoch);
+        CAPTURE(step);
+        std::vector<int64_t> all;
+        for (int64_t r = 0; r < d; ++r) {
+          CHECK(ranks[r].rank_batch() == b / d);
+          auto mine = to_vec(ranks[r].rank_indices(order, step));
+          CHECK(mine.size() == static_cast<size_t>(b / d));
+          // The documented interleave: rank r takes elements r, r+D, ... of the global batch.
+          for (size_t i = 0; i < mine.size(); ++i)
+            CHECK(mine[i] == order[step * b + r + static_cast<int64_t>(i) * d]);
+          all.insert(all.end(), mine.begin(), mine.end());
+        }
+        std::vector<int64_t> global(order.begin() + step * b, order.begin() + (step + 1) * b);
+        std::sort(all.begin(), all.end());
+        std::sort(global.begin(), global.end());
+        CHECK(all == global);  // the union, and (same size, no repeats) disjoint
+        CHECK(std::adjacent_find(all.begin(), all.end()) == all.end());
+      }
+    }
+  }
+}
+
+TEST_CASE("sampler: impossible batch layouts throw ConfigError") {
+  CHECK_THROWS_AS(ShardedSampler(100, 10, true, 1, 0, 4), ConfigError);  // 10 % 4 != 0
+  CHECK_THROWS_AS(ShardedSampler(10, 11, true, 1), ConfigError);         // batch > data
+  CHECK_NOTHROW(ShardedSampler(10, 10, true, 1));
+  try {
+    ShardedSampler(100, 10, true, 1, 0, 4);
+  } catch (const ConfigError& e) {
+    CHECK(std::string(e.what()).find("data.batch_size") != std::string::npos);
+    CHECK(e.code == kExitBadSpec);
+  }
+}
