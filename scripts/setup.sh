@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything dtrain needs from Debian's packages (the toolchain too: a fresh
-# Debian 12 has no compiler), then configures and builds dtrain into build/.
+# Debian 12 has no compiler), then configures and builds dtrain into build/dtrain
+# (the tests are built by scripts/test.sh).
 # Idempotent: rerunning installs nothing new and rebuilds only what changed.
 #   scripts/setup.sh            install + build
 #   scripts/setup.sh --bench    also the PyTorch baseline's packages (scripts/bench.sh)
@@ -32,4 +33,4 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
-cmake --build build -j "$(nproc)"
+cmake --build build --target dtrain -j "$(nproc)"

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+cmake --build build -j "$(nproc)"
 ctest --test-dir build --output-on-failure "$@"
