@@ -9,6 +9,9 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/schema.hpp"
+#include "dist/comm.hpp"
+#include "launch/supervisor.hpp"
+#include "launch/world.hpp"
 #include "train/trainer.hpp"
 #include "util/error.hpp"
 #include "util/shape.hpp"
@@ -28,12 +31,45 @@ void add_job_args(CLI::App* cmd, JobArgs& a) {
       ->allow_extra_args(false);
 }
 
-JobConfig load(const JobArgs& a, const std::string& run_dir = "") {
+JobConfig load(const JobArgs& a, const std::string& run_dir = "", int64_t world_size = 1) {
   JobConfig cfg = load_job(a.path, a.sets);
   if (!run_dir.empty()) cfg.run_dir = run_dir;
   resolve(cfg);
-  validate(cfg);
+  validate(cfg, world_size);
   return cfg;
+}
+
+// The worker command line: ours without the supervisor's own options.
+std::vector<std::string> worker_args(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--nproc" || a == "--max-restarts") {
+      ++i;
+      continue;
+    }
+    if (a.rfind("--nproc=", 0) == 0 || a.rfind("--max-restarts=", 0) == 0) continue;
+    out.push_back(a);
+  }
+  return out;
+}
+
+int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
+            int64_t nproc, int64_t max_restarts, int argc, char** argv) {
+  auto env = process_env();
+  const bool worker = env("RANK") || env("SLURM_PROCID") || env("OMPI_COMM_WORLD_RANK") ||
+                      env("PMI_RANK");
+  if (nproc > 1 && !worker) {
+    load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
+    return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv)});
+  }
+  JobConfig cfg = load_job(job.path, job.sets);  // dist.port is needed to discover the world
+  auto world = discover_world(env, cfg.dist.port);
+  cfg = load(job, run_dir, world.world);
+  std::shared_ptr<Comm> comm =
+      world.world == 1 ? make_local_comm()
+                       : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s)});
+  return run_training(cfg, RunOptions{resume}, world, comm).exit_code;
 }
 
 int inspect(const std::string& folder) {
@@ -76,11 +112,17 @@ int run_cli(int argc, char** argv) {
 
   JobArgs job;
   std::string run_dir, resume;
+  int64_t nproc = 1, max_restarts = 0;
   auto* run = app.add_subcommand("run", "train a job");
   add_job_args(run, job);
   run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
   run->add_option("--resume", resume, "auto (newest valid checkpoint, or start fresh) or a "
                                       "checkpoint folder");
+  run->add_option("--nproc", nproc, "start N local worker processes and supervise them")
+      ->check(CLI::Range(int64_t(1), int64_t(1024)));
+  run->add_option("--max-restarts", max_restarts,
+                  "with --nproc: restart all workers from the latest checkpoint up to N times")
+      ->check(CLI::Range(int64_t(0), int64_t(1000)));
 
   auto* validate_cmd = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
   add_job_args(validate_cmd, job);
@@ -106,10 +148,7 @@ int run_cli(int argc, char** argv) {
     throw ConfigError(e.what());
   }
 
-  if (*run) {
-    auto cfg = load(job, run_dir);
-    return run_training(cfg, RunOptions{resume}).exit_code;
-  }
+  if (*run) return run_job(job, run_dir, resume, nproc, max_restarts, argc, argv);
   if (*validate_cmd) {
     auto cfg = load(job);
     std::cout << fmt::format("{}: ok\n", job.path);

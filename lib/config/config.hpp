@@ -160,7 +160,7 @@ struct PrecisionConfig {
 struct DistConfig {
   std::string backend = "auto";  // auto | gloo | nccl
   int64_t timeout_s = 120;       // bound on every collective
-  int64_t port = 29500;          // rendezvous port when the launcher gives none
+  int64_t port = 0;  // rendezvous port: 0 = MASTER_PORT, else 29500 (SLURM: from the job id)
 
   template <class V> void visit(V&& v) {
     v("backend", backend, Choices{"auto", "gloo", "nccl"});

@@ -366,7 +366,8 @@ void check_ranges(const JobConfig& c) {
          fmt::format("'{}'", pr.loss_scale));
   }
   need(c.dist.timeout_s >= 1, "dist.timeout_s", ">= 1", c.dist.timeout_s);
-  need(c.dist.port >= 1 && c.dist.port <= 65535, "dist.port", "between 1 and 65535", c.dist.port);
+  need(c.dist.port >= 0 && c.dist.port <= 65535, "dist.port", "between 0 (automatic) and 65535",
+       c.dist.port);
   need(c.checkpoint.every_steps >= 0, "checkpoint.every_steps", ">= 0 (0 = each epoch)",
        c.checkpoint.every_steps);
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
@@ -382,7 +383,6 @@ void check_supported(const JobConfig& c, const Layout& layout) {
   };
   refuse(layout.tensor != 1, "parallel.tensor", "tensor parallelism");
   refuse(layout.pipeline != 1, "parallel.pipeline", "pipeline parallelism");
-  refuse(layout.data != 1, "parallel.data", "more than one process");
   refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
   refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
   refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");

@@ -6,6 +6,7 @@
 
 #include <torch/nn.h>
 
+#include "parallel/sync_batchnorm.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -49,7 +50,10 @@ Model cnn(const ModelConfig& cfg, const ModelInput& in) {
                          cfg.channels.size(), in.sample_shape[1], in.sample_shape[2]);
     // With BatchNorm right after, the conv bias would be cancelled by the mean: leave it out.
     m->push_back(nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)));
-    if (cfg.batch_norm) m->push_back(nn::BatchNorm2d(out));
+    if (cfg.batch_norm && in.sync_batchnorm)
+      m->push_back(SyncBatchNorm2d(out, in.sync_batchnorm));
+    else if (cfg.batch_norm)
+      m->push_back(nn::BatchNorm2d(out));
     m->push_back(nn::ReLU(nn::ReLUOptions().inplace(true)));
     m->push_back(nn::MaxPool2d(nn::MaxPool2dOptions(2)));
     c = out, h /= 2, w /= 2;

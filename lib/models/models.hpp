@@ -7,6 +7,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "config/config.hpp"
+#include "dist/comm.hpp"
 
 namespace dtrain {
 
@@ -16,6 +17,9 @@ using Model = torch::nn::Sequential;
 struct ModelInput {
   Ints sample_shape;  // one sample, e.g. {1, 28, 28}
   int64_t classes = 0;
+  // Set when BatchNorm must see the whole global batch (parallel.sync_batchnorm across
+  // more than one data-parallel rank): the group its statistics are reduced over.
+  std::shared_ptr<Comm> sync_batchnorm;
 };
 
 using ModelFactory = std::function<Model(const ModelConfig&, const ModelInput&)>;

@@ -1,11 +1,15 @@
 // The training loop. A step reads top to bottom:
-//   1. next batch  2. forward  3. backward  4. clip  5. optimizer step  6. log
+//   1. next batch  2. forward  3. backward (+ gradient all-reduce)  4. clip
+//   5. optimizer step  6. account
 // and everything around it (evaluation, checkpoints, resume) happens between steps.
+// Data parallelism: each rank takes its shard of every global batch; gradients are averaged
+// by a GradReducer during backward; rank 0 alone writes metrics and checkpoints.
 #include "train/trainer.hpp"
 
 #include <ATen/autocast_mode.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -21,14 +25,15 @@
 #include "data/loader.hpp"
 #include "logging/metrics.hpp"
 #include "models/models.hpp"
+#include "parallel/reducer.hpp"
 #include "train/flat_params.hpp"
 #include "train/optimizer.hpp"
 #include "train/schedule.hpp"
 #include "train/signals.hpp"
 #include "util/blas.hpp"
 #include "util/error.hpp"
-#include "util/shape.hpp"
 #include "util/files.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -57,6 +62,16 @@ torch::Tensor from_hex(const std::string& s) {
   return t;
 }
 
+// Runs `f` with bf16 CPU autocast when asked; weights stay fp32.
+template <class F>
+auto autocast(bool bf16, F&& f) {
+  at::autocast::set_cpu_enabled(bf16);
+  auto out = f();
+  at::autocast::set_cpu_enabled(false);
+  if (bf16) at::autocast::clear_cache();
+  return out;
+}
+
 struct EvalResult {
   double loss = 0, accuracy = 0;
 };
@@ -64,42 +79,54 @@ struct EvalResult {
 // Sums over one logging window of steps.
 struct Window {
   int64_t steps = 0, samples = 0;
-  double step_ms = 0, data_wait_ms = 0, forward_ms = 0, backward_ms = 0, optim_ms = 0;
+  double step_ms = 0, data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0,
+         optim_ms = 0;
 };
 
 class Trainer {
  public:
-  Trainer(const JobConfig& cfg, const RunOptions& opts) : cfg_(cfg), opts_(opts) {}
+  Trainer(const JobConfig& cfg, const RunOptions& opts, const WorldInfo& world,
+          std::shared_ptr<Comm> comm)
+      : cfg_(cfg), opts_(opts), world_(world), comm_(std::move(comm)),
+        root_(comm_->rank() == 0) {}
   RunResult run();
 
  private:
   void setup();
+  std::optional<std::string> choose_checkpoint();
   void restore(const std::string& folder);
-  // One optimizer step; returns the loss. `grad_norm` is filled when asked for (or clipping).
+  void broadcast_state();
   double train_step(Window& w, double* grad_norm);
   EvalResult evaluate();
   void save_checkpoint(const std::optional<EvalResult>& eval);
   nlohmann::json summary(const std::string& status);
+  void say(const std::string& line) {
+    if (root_) progress_->print(line);
+  }
   int64_t epoch_of(int64_t step) const { return step / sampler_->steps_per_epoch(); }
 
   JobConfig cfg_;
   RunOptions opts_;
+  WorldInfo world_;
+  std::shared_ptr<Comm> comm_;
+  bool root_;
   Layout layout_;
   DataSplits data_;
   Model model_{nullptr};
   std::unique_ptr<FlatParams> params_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradReducer> reducer_;  // only with more than one data-parallel rank
   std::optional<ShardedSampler> sampler_;
-  std::unique_ptr<CheckpointStore> checkpoints_;
-  std::unique_ptr<MetricsLog> metrics_;
+  std::unique_ptr<CheckpointStore> checkpoints_;  // rank 0
+  std::unique_ptr<MetricsLog> metrics_;           // rank 0
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<Loader> loader_;
 
   int64_t step_ = 0;         // optimizer steps done
   int64_t total_steps_ = 0;
-  int64_t start_step_ = 0;   // where this process started (after a resume)
-  int64_t last_saved_ = -1, last_eval_step_ = -1;
+  int64_t last_saved_ = -1;
   double last_loss_ = std::nan("");
+  bool stop_requested_ = false;  // agreed by all ranks
   std::optional<EvalResult> last_eval_;
   double best_accuracy_ = -1;
   int64_t best_step_ = 0;
@@ -108,55 +135,83 @@ class Trainer {
 };
 
 void Trainer::setup() {
-  layout_ = derive_layout(cfg_, 1);
-  const int64_t threads = cfg_.train.threads > 0
-                              ? cfg_.train.threads
-                              : std::max<int64_t>(1, std::thread::hardware_concurrency());
+  layout_ = derive_layout(cfg_, comm_->size());
+  // Local processes share the machine's cores.
+  const int64_t threads =
+      cfg_.train.threads > 0
+          ? cfg_.train.threads
+          : std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()) / world_.local_world);
   torch::set_num_threads(static_cast<int>(threads));
   torch::manual_seed(static_cast<uint64_t>(cfg_.seed));
+  progress_ = std::make_unique<Progress>(root_ ? cfg_.logging.progress : "off", 0);
 
   auto blas = loaded_blas();
-  if (is_reference_blas(blas))
+  if (root_ && is_reference_blas(blas))
     std::cerr << "dtrain: warning: LibTorch is using the reference BLAS (" << blas
               << "), which is ~19x slower on Linear layers; install libopenblas0-openmp\n";
 
   data_ = load_data(cfg_.data, static_cast<uint64_t>(cfg_.seed));
-  model_ = build_model(cfg_.model, {data_.sample_shape, data_.classes});
+  model_ = build_model(cfg_.model, {data_.sample_shape, data_.classes,
+                                    cfg_.parallel.sync_batchnorm && layout_.data > 1
+                                        ? comm_ : nullptr});
   params_ = std::make_unique<FlatParams>(*model_);
   optimizer_ = make_optimizer(cfg_.optimizer, *params_);
   sampler_.emplace(data_.train.size(), cfg_.data.batch_size, cfg_.data.shuffle,
-                   static_cast<uint64_t>(cfg_.seed), /*rank=*/0, /*ranks=*/layout_.data);
+                   static_cast<uint64_t>(cfg_.seed), /*rank=*/comm_->rank(),
+                   /*ranks=*/layout_.data);
   total_steps_ = cfg_.train.max_steps > 0 ? cfg_.train.max_steps
                                           : cfg_.train.epochs * sampler_->steps_per_epoch();
 
-  fs::create_directories(cfg_.run_dir);
-  checkpoints_ = std::make_unique<CheckpointStore>(cfg_.run_dir, cfg_.checkpoint);
-  std::optional<std::string> resume_from;
-  if (opts_.resume == "auto") {
-    resume_from = checkpoints_->newest_valid();
-  } else if (!opts_.resume.empty()) {
-    resume_from = opts_.resume;
-  } else if (checkpoints_->newest_valid()) {
-    // Starting over would mix a new run's checkpoints with the old ones.
-    throw ConfigError(fmt::format("run directory '{}' already holds checkpoints: resume with "
-                                  "--resume auto, or choose another --run-dir", cfg_.run_dir));
+  if (root_) {
+    fs::create_directories(cfg_.run_dir);
+    checkpoints_ = std::make_unique<CheckpointStore>(cfg_.run_dir, cfg_.checkpoint);
   }
+  auto resume_from = choose_checkpoint();
   if (resume_from) restore(*resume_from);
-  start_step_ = step_;
-  write_file_atomic((fs::path(cfg_.run_dir) / "config.yaml").string(), to_yaml(cfg_));
-  metrics_ = std::make_unique<MetricsLog>((fs::path(cfg_.run_dir) / "metrics.jsonl").string(),
-                                          resume_from ? std::optional<int64_t>(step_) : std::nullopt);
-  progress_ = std::make_unique<Progress>(cfg_.logging.progress, total_steps_);
-
-  int64_t n_params = params_->data().numel();
-  progress_->print(fmt::format(
+  broadcast_state();  // every rank starts from rank 0's exact state
+  if (layout_.data > 1)
+    reducer_ = std::make_unique<GradReducer>(*model_, *params_, comm_, cfg_.parallel.bucket_mb);
+  if (root_) {
+    write_file_atomic((fs::path(cfg_.run_dir) / "config.yaml").string(), to_yaml(cfg_));
+    metrics_ = std::make_unique<MetricsLog>(
+        (fs::path(cfg_.run_dir) / "metrics.jsonl").string(),
+        resume_from ? std::optional<int64_t>(step_) : std::nullopt);
+    progress_ = std::make_unique<Progress>(cfg_.logging.progress, total_steps_);
+  }
+  say(fmt::format(
       "dtrain {}: job '{}', {} ({} parameters), {} ({} train / {} test), batch {}, {} steps "
-      "({} per epoch), {} thread(s), BLAS {}{}; logs in {}",
-      DTRAIN_VERSION, cfg_.name, cfg_.model.arch, n_params, cfg_.data.dataset,
+      "({} per epoch), world {} (data {} x tensor {} x pipeline {}, launcher {}), {} thread(s) "
+      "per rank, BLAS {}{}; logs in {}",
+      DTRAIN_VERSION, cfg_.name, cfg_.model.arch, params_->data().numel(), cfg_.data.dataset,
       data_.train.size(), data_.test.size(), cfg_.data.batch_size, total_steps_,
-      sampler_->steps_per_epoch(), threads, blas.empty() ? "unknown" : blas,
+      sampler_->steps_per_epoch(), comm_->size(), layout_.data, layout_.tensor, layout_.pipeline,
+      world_.launcher, threads, blas.empty() ? "unknown" : blas,
       resume_from ? fmt::format(", resumed at step {} from {}", step_, *resume_from) : "",
       cfg_.run_dir));
+}
+
+// Rank 0 decides which checkpoint (if any) the job resumes from; the others follow.
+std::optional<std::string> Trainer::choose_checkpoint() {
+  if (!opts_.resume.empty() && opts_.resume != "auto") return opts_.resume;
+  auto decision = torch::full({1}, -1, torch::kInt64);  // the step to resume, -1 = fresh
+  std::string refusal;
+  if (root_) {
+    auto newest = checkpoints_->newest_valid();
+    if (newest && opts_.resume == "auto")
+      decision.fill_(verify_checkpoint(*newest)["step"].get<int64_t>());
+    else if (newest)  // starting over would mix a new run's checkpoints with the old ones
+      refusal = fmt::format("run directory '{}' already holds checkpoints: resume with "
+                            "--resume auto, or choose another --run-dir", cfg_.run_dir);
+    if (!refusal.empty()) decision.fill_(-2);
+  }
+  comm_->broadcast(decision, 0);
+  const int64_t step = decision.item<int64_t>();
+  if (step == -2)
+    throw ConfigError(root_ ? refusal
+                            : fmt::format("run directory '{}' already holds checkpoints (see "
+                                          "rank 0)", cfg_.run_dir));
+  if (step < 0) return std::nullopt;
+  return (fs::path(cfg_.run_dir) / "checkpoints" / fmt::format("step-{:08d}", step)).string();
 }
 
 void Trainer::restore(const std::string& folder) {
@@ -184,7 +239,8 @@ void Trainer::restore(const std::string& folder) {
                                           folder, name));
       if (it->second.sizes() != dst.sizes())
         throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the "
-                                          "model", folder, name, shape_str(it->second), shape_str(dst)));
+                                          "model", folder, name, shape_str(it->second),
+                                          shape_str(dst)));
       dst.copy_(it->second);
     };
     for (const auto& p : model_->named_parameters()) load_into(p.key(), p.value());
@@ -198,35 +254,54 @@ void Trainer::restore(const std::string& folder) {
   }
 }
 
+void Trainer::broadcast_state() {
+  if (comm_->size() == 1) return;
+  torch::NoGradGuard no_grad;
+  comm_->broadcast(params_->data(), 0);
+  for (auto& b : model_->buffers())
+    if (b.is_floating_point()) comm_->broadcast(b, 0);
+}
+
 double Trainer::train_step(Window& w, double* grad_norm) {
   const auto t_step = Clock::now();
-  // 1. next batch (prepared ahead by the loader's threads)
+  // 1. next batch (prepared ahead by the loader's threads): this rank's shard
   double wait_ms = 0;
   Batch batch = loader_->next(&wait_ms);
   const int64_t accum = cfg_.train.grad_accum;
   const int64_t micro = batch.y.size(0) / accum;
   const bool bf16 = cfg_.precision.dtype == "bf16";
-  double loss_sum = 0, forward_ms = 0, backward_ms = 0;
+  double loss_sum = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0;
   for (int64_t a = 0; a < accum; ++a) {
     auto x = accum == 1 ? batch.x : batch.x.narrow(0, a * micro, micro);
     auto y = accum == 1 ? batch.y : batch.y.narrow(0, a * micro, micro);
     // 2. forward (bf16 autocast keeps fp32 master weights; the loss is taken in fp32)
     auto t0 = Clock::now();
-    at::autocast::set_cpu_enabled(bf16);
-    auto logits = model_->forward(x);
-    at::autocast::set_cpu_enabled(false);
-    if (bf16) at::autocast::clear_cache();
+    auto logits = autocast(bf16, [&] { return model_->forward(x); });
     auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), y);
     if (accum > 1) loss = loss / double(accum);
     forward_ms += ms_since(t0);
-    // 3. backward: gradients accumulate into the flat buffer
+    // 3. backward: gradients accumulate into the flat buffer; on the last micro-batch the
+    //    reducer all-reduces each bucket as soon as it is complete
     t0 = Clock::now();
+    if (reducer_) reducer_->set_sync(a == accum - 1);
     loss.backward();
     backward_ms += ms_since(t0);
     loss_sum += loss.item<double>();
   }
+  if (reducer_) {
+    comm_ms += reducer_->finalize();
+    // The global batch's loss and whether any rank was asked to stop, in one small reduce.
+    auto t0 = Clock::now();
+    auto agree = torch::tensor({loss_sum, stop_signal() ? 1.0 : 0.0}, torch::kFloat64);
+    comm_->all_reduce(agree);
+    loss_sum = agree[0].item<double>() / double(layout_.data);
+    stop_requested_ = agree[1].item<double>() > 0;
+    comm_ms += ms_since(t0);
+  } else {
+    stop_requested_ = stop_signal() != 0;
+  }
   const auto t_opt = Clock::now();
-  // 4. clip by the global norm
+  // 4. clip by the global norm (after the all-reduce every rank holds the same gradient)
   const double clip = cfg_.optimizer.grad_clip;
   if (grad_norm || clip > 0) {
     const double norm = params_->grad().norm().item<double>();
@@ -239,66 +314,73 @@ double Trainer::train_step(Window& w, double* grad_norm) {
   ++step_;
   // 6. account the step's phases
   w.steps += 1;
-  w.samples += batch.y.size(0) * layout_.data;
+  w.samples += cfg_.data.batch_size;
   w.data_wait_ms += wait_ms;
   w.forward_ms += forward_ms;
   w.backward_ms += backward_ms;
+  w.comm_ms += comm_ms;
   w.optim_ms += ms_since(t_opt);
   const double step_ms = ms_since(t_step);
   w.step_ms += step_ms;
   step_times_ms_.push_back(step_ms);
   data_wait_total_ms_ += wait_ms;
-  if (!std::isfinite(loss_sum))
+  if (!std::isfinite(loss_sum) && root_)
     std::cerr << fmt::format("dtrain: warning: loss is {} at step {}\n", loss_sum, step_);
   return loss_sum;
 }
 
+// Each rank scores a contiguous slice of the test set; the sums are combined, so every
+// sample counts exactly once whatever the number of ranks.
 EvalResult Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   model_->eval();
   const auto& test = data_.test;
+  const int64_t ranks = layout_.data, r = comm_->rank();
+  const int64_t lo = test.size() * r / ranks, hi = test.size() * (r + 1) / ranks;
   double loss_sum = 0;
   int64_t correct = 0;
   const bool bf16 = cfg_.precision.dtype == "bf16";
-  for (int64_t start = 0; start < test.size(); start += cfg_.train.eval_batch_size) {
-    const int64_t n = std::min(cfg_.train.eval_batch_size, test.size() - start);
+  for (int64_t start = lo; start < hi; start += cfg_.train.eval_batch_size) {
+    const int64_t n = std::min(cfg_.train.eval_batch_size, hi - start);
     auto x = test.x.narrow(0, start, n), y = test.y.narrow(0, start, n);
-    at::autocast::set_cpu_enabled(bf16);
-    auto logits = model_->forward(x).to(torch::kFloat32);
-    at::autocast::set_cpu_enabled(false);
-    if (bf16) at::autocast::clear_cache();
+    auto logits = autocast(bf16, [&] { return model_->forward(x); }).to(torch::kFloat32);
     loss_sum += torch::nn::functional::cross_entropy(
                     logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
                     .item<double>();
     correct += logits.argmax(1).eq(y).sum().item<int64_t>();
   }
   model_->train();
-  return {loss_sum / double(test.size()), double(correct) / double(test.size())};
+  auto sums = torch::tensor({loss_sum, double(correct)}, torch::kFloat64);
+  comm_->all_reduce(sums);
+  return {sums[0].item<double>() / double(test.size()), sums[1].item<double>() / double(test.size())};
 }
 
 void Trainer::save_checkpoint(const std::optional<EvalResult>& eval) {
-  CheckpointState state;
-  for (const auto& p : model_->named_parameters()) state.model.emplace_back(p.key(), p.value());
-  for (const auto& b : model_->named_buffers()) state.model.emplace_back(b.key(), b.value());
-  state.optimizer = optimizer_->state();
-  const int64_t spe = sampler_->steps_per_epoch();
-  state.trainer = {{"step", step_},
-                   {"epoch", step_ / spe},
-                   {"step_in_epoch", step_ % spe},
-                   {"global_batch", cfg_.data.batch_size},
-                   {"train_samples", data_.train.size()},
-                   {"best_accuracy", best_accuracy_},
-                   {"best_step", best_step_},
-                   {"last_loss", std::isfinite(last_loss_) ? nlohmann::json(last_loss_) : nullptr},
-                   {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
-  state.config_yaml = to_yaml(cfg_);
-  nlohmann::json layout{{"data", layout_.data}, {"tensor", layout_.tensor},
-                        {"pipeline", layout_.pipeline}};
-  std::optional<Metric> metric;
-  if (eval) metric = Metric{"accuracy", eval->accuracy};
-  auto folder = checkpoints_->save(state, step_, step_ / spe, layout, metric);
+  if (root_) {
+    CheckpointState state;
+    for (const auto& p : model_->named_parameters()) state.model.emplace_back(p.key(), p.value());
+    for (const auto& b : model_->named_buffers()) state.model.emplace_back(b.key(), b.value());
+    state.optimizer = optimizer_->state();
+    const int64_t spe = sampler_->steps_per_epoch();
+    state.trainer = {{"step", step_},
+                     {"epoch", step_ / spe},
+                     {"step_in_epoch", step_ % spe},
+                     {"global_batch", cfg_.data.batch_size},
+                     {"train_samples", data_.train.size()},
+                     {"best_accuracy", best_accuracy_},
+                     {"best_step", best_step_},
+                     {"last_loss", std::isfinite(last_loss_) ? nlohmann::json(last_loss_) : nullptr},
+                     {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
+    state.config_yaml = to_yaml(cfg_);
+    nlohmann::json layout{{"data", layout_.data}, {"tensor", layout_.tensor},
+                          {"pipeline", layout_.pipeline}};
+    std::optional<Metric> metric;
+    if (eval) metric = Metric{"accuracy", eval->accuracy};
+    auto folder = checkpoints_->save(state, step_, step_ / spe, layout, metric);
+    say(fmt::format("checkpoint {}", folder));
+  }
+  comm_->barrier();  // no rank moves on (or exits) before the checkpoint is complete
   last_saved_ = step_;
-  progress_->print(fmt::format("checkpoint {}", folder));
 }
 
 nlohmann::json Trainer::summary(const std::string& status) {
@@ -319,7 +401,7 @@ nlohmann::json Trainer::summary(const std::string& status) {
       {"samples_per_s", steady},
       {"step_ms_median", sorted.empty() ? 0.0 : sorted[sorted.size() / 2]},
       {"data_wait_ms_mean", n ? data_wait_total_ms_ / double(n) : 0.0},
-      {"world_size", layout_.world()},
+      {"world_size", comm_->size()},
       {"layout", {{"data", layout_.data}, {"tensor", layout_.tensor}, {"pipeline", layout_.pipeline}}},
       {"time", unix_time()}};
   if (best_accuracy_ >= 0) {
@@ -339,33 +421,37 @@ RunResult Trainer::run() {
   loader_ = std::make_unique<Loader>(data_.train, *sampler_, step_, total_steps_,
                                      cfg_.data.workers, cfg_.data.prefetch);
   const int64_t spe = sampler_->steps_per_epoch();
+  const int64_t comm_bytes = reducer_ ? reducer_->bytes_per_step() : 0;
   Window w;
   double last_rate = 0;
   while (step_ < total_steps_) {
     const bool log_now = (step_ + 1) % cfg_.train.log_every == 0 || step_ + 1 == total_steps_;
     double grad_norm = std::nan("");
     last_loss_ = train_step(w, log_now ? &grad_norm : nullptr);
-    if (log_now) {
+    if (log_now && root_) {
       last_rate = w.samples / (w.step_ms / 1000);
       const double n = double(w.steps);
-      metrics_->write({{"kind", "train"},
-                       {"step", step_},
-                       {"epoch", epoch_of(step_ - 1)},
-                       {"loss", last_loss_},
-                       {"lr", lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_)},
-                       {"grad_norm", grad_norm},
-                       {"samples_per_s", last_rate},
-                       {"step_ms", w.step_ms / n},
-                       {"data_wait_ms", w.data_wait_ms / n},
-                       {"forward_ms", w.forward_ms / n},
-                       {"backward_ms", w.backward_ms / n},
-                       {"optim_ms", w.optim_ms / n},
-                       {"time", unix_time()}});
-      w = Window{};
+      nlohmann::json line{{"kind", "train"},
+                          {"step", step_},
+                          {"epoch", epoch_of(step_ - 1)},
+                          {"loss", last_loss_},
+                          {"lr", lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_)},
+                          {"grad_norm", grad_norm},
+                          {"samples_per_s", last_rate},
+                          {"step_ms", w.step_ms / n},
+                          {"data_wait_ms", w.data_wait_ms / n},
+                          {"forward_ms", w.forward_ms / n},
+                          {"backward_ms", w.backward_ms / n},
+                          {"optim_ms", w.optim_ms / n},
+                          {"time", unix_time()}};
+      if (reducer_) line["comm_ms"] = w.comm_ms / n, line["comm_bytes"] = comm_bytes;
+      metrics_->write(line);
     }
-    progress_->step(step_, last_loss_,
-                    lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_), last_rate,
-                    log_now);
+    if (log_now) w = Window{};
+    if (root_)
+      progress_->step(step_, last_loss_,
+                      lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_), last_rate,
+                      log_now);
 
     const bool epoch_end = step_ % spe == 0, last = step_ == total_steps_;
     const bool eval_now = (cfg_.train.eval_every > 0 ? step_ % cfg_.train.eval_every == 0
@@ -376,42 +462,45 @@ RunResult Trainer::run() {
       eval = evaluate();
       last_eval_ = eval;
       if (eval->accuracy > best_accuracy_) best_accuracy_ = eval->accuracy, best_step_ = step_;
-      metrics_->write({{"kind", "eval"}, {"step", step_}, {"epoch", epoch_of(step_ - 1)},
-                       {"loss", eval->loss}, {"accuracy", eval->accuracy},
-                       {"eval_ms", ms_since(t0)}, {"time", unix_time()}});
-      progress_->print(fmt::format("eval at step {}: loss {:.4f}, accuracy {:.4f}", step_,
-                                   eval->loss, eval->accuracy));
+      if (root_)
+        metrics_->write({{"kind", "eval"}, {"step", step_}, {"epoch", epoch_of(step_ - 1)},
+                         {"loss", eval->loss}, {"accuracy", eval->accuracy},
+                         {"eval_ms", ms_since(t0)}, {"time", unix_time()}});
+      say(fmt::format("eval at step {}: loss {:.4f}, accuracy {:.4f}", step_, eval->loss,
+                      eval->accuracy));
     }
     const bool save_now = (cfg_.checkpoint.every_steps > 0
                                ? step_ % cfg_.checkpoint.every_steps == 0 : epoch_end) || last;
     if (save_now) save_checkpoint(eval);
 
-    if (int sig = stop_signal()) {
+    if (stop_requested_) {
       if (last_saved_ != step_) save_checkpoint(std::nullopt);
+      const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
       auto s = summary("stopped");
       s["signal"] = sig;
-      metrics_->write(s);
-      progress_->print(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig,
-                                   step_));
+      if (root_) metrics_->write(s);
+      say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, step_));
       return {exit_code_for_signal(sig), s};
     }
   }
-  progress_->finish();
   auto s = summary("completed");
-  metrics_->write(s);
-  progress_->print(fmt::format(
-      "done: {} steps, final loss {:.4f}, {:.0f} samples/s{}", step_, last_loss_,
-      s["samples_per_s"].get<double>(),
-      last_eval_ ? fmt::format(", test accuracy {:.4f} (best {:.4f} at step {})",
-                               last_eval_->accuracy, best_accuracy_, best_step_)
-                 : ""));
+  if (root_) {
+    progress_->finish();
+    metrics_->write(s);
+  }
+  say(fmt::format("done: {} steps, final loss {:.4f}, {:.0f} samples/s{}", step_, last_loss_,
+                  s["samples_per_s"].get<double>(),
+                  last_eval_ ? fmt::format(", test accuracy {:.4f} (best {:.4f} at step {})",
+                                           last_eval_->accuracy, best_accuracy_, best_step_)
+                             : ""));
   return {0, s};
 }
 
 }  // namespace
 
-RunResult run_training(const JobConfig& cfg, const RunOptions& opts) {
-  Trainer t(cfg, opts);
+RunResult run_training(const JobConfig& cfg, const RunOptions& opts, const WorldInfo& world,
+                       std::shared_ptr<Comm> comm) {
+  Trainer t(cfg, opts, world, std::move(comm));
   return t.run();
 }
 

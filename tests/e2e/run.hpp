@@ -70,3 +70,87 @@ inline const char* kFashion = "/usr/share/datasets/fashion-mnist";
 inline std::string config(const std::string& name) { return std::string(DTRAIN_CONFIGS) + "/" + name; }
 
 }  // namespace e2e
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+namespace e2e {
+
+// A dtrain started in the background, for tests that act on it while it runs.
+struct Background {
+  pid_t pid = -1;
+  std::string out, err;  // file paths
+};
+
+inline Background start_dtrain(const std::string& args) {
+  static int n = 0;
+  Background b;
+  auto base = std::filesystem::temp_directory_path() /
+              ("dtrain-e2e-bg-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
+  b.out = base.string() + ".out";
+  b.err = base.string() + ".err";
+  b.pid = ::fork();
+  if (b.pid == 0) {
+    std::string cmd = std::string("exec ") + DTRAIN_BIN + " " + args + " > " + b.out + " 2> " + b.err;
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return b;
+}
+
+// Waits up to `limit` for the process; returns its exit code (128+signal) or -1 on timeout.
+inline int wait_for(pid_t pid, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int st = 0;
+    if (::waitpid(pid, &st, WNOHANG) == pid)
+      return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return -1;
+}
+
+// The child process of `parent` whose environment says RANK=`rank`, or -1.
+inline pid_t worker_pid(pid_t parent, int rank) {
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const auto name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    auto stat = slurp(e.path().string() + "/stat");
+    auto close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    char state;
+    pid_t ppid;
+    rest >> state >> ppid;
+    if (ppid != parent) continue;
+    // environ is NUL-separated: look for the whole entry RANK=<rank>.
+    const std::string env = std::string(1, '\0') + slurp(e.path().string() + "/environ");
+    const std::string entry = std::string(1, '\0') + "RANK=" + std::to_string(rank) + '\0';
+    if (env.find(entry) != std::string::npos)
+      return std::stoi(name);
+  }
+  return -1;
+}
+
+// Waits until `run_dir`'s metrics show at least `step` (the job is in its loop).
+inline bool wait_for_step(const std::string& run_dir, int64_t step, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream in(run_dir + "/metrics.jsonl");
+    std::string line, last;
+    while (std::getline(in, line)) last = line;
+    if (!last.empty()) {
+      try {
+        if (nlohmann::json::parse(last).value("step", int64_t(0)) >= step) return true;
+      } catch (...) {
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+}  // namespace e2e

@@ -232,3 +232,23 @@ TEST_SUITE("checkpoint_ops") {
     CHECK(dtrain("inspect " + dir + "/nothing-here").code == 3);
   }
 }
+
+TEST_SUITE("precision") {
+  TEST_CASE("bf16 autocast trains with fp32 master weights") {
+    auto dir = temp_dir("bf16");
+    auto job = synthetic_job(dir);
+    auto r = dtrain("run " + job + " --run-dir " + dir + "/run --set precision.dtype=bf16" +
+                    " --set train.max_steps=60 --set schedule.decay=constant" + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    auto train = of_kind(metrics(dir + "/run"), "train");
+    REQUIRE(train.size() == 60);
+    double first = 0, last = 0;
+    for (int i = 0; i < 10; ++i) first += train[i]["loss"].get<double>(), last += train[50 + i]["loss"].get<double>();
+    CHECK(last < first);  // it learns
+    // The weights stay fp32 (the checkpoint holds master weights, not bf16 copies).
+    auto ins = dtrain("inspect " + dir + "/run/checkpoints/step-00000060");
+    CHECK(ins.out.find("BFloat16") == std::string::npos);
+    CHECK(ins.out.find("Float") != std::string::npos);
+  }
+}

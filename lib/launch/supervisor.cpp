@@ -1,0 +1,249 @@
+#include "launch/supervisor.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+volatile sig_atomic_t g_forward = 0;  // a signal to pass on to the workers
+extern "C" void on_signal(int sig) { g_forward = sig; }
+
+struct Worker {
+  pid_t pid = -1;
+  int out = -1, err = -1;         // read ends of its stdout/stderr pipes
+  std::string out_buf, err_buf;   // partial lines
+  std::optional<int> status;      // waitpid status once it has ended
+  bool stopped_by_us = false;
+};
+
+void emit(int rank, std::string& buf, const char* data, size_t n, std::ostream& os, bool flush_all) {
+  buf.append(data, n);
+  size_t pos;
+  while ((pos = buf.find('\n')) != std::string::npos) {
+    os << "[rank " << rank << "] " << buf.substr(0, pos) << "\n";
+    buf.erase(0, pos + 1);
+  }
+  if (flush_all && !buf.empty()) {
+    os << "[rank " << rank << "] " << buf << "\n";
+    buf.clear();
+  }
+  os.flush();
+}
+
+// Reads whatever the workers have written, for up to `ms`.
+void pump(std::vector<Worker>& ws, int ms) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<size_t, bool>> who;  // worker, is_err
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (ws[i].out >= 0) fds.push_back({ws[i].out, POLLIN, 0}), who.push_back({i, false});
+    if (ws[i].err >= 0) fds.push_back({ws[i].err, POLLIN, 0}), who.push_back({i, true});
+  }
+  if (fds.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), ms) <= 0) return;
+  char buf[65536];
+  for (size_t k = 0; k < fds.size(); ++k) {
+    if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    auto& w = ws[who[k].first];
+    const bool is_err = who[k].second;
+    ssize_t n = ::read(fds[k].fd, buf, sizeof buf);
+    auto& line_buf = is_err ? w.err_buf : w.out_buf;
+    auto& os = is_err ? std::cerr : std::cout;
+    if (n > 0) {
+      emit(int(who[k].first), line_buf, buf, size_t(n), os, false);
+    } else {
+      emit(int(who[k].first), line_buf, buf, 0, os, true);
+      ::close(fds[k].fd);
+      (is_err ? w.err : w.out) = -1;
+    }
+  }
+}
+
+void reap(std::vector<Worker>& ws) {
+  for (auto& w : ws) {
+    if (w.status) continue;
+    int st = 0;
+    if (::waitpid(w.pid, &st, WNOHANG) == w.pid) w.status = st;
+  }
+}
+
+bool all_done(const std::vector<Worker>& ws) {
+  for (const auto& w : ws)
+    if (!w.status) return false;
+  return true;
+}
+
+bool failed(const Worker& w) {
+  return w.status && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) == 0);
+}
+
+std::string describe(int rank, int status) {
+  if (WIFSIGNALED(status))
+    return fmt::format("rank {} was killed by signal {} ({})", rank, WTERMSIG(status),
+                       strsignal(WTERMSIG(status)));
+  return fmt::format("rank {} exited with status {}", rank, WEXITSTATUS(status));
+}
+
+std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
+  std::vector<std::string> args{o.executable};
+  for (size_t i = 0; i < o.run_args.size(); ++i) {
+    if (resume_auto && o.run_args[i] == "--resume") {
+      ++i;  // a restart always continues from the newest checkpoint
+      continue;
+    }
+    if (resume_auto && o.run_args[i].rfind("--resume=", 0) == 0) continue;
+    args.push_back(o.run_args[i]);
+  }
+  if (resume_auto) args.insert(args.end(), {"--resume", "auto"});
+  std::vector<Worker> ws(size_t(o.nproc));
+  for (int64_t r = 0; r < o.nproc; ++r) {
+    int out[2], err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
+      throw std::runtime_error("cannot create pipes for the workers");
+    pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error("cannot start a worker process");
+    if (pid == 0) {
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
+      // Die with the supervisor rather than linger if it is killed outright.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
+      set("RANK", std::to_string(r));
+      set("LOCAL_RANK", std::to_string(r));
+      set("WORLD_SIZE", std::to_string(o.nproc));
+      set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
+      set("MASTER_ADDR", "127.0.0.1");
+      set("MASTER_PORT", std::to_string(port));
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(o.executable.c_str(), argv.data());
+      std::fprintf(stderr, "dtrain: error: cannot start %s: %s\n", o.executable.c_str(),
+                   std::strerror(errno));
+      ::_exit(kExitFailure);
+    }
+    ::close(out[1]);
+    ::close(err[1]);
+    ws[size_t(r)] = Worker{pid, out[0], err[0], {}, {}, std::nullopt, false};
+  }
+  return ws;
+}
+
+void signal_all(std::vector<Worker>& ws, int sig) {
+  for (auto& w : ws)
+    if (!w.status) {
+      if (sig == SIGKILL || sig == SIGTERM) w.stopped_by_us = true;
+      ::kill(w.pid, SIGCONT);  // a stopped (SIGSTOP) worker must run to act on SIGTERM
+      ::kill(w.pid, sig);
+    }
+}
+
+// Stops the remaining workers: SIGTERM (they checkpoint and exit), then SIGKILL.
+void stop_all(std::vector<Worker>& ws, std::chrono::seconds grace) {
+  signal_all(ws, SIGTERM);
+  const auto deadline = Clock::now() + grace;
+  while (!all_done(ws) && Clock::now() < deadline) pump(ws, 50), reap(ws);
+  signal_all(ws, SIGKILL);
+  while (!all_done(ws)) pump(ws, 50), reap(ws);
+  pump(ws, 0);
+}
+
+}  // namespace
+
+int free_local_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("cannot find a free local port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+int supervise(const SupervisorOptions& o) {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &sa, nullptr);
+
+  for (int64_t attempt = 0;; ++attempt) {
+    auto ws = spawn(o, free_local_port(), /*resume_auto=*/attempt > 0);
+    std::optional<size_t> first_failure;
+    int forwarded = 0;
+    while (!all_done(ws)) {
+      pump(ws, 100);
+      reap(ws);
+      if (g_forward && !forwarded) {
+        forwarded = g_forward;  // preemption: every worker checkpoints and exits
+        signal_all(ws, forwarded);
+      }
+      if (!first_failure && !forwarded)
+        for (size_t i = 0; i < ws.size(); ++i)
+          if (failed(ws[i])) {
+            first_failure = i;
+            break;
+          }
+      if (first_failure) {
+        // Give the peers a moment to fail on their own (a dead peer breaks their next
+        // collective), so a signal death can be told from its consequences.
+        const auto until = Clock::now() + std::chrono::milliseconds(500);
+        while (!all_done(ws) && Clock::now() < until) pump(ws, 50), reap(ws);
+        stop_all(ws, std::chrono::seconds(5));
+        break;
+      }
+    }
+    while (true) {  // drain what is left in the pipes
+      bool open = false;
+      for (auto& w : ws) open |= w.out >= 0 || w.err >= 0;
+      if (!open) break;
+      pump(ws, 50);
+    }
+    if (forwarded) {
+      for (auto& w : ws)
+        if (failed(w) && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) >= 128))
+          return kExitPeerFailed;
+      return forwarded == SIGINT ? 130 : 143;
+    }
+    if (!first_failure) return kExitOk;
+    // Blame a rank that died of a signal we did not send, else the first to fail.
+    size_t culprit = *first_failure;
+    for (size_t i = 0; i < ws.size(); ++i)
+      if (ws[i].status && WIFSIGNALED(*ws[i].status) && !ws[i].stopped_by_us) culprit = i;
+    const std::string what = describe(int(culprit), *ws[culprit].status);
+    if (attempt >= o.max_restarts) {
+      std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
+      return kExitPeerFailed;
+    }
+    std::cerr << fmt::format("dtrain: {}; restarting all {} workers from the latest checkpoint "
+                             "(restart {} of {})\n", what, o.nproc, attempt + 1, o.max_restarts);
+  }
+}
+
+}  // namespace dtrain

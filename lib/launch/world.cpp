@@ -1,0 +1,177 @@
+#include "launch/world.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+
+Env process_env() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    return v ? std::optional<std::string>(v) : std::nullopt;
+  };
+}
+
+Env map_env(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    return it == vars.end() ? std::nullopt : std::optional<std::string>(it->second);
+  };
+}
+
+namespace {
+
+int64_t to_int(const std::string& name, const std::string& value) {
+  try {
+    size_t used = 0;
+    long long v = std::stoll(value, &used);
+    if (used == value.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw ConfigError(fmt::format("environment variable {}='{}' is not an integer", name, value));
+}
+
+std::optional<int64_t> int_var(const Env& env, const std::string& name) {
+  auto v = env(name);
+  return v ? std::optional<int64_t>(to_int(name, *v)) : std::nullopt;
+}
+
+// Splits on commas that are not inside brackets.
+std::vector<std::string> split_top(const std::string& s) {
+  std::vector<std::string> parts;
+  std::string cur;
+  int depth = 0;
+  for (char c : s) {
+    if (c == '[') ++depth;
+    if (c == ']') --depth;
+    if (c == ',' && depth == 0) {
+      parts.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  parts.push_back(cur);
+  return parts;
+}
+
+}  // namespace
+
+std::vector<std::string> expand_hostlist(const std::string& list) {
+  auto bad = [&](const std::string& why) {
+    return ConfigError(fmt::format("SLURM node list '{}': {}", list, why));
+  };
+  std::vector<std::string> hosts;
+  for (const auto& part : split_top(list)) {
+    if (part.empty()) throw bad("empty host name");
+    auto open = part.find('[');
+    if (open == std::string::npos) {
+      if (part.find(']') != std::string::npos) throw bad("unbalanced ']'");
+      hosts.push_back(part);
+      continue;
+    }
+    auto close = part.find(']', open);
+    if (close == std::string::npos) throw bad("unbalanced '['");
+    const std::string prefix = part.substr(0, open), suffix = part.substr(close + 1);
+    if (suffix.find('[') != std::string::npos) {
+      // node[1-2]-rack[3-4]: expand the first bracket, then the rest recursively.
+      for (const auto& head : expand_hostlist(part.substr(0, close + 1)))
+        for (const auto& tail : expand_hostlist("x" + suffix)) hosts.push_back(head + tail.substr(1));
+      continue;
+    }
+    for (const auto& range : split_top(part.substr(open + 1, close - open - 1))) {
+      auto dash = range.find('-');
+      const std::string lo = range.substr(0, dash);
+      const std::string hi = dash == std::string::npos ? lo : range.substr(dash + 1);
+      if (lo.empty() || hi.empty() || lo.find_first_not_of("0123456789") != std::string::npos ||
+          hi.find_first_not_of("0123456789") != std::string::npos)
+        throw bad(fmt::format("bad range '{}'", range));
+      const int64_t a = std::stoll(lo), b = std::stoll(hi);
+      if (b < a || b - a > 100000) throw bad(fmt::format("bad range '{}'", range));
+      for (int64_t i = a; i <= b; ++i)  // zero padding follows the lower bound's width
+        hosts.push_back(prefix + fmt::format("{:0{}d}", i, lo.size()) + suffix);
+    }
+  }
+  return hosts;
+}
+
+std::string first_slurm_host(const std::string& nodelist) {
+  std::string cmd = "scontrol show hostnames '" + nodelist + "' 2>/dev/null";
+  if (nodelist.find('\'') == std::string::npos) {
+    std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), pclose);
+    char line[512];
+    if (p && std::fgets(line, sizeof line, p.get())) {
+      std::string host(line);
+      host.erase(host.find_last_not_of(" \n") + 1);
+      if (!host.empty()) return host;
+    }
+  }
+  auto hosts = expand_hostlist(nodelist);
+  return hosts.front();
+}
+
+WorldInfo discover_world(const Env& env, int64_t config_port,
+                         const std::function<std::string(const std::string&)>& first_host) {
+  WorldInfo w;
+  if (env("RANK") && env("WORLD_SIZE")) {
+    w.launcher = "env";
+    w.rank = to_int("RANK", *env("RANK"));
+    w.world = to_int("WORLD_SIZE", *env("WORLD_SIZE"));
+    w.local_rank = int_var(env, "LOCAL_RANK").value_or(w.rank);
+    w.local_world = int_var(env, "LOCAL_WORLD_SIZE").value_or(w.world);
+    w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    w.launcher = "slurm";
+    w.rank = to_int("SLURM_PROCID", *env("SLURM_PROCID"));
+    w.world = to_int("SLURM_NTASKS", *env("SLURM_NTASKS"));
+    w.local_rank = int_var(env, "SLURM_LOCALID").value_or(0);
+    // SLURM_NTASKS_PER_NODE may read "2(x3)"; the step's own count is plain.
+    auto per_node = env("SLURM_STEP_TASKS_PER_NODE") ? env("SLURM_STEP_TASKS_PER_NODE")
+                                                     : env("SLURM_TASKS_PER_NODE");
+    w.local_world = per_node ? std::max<int64_t>(1, std::atoll(per_node->c_str())) : 1;
+    if (auto addr = env("MASTER_ADDR")) {
+      w.master_addr = *addr;
+    } else if (auto nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST")
+                                                       : env("SLURM_JOB_NODELIST")) {
+      w.master_addr = first_host(*nodes);
+    }
+  } else if (env("OMPI_COMM_WORLD_RANK") && env("OMPI_COMM_WORLD_SIZE")) {
+    w.launcher = "openmpi";
+    w.rank = to_int("OMPI_COMM_WORLD_RANK", *env("OMPI_COMM_WORLD_RANK"));
+    w.world = to_int("OMPI_COMM_WORLD_SIZE", *env("OMPI_COMM_WORLD_SIZE"));
+    w.local_rank = int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
+    w.local_world = int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE").value_or(1);
+    w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
+  } else if (env("PMI_RANK") && env("PMI_SIZE")) {
+    w.launcher = "pmi";
+    w.rank = to_int("PMI_RANK", *env("PMI_RANK"));
+    w.world = to_int("PMI_SIZE", *env("PMI_SIZE"));
+    w.local_rank = int_var(env, "MPI_LOCALRANKID").value_or(0);
+    w.local_world = int_var(env, "MPI_LOCALNRANKS").value_or(1);
+    w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
+  }
+  if (w.world < 1 || w.rank < 0 || w.rank >= w.world)
+    throw ConfigError(fmt::format("launcher '{}' gave rank {} of world size {}", w.launcher,
+                                  w.rank, w.world));
+  if (w.local_world < 1 || w.local_rank < 0 || w.local_rank >= w.local_world)
+    w.local_rank = 0, w.local_world = 1;  // inconsistent local info: don't split the cores
+
+  // A launcher that names the port (torchrun, our own --nproc) must win over the job file.
+  if (auto p = int_var(env, "MASTER_PORT")) {
+    w.master_port = *p;
+  } else if (config_port > 0) {
+    w.master_port = config_port;
+  } else if (w.launcher == "slurm" && env("SLURM_JOB_ID")) {
+    w.master_port = 20000 + to_int("SLURM_JOB_ID", *env("SLURM_JOB_ID")) % 20000;
+  } else {
+    w.master_port = 29500;
+  }
+  return w;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,50 @@
+// Data-parallel gradient averaging. The flat gradient buffer is cut into buckets of about
+// parallel.bucket_mb, in reverse parameter order (the order backward produces them). An
+// autograd post-hook on each parameter's AccumulateGrad node counts its bucket down; a
+// bucket whose gradients are all final is all-reduced at once, asynchronously, so the
+// communication overlaps the rest of backward. Buckets are launched strictly in order, so
+// every rank issues the same sequence of collectives.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "dist/comm.hpp"
+#include "train/flat_params.hpp"
+
+namespace dtrain {
+
+class GradReducer {
+ public:
+  GradReducer(torch::nn::Module& model, FlatParams& params, std::shared_ptr<Comm> comm,
+              double bucket_mb);
+
+  // Gradient accumulation: micro-steps before the last do not communicate.
+  void set_sync(bool on) { sync_ = on; }
+  // Launches buckets no hook completed (parameters unused this step), waits for all, and
+  // leaves the averaged gradient in params.grad(). Returns the ms spent waiting.
+  double finalize();
+
+  int64_t bytes_per_step() const { return params_.grad().numel() * params_.grad().element_size(); }
+  size_t buckets() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    int64_t offset, numel;
+    int64_t params;      // how many parameters it spans
+    int64_t remaining;   // hooks still to fire this step
+  };
+  void on_grad_ready(size_t bucket);
+  void launch_ready();
+
+  FlatParams& params_;
+  std::shared_ptr<Comm> comm_;
+  std::vector<Bucket> buckets_;  // in launch order (highest offsets first)
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // hooks live on these
+  std::vector<std::unique_ptr<Pending>> inflight_;
+  size_t next_launch_ = 0;
+  bool sync_ = true;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,159 @@
+// Data parallelism through `dtrain run --nproc N`: numerical equivalence with one process on
+// the same global batch, and what happens when a worker dies or stalls.
+#include <doctest/doctest.h>
+
+#include <torch/torch.h>
+
+#include "checkpoint/safetensors.hpp"
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+// Synthetic data, no dropout, one thread per rank: what 1, 2 and 4 ranks must agree on.
+std::string dp_job(const std::string& dir, const std::string& model) {
+  auto path = dir + "/dp.yaml";
+  std::ofstream(path) << "name: dp-check\nseed: 11\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                      << model
+                      << "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}\n"
+                         "schedule: {warmup_steps: 5, decay: cosine}\n"
+                         "train: {max_steps: 60, log_every: 1, threads: 1, eval_every: 30}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+std::map<int64_t, double> losses(const std::string& run_dir) {
+  std::map<int64_t, double> out;
+  for (const auto& l : of_kind(metrics(run_dir), "train")) out[l["step"]] = l["loss"];
+  return out;
+}
+
+// Runs the job at each size and checks every step's loss and the final weights against
+// the one-process run, to 1e-5 relative.
+void check_equivalent(const std::string& dir, const std::string& job, const std::string& extra,
+                      std::vector<int> sizes) {
+  std::map<int, std::map<int64_t, double>> runs;
+  std::map<int, dtrain::SafetensorsFile> weights;
+  for (int n : sizes) {
+    auto run = dir + "/n" + std::to_string(n);
+    auto r = e2e::dtrain("run " + job + " --nproc " + std::to_string(n) + " --run-dir " + run + extra + kQuiet);
+    INFO("nproc " << n << ": " << r.err);
+    REQUIRE(r.code == 0);
+    runs[n] = losses(run);
+    REQUIRE(runs[n].size() == 60);
+    weights[n] = dtrain::read_safetensors(run + "/checkpoints/step-00000060/model.safetensors");
+    CHECK(metrics(run).back()["world_size"] == n);
+  }
+  const auto& ref = runs[sizes[0]];
+  for (int n : sizes) {
+    for (const auto& [step, loss] : ref) {
+      INFO("nproc " << n << " step " << step << ": " << runs[n][step] << " vs " << loss);
+      CHECK(std::abs(runs[n][step] - loss) <= 1e-5 * std::abs(loss));
+    }
+    REQUIRE(weights[n].tensors.size() == weights[sizes[0]].tensors.size());
+    for (size_t i = 0; i < weights[n].tensors.size(); ++i) {
+      const auto& [name, t] = weights[n].tensors[i];
+      const auto& ref_t = weights[sizes[0]].tensors[i].second;
+      INFO("nproc " << n << " tensor " << name);
+      CHECK(torch::allclose(t, ref_t, /*rtol=*/1e-5, /*atol=*/1e-6));
+    }
+  }
+}
+}  // namespace
+
+TEST_SUITE("data_parallel") {
+  TEST_CASE("MLP: 1, 2 and 4 ranks give the same losses and weights") {
+    auto dir = temp_dir("dp-mlp");
+    check_equivalent(dir, dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n"), "", {1, 2, 4});
+  }
+
+  TEST_CASE("MLP: 2 ranks with gradient accumulation equal 1 rank without") {
+    auto dir = temp_dir("dp-accum");
+    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    // 1 rank x 32 samples in one pass vs 2 ranks x 2 micro-batches of 8.
+    auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one" + kQuiet);
+    REQUIRE(one.code == 0);
+    auto two = e2e::dtrain("run " + job + " --nproc 2 --run-dir " + dir + "/two --set train.grad_accum=2" + kQuiet);
+    INFO(two.err);
+    REQUIRE(two.code == 0);
+    auto a = losses(dir + "/one"), b = losses(dir + "/two");
+    for (const auto& [step, loss] : a) CHECK(std::abs(b[step] - loss) <= 1e-5 * std::abs(loss));
+  }
+
+  TEST_CASE("CNN with SyncBatchNorm: 2 and 4 ranks match one process") {
+    auto dir = temp_dir("dp-cnn");
+    auto job = dp_job(dir, "model: {arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}\n"
+                           "parallel: {sync_batchnorm: true}\n");
+    check_equivalent(dir, job, "", {1, 2, 4});
+  }
+
+  TEST_CASE("a bucket smaller than one parameter still averages everything") {
+    auto dir = temp_dir("dp-buckets");
+    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    check_equivalent(dir, job, " --set parallel.bucket_mb=0.001", {1, 2});
+  }
+}
+
+TEST_SUITE("failures") {
+  TEST_CASE("SIGKILL to a worker ends the job with exit 4 naming the rank; --max-restarts recovers") {
+    auto dir = temp_dir("kill");
+    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    const std::string common = " --nproc 2 --set train.max_steps=100000 --set train.log_every=10"
+                               " --set checkpoint.every_steps=50" + std::string(kQuiet);
+    {
+      auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a" + common);
+      REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
+      pid_t victim = worker_pid(bg.pid, 1);
+      REQUIRE(victim > 0);
+      const auto t0 = std::chrono::steady_clock::now();
+      ::kill(victim, SIGKILL);
+      int code = wait_for(bg.pid, std::chrono::seconds(30 + 10));
+      const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto err = slurp(bg.err);
+      INFO(err);
+      CHECK(code == 4);
+      CHECK(took < 40);
+      CHECK(err.find("dtrain: error: rank 1 was killed by signal 9") != std::string::npos);
+    }
+    {
+      // The same with one restart allowed: the job comes back from its checkpoint and ends
+      // at max_steps.
+      auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/b --max-restarts 1" + common +
+                             " --set train.max_steps=400");
+      REQUIRE(wait_for_step(dir + "/b", 120, std::chrono::seconds(60)));
+      pid_t victim = worker_pid(bg.pid, 0);
+      REQUIRE(victim > 0);
+      ::kill(victim, SIGKILL);
+      int code = wait_for(bg.pid, std::chrono::seconds(120));
+      auto err = slurp(bg.err);
+      INFO(err);
+      CHECK(code == 0);
+      CHECK(err.find("restarting all 2 workers") != std::string::npos);
+      auto lines = metrics(dir + "/b");
+      CHECK(lines.back()["kind"] == "summary");
+      CHECK(lines.back()["steps"] == 400);
+    }
+  }
+
+  TEST_CASE("a stalled worker (SIGSTOP) makes the others fail with the timeout, not hang") {
+    auto dir = temp_dir("stall");
+    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a --nproc 2 --set dist.timeout_s=5"
+                           " --set train.max_steps=100000 --set train.log_every=10" + kQuiet);
+    REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
+    pid_t victim = worker_pid(bg.pid, 1);
+    REQUIRE(victim > 0);
+    ::kill(victim, SIGSTOP);
+    int code = wait_for(bg.pid, std::chrono::seconds(5 + 25));
+    if (code == -1) ::kill(bg.pid, SIGKILL), ::kill(victim, SIGKILL);
+    auto err = slurp(bg.err);
+    INFO(err);
+    CHECK(code == 4);
+    CHECK(err.find("[rank 0] dtrain: error: rank 0:") != std::string::npos);
+    CHECK(err.find("timeout 5 s") != std::string::npos);
+  }
+}
