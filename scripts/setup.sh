@@ -4,6 +4,7 @@
 # (the tests are built by scripts/test.sh).
 # Idempotent: rerunning installs nothing new and rebuilds only what changed.
 #   scripts/setup.sh            install + build
+#   scripts/setup.sh --test     also what the launcher tests run: SLURM, munge, OpenMPI
 #   scripts/setup.sh --bench    also the PyTorch baseline's packages (scripts/bench.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,9 @@ packages=(build-essential cmake pkg-config
           libopenblas0-openmp)   # LibTorch calls libblas.so.3: the reference BLAS is ~19x slower
 for arg in "$@"; do
   case "$arg" in
+    --test) packages+=(slurm-wlm munge openmpi-bin) ;;
     --bench) packages+=(python3 python3-torch python3-numpy) ;;
-    *) echo "usage: scripts/setup.sh [--bench]" >&2; exit 2 ;;
+    *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
   esac
 done
 
