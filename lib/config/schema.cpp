@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -127,9 +128,12 @@ void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
 
 void load_map(std::vector<Field>& fields, const YAML::Node& map, const std::string& prefix,
               const std::string& origin, const std::vector<std::string>& sections) {
+  std::set<std::string> seen;
   for (auto it = map.begin(); it != map.end(); ++it) {
     const std::string key = prefix + it->first.as<std::string>();
     const std::string at = where(it->first.Mark(), origin);
+    // yaml-cpp keeps both copies of a repeated key; one of them would be silently ignored.
+    if (!seen.insert(key).second) throw ConfigError(fmt::format("{}: duplicate key '{}'", at, key));
     if (prefix.empty() && std::find(sections.begin(), sections.end(), key) != sections.end()) {
       if (it->second.IsNull()) continue;
       if (!it->second.IsMap())

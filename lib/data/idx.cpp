@@ -62,8 +62,16 @@ torch::Tensor read_idx(const std::string& path, int64_t expected_dims) {
   auto t = torch::empty(dims, torch::kUInt8);
   read_exact(f.get(), t.data_ptr<uint8_t>(), static_cast<size_t>(count), path, "data");
   unsigned char extra;
-  if (gzread(f.get(), &extra, 1) != 0)
+  const int more = gzread(f.get(), &extra, 1);
+  int errnum = Z_OK;
+  const char* why = gzerror(f.get(), &errnum);
+  if (more < 0) throw DataError(fmt::format("{}: corrupt file ({})", path, why));
+  if (more > 0)
     throw DataError(fmt::format("{}: more data than the header's {} bytes", path, count));
+  // zlib's end of input inside a gzip stream: the data is all there but the trailer
+  // (its CRC-32) is not, so nothing vouches for it.
+  if (errnum == Z_BUF_ERROR)
+    throw DataError(fmt::format("{}: truncated gzip stream (it ends before its checksum)", path));
   return t;
 }
 

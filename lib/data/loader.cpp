@@ -68,7 +68,7 @@ void Loader::work() {
       ready_.emplace(g, std::move(b));
     } catch (...) {
       std::lock_guard<std::mutex> lock(mu_);
-      error_ = std::current_exception();
+      if (!error_ || g < error_step_) error_ = std::current_exception(), error_step_ = g;
     }
     ready_cv_.notify_all();
   }
@@ -82,9 +82,14 @@ Batch Loader::next(double* wait_ms) {
     b = make(next_take_++);
   } else {
     std::unique_lock<std::mutex> lock(mu_);
-    ready_cv_.wait(lock, [&] { return error_ || ready_.count(next_take_); });
-    if (error_) std::rethrow_exception(error_);
-    auto it = ready_.find(next_take_++);
+    ready_cv_.wait(lock, [&] {
+      return ready_.count(next_take_) || (error_ && error_step_ <= next_take_);
+    });
+    // A batch that is ready is delivered even if a later one failed: the error belongs to
+    // the step that needed it.
+    auto it = ready_.find(next_take_);
+    if (it == ready_.end()) std::rethrow_exception(error_);
+    ++next_take_;
     b = std::move(it->second);
     ready_.erase(it);
   }

@@ -42,7 +42,8 @@ class Loader {
   int64_t next_claim_;
   std::map<int64_t, Batch> ready_;
   std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> orders_;  // by epoch
-  std::exception_ptr error_;
+  std::exception_ptr error_;  // the failure of step error_step_ (the earliest that failed)
+  int64_t error_step_ = 0;
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };

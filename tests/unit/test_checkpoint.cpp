@@ -28,7 +28,7 @@ NamedTensors sample_tensors() {
   torch::manual_seed(5);
   return {
       {"layer.weight", torch::randn({3, 4})},
-      {"index", torch::tensor({-5, 0, 1234567890123LL}, torch::kInt64)},
+      {"index", torch::tensor({int64_t{-5}, int64_t{0}, int64_t{1234567890123}}, torch::kInt64)},
       {"bytes", torch::tensor({0, 1, 200, 255}, torch::kUInt8)},
       {"half.precision", torch::randn({2, 3}).to(torch::kBFloat16)},
       {"scalar", torch::tensor(3.5, torch::kFloat64)},
@@ -157,7 +157,7 @@ TEST_CASE("safetensors: the byte layout is the published format") {
   const size_t i0 = h["index"]["data_offsets"][0];
   int64_t big;
   std::memcpy(&big, bytes.data() + base + i0 + 16, sizeof big);
-  CHECK(big == 1234567890123LL);
+  CHECK(big == int64_t{1234567890123});
   // The transposed tensor is written in its logical (row-major) order: 0 3 1 4 2 5.
   const size_t t0 = h["transposed"]["data_offsets"][0];
   float tv[6];

@@ -237,6 +237,8 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"unknown key, suggested", "data:\n  batchsize: 32\n",
        {"bad.yaml:2:3", "unknown key 'data.batchsize'", "did you mean 'data.batch_size'"}},
       {"top-level misplaced key", "lr: 0.1\n", {"unknown key 'lr'", "did you mean 'optimizer.lr'"}},
+      {"duplicate key", "optimizer:\n  lr: 0.1\n  lr: 0.2\n",
+       {"bad.yaml:3:3", "duplicate key 'optimizer.lr'"}},
       {"misspelt leaf in a section", "optimizer:\n  momentun: 0.5\n",
        {"did you mean 'optimizer.momentum'"}},
       {"wrong type: integer", "data:\n  batch_size: abc\n",

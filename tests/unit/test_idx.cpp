@@ -61,10 +61,11 @@ void check_bad_idx(const std::string& path, int64_t dims, const std::string& why
     read_idx(path, dims);
     FAIL("no DataError for " << path);
   } catch (const DataError& e) {
-    CAPTURE(e.what());
+    const std::string msg = e.what();
+    CAPTURE(msg);
     CHECK(e.code == kExitBadData);
-    CHECK(contains(e.what(), path));
-    CHECK(contains(e.what(), why));
+    CHECK(contains(msg, path));
+    CHECK(contains(msg, why));
   }
 }
 
@@ -143,6 +144,18 @@ TEST_CASE("idx: a corrupt gzip stream throws DataError naming the file") {
     b[b.size() - 8] = static_cast<char>(b[b.size() - 8] ^ 0x5a);
     test::write_bytes(path, b);
     check_bad_idx(path, 3, "corrupt");
+  }
+  SUBCASE("a gzip stream cut short inside its 8-byte trailer") {
+    // Every data byte is there, but the checksum that would vouch for them is not: a
+    // truncated download, which must not pass as a good file.
+    const std::string path = dir / "cut.gz";
+    write_gz(path, content);
+    const std::string b = test::read_bytes(path);
+    for (size_t cut : {1, 4, 8}) {
+      CAPTURE(cut);
+      test::write_bytes(path, b.substr(0, b.size() - cut));
+      check_bad_idx(path, 3, "truncated");
+    }
   }
 }
 

@@ -29,7 +29,7 @@ torch::nn::Sequential clone_of(const torch::nn::Sequential& m) {
 struct Data {
   std::vector<torch::Tensor> x, t;
 };
-Data random_data(int steps) {
+Data make_data(int steps) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2024);
   Data d;
   for (int i = 0; i < steps; ++i) {
@@ -61,10 +61,9 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
 const double kLrs[] = {0.1, 0.05, 0.2, 0.08, 0.12, 0.1, 0.07};
 
 // Steps dtrain's optimizer (over FlatParams) and a LibTorch reference in lockstep.
-void check_against_reference(const OptimizerConfig& cfg, torch::optim::Optimizer& ref_opt,
-                             torch::nn::Sequential& model, torch::nn::Sequential& ref,
-                             FlatParams& flat, Optimizer& opt) {
-  auto data = random_data(5);
+void check_against_reference(torch::optim::Optimizer& ref_opt, torch::nn::Sequential& model,
+                             torch::nn::Sequential& ref, FlatParams& flat, Optimizer& opt) {
+  auto data = make_data(5);
   for (int step = 0; step < 5; ++step) {
     CAPTURE(step);
     flat.zero_grad();
@@ -80,7 +79,6 @@ void check_against_reference(const OptimizerConfig& cfg, torch::optim::Optimizer
   }
   // ... and the parameters did move.
   CHECK(max_param_diff(model, small_model(1)) > 1e-3);
-  (void)cfg;
 }
 
 }  // namespace
@@ -155,7 +153,7 @@ TEST_CASE("optimizer: sgd with momentum and weight decay matches torch::optim::S
   auto opt = make_optimizer(cfg, flat);
   torch::optim::SGD ref_opt(ref->parameters(),
                             torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
-  check_against_reference(cfg, ref_opt, model, ref, flat, *opt);
+  check_against_reference(ref_opt, model, ref, flat, *opt);
 }
 
 TEST_CASE("optimizer: sgd nesterov matches torch::optim::SGD") {
@@ -171,7 +169,7 @@ TEST_CASE("optimizer: sgd nesterov matches torch::optim::SGD") {
   torch::optim::SGD ref_opt(
       ref->parameters(),
       torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01));
-  check_against_reference(cfg, ref_opt, model, ref, flat, *opt);
+  check_against_reference(ref_opt, model, ref, flat, *opt);
 }
 
 TEST_CASE("optimizer: plain sgd (no momentum) matches torch::optim::SGD") {
@@ -183,7 +181,7 @@ TEST_CASE("optimizer: plain sgd (no momentum) matches torch::optim::SGD") {
   FlatParams flat(*model);
   auto opt = make_optimizer(cfg, flat);
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
-  check_against_reference(cfg, ref_opt, model, ref, flat, *opt);
+  check_against_reference(ref_opt, model, ref, flat, *opt);
 }
 
 TEST_CASE("optimizer: adamw with weight decay matches torch::optim::AdamW") {
@@ -201,7 +199,7 @@ TEST_CASE("optimizer: adamw with weight decay matches torch::optim::AdamW") {
                                                      .betas({0.9, 0.999})
                                                      .eps(1e-8)
                                                      .weight_decay(0.01));
-  check_against_reference(cfg, ref_opt, model, ref, flat, *opt);
+  check_against_reference(ref_opt, model, ref, flat, *opt);
 }
 
 TEST_CASE("optimizer: state() -> load_state() into a fresh optimizer continues identically") {
@@ -210,7 +208,7 @@ TEST_CASE("optimizer: state() -> load_state() into a fresh optimizer continues i
     OptimizerConfig cfg;
     cfg.name = name;
     cfg.weight_decay = 0.01;
-    auto data = random_data(7);
+    auto data = make_data(7);
 
     auto a = small_model(1);
     FlatParams fa(*a);
