@@ -103,6 +103,7 @@ struct TrainConfig {
   int64_t eval_batch_size = 1000;
   int64_t log_every = 10;       // steps between train lines in metrics.jsonl
   int64_t threads = 0;          // intra-op threads per process; 0 = cores / local processes
+  bool pin_threads = true;      // pin each intra-op thread to its own CPU (see util/affinity.hpp)
 
   template <class V> void visit(V&& v) {
     v("epochs", epochs);
@@ -112,6 +113,7 @@ struct TrainConfig {
     v("eval_batch_size", eval_batch_size);
     v("log_every", log_every);
     v("threads", threads);
+    v("pin_threads", pin_threads);
   }
 };
 

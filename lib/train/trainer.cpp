@@ -30,9 +30,11 @@
 #include "train/optimizer.hpp"
 #include "train/schedule.hpp"
 #include "train/signals.hpp"
+#include "util/affinity.hpp"
 #include "util/blas.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/memory.hpp"
 #include "util/shape.hpp"
 
 namespace dtrain {
@@ -135,6 +137,7 @@ class Trainer {
 };
 
 void Trainer::setup() {
+  tune_allocator();
   layout_ = derive_layout(cfg_, comm_->size());
   // Local processes share the machine's cores.
   const int64_t threads =
@@ -142,6 +145,9 @@ void Trainer::setup() {
           ? cfg_.train.threads
           : std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()) / world_.local_world);
   torch::set_num_threads(static_cast<int>(threads));
+  const std::string pinning = cfg_.train.pin_threads
+                                  ? pin_compute_threads(threads, world_.local_rank, world_.local_world)
+                                  : "not pinned";
   torch::manual_seed(static_cast<uint64_t>(cfg_.seed));
   progress_ = std::make_unique<Progress>(root_ ? cfg_.logging.progress : "off", 0);
 
@@ -181,11 +187,11 @@ void Trainer::setup() {
   say(fmt::format(
       "dtrain {}: job '{}', {} ({} parameters), {} ({} train / {} test), batch {}, {} steps "
       "({} per epoch), world {} (data {} x tensor {} x pipeline {}, launcher {}), {} thread(s) "
-      "per rank, BLAS {}{}; logs in {}",
+      "per rank ({}), BLAS {}{}; logs in {}",
       DTRAIN_VERSION, cfg_.name, cfg_.model.arch, params_->data().numel(), cfg_.data.dataset,
       data_.train.size(), data_.test.size(), cfg_.data.batch_size, total_steps_,
       sampler_->steps_per_epoch(), comm_->size(), layout_.data, layout_.tensor, layout_.pipeline,
-      world_.launcher, threads, blas.empty() ? "unknown" : blas,
+      world_.launcher, threads, pinning, blas.empty() ? "unknown" : blas,
       resume_from ? fmt::format(", resumed at step {} from {}", step_, *resume_from) : "",
       cfg_.run_dir));
 }
