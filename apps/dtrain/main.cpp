@@ -68,7 +68,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   cfg = load(job, run_dir, world.world);
   std::shared_ptr<Comm> comm =
       world.world == 1 ? make_local_comm()
-                       : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s)});
+                       : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s),
+                                                cfg.dist.gloo_threads});
   return run_training(cfg, RunOptions{resume}, world, comm).exit_code;
 }
 

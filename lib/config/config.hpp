@@ -125,7 +125,10 @@ struct ParallelConfig {
   int64_t micro_batches = 4;
   int64_t zero = 0;                  // 0 | 1
   bool sync_batchnorm = false;
-  double bucket_mb = 25.0;
+  // Gradient all-reduce granularity. 1 MiB, not DDP's 25: with Gloo over TCP, large
+  // parameters split into 1 MiB all-reduces that run side by side (MLP at 2 ranks on
+  // 2 cores: 29-30k samples/s against 24k with 25 MiB).
+  double bucket_mb = 1.0;
   std::string compression = "none";  // none | fp16 | bf16 | sign | topk
   double topk_ratio = 0.01;
   std::string mode = "sync";         // sync | async_ps | local_sgd
@@ -163,11 +166,13 @@ struct DistConfig {
   std::string backend = "auto";  // auto | gloo | nccl
   int64_t timeout_s = 120;       // bound on every collective
   int64_t port = 0;  // rendezvous port: 0 = MASTER_PORT, else 29500 (SLURM: from the job id)
+  int64_t gloo_threads = 2;      // collectives Gloo runs at once per process (1 and 3 measured slower)
 
   template <class V> void visit(V&& v) {
     v("backend", backend, Choices{"auto", "gloo", "nccl"});
     v("timeout_s", timeout_s);
     v("port", port);
+    v("gloo_threads", gloo_threads);
   }
 };
 

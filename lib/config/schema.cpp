@@ -372,6 +372,8 @@ void check_ranges(const JobConfig& c) {
   need(c.dist.timeout_s >= 1, "dist.timeout_s", ">= 1", c.dist.timeout_s);
   need(c.dist.port >= 0 && c.dist.port <= 65535, "dist.port", "between 0 (automatic) and 65535",
        c.dist.port);
+  need(c.dist.gloo_threads >= 1 && c.dist.gloo_threads <= 64, "dist.gloo_threads",
+       "between 1 and 64", c.dist.gloo_threads);
   need(c.checkpoint.every_steps >= 0, "checkpoint.every_steps", ">= 0 (0 = each epoch)",
        c.checkpoint.every_steps);
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);

@@ -182,7 +182,7 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
 #endif
     }
     auto o = c10d::ProcessGroupGloo::Options::create(timeout);
-    o->threads = opts.gloo_threads;
+    o->threads = static_cast<int>(opts.gloo_threads);
     // One machine: talk over loopback. Several: this host's own interface (Gloo's default
     // resolves the hostname; GLOO_SOCKET_IFNAME picks an interface explicitly).
     const bool loopback = world.master_addr == "localhost" || world.master_addr.rfind("127.", 0) == 0;

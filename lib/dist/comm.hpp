@@ -45,7 +45,7 @@ std::shared_ptr<Comm> make_local_comm();
 struct CommOptions {
   std::string backend = "gloo";          // gloo | nccl
   std::chrono::seconds timeout{120};
-  int gloo_threads = 1;                  // Gloo's worker threads per process
+  int64_t gloo_threads = 2;              // Gloo's worker threads per process
 };
 
 // Rendezvous through a TCPStore at world.master_addr:master_port (rank 0 hosts it), then

@@ -1,9 +1,9 @@
-// Data-parallel gradient averaging. The flat gradient buffer is cut into buckets of about
-// parallel.bucket_mb, in reverse parameter order (the order backward produces them). An
-// autograd post-hook on each parameter's AccumulateGrad node counts its bucket down; a
-// bucket whose gradients are all final is all-reduced at once, asynchronously, so the
-// communication overlaps the rest of backward. Buckets are launched strictly in order, so
-// every rank issues the same sequence of collectives.
+// Data-parallel gradient averaging. The flat gradient buffer is cut into buckets of
+// parallel.bucket_mb, from its end (the order backward produces gradients) to its start. An
+// autograd post-hook on each parameter's AccumulateGrad node counts down the buckets it
+// touches; a bucket whose gradients are all final is all-reduced at once, asynchronously,
+// so the communication overlaps the rest of backward. Buckets are launched strictly in
+// order, so every rank issues the same sequence of collectives.
 #pragma once
 #include <memory>
 #include <vector>
@@ -23,8 +23,8 @@ class GradReducer {
   // Gradient accumulation: micro-steps before the last do not communicate.
   void set_sync(bool on) { sync_ = on; }
   // Launches buckets no hook completed (parameters unused this step), waits for all, and
-  // leaves the averaged gradient in params.grad(). Returns the ms spent waiting.
-  double finalize();
+  // leaves the averaged gradient in params.grad().
+  void finalize();
 
   int64_t bytes_per_step() const { return params_.grad().numel() * params_.grad().element_size(); }
   size_t buckets() const { return buckets_.size(); }
@@ -32,7 +32,7 @@ class GradReducer {
  private:
   struct Bucket {
     int64_t offset, numel;
-    int64_t params;      // how many parameters it spans
+    int64_t params;      // how many parameters overlap it
     int64_t remaining;   // hooks still to fire this step
   };
   void on_grad_ready(size_t bucket);
