@@ -57,9 +57,7 @@ std::vector<std::string> worker_args(int argc, char** argv) {
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
             int64_t nproc, int64_t max_restarts, int argc, char** argv) {
   auto env = process_env();
-  const bool worker = env("RANK") || env("SLURM_PROCID") || env("OMPI_COMM_WORLD_RANK") ||
-                      env("PMI_RANK");
-  if (nproc > 1 && !worker) {
+  if (nproc > 1 && detect_launcher(env) == "single") {
     load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv)});
   }

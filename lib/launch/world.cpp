@@ -115,45 +115,55 @@ std::string first_slurm_host(const std::string& nodelist) {
   return hosts.front();
 }
 
+namespace {
+
+// Where each launcher puts the rank, the world size and the local layout, in the order
+// they are looked for. SLURM's node list is handled on its own.
+struct LauncherVars {
+  const char *name, *rank, *size, *local_rank, *local_size;
+};
+const LauncherVars kLaunchers[] = {
+    {"env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+    {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+};
+
+const LauncherVars* find_launcher(const Env& env) {
+  for (const auto& l : kLaunchers)
+    if (env(l.rank) && env(l.size)) return &l;
+  return nullptr;
+}
+
+}  // namespace
+
+std::string detect_launcher(const Env& env) {
+  const auto* l = find_launcher(env);
+  return l ? l->name : "single";
+}
+
 WorldInfo discover_world(const Env& env, int64_t config_port,
                          const std::function<std::string(const std::string&)>& first_host) {
   WorldInfo w;
-  if (env("RANK") && env("WORLD_SIZE")) {
-    w.launcher = "env";
-    w.rank = to_int("RANK", *env("RANK"));
-    w.world = to_int("WORLD_SIZE", *env("WORLD_SIZE"));
-    w.local_rank = int_var(env, "LOCAL_RANK").value_or(w.rank);
-    w.local_world = int_var(env, "LOCAL_WORLD_SIZE").value_or(w.world);
+  if (const auto* l = find_launcher(env)) {
+    w.launcher = l->name;
+    w.rank = to_int(l->rank, *env(l->rank));
+    w.world = to_int(l->size, *env(l->size));
+    // Without local information (a single-node torchrun does give it), assume one machine
+    // for torchrun-style variables and one process per machine otherwise.
+    const bool env_style = w.launcher == "env";
+    w.local_rank = int_var(env, l->local_rank).value_or(env_style ? w.rank : 0);
+    w.local_world = l->local_size ? int_var(env, l->local_size).value_or(env_style ? w.world : 1) : 1;
     w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
-  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
-    w.launcher = "slurm";
-    w.rank = to_int("SLURM_PROCID", *env("SLURM_PROCID"));
-    w.world = to_int("SLURM_NTASKS", *env("SLURM_NTASKS"));
-    w.local_rank = int_var(env, "SLURM_LOCALID").value_or(0);
-    // SLURM_NTASKS_PER_NODE may read "2(x3)"; the step's own count is plain.
-    auto per_node = env("SLURM_STEP_TASKS_PER_NODE") ? env("SLURM_STEP_TASKS_PER_NODE")
-                                                     : env("SLURM_TASKS_PER_NODE");
-    w.local_world = per_node ? std::max<int64_t>(1, std::atoll(per_node->c_str())) : 1;
-    if (auto addr = env("MASTER_ADDR")) {
-      w.master_addr = *addr;
-    } else if (auto nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST")
-                                                       : env("SLURM_JOB_NODELIST")) {
-      w.master_addr = first_host(*nodes);
+    if (w.launcher == "slurm") {
+      // SLURM_*_TASKS_PER_NODE may read "2(x3)": the leading count is this node's.
+      auto per_node = env("SLURM_STEP_TASKS_PER_NODE") ? env("SLURM_STEP_TASKS_PER_NODE")
+                                                       : env("SLURM_TASKS_PER_NODE");
+      if (per_node) w.local_world = std::max<int64_t>(1, std::atoll(per_node->c_str()));
+      auto nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
+      if (!env("MASTER_ADDR") && nodes) w.master_addr = first_host(*nodes);
     }
-  } else if (env("OMPI_COMM_WORLD_RANK") && env("OMPI_COMM_WORLD_SIZE")) {
-    w.launcher = "openmpi";
-    w.rank = to_int("OMPI_COMM_WORLD_RANK", *env("OMPI_COMM_WORLD_RANK"));
-    w.world = to_int("OMPI_COMM_WORLD_SIZE", *env("OMPI_COMM_WORLD_SIZE"));
-    w.local_rank = int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
-    w.local_world = int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE").value_or(1);
-    w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
-  } else if (env("PMI_RANK") && env("PMI_SIZE")) {
-    w.launcher = "pmi";
-    w.rank = to_int("PMI_RANK", *env("PMI_RANK"));
-    w.world = to_int("PMI_SIZE", *env("PMI_SIZE"));
-    w.local_rank = int_var(env, "MPI_LOCALRANKID").value_or(0);
-    w.local_world = int_var(env, "MPI_LOCALNRANKS").value_or(1);
-    w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
   }
   if (w.world < 1 || w.rank < 0 || w.rank >= w.world)
     throw ConfigError(fmt::format("launcher '{}' gave rank {} of world size {}", w.launcher,

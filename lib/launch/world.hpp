@@ -23,6 +23,9 @@ using Env = std::function<std::optional<std::string>(const std::string&)>;
 Env process_env();  // getenv
 Env map_env(std::map<std::string, std::string> vars);  // for tests
 
+// The launcher whose variables are set: env | slurm | openmpi | pmi, or single.
+std::string detect_launcher(const Env& env);
+
 // Expands a SLURM hostlist ("node[01-03,07],gpu-a1") into host names, in order.
 // Throws ConfigError on malformed input.
 std::vector<std::string> expand_hostlist(const std::string& list);
