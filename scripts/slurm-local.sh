@@ -23,6 +23,9 @@ start() {
   command -v slurmctld >/dev/null && command -v munged >/dev/null ||
     { echo "slurm-local: install slurm-wlm and munge (scripts/setup.sh --test)" >&2; exit 77; }
   [ "$(id -u)" -eq 0 ] || { echo "slurm-local: must run as root" >&2; exit 77; }
+  # slurmd 22.05 will not start without the cgroup file system (a chroot without /sys).
+  [ -e /sys/fs/cgroup/cgroup.controllers ] || [ -d /sys/fs/cgroup/cpu ] ||
+    { echo "slurm-local: no cgroup file system at /sys/fs/cgroup, which slurmd needs" >&2; exit 77; }
   stop
   rm -rf "$STATE"
   mkdir -p "$STATE/munge" "$STATE/ctld" "$STATE/spool"
