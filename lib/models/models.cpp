@@ -76,6 +76,10 @@ std::vector<std::string> model_names() {
   return names;
 }
 
+torch::MemoryFormat preferred_format(const ModelConfig& cfg) {
+  return cfg.arch == "cnn" ? torch::MemoryFormat::ChannelsLast : torch::MemoryFormat::Contiguous;
+}
+
 Model build_model(const ModelConfig& cfg, const ModelInput& input) {
   auto it = registry().find(cfg.arch);
   fail_if<ConfigError>(it == registry().end(), "model.arch: unknown model '{}'", cfg.arch);

@@ -1,4 +1,4 @@
-// Data-parallel gradient averaging. The flat gradient buffer is cut into buckets of
+// Data-parallel gradient averaging. The flat gradient buffer is cut into buckets of up to
 // parallel.bucket_mb, from its end (the order backward produces gradients) to its start. An
 // autograd post-hook on each parameter's AccumulateGrad node counts down the buckets it
 // touches; a bucket whose gradients are all final is all-reduced at once, asynchronously,

@@ -4,7 +4,7 @@
 
 namespace dtrain {
 
-FlatParams::FlatParams(torch::nn::Module& model) {
+FlatParams::FlatParams(torch::nn::Module& model, torch::MemoryFormat format) : format_(format) {
   auto named = model.named_parameters(/*recurse=*/true);
   int64_t total = 0;
   for (const auto& p : named) {
@@ -25,7 +25,10 @@ FlatParams::FlatParams(torch::nn::Module& model) {
 
 torch::Tensor FlatParams::view(const torch::Tensor& flat, size_t i) const {
   const auto& e = entries_[i];
-  return flat.narrow(0, e.offset, e.numel).view(e.shape);
+  auto slot = flat.narrow(0, e.offset, e.numel);
+  if (format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4)  // stored N,H,W,C
+    return slot.view({e.shape[0], e.shape[2], e.shape[3], e.shape[1]}).permute({0, 3, 1, 2});
+  return slot.view(e.shape);
 }
 
 }  // namespace dtrain

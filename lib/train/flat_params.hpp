@@ -18,7 +18,10 @@ class FlatParams {
     std::vector<int64_t> shape;
   };
 
-  explicit FlatParams(torch::nn::Module& model);
+  // With ChannelsLast, 4-d parameters (conv weights) are laid out channels-last in the
+  // buffer, which LibTorch's oneDNN convolutions run ~1.4x faster on CPU.
+  explicit FlatParams(torch::nn::Module& model,
+                      torch::MemoryFormat format = torch::MemoryFormat::Contiguous);
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
@@ -30,6 +33,7 @@ class FlatParams {
  private:
   torch::Tensor data_, grad_;
   std::vector<Entry> entries_;
+  torch::MemoryFormat format_;
 };
 
 }  // namespace dtrain

@@ -115,6 +115,7 @@ class Trainer {
   Layout layout_;
   DataSplits data_;
   Model model_{nullptr};
+  torch::MemoryFormat format_ = torch::MemoryFormat::Contiguous;  // of inputs and weights
   std::unique_ptr<FlatParams> params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradReducer> reducer_;  // only with more than one data-parallel rank
@@ -160,7 +161,8 @@ void Trainer::setup() {
   model_ = build_model(cfg_.model, {data_.sample_shape, data_.classes,
                                     cfg_.parallel.sync_batchnorm && layout_.data > 1
                                         ? comm_ : nullptr});
-  params_ = std::make_unique<FlatParams>(*model_);
+  format_ = preferred_format(cfg_.model);
+  params_ = std::make_unique<FlatParams>(*model_, format_);
   optimizer_ = make_optimizer(cfg_.optimizer, *params_);
   sampler_.emplace(data_.train.size(), cfg_.data.batch_size, cfg_.data.shuffle,
                    static_cast<uint64_t>(cfg_.seed), /*rank=*/comm_->rank(),
@@ -278,7 +280,7 @@ double Trainer::train_step(Window& w, double* grad_norm) {
   const bool bf16 = cfg_.precision.dtype == "bf16";
   double loss_sum = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0;
   for (int64_t a = 0; a < accum; ++a) {
-    auto x = accum == 1 ? batch.x : batch.x.narrow(0, a * micro, micro);
+    auto x = (accum == 1 ? batch.x : batch.x.narrow(0, a * micro, micro)).contiguous(format_);
     auto y = accum == 1 ? batch.y : batch.y.narrow(0, a * micro, micro);
     // 2. forward (bf16 autocast keeps fp32 master weights; the loss is taken in fp32)
     auto t0 = Clock::now();
@@ -350,7 +352,7 @@ EvalResult Trainer::evaluate() {
   const bool bf16 = cfg_.precision.dtype == "bf16";
   for (int64_t start = lo; start < hi; start += cfg_.train.eval_batch_size) {
     const int64_t n = std::min(cfg_.train.eval_batch_size, hi - start);
-    auto x = test.x.narrow(0, start, n), y = test.y.narrow(0, start, n);
+    auto x = test.x.narrow(0, start, n).contiguous(format_), y = test.y.narrow(0, start, n);
     auto logits = autocast(bf16, [&] { return model_->forward(x); }).to(torch::kFloat32);
     loss_sum += torch::nn::functional::cross_entropy(
                     logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))

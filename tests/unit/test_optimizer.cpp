@@ -285,3 +285,24 @@ TEST_CASE("optimizer: an unknown name is a ConfigError") {
   cfg.name = "lamb";
   CHECK_THROWS_AS(make_optimizer(cfg, flat), ConfigError);
 }
+
+TEST_CASE("flat params: channels-last conv weights are views of the buffer and compute the same") {
+  torch::manual_seed(5);
+  torch::nn::Sequential plain(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
+                              torch::nn::ReLU(), torch::nn::Conv2d(8, 4, 3));
+  auto flat_model = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(plain->clone());
+  dtrain::FlatParams flat(*flat_model, torch::MemoryFormat::ChannelsLast);
+  auto w = flat_model->named_parameters()["0.weight"];
+  CHECK(w.is_contiguous(torch::MemoryFormat::ChannelsLast));
+  CHECK(!w.is_contiguous());
+  CHECK(w.data_ptr<float>() == flat.data().data_ptr<float>());  // the first slot of the buffer
+  auto x = torch::randn({2, 3, 6, 6});
+  CHECK(torch::allclose(plain->forward(x), flat_model->forward(x.contiguous(torch::MemoryFormat::ChannelsLast)),
+                        1e-5, 1e-6));
+  // Gradients land in the flat gradient buffer in the same layout.
+  flat_model->forward(x).sum().backward();
+  plain->forward(x).sum().backward();
+  auto g = flat.view(flat.grad(), 0);
+  CHECK(torch::allclose(g, plain->named_parameters()["0.weight"].grad(), 1e-5, 1e-6));
+  CHECK(flat_model->named_parameters()["0.weight"].grad().data_ptr<float>() == flat.grad().data_ptr<float>());
+}
