@@ -45,12 +45,9 @@ void GradReducer::on_grad_ready(size_t bucket) {
 }
 
 void GradReducer::launch_ready() {
-  const double scale = 1.0 / double(comm_->size());
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].remaining == 0) {
     const auto& b = buckets_[next_launch_++];
-    auto view = params_.grad().narrow(0, b.offset, b.numel);
-    view.mul_(scale);  // sum of grad/N = the average
-    inflight_.push_back(comm_->all_reduce_async(view));
+    inflight_.push_back(comm_->all_reduce_async(params_.grad().narrow(0, b.offset, b.numel)));
   }
 }
 

@@ -23,7 +23,8 @@ class GradReducer {
   // Gradient accumulation: micro-steps before the last do not communicate.
   void set_sync(bool on) { sync_ = on; }
   // Launches buckets no hook completed (parameters unused this step), waits for all, and
-  // leaves the averaged gradient in params.grad().
+  // leaves the sum over ranks in params.grad() (the trainer scales each rank's loss by
+  // 1 / ranks, so the sum is the average).
   void finalize();
 
   int64_t bytes_per_step() const { return params_.grad().numel() * params_.grad().element_size(); }

@@ -286,8 +286,12 @@ double Trainer::train_step(Window& w, double* grad_norm) {
     auto t0 = Clock::now();
     auto logits = autocast(bf16, [&] { return model_->forward(x); });
     auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), y);
-    if (accum > 1) loss = loss / double(accum);
-    loss_sum += loss.item<double>();
+    loss_sum += loss.item<double>() / double(accum);
+    // The gradient wanted is the mean over the global batch: scaling the loss by
+    // 1 / (micro-batches x data-parallel ranks) gives it with the all-reduce a plain sum,
+    // and costs nothing (the factor enters at the root of the graph, not as a pass).
+    const double scale = 1.0 / double(accum * layout_.data);
+    if (scale != 1.0) loss = loss * scale;
     forward_ms += ms_since(t0);
     // 3. backward: gradients accumulate into the flat buffer; on the last micro-batch the
     //    reducer all-reduces each bucket as soon as it is complete
