@@ -8,12 +8,40 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include "util/error.hpp"
 
 namespace dtrain {
 namespace {
+
+// Threads inherit their creator's nice value. Gloo's threads (its TCP loop and workers)
+// are created while this is alive at a higher priority than the compute threads, so that
+// when data arrives they preempt compute at once instead of waiting out the scheduler's
+// wake-up granularity (measured, MLP at 2 ranks on 2 cores: the wait for the gradients
+// p90 3.4 -> 1.5 ms, mean step 4.1 -> 3.65 ms).
+// Without the permission to raise priority (no CAP_SYS_NICE) nothing changes.
+class CommThreadPriority {
+ public:
+  CommThreadPriority() {
+    tid_ = static_cast<id_t>(::syscall(SYS_gettid));
+    errno = 0;
+    old_ = ::getpriority(PRIO_PROCESS, tid_);
+    raised_ = errno == 0 && ::setpriority(PRIO_PROCESS, tid_, old_ - 10) == 0;
+  }
+  ~CommThreadPriority() {
+    if (raised_) ::setpriority(PRIO_PROCESS, tid_, old_);
+  }
+
+ private:
+  id_t tid_;
+  int old_ = 0;
+  bool raised_ = false;
+};
 
 class DonePending : public Pending {
  public:
@@ -168,6 +196,7 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
                                 world.rank == 0 ? "hosting the store" : "reaching rank 0",
                                 describe(std::current_exception())));
   }
+  CommThreadPriority priority;  // for the threads created below
   try {
     if (opts.backend == "nccl") {
 #ifdef USE_C10D_NCCL
