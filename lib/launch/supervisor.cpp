@@ -226,8 +226,11 @@ int supervise(const SupervisorOptions& o) {
       pump(ws, 50);
     }
     if (forwarded) {
+      // A worker stops by checkpointing and exiting 128+signal, or, still starting up,
+      // by dying of the signal itself.
       for (auto& w : ws)
-        if (failed(w) && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) >= 128))
+        if (failed(w) && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) >= 128) &&
+            !(WIFSIGNALED(*w.status) && WTERMSIG(*w.status) == forwarded))
           return kExitPeerFailed;
       return forwarded == SIGINT ? 130 : 143;
     }
@@ -236,7 +239,15 @@ int supervise(const SupervisorOptions& o) {
     size_t culprit = *first_failure;
     for (size_t i = 0; i < ws.size(); ++i)
       if (ws[i].status && WIFSIGNALED(*ws[i].status) && !ws[i].stopped_by_us) culprit = i;
-    const std::string what = describe(int(culprit), *ws[culprit].status);
+    const int status = *ws[culprit].status;
+    const std::string what = describe(int(culprit), status);
+    // A bad job spec or unreadable data fails the same way on every attempt: no restart,
+    // and the worker's own exit code (its message says why).
+    if (WIFEXITED(status) &&
+        (WEXITSTATUS(status) == kExitBadSpec || WEXITSTATUS(status) == kExitBadData)) {
+      std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
+      return WEXITSTATUS(status);
+    }
     if (attempt >= o.max_restarts) {
       std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
       return kExitPeerFailed;

@@ -2,7 +2,9 @@
 // machine with torchrun-style environment variables, prefixes their output with the rank,
 // and supervises them. When one fails, the others are stopped within seconds and the job
 // either ends (exit 4, naming the rank and its status or signal) or, with --max-restarts,
-// starts again from the latest checkpoint (--resume auto).
+// starts again from the latest checkpoint (--resume auto). A worker that exits 2 or 3 (bad
+// job spec, unreadable data or checkpoint) ends the job with that code: a restart would
+// fail the same way.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -150,7 +150,6 @@ void Trainer::setup() {
                                   ? pin_compute_threads(threads, world_.local_rank, world_.local_world)
                                   : "not pinned";
   torch::manual_seed(static_cast<uint64_t>(cfg_.seed));
-  progress_ = std::make_unique<Progress>(root_ ? cfg_.logging.progress : "off", 0);
 
   auto blas = loaded_blas();
   if (root_ && is_reference_blas(blas))
@@ -169,6 +168,7 @@ void Trainer::setup() {
                    /*ranks=*/layout_.data);
   total_steps_ = cfg_.train.max_steps > 0 ? cfg_.train.max_steps
                                           : cfg_.train.epochs * sampler_->steps_per_epoch();
+  progress_ = std::make_unique<Progress>(root_ ? cfg_.logging.progress : "off", total_steps_);
 
   if (root_) {
     fs::create_directories(cfg_.run_dir);
@@ -184,7 +184,6 @@ void Trainer::setup() {
     metrics_ = std::make_unique<MetricsLog>(
         (fs::path(cfg_.run_dir) / "metrics.jsonl").string(),
         resume_from ? std::optional<int64_t>(step_) : std::nullopt);
-    progress_ = std::make_unique<Progress>(cfg_.logging.progress, total_steps_);
   }
   say(fmt::format(
       "dtrain {}: job '{}', {} ({} parameters), {} ({} train / {} test), batch {}, {} steps "

@@ -156,4 +156,32 @@ TEST_SUITE("failures") {
     CHECK(err.find("[rank 0] dtrain: error: rank 0:") != std::string::npos);
     CHECK(err.find("timeout 5 s") != std::string::npos);
   }
+
+  TEST_CASE("SIGTERM to --nproc: every rank stops at the same step, rank 0 checkpoints, exit 143") {
+    auto dir = temp_dir("preempt-dp");
+    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a --nproc 2"
+                           " --set train.max_steps=100000 --set train.log_every=10" + kQuiet);
+    REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
+    ::kill(bg.pid, SIGTERM);
+    int code = wait_for(bg.pid, std::chrono::seconds(30));
+    auto err = slurp(bg.err);
+    INFO(err);
+    CHECK(code == 143);
+    auto summary = metrics(dir + "/a").back();
+    CHECK(summary["status"] == "stopped");
+    const int64_t at = summary["steps"];
+    CHECK(std::filesystem::exists(dir + "/a/checkpoints/" + fmt::format("step-{:08d}", at) +
+                                  "/manifest.json"));
+  }
+
+  TEST_CASE("a worker that cannot read its data ends the job with exit 3, not a restart") {
+    auto dir = temp_dir("baddata-dp");
+    auto r = e2e::dtrain("run " + config("fashion_mnist_mlp.yaml") + " --nproc 2 --max-restarts 3"
+                         " --run-dir " + dir + "/a --set data.path=" + dir + "/nowhere" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("dataset-fashion-mnist") != std::string::npos);
+    CHECK(r.err.find("restarting") == std::string::npos);
+  }
 }
