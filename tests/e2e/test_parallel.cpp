@@ -91,6 +91,28 @@ TEST_SUITE("data_parallel") {
     check_equivalent(dir, job, "", {1, 2, 4});
   }
 
+  TEST_CASE("a checkpoint written by 2 ranks resumes on 1 on the same trajectory") {
+    auto dir = temp_dir("dp-relayout");
+    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n"
+                           "checkpoint: {every_steps: 30}\n");
+    // A schedule that does not depend on max_steps, so the 30-step first leg follows the
+    // 60-step run's learning rates.
+    const std::string quiet = std::string(kQuiet) + " --set schedule.decay=step";
+    auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one" + quiet);
+    REQUIRE(one.code == 0);
+    auto first = e2e::dtrain("run " + job + " --nproc 2 --run-dir " + dir + "/mixed --set train.max_steps=30" + quiet);
+    REQUIRE(first.code == 0);
+    auto second = e2e::dtrain("run " + job + " --run-dir " + dir + "/mixed --resume auto" + quiet);
+    INFO(second.err);
+    REQUIRE(second.code == 0);
+    auto a = losses(dir + "/one"), b = losses(dir + "/mixed");
+    REQUIRE(b.size() == 60);
+    for (const auto& [step, loss] : a) {
+      INFO("step " << step);
+      CHECK(std::abs(b[step] - loss) <= 1e-5 * std::abs(loss));
+    }
+  }
+
   TEST_CASE("a bucket smaller than one parameter still averages everything") {
     auto dir = temp_dir("dp-buckets");
     auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
