@@ -64,6 +64,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   JobConfig cfg = load_job(job.path, job.sets);  // dist.port is needed to discover the world
   auto world = discover_world(env, cfg.dist.port);
   cfg = load(job, run_dir, world.world);
+  // dist.backend auto means Gloo while tensors live on the CPU (validation refuses nccl
+  // until CUDA training exists).
   std::shared_ptr<Comm> comm =
       world.world == 1 ? make_local_comm()
                        : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s),
