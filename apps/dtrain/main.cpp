@@ -164,9 +164,6 @@ int run_cli(int argc, char** argv) {
   return kExitBadSpec;
 }
 
-// Errors are one line: the first line of what a library said, without backtraces.
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -33,11 +33,17 @@ torch::ScalarType dtype_of(const std::string& name, const std::string& path) {
   throw CheckpointError(fmt::format("{}: unsupported dtype '{}'", path, name));
 }
 
+// The little-endian header length in a file's first 8 bytes.
+uint64_t header_length(const char* first8) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(first8[i]);
+  return n;
+}
+
 // Parses the header; returns it and the offset where tensor data begins.
 std::pair<nlohmann::json, size_t> parse_header(const std::string& bytes, const std::string& path) {
   if (bytes.size() < 8) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  const uint64_t n = header_length(bytes.data());
   if (n > bytes.size() - 8)
     throw CheckpointError(fmt::format("{}: header length {} past the end of the file", path, n));
   try {
@@ -83,8 +89,7 @@ nlohmann::json read_safetensors_header(const std::string& path) {
   if (!in) throw CheckpointError(fmt::format("cannot read '{}'", path));
   char len[8];
   if (!in.read(len, 8)) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(len[i]);
+  const uint64_t n = header_length(len);
   if (n > (uint64_t(1) << 30)) throw CheckpointError(fmt::format("{}: corrupt header", path));
   std::string head(8 + n, '\0');
   std::memcpy(head.data(), len, 8);

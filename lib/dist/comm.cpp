@@ -3,7 +3,6 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/cuda.h>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -65,9 +64,6 @@ class LocalComm : public Comm {
     throw std::logic_error("recv in a world of one process");
   }
 };
-
-// The first line of a c10d/Gloo failure, which is what a user can act on.
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 std::string describe(std::exception_ptr e) {
   try {
@@ -176,8 +172,6 @@ class C10dComm : public Comm {
 }  // namespace
 
 std::shared_ptr<Comm> make_local_comm() { return std::make_shared<LocalComm>(); }
-
-bool cuda_available() { return torch::cuda::is_available(); }
 
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);

@@ -52,7 +52,4 @@ struct CommOptions {
 // a Gloo or NCCL process group over all ranks.
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts);
 
-// True when this LibTorch has CUDA and a device is visible (decides dist.backend: auto).
-bool cuda_available();
-
 }  // namespace dtrain

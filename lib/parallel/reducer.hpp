@@ -28,7 +28,6 @@ class GradReducer {
   void finalize();
 
   int64_t bytes_per_step() const { return params_.grad().numel() * params_.grad().element_size(); }
-  size_t buckets() const { return buckets_.size(); }
 
  private:
   struct Bucket {

@@ -441,6 +441,7 @@ RunResult Trainer::run() {
     const bool log_now = (step_ + 1) % cfg_.train.log_every == 0 || step_ + 1 == total_steps_;
     double grad_norm = std::nan("");
     last_loss_ = train_step(w, log_now ? &grad_norm : nullptr);
+    const double lr = lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_);  // just used
     if (log_now && root_) {
       last_rate = w.samples / (w.step_ms / 1000);
       const double n = double(w.steps);
@@ -448,7 +449,7 @@ RunResult Trainer::run() {
                           {"step", step_},
                           {"epoch", epoch_of(step_ - 1)},
                           {"loss", last_loss_},
-                          {"lr", lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_)},
+                          {"lr", lr},
                           {"grad_norm", grad_norm},
                           {"samples_per_s", last_rate},
                           {"step_ms", w.step_ms / n},
@@ -462,9 +463,7 @@ RunResult Trainer::run() {
     }
     if (log_now) w = Window{};
     if (root_)
-      progress_->step(step_, last_loss_,
-                      lr_at(cfg_.schedule, cfg_.optimizer.lr, step_, total_steps_), last_rate,
-                      log_now);
+      progress_->step(step_, last_loss_, lr, last_rate, log_now);
 
     const bool epoch_end = step_ % spe == 0, last = step_ == total_steps_;
     const bool eval_now = (cfg_.train.eval_every > 0 ? step_ % cfg_.train.eval_every == 0

@@ -38,6 +38,9 @@ struct DistError : Error {
   explicit DistError(const std::string& what) : Error(kExitPeerFailed, what) {}
 };
 
+// The first line of a message: what a user can act on, without backtraces.
+inline std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 // Throws E with a formatted message when `cond` holds: ABORT_IF in Marian's words, but a throw.
 template <class E, class... Args>
 void fail_if(bool cond, fmt::format_string<Args...> f, Args&&... args) {
