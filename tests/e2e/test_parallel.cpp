@@ -32,6 +32,16 @@ std::map<int64_t, double> losses(const std::string& run_dir) {
   return out;
 }
 
+// Every step of `ref` has a loss within 1e-5 relative in `got`.
+void check_losses_close(const std::map<int64_t, double>& ref, const std::map<int64_t, double>& got,
+                        const std::string& what) {
+  for (const auto& [step, loss] : ref) {
+    INFO(what << " step " << step << ": " << (got.count(step) ? got.at(step) : NAN) << " vs " << loss);
+    REQUIRE(got.count(step));
+    CHECK(std::abs(got.at(step) - loss) <= 1e-5 * std::abs(loss));
+  }
+}
+
 // Runs the job at each size and checks every step's loss and the final weights against
 // the one-process run, to 1e-5 relative.
 void check_equivalent(const std::string& dir, const std::string& job, const std::string& extra,
@@ -50,10 +60,7 @@ void check_equivalent(const std::string& dir, const std::string& job, const std:
   }
   const auto& ref = runs[sizes[0]];
   for (int n : sizes) {
-    for (const auto& [step, loss] : ref) {
-      INFO("nproc " << n << " step " << step << ": " << runs[n][step] << " vs " << loss);
-      CHECK(std::abs(runs[n][step] - loss) <= 1e-5 * std::abs(loss));
-    }
+    check_losses_close(ref, runs[n], "nproc " + std::to_string(n));
     REQUIRE(weights[n].tensors.size() == weights[sizes[0]].tensors.size());
     for (size_t i = 0; i < weights[n].tensors.size(); ++i) {
       const auto& [name, t] = weights[n].tensors[i];
@@ -81,7 +88,7 @@ TEST_SUITE("data_parallel") {
     INFO(two.err);
     REQUIRE(two.code == 0);
     auto a = losses(dir + "/one"), b = losses(dir + "/two");
-    for (const auto& [step, loss] : a) CHECK(std::abs(b[step] - loss) <= 1e-5 * std::abs(loss));
+    check_losses_close(a, b, "2 ranks x 2 micro-batches");
   }
 
   TEST_CASE("CNN with SyncBatchNorm: 2 and 4 ranks match one process") {
@@ -107,10 +114,7 @@ TEST_SUITE("data_parallel") {
     REQUIRE(second.code == 0);
     auto a = losses(dir + "/one"), b = losses(dir + "/mixed");
     REQUIRE(b.size() == 60);
-    for (const auto& [step, loss] : a) {
-      INFO("step " << step);
-      CHECK(std::abs(b[step] - loss) <= 1e-5 * std::abs(loss));
-    }
+    check_losses_close(a, b, "resumed on 1 process");
   }
 
   TEST_CASE("a bucket smaller than one parameter still averages everything") {
