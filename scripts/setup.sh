@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 packages=(build-essential cmake pkg-config
           libtorch-dev libgloo-dev libcli11-dev libyaml-cpp-dev libfmt-dev nlohmann-json3-dev
           doctest-dev zlib1g-dev
-          dataset-fashion-mnist
+          dataset-fashion-mnist fortunes   # Fashion-MNIST; English text for configs/gpt_text.yaml
           libopenblas0-openmp)   # LibTorch calls libblas.so.3: the reference BLAS is ~19x slower
 for arg in "$@"; do
   case "$arg" in

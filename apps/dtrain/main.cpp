@@ -9,7 +9,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/schema.hpp"
-#include "dist/comm.hpp"
+#include "comm/comm.hpp"
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
 #include "train/trainer.hpp"
@@ -31,12 +31,26 @@ void add_job_args(CLI::App* cmd, JobArgs& a) {
       ->allow_extra_args(false);
 }
 
-JobConfig load(const JobArgs& a, const std::string& run_dir = "", int64_t world_size = 1) {
-  JobConfig cfg = load_job(a.path, a.sets);
-  if (!run_dir.empty()) cfg.run_dir = run_dir;
-  resolve(cfg);
-  validate(cfg, world_size);
-  return cfg;
+// A job resolved and validated for `world_size` processes, with the layout it resolves to.
+struct Job {
+  JobConfig cfg;
+  ParallelDims dims;
+};
+
+Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size) {
+  Job job{load_job(a.path, a.sets), {}};
+  if (!run_dir.empty()) job.cfg.run_dir = run_dir;
+  resolve(job.cfg);
+  job.dims = validate(job.cfg, world_size);
+  return job;
+}
+
+// The world size validate and config check against: --nproc, else the launcher's
+// (a job step under sbatch --ntasks 8, torchrun, mpirun), else one process.
+int64_t world_for_check(int64_t nproc) {
+  if (nproc > 1) return nproc;
+  auto env = process_env();
+  return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).world;
 }
 
 // The worker command line: ours without the supervisor's own options.
@@ -61,16 +75,19 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv)});
   }
-  JobConfig cfg = load_job(job.path, job.sets);  // dist.port is needed to discover the world
+  // Parsed once; dist.port is needed to discover the world, which validation needs.
+  JobConfig cfg = load_job(job.path, job.sets);
+  if (!run_dir.empty()) cfg.run_dir = run_dir;
+  resolve(cfg);
   auto world = discover_world(env, cfg.dist.port);
-  cfg = load(job, run_dir, world.world);
+  const ParallelDims dims = validate(cfg, world.world);
   // dist.backend auto means Gloo while tensors live on the CPU (validation refuses nccl
   // until CUDA training exists).
   std::shared_ptr<Comm> comm =
       world.world == 1 ? make_local_comm()
                        : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s),
                                                 cfg.dist.gloo_threads});
-  return run_training(cfg, RunOptions{resume}, world, comm).exit_code;
+  return run_training(cfg, dims, RunOptions{resume}, world, comm).exit_code;
 }
 
 int inspect(const std::string& folder) {
@@ -125,10 +142,15 @@ int run_cli(int argc, char** argv) {
                   "with --nproc: restart all workers from the latest checkpoint up to N times")
       ->check(CLI::Range(int64_t(0), int64_t(1000)));
 
+  int64_t check_nproc = 1;
   auto* validate_cmd = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
   add_job_args(validate_cmd, job);
   auto* config_cmd = app.add_subcommand("config", "print the fully resolved job as YAML");
   add_job_args(config_cmd, job);
+  for (auto* cmd : {validate_cmd, config_cmd})
+    cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
+                                            "world size, else 1)")
+        ->check(CLI::Range(int64_t(1), int64_t(1 << 20)));
 
   std::string folder, out;
   auto* inspect_cmd = app.add_subcommand("inspect", "what a checkpoint holds");
@@ -151,12 +173,13 @@ int run_cli(int argc, char** argv) {
 
   if (*run) return run_job(job, run_dir, resume, nproc, max_restarts, argc, argv);
   if (*validate_cmd) {
-    auto cfg = load(job);
-    std::cout << fmt::format("{}: ok\n", job.path);
+    auto checked = load(job, "", world_for_check(check_nproc));
+    std::cout << fmt::format("{}: ok ({} process(es): {})\n", job.path, checked.dims.world(),
+                             checked.dims.str());
     return 0;
   }
   if (*config_cmd) {
-    std::cout << to_yaml(load(job));
+    std::cout << to_yaml(load(job, "", world_for_check(check_nproc)).cfg);
     return 0;
   }
   if (*inspect_cmd) return inspect(folder);

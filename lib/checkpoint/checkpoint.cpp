@@ -68,7 +68,9 @@ std::string CheckpointStore::save(const CheckpointState& state, int64_t step, in
                           {"created_unix", std::chrono::duration<double>(
                                                std::chrono::system_clock::now().time_since_epoch())
                                                .count()}};
-  if (metric) manifest["metric"] = {{"name", metric->name}, {"value", metric->value}};
+  if (metric)
+    manifest["metric"] = {{"name", metric->name}, {"value", metric->value},
+                          {"higher_is_better", metric->higher_is_better}};
   for (const char* f : kFiles)
     manifest["files"].push_back({{"name", f},
                                  {"bytes", fs::file_size(tmp / f)},
@@ -83,14 +85,17 @@ std::string CheckpointStore::save(const CheckpointState& state, int64_t step, in
 
   if (cfg_.keep_best && metric) {
     auto current = best();
-    double best_value = -std::numeric_limits<double>::infinity();
+    std::optional<double> best_value;
     if (current) {
       try {
-        best_value = verify_checkpoint((fs::path(dir_) / *current).string())["metric"]["value"];
+        best_value = verify_checkpoint((fs::path(dir_) / *current).string())["metric"]["value"]
+                         .get<double>();
       } catch (const std::exception&) {  // a vanished or damaged best is simply replaced
       }
     }
-    if (metric->value > best_value) write_file_atomic((fs::path(dir_) / "best").string(), name + "\n");
+    const bool better = !best_value || (metric->higher_is_better ? metric->value > *best_value
+                                                                 : metric->value < *best_value);
+    if (better) write_file_atomic((fs::path(dir_) / "best").string(), name + "\n");
   }
   prune();
   return final_path.string();

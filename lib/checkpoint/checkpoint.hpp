@@ -23,8 +23,9 @@ struct CheckpointState {
 };
 
 struct Metric {
-  std::string name;  // e.g. "accuracy"
-  double value;      // higher is better
+  std::string name;              // the task's metric, e.g. "accuracy" or "perplexity"
+  double value;
+  bool higher_is_better = true;  // which way "best" goes
 };
 
 class CheckpointStore {

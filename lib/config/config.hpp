@@ -12,8 +12,9 @@ using Ints = std::vector<int64_t>;
 using Choices = std::vector<std::string>;
 
 struct DataConfig {
-  std::string dataset = "fashion_mnist";                  // fashion_mnist | mnist | synthetic
-  std::string path = "/usr/share/datasets/fashion-mnist"; // folder of the IDX .gz files
+  // fashion_mnist | mnist | synthetic (images) | text | synthetic_tokens (token windows)
+  std::string dataset = "fashion_mnist";
+  std::string path = "/usr/share/datasets/fashion-mnist"; // IDX folder; text: a file or folder
   int64_t batch_size = 64;    // GLOBAL batch per optimizer step, over all data-parallel ranks
   bool shuffle = true;        // a new permutation every epoch, from (seed, epoch)
   int64_t workers = 2;        // loader threads per process; 0 = load on the training thread
@@ -22,9 +23,12 @@ struct DataConfig {
   int64_t test_samples = 2048;// synthetic: test samples
   Ints input_shape = {1, 28, 28};  // synthetic: one sample's shape
   int64_t classes = 10;       // synthetic: number of classes
+  int64_t seq_len = 0;        // text, synthetic_tokens: tokens per window; 0 = model.seq_len
+  double eval_fraction = 0.05;// text: share of the windows held out for evaluation
+  int64_t vocab = 0;          // synthetic_tokens: token values in [0, vocab); 0 = model.vocab
 
   template <class V> void visit(V&& v) {
-    v("dataset", dataset, Choices{"fashion_mnist", "mnist", "synthetic"});
+    v("dataset", dataset, Choices{"fashion_mnist", "mnist", "synthetic", "text", "synthetic_tokens"});
     v("path", path);
     v("batch_size", batch_size);
     v("shuffle", shuffle);
@@ -34,24 +38,37 @@ struct DataConfig {
     v("test_samples", test_samples);
     v("input_shape", input_shape);
     v("classes", classes);
+    v("seq_len", seq_len);
+    v("eval_fraction", eval_fraction);
+    v("vocab", vocab);
   }
 };
 
 struct ModelConfig {
-  std::string arch = "cnn";     // mlp | cnn
+  std::string arch = "cnn";     // mlp | cnn | gpt
   Ints hidden = {512, 256};     // mlp: hidden layer widths
   Ints channels = {32, 64};     // cnn: conv widths, each conv 3x3 (pad 1) + ReLU + 2x2 max-pool
   Ints fc = {128};              // cnn: hidden fully-connected widths after the convs
   bool batch_norm = false;      // cnn: BatchNorm after each conv
-  double dropout = 0.0;         // mlp/cnn: dropout before each hidden->next layer
+  double dropout = 0.0;         // mlp/cnn: before each hidden->next layer; gpt: GPT-2's places
+  int64_t layers = 4;           // gpt: transformer blocks
+  int64_t heads = 4;            // gpt: attention heads per block
+  int64_t dim = 128;            // gpt: model width (a multiple of heads)
+  int64_t vocab = 256;          // gpt: token values (256: bytes)
+  int64_t seq_len = 128;        // gpt: context length (positions learned)
 
   template <class V> void visit(V&& v) {
-    v("arch", arch, Choices{"mlp", "cnn"});
+    v("arch", arch, Choices{"mlp", "cnn", "gpt"});
     v("hidden", hidden);
     v("channels", channels);
     v("fc", fc);
     v("batch_norm", batch_norm);
     v("dropout", dropout);
+    v("layers", layers);
+    v("heads", heads);
+    v("dim", dim);
+    v("vocab", vocab);
+    v("seq_len", seq_len);
   }
 };
 
@@ -61,6 +78,7 @@ struct OptimizerConfig {
   double momentum = 0.9;      // sgd
   bool nesterov = false;      // sgd
   double weight_decay = 0.0;  // sgd: L2 added to the gradient; adamw: decoupled
+  bool decay_1d = false;      // weight_decay on 1-D parameters (biases, norm gains) too
   double beta1 = 0.9;         // adamw
   double beta2 = 0.999;       // adamw
   double eps = 1e-8;          // adamw
@@ -72,6 +90,7 @@ struct OptimizerConfig {
     v("momentum", momentum);
     v("nesterov", nesterov);
     v("weight_decay", weight_decay);
+    v("decay_1d", decay_1d);
     v("beta1", beta1);
     v("beta2", beta2);
     v("eps", eps);

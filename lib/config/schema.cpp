@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
+#include "models/model.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -267,22 +268,8 @@ std::string to_yaml(const JobConfig& cfg) {
 
 void resolve(JobConfig& cfg) {
   if (cfg.run_dir.empty()) cfg.run_dir = "runs/" + cfg.name;
-}
-
-Layout derive_layout(const JobConfig& cfg, int64_t world_size) {
-  const auto& p = cfg.parallel;
-  Layout l;
-  l.tensor = p.tensor;
-  l.pipeline = p.pipeline;
-  fail_if<ConfigError>(world_size % (p.tensor * p.pipeline) != 0,
-                       "parallel.tensor ({}) x parallel.pipeline ({}) does not divide the world "
-                       "size {}",
-                       p.tensor, p.pipeline, world_size);
-  l.data = p.data > 0 ? p.data : world_size / (p.tensor * p.pipeline);
-  fail_if<ConfigError>(l.world() != world_size,
-                       "parallel.data ({}) x parallel.tensor ({}) x parallel.pipeline ({}) = {} "
-                       "but {} processes are running", l.data, l.tensor, l.pipeline, l.world(), world_size);
-  return l;
+  if (cfg.data.seq_len == 0) cfg.data.seq_len = cfg.model.seq_len;
+  if (cfg.data.vocab == 0) cfg.data.vocab = cfg.model.vocab;
 }
 
 namespace {
@@ -308,15 +295,12 @@ void check_ranges(const JobConfig& c) {
            std::all_of(d.input_shape.begin(), d.input_shape.end(), [](int64_t x) { return x > 0; }),
        "data.input_shape", "1 to 3 positive sizes", fmt::format("{}", d.input_shape));
   need(d.classes >= 2, "data.classes", ">= 2", d.classes);
-
-  const auto& m = c.model;
-  auto positive = [](const Ints& v) {
-    return std::all_of(v.begin(), v.end(), [](int64_t x) { return x > 0; });
-  };
-  need(positive(m.hidden), "model.hidden", "positive widths", fmt::format("{}", m.hidden));
-  need(positive(m.channels), "model.channels", "positive widths", fmt::format("{}", m.channels));
-  need(positive(m.fc), "model.fc", "positive widths", fmt::format("{}", m.fc));
-  need(m.dropout >= 0 && m.dropout < 1, "model.dropout", "in [0, 1)", m.dropout);
+  need(d.seq_len >= 0, "data.seq_len", ">= 0 (0 = model.seq_len)", d.seq_len);
+  need(d.eval_fraction > 0 && d.eval_fraction <= 0.5, "data.eval_fraction", "in (0, 0.5]",
+       d.eval_fraction);
+  need(d.vocab >= 0, "data.vocab", ">= 0 (0 = model.vocab)", d.vocab);
+  // The model's own keys are the model's to check (models/*.cpp): keys of other archs
+  // are not validated against it.
 
   const auto& o = c.optimizer;
   need(finite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
@@ -381,13 +365,12 @@ void check_ranges(const JobConfig& c) {
 
 // What this build of dtrain can run; a value outside it is refused up front rather than
 // half-run. Each line names the key so the user knows what to change.
-void check_supported(const JobConfig& c, const Layout& layout) {
+void check_supported(const JobConfig& c, const ParallelDims& layout) {
   auto refuse = [](bool bad, const std::string& key, const std::string& value) {
     if (bad)
       throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
                                     value));
   };
-  refuse(layout.tensor != 1, "parallel.tensor", "tensor parallelism");
   refuse(layout.pipeline != 1, "parallel.pipeline", "pipeline parallelism");
   refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
   refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
@@ -399,15 +382,22 @@ void check_supported(const JobConfig& c, const Layout& layout) {
 
 }  // namespace
 
-void validate(const JobConfig& cfg, int64_t world_size) {
+ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   check_ranges(cfg);
-  Layout layout = derive_layout(cfg, world_size);
+  const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
   check_supported(cfg, layout);
+  model_spec(cfg.model.arch).validate(cfg.model, layout);
   const int64_t per_step = layout.data * cfg.train.grad_accum;
   fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
                        "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
                        "train.grad_accum {}; use a multiple of {}",
                        cfg.data.batch_size, layout.data, cfg.train.grad_accum, per_step);
+  const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "synthetic_tokens";
+  fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
+                       "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,
+                       cfg.data.dataset, tokens ? "token windows need a language model: gpt"
+                                                : "a language model needs text or synthetic_tokens");
+  return layout;
 }
 
 }  // namespace dtrain

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "config/config.hpp"
+#include "parallel/dims.hpp"
 
 namespace dtrain {
 
@@ -33,18 +34,13 @@ std::string nearest_key(const std::string& key);
 // The fully resolved job as YAML (every key, defaults filled), readable by load_job.
 std::string to_yaml(const JobConfig& cfg);
 
-// Fills derived values the spec leaves open (run_dir from name).
+// Fills derived values the spec leaves open (run_dir from name; token windows and
+// synthetic vocabulary from the model's).
 void resolve(JobConfig& cfg);
 
-// How the world is split; data = world / (tensor * pipeline) when the spec says 0.
-struct Layout {
-  int64_t data = 1, tensor = 1, pipeline = 1;
-  int64_t world() const { return data * tensor * pipeline; }
-};
-Layout derive_layout(const JobConfig& cfg, int64_t world_size);
-
-// Every range, enum and divisibility check, for a job run on `world_size` processes.
-// Throws ConfigError with a message that names the key and what would be valid.
-void validate(const JobConfig& cfg, int64_t world_size = 1);
+// Every range, enum and divisibility check, for a job run on `world_size` processes, and
+// the layout it resolves to. Throws ConfigError with a message that names the key and what
+// would be valid.
+ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1);
 
 }  // namespace dtrain

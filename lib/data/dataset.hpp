@@ -1,6 +1,8 @@
 // In-memory labelled data sets and the loaders that build them from a DataConfig.
 #pragma once
+#include <memory>
 #include <string>
+#include <utility>
 
 #include <torch/types.h>
 
@@ -9,23 +11,46 @@
 namespace dtrain {
 
 struct Batch {
-  torch::Tensor x;  // [n, ...] float32
-  torch::Tensor y;  // [n] int64 class labels
+  torch::Tensor x;  // [n, ...] float32 samples, or [n, seq] int64 tokens
+  torch::Tensor y;  // [n] int64 class labels, or [n, seq] int64 next tokens
 };
 
-// A whole split held in memory, decoded and normalised once; a batch is a gather.
-struct TensorDataset {
-  torch::Tensor x, y;
-  int64_t size() const { return y.defined() ? y.size(0) : 0; }
-  Batch gather(const torch::Tensor& indices) const {
+// A split a batch is gathered from by sample index (the sampler's indices).
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  virtual Batch gather(const torch::Tensor& indices) const = 0;
+};
+
+// A whole labelled split held in memory, decoded and normalised once; a batch is a gather.
+struct TensorDataset : Dataset {
+  TensorDataset() = default;
+  TensorDataset(torch::Tensor x, torch::Tensor y) : x(std::move(x)), y(std::move(y)) {}
+  int64_t size() const override { return y.defined() ? y.size(0) : 0; }
+  Batch gather(const torch::Tensor& indices) const override {
     return {x.index_select(0, indices), y.index_select(0, indices)};
   }
+  torch::Tensor x, y;
+};
+
+// Windows of a token stream for language modelling: sample i is the seq + 1 tokens from
+// starts[i]; x is the first seq of them, y the last seq (each position's next token).
+struct TokenWindows : Dataset {
+  TokenWindows(torch::Tensor stream, torch::Tensor starts, int64_t seq)
+      : stream(std::move(stream)), starts(std::move(starts)), seq(seq) {}
+  int64_t size() const override { return starts.size(0); }
+  Batch gather(const torch::Tensor& indices) const override;
+  torch::Tensor stream;  // [tokens] int64
+  torch::Tensor starts;  // [windows] int64
+  int64_t seq;
 };
 
 struct DataSplits {
-  TensorDataset train, test;
-  Ints sample_shape;    // one sample's shape, e.g. {1, 28, 28}
-  int64_t classes = 0;
+  std::shared_ptr<const Dataset> train, test;
+  Ints sample_shape;    // one sample's shape: {1, 28, 28} for images, {seq} for tokens
+  int64_t classes = 0;  // labelled data: number of classes
+  int64_t vocab = 0;    // token data: distinct token values
 };
 
 // Reads an IDX file (.gz or plain) into a uint8 tensor of its dimensions; checks the magic
@@ -34,5 +59,15 @@ torch::Tensor read_idx(const std::string& path, int64_t expected_dims);
 
 // The data set the job names, train and test splits. Throws DataError (exit 3).
 DataSplits load_data(const DataConfig& cfg, uint64_t seed);
+
+// dataset: text, a file or a folder of files read as bytes (vocabulary 256); every
+// round(1 / eval_fraction)-th window is held out for evaluation, so the held-out text is
+// spread over the whole corpus.
+DataSplits load_text(const DataConfig& cfg);
+// dataset: synthetic_tokens, uniform random tokens (benchmarks).
+DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed);
+// The bytes of a file, or of every text file in a folder (sorted by name; symbolic links,
+// hidden files and files holding a NUL byte, i.e. binary ones, left out), as int64 tokens.
+torch::Tensor read_text_bytes(const std::string& path);
 
 }  // namespace dtrain

@@ -94,8 +94,8 @@ std::string find_split_file(const std::string& dir, const std::string& stem,
                               where_to_get(dataset)));
 }
 
-TensorDataset load_idx_split(const std::string& dir, const std::string& prefix,
-                             const std::string& dataset, double mean, double std) {
+std::shared_ptr<TensorDataset> load_idx_split(const std::string& dir, const std::string& prefix,
+                                              const std::string& dataset, double mean, double std) {
   auto images_path = find_split_file(dir, prefix + "-images-idx3-ubyte", dataset);
   auto labels_path = find_split_file(dir, prefix + "-labels-idx1-ubyte", dataset);
   auto images = read_idx(images_path, 3);
@@ -106,7 +106,7 @@ TensorDataset load_idx_split(const std::string& dir, const std::string& prefix,
   if (labels.max().item<int64_t>() > 9)
     throw DataError(fmt::format("{}: a label above 9", labels_path));
   auto x = images.to(torch::kFloat32).div_(255.0).sub_(mean).div_(std).unsqueeze(1).contiguous();
-  return {x, labels.to(torch::kInt64)};
+  return std::make_shared<TensorDataset>(x, labels.to(torch::kInt64));
 }
 
 // Random inputs labelled by a fixed random linear teacher, so a model can learn them.
@@ -121,7 +121,7 @@ DataSplits synthetic(const DataConfig& cfg, uint64_t seed) {
     auto y = x.mm(teacher).argmax(1);
     Ints full{n};
     full.insert(full.end(), shape.begin(), shape.end());
-    return TensorDataset{x.view(full).contiguous(), y};
+    return std::make_shared<TensorDataset>(x.view(full).contiguous(), y);
   };
   DataSplits s;
   s.train = make(cfg.samples);
@@ -135,6 +135,8 @@ DataSplits synthetic(const DataConfig& cfg, uint64_t seed) {
 
 DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
   if (cfg.dataset == "synthetic") return synthetic(cfg, seed);
+  if (cfg.dataset == "text") return load_text(cfg);
+  if (cfg.dataset == "synthetic_tokens") return synthetic_tokens(cfg, seed);
   // Per-dataset pixel statistics (the usual published values).
   const bool fashion = cfg.dataset == "fashion_mnist";
   const double mean = fashion ? 0.2860 : 0.1307, std = fashion ? 0.3530 : 0.3081;
@@ -144,7 +146,8 @@ DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
   DataSplits s;
   s.train = load_idx_split(cfg.path, "train", cfg.dataset, mean, std);
   s.test = load_idx_split(cfg.path, "t10k", cfg.dataset, mean, std);
-  s.sample_shape = {1, s.train.x.size(2), s.train.x.size(3)};
+  const auto& x = static_cast<const TensorDataset&>(*s.train).x;
+  s.sample_shape = {1, x.size(2), x.size(3)};
   s.classes = 10;
   return s;
 }

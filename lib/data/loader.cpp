@@ -12,7 +12,7 @@
 
 namespace dtrain {
 
-Loader::Loader(const TensorDataset& data, ShardedSampler sampler, int64_t first, int64_t end,
+Loader::Loader(const Dataset& data, ShardedSampler sampler, int64_t first, int64_t end,
                int64_t workers, int64_t prefetch)
     : data_(data), sampler_(sampler), next_take_(first), end_(end), prefetch_(prefetch),
       next_claim_(first) {

@@ -19,7 +19,7 @@ namespace dtrain {
 class Loader {
  public:
   // Streams global steps [first, end); workers == 0 loads on the caller's thread.
-  Loader(const TensorDataset& data, ShardedSampler sampler, int64_t first, int64_t end,
+  Loader(const Dataset& data, ShardedSampler sampler, int64_t first, int64_t end,
          int64_t workers, int64_t prefetch);
   ~Loader();
   Loader(const Loader&) = delete;
@@ -33,7 +33,7 @@ class Loader {
   std::shared_ptr<const std::vector<int64_t>> order_for(int64_t epoch);
   void work();
 
-  const TensorDataset& data_;
+  const Dataset& data_;
   ShardedSampler sampler_;
   int64_t next_take_, end_, prefetch_;
 

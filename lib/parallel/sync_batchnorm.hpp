@@ -7,7 +7,7 @@
 
 #include <torch/torch.h>
 
-#include "dist/comm.hpp"
+#include "comm/comm.hpp"
 
 namespace dtrain {
 

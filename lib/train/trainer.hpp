@@ -1,14 +1,21 @@
-// Runs one training job: data, model, optimizer, the step loop, evaluation, checkpoints
-// and logs, on this process's share of the world.
+// Runs one training job on this process's share of the world: the entry point the
+// executable calls. The run is split by concern:
+//   setup.cpp       threads, data, model, optimizer, gradient sync, resume
+//   loop.cpp        the cadence: steps, logs, evaluation, checkpoints, stopping
+//   step.cpp        one optimizer step, in numbered phases
+//   evaluator.cpp   the held-out split, over the data-parallel group
+//   state.cpp       choosing, writing and restoring checkpoints
+//   report.cpp      the metrics lines' keys
 #pragma once
 #include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.hpp"
 #include "config/config.hpp"
-#include "dist/comm.hpp"
 #include "launch/world.hpp"
+#include "parallel/dims.hpp"
 
 namespace dtrain {
 
@@ -21,9 +28,10 @@ struct RunResult {
   nlohmann::json summary;     // the summary line written to metrics.jsonl
 };
 
-// `cfg` must be resolved and validated for world.world processes; `comm` spans them all
-// (make_local_comm() for one). Throws dtrain::Error subclasses on failure.
-RunResult run_training(const JobConfig& cfg, const RunOptions& opts, const WorldInfo& world,
-                       std::shared_ptr<Comm> comm);
+// `cfg` must be resolved and validated for world.world processes (`dims` is what
+// validate() returned); `comm` spans them all (make_local_comm() for one). Throws
+// dtrain::Error subclasses on failure.
+RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
+                       const WorldInfo& world, std::shared_ptr<Comm> comm);
 
 }  // namespace dtrain

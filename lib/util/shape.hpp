@@ -1,6 +1,7 @@
 // Tensor shapes in messages, as "[512, 784]".
 #pragma once
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,8 +9,9 @@
 
 namespace dtrain {
 
-inline std::string shape_str(const torch::Tensor& t) {
-  return fmt::format("[{}]", fmt::join(t.sizes().vec(), ", "));
+inline std::string shape_str(const std::vector<int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
 }
+inline std::string shape_str(const torch::Tensor& t) { return shape_str(t.sizes().vec()); }
 
 }  // namespace dtrain

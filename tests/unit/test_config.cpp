@@ -38,6 +38,7 @@ void check_same_fields(JobConfig a, JobConfig b) {
 std::string spec_error(const std::string& yaml, int64_t world = 1) {
   try {
     JobConfig cfg = parse_job(yaml, "bad.yaml");
+    resolve(cfg);
     validate(cfg, world);
   } catch (const ConfigError& e) {
     CHECK(e.code == kExitBadSpec);
@@ -260,7 +261,16 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"out of range: batch", "data:\n  batch_size: 0\n", {"data.batch_size", ">= 1"}},
       {"out of range: dropout", "model:\n  dropout: 1.0\n", {"model.dropout"}},
       {"out of range: min_lr above lr", "schedule:\n  min_lr: 1.0\n", {"schedule.min_lr"}},
-      {"out of range: widths", "model:\n  hidden: [512, 0]\n", {"model.hidden", "positive"}},
+      {"out of range: widths", "model:\n  arch: mlp\n  hidden: [512, 0]\n", {"model.hidden", "positive"}},
+      {"mlp width that does not split", "model:\n  arch: mlp\n  hidden: [510, 256]\nparallel:\n  tensor: 4\n",
+       {"model.hidden", "510", "parallel.tensor 4"}, 4},
+      {"gpt heads that do not split", "data: {dataset: synthetic_tokens}\nmodel: {arch: gpt, heads: 3, dim: 96}\nparallel: {tensor: 2}\n",
+       {"model.heads", "parallel.tensor 2"}, 2},
+      {"gpt width not a multiple of heads", "data: {dataset: synthetic_tokens}\nmodel: {arch: gpt, heads: 4, dim: 90}\n",
+       {"model.dim", "model.heads"}},
+      {"gpt on images", "model: {arch: gpt}\n", {"model.arch", "gpt", "fashion_mnist"}},
+      {"mlp on text", "data: {dataset: text, path: /tmp}\nmodel: {arch: mlp}\n", {"model.arch", "text"}},
+      {"eval_fraction", "data: {eval_fraction: 0.9}\n", {"data.eval_fraction"}},
       {"bad name", "name: a/b\n", {"name", "'/'"}},
       {"loss scale not a number", "precision:\n  loss_scale: 12abc\n", {"precision.loss_scale"}},
       {"batch not divisible by grad_accum", "data:\n  batch_size: 10\ntrain:\n  grad_accum: 4\n",
@@ -269,9 +279,9 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"section given as a scalar", "data: 5\n", {"'data'", "mapping"}},
       {"section given as a list", "optimizer: [sgd]\n", {"'optimizer'", "mapping"}},
       {"spec not a mapping", "- a\n- b\n", {"bad.yaml", "mapping"}},
-      {"unsupported: tensor parallel", "parallel:\n  tensor: 2\n", {"parallel.tensor"}},
-      {"unsupported: tensor parallel on 2 ranks", "parallel:\n  tensor: 2\n",
-       {"parallel.tensor", "not supported"}, 2},
+      {"tensor larger than the world", "parallel:\n  tensor: 2\n", {"parallel.tensor"}},
+      {"tensor parallel for the cnn", "parallel:\n  tensor: 2\n",
+       {"parallel.tensor", "cnn"}, 2},
       {"unsupported: pipeline", "parallel:\n  pipeline: 2\n", {"parallel.pipeline"}},
       {"unsupported: zero", "parallel:\n  zero: 1\n", {"parallel.zero"}},
       {"unsupported: compression", "parallel:\n  compression: sign\n", {"parallel.compression"}},
@@ -329,7 +339,11 @@ TEST_CASE("config: resolve and derive_layout") {
   resolve(cfg);
   CHECK(cfg.run_dir == "/elsewhere");
 
-  Layout l = derive_layout(JobConfig{}, 4);
+  // Token windows and the synthetic vocabulary follow the model unless given.
+  CHECK(cfg.data.seq_len == cfg.model.seq_len);
+  CHECK(cfg.data.vocab == cfg.model.vocab);
+
+  auto l = ParallelDims::resolve(JobConfig{}.parallel, 4);
   CHECK(l.data == 4);
   CHECK(l.tensor == 1);
   CHECK(l.pipeline == 1);
@@ -337,11 +351,30 @@ TEST_CASE("config: resolve and derive_layout") {
   JobConfig grid;
   grid.parallel.tensor = 2;
   grid.parallel.pipeline = 2;
-  l = derive_layout(grid, 8);
+  l = ParallelDims::resolve(grid.parallel, 8);
   CHECK(l.data == 2);
-  CHECK_THROWS_AS(derive_layout(grid, 6), ConfigError);
+  CHECK_THROWS_AS(ParallelDims::resolve(grid.parallel, 6), ConfigError);
   grid.parallel.data = 3;
-  CHECK_THROWS_AS(derive_layout(grid, 8), ConfigError);
+  CHECK_THROWS_AS(ParallelDims::resolve(grid.parallel, 8), ConfigError);
+}
+
+TEST_CASE("config: a model's options are checked only for that model") {
+  // Widths of 0 would be refused for an mlp; a gpt job never reads them.
+  auto cfg = parse_job("data: {dataset: synthetic_tokens}\n"
+                       "model: {arch: gpt, hidden: [0], channels: [-1], layers: 2, heads: 2, dim: 8}\n",
+                       "ok.yaml");
+  resolve(cfg);
+  CHECK_NOTHROW(validate(cfg, 1));
+  // And the reverse: an mlp job ignores gpt's keys.
+  cfg = parse_job("model: {arch: mlp, heads: 3, dim: 10}\n", "ok.yaml");
+  resolve(cfg);
+  CHECK_NOTHROW(validate(cfg, 1));
+  // validate returns the layout it checked.
+  cfg = parse_job("model: {arch: mlp}\nparallel: {tensor: 2}\n", "ok.yaml");
+  resolve(cfg);
+  auto dims = validate(cfg, 8);
+  CHECK(dims.data == 4);
+  CHECK(dims.tensor == 2);
 }
 
 TEST_CASE("config: nearest_key") {

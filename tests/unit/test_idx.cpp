@@ -14,6 +14,11 @@
 #include "util/error.hpp"
 
 using namespace dtrain;
+
+namespace {
+const TensorDataset& train_of(const DataSplits& s) { return dynamic_cast<const TensorDataset&>(*s.train); }
+const TensorDataset& test_of(const DataSplits& s) { return dynamic_cast<const TensorDataset&>(*s.test); }
+}  // namespace
 using dtrain::test::TempDir;
 
 namespace {
@@ -177,20 +182,21 @@ TEST_CASE("idx: load_data reads an MNIST-layout folder and normalises it") {
   DataConfig cfg;
   cfg.dataset = "mnist";
   cfg.path = dir.path().string();
-  DataSplits s = load_data(cfg, /*seed=*/1);
-  CHECK(s.train.size() == 6);
-  CHECK(s.test.size() == 4);
+  DataSplits splits = load_data(cfg, /*seed=*/1);
+  CHECK(splits.train->size() == 6);
+  CHECK(splits.test->size() == 4);
+  const auto& s = splits;
   CHECK(s.sample_shape == Ints{1, 2, 3});
   CHECK(s.classes == 10);
-  CHECK(s.train.x.sizes() == torch::IntArrayRef{6, 1, 2, 3});
-  CHECK((s.train.x.scalar_type() == torch::kFloat32));
-  CHECK((s.train.y.scalar_type() == torch::kInt64));
-  CHECK(torch::equal(s.test.y, torch::tensor({0, 0, 8, 9}, torch::kInt64)));
+  CHECK(train_of(s).x.sizes() == torch::IntArrayRef{6, 1, 2, 3});
+  CHECK((train_of(s).x.scalar_type() == torch::kFloat32));
+  CHECK((train_of(s).y.scalar_type() == torch::kInt64));
+  CHECK(torch::equal(test_of(s).y, torch::tensor({0, 0, 8, 9}, torch::kInt64)));
   // MNIST's published statistics: mean 0.1307, std 0.3081 of pixel/255.
   for (int i : {0, 7, 35}) {
     const double px = static_cast<unsigned char>(train_px[i]);
     const double want = (px / 255.0 - 0.1307) / 0.3081;
-    CHECK(s.train.x.flatten()[i].item<double>() == doctest::Approx(want).epsilon(1e-5));
+    CHECK(train_of(s).x.flatten()[i].item<double>() == doctest::Approx(want).epsilon(1e-5));
   }
 
   SUBCASE("labels and images disagree in count") {
@@ -235,19 +241,20 @@ TEST_CASE("idx: the installed Fashion-MNIST loads and normalises to mean 0, std 
   DataConfig cfg;
   cfg.dataset = "fashion_mnist";
   cfg.path = path;
-  DataSplits s = load_data(cfg, 1);
-  CHECK(s.train.size() == 60000);
-  CHECK(s.test.size() == 10000);
+  DataSplits splits = load_data(cfg, 1);
+  CHECK(splits.train->size() == 60000);
+  CHECK(splits.test->size() == 10000);
+  const auto& s = splits;
   CHECK(s.sample_shape == Ints{1, 28, 28});
-  CHECK(s.train.x.sizes() == torch::IntArrayRef{60000, 1, 28, 28});
-  CHECK(s.test.x.sizes() == torch::IntArrayRef{10000, 1, 28, 28});
-  for (const auto* split : {&s.train, &s.test}) {
+  CHECK(train_of(s).x.sizes() == torch::IntArrayRef{60000, 1, 28, 28});
+  CHECK(test_of(s).x.sizes() == torch::IntArrayRef{10000, 1, 28, 28});
+  for (const auto* split : {&train_of(s), &test_of(s)}) {
     CHECK(split->y.min().item<int64_t>() == 0);
     CHECK(split->y.max().item<int64_t>() == 9);
   }
   // Fashion-MNIST is balanced: 6000 of each class in training.
-  CHECK(torch::equal(torch::bincount(s.train.y), torch::full({10}, 6000, torch::kInt64)));
-  const auto x = s.train.x.to(torch::kFloat64);
+  CHECK(torch::equal(torch::bincount(train_of(s).y), torch::full({10}, 6000, torch::kInt64)));
+  const auto x = train_of(s).x.to(torch::kFloat64);
   CHECK(std::abs(x.mean().item<double>()) < 0.01);
   CHECK(std::abs(x.std().item<double>() - 1.0) < 0.02);
 }

@@ -9,13 +9,15 @@
 #include <torch/torch.h>
 
 #include "config/config.hpp"
-#include "models/models.hpp"
+#include "models/attention.hpp"
+#include "models/model.hpp"
+#include "util/compat.hpp"
 #include "util/error.hpp"
 
 using namespace dtrain;
 
 namespace {
-int64_t count_params(const Model& m) {
+int64_t count_params(const NetworkPtr& m) {
   int64_t n = 0;
   for (const auto& p : m->parameters()) n += p.numel();
   return n;
@@ -25,12 +27,22 @@ ModelConfig arch(const char* name) {
   c.arch = name;
   return c;
 }
+struct Shape {
+  Ints sample;
+  int64_t classes;
+};
+NetworkPtr build_model(const ModelConfig& cfg, const Shape& shape) {
+  ModelContext ctx;
+  ctx.sample_shape = shape.sample;
+  ctx.classes = shape.classes;
+  return model_spec(cfg.arch).build(cfg, ctx);
+}
 }  // namespace
 
 TEST_CASE("models: mlp 784-512-256-10") {
   auto cfg = arch("mlp");
   cfg.hidden = {512, 256};
-  Model m = build_model(cfg, {{1, 28, 28}, 10});
+  auto m = build_model(cfg, {{1, 28, 28}, 10});
   // (784*512 + 512) + (512*256 + 256) + (256*10 + 10)
   CHECK(count_params(m) == 535818);
   auto out = m->forward(torch::randn({5, 1, 28, 28}));
@@ -38,7 +50,7 @@ TEST_CASE("models: mlp 784-512-256-10") {
 
   // Flat samples, other widths and classes.
   cfg.hidden = {16};
-  Model small = build_model(cfg, {{784}, 7});
+  auto small = build_model(cfg, {{784}, 7});
   CHECK(count_params(small) == 784 * 16 + 16 + 16 * 7 + 7);
   CHECK(small->forward(torch::randn({3, 784})).sizes() == torch::IntArrayRef{3, 7});
   cfg.hidden = {};
@@ -49,7 +61,7 @@ TEST_CASE("models: cnn conv32-pool-conv64-pool-fc128-fc10") {
   auto cfg = arch("cnn");
   cfg.channels = {32, 64};
   cfg.fc = {128};
-  Model m = build_model(cfg, {{1, 28, 28}, 10});
+  auto m = build_model(cfg, {{1, 28, 28}, 10});
   const int64_t conv1 = 32 * 1 * 9 + 32, conv2 = 64 * 32 * 9 + 64;
   const int64_t fc1 = 64 * 7 * 7 * 128 + 128, fc2 = 128 * 10 + 10;  // 28 -> 14 -> 7
   CHECK(count_params(m) == conv1 + conv2 + fc1 + fc2);
@@ -60,7 +72,7 @@ TEST_CASE("models: cnn conv32-pool-conv64-pool-fc128-fc10") {
   // Odd sizes floor through the pools: 3x15x9 -> 7x4 -> 3x2.
   cfg.channels = {4, 8};
   cfg.fc = {};
-  Model odd = build_model(cfg, {{3, 15, 9}, 5});
+  auto odd = build_model(cfg, {{3, 15, 9}, 5});
   CHECK(count_params(odd) == (4 * 3 * 9 + 4) + (8 * 4 * 9 + 8) + (8 * 3 * 2 * 5 + 5));
   CHECK(odd->forward(torch::randn({2, 3, 15, 9})).sizes() == torch::IntArrayRef{2, 5});
 }
@@ -70,7 +82,7 @@ TEST_CASE("models: cnn with batch_norm has BatchNorm buffers and no conv bias") 
   cfg.channels = {32, 64};
   cfg.fc = {128};
   cfg.batch_norm = true;
-  Model m = build_model(cfg, {{1, 28, 28}, 10});
+  auto m = build_model(cfg, {{1, 28, 28}, 10});
   std::vector<std::string> buffers;
   for (const auto& b : m->named_buffers()) buffers.push_back(b.key());
   for (const char* want : {"running_mean", "running_var", "num_batches_tracked"}) {
@@ -87,7 +99,7 @@ TEST_CASE("models: cnn with batch_norm has BatchNorm buffers and no conv bias") 
   CHECK(m->forward(torch::randn({4, 1, 28, 28})).sizes() == torch::IntArrayRef{4, 10});
 
   cfg.batch_norm = false;
-  Model plain = build_model(cfg, {{1, 28, 28}, 10});
+  auto plain = build_model(cfg, {{1, 28, 28}, 10});
   CHECK(plain->named_buffers().size() == 0);
 }
 
@@ -95,7 +107,7 @@ TEST_CASE("models: dropout adds no parameters and is off in eval mode") {
   auto cfg = arch("mlp");
   cfg.hidden = {32, 16};
   cfg.dropout = 0.5;
-  Model m = build_model(cfg, {{1, 28, 28}, 10});
+  auto m = build_model(cfg, {{1, 28, 28}, 10});
   CHECK(count_params(m) == 784 * 32 + 32 + 32 * 16 + 16 + 16 * 10 + 10);
   m->eval();
   auto x = torch::randn({2, 1, 28, 28});
@@ -109,7 +121,7 @@ TEST_CASE("models: shapes that do not fit and unknown archs are ConfigErrors") {
   deep.channels = {8, 8, 8};
   CHECK_NOTHROW(build_model(deep, {{1, 8, 8}, 10}));  // 8 -> 4 -> 2 -> 1
   CHECK_THROWS_AS(build_model(deep, {{1, 4, 4}, 10}), ConfigError);  // 4 -> 2 -> 1 -> ?
-  CHECK_THROWS_AS(build_model(arch("resnet-9000"), {{1, 28, 28}, 10}), ConfigError);
+  CHECK_THROWS_AS(model_spec("resnet-9000"), ConfigError);
   try {
     build_model(arch("cnn"), {{784}, 10});
   } catch (const ConfigError& e) {
@@ -118,4 +130,102 @@ TEST_CASE("models: shapes that do not fit and unknown archs are ConfigErrors") {
   auto names = model_names();
   CHECK(std::find(names.begin(), names.end(), "mlp") != names.end());
   CHECK(std::find(names.begin(), names.end(), "cnn") != names.end());
+  CHECK(std::find(names.begin(), names.end(), "gpt") != names.end());
+  // Each model brings its task.
+  CHECK(std::string(model_spec("mlp").task->metric()) == "accuracy");
+  CHECK(model_spec("mlp").task->higher_is_better());
+  CHECK(std::string(model_spec("gpt").task->metric()) == "perplexity");
+  CHECK(!model_spec("gpt").task->higher_is_better());
+  CHECK(model_spec("cnn").format == torch::MemoryFormat::ChannelsLast);
+}
+
+namespace {
+ModelConfig small_gpt() {
+  auto cfg = arch("gpt");
+  cfg.layers = 2;
+  cfg.heads = 4;
+  cfg.dim = 16;
+  cfg.vocab = 50;
+  cfg.seq_len = 12;
+  return cfg;
+}
+NetworkPtr build_gpt_for(const ModelConfig& cfg, int64_t seq, int64_t vocab) {
+  ModelContext ctx;
+  ctx.sample_shape = {seq};
+  ctx.vocab = vocab;
+  return model_spec("gpt").build(cfg, ctx);
+}
+}  // namespace
+
+TEST_CASE("models: gpt parameters, names and a head tied to the token embedding") {
+  torch::manual_seed(3);
+  auto cfg = small_gpt();
+  auto m = build_gpt_for(cfg, 12, 50);
+  const int64_t d = 16, v = 50, t = 12;
+  // Per block: 2 LayerNorms (2d each), QKV (3d x d + 3d), proj (d x d + d),
+  // fc (4d x d + 4d), proj (d x 4d + d). Embeddings v x d and t x d, final LayerNorm 2d.
+  // The head adds nothing: it is the token embedding.
+  const int64_t block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+  CHECK(count_params(m) == v * d + t * d + 2 * block + 2 * d);
+  auto named = m->named_parameters();
+  for (const char* key : {"wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight",
+                          "h.0.attn.c_proj.bias", "h.1.mlp.c_fc.weight", "h.1.mlp.c_proj.weight",
+                          "ln_f.bias"})
+    CHECK_MESSAGE(named.contains(key), key);
+  CHECK(named["h.0.attn.c_attn.weight"].sizes() == torch::IntArrayRef{3 * d, d});
+  // GPT-2's initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L).
+  CHECK(named["h.0.mlp.c_fc.weight"].std().item<double>() == doctest::Approx(0.02).epsilon(0.1));
+  CHECK(named["h.0.mlp.c_proj.weight"].std().item<double>() ==
+        doctest::Approx(0.02 / 2.0).epsilon(0.1));
+  CHECK(named["h.0.attn.c_attn.bias"].abs().sum().item<double>() == 0);
+
+  auto idx = torch::randint(50, {3, 12}, torch::kInt64);
+  auto logits = m->forward(idx);
+  CHECK(logits.sizes() == torch::IntArrayRef{3, 12, 50});
+  // Tied: the gradient of the logits reaches the token embedding through the head too.
+  logits.sum().backward();
+  CHECK(named["wte.weight"].grad().defined());
+  // Shorter windows than the context work (positions 0..seq-1).
+  CHECK(m->forward(idx.narrow(1, 0, 5)).sizes() == torch::IntArrayRef{3, 5, 50});
+}
+
+TEST_CASE("models: gpt is causal: a position's logits do not depend on later tokens") {
+  torch::manual_seed(4);
+  auto m = build_gpt_for(small_gpt(), 12, 50);
+  m->eval();
+  auto a = torch::randint(50, {1, 12}, torch::kInt64);
+  auto b = a.clone();
+  b.index_put_({0, torch::indexing::Slice(7, torch::indexing::None)}, 0);  // change the future
+  auto la = m->forward(a), lb = m->forward(b);
+  CHECK(torch::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7), 1e-6, 1e-6));
+  CHECK(!torch::allclose(la.narrow(1, 7, 5), lb.narrow(1, 7, 5), 1e-6, 1e-6));
+}
+
+TEST_CASE("models: gpt refuses data it cannot model") {
+  auto cfg = small_gpt();
+  CHECK_THROWS_AS(build_gpt_for(cfg, 12, 256), ConfigError);  // vocab 50 < the data's 256
+  CHECK_THROWS_AS(build_gpt_for(cfg, 13, 50), ConfigError);   // window beyond the context
+  ModelContext images;
+  images.sample_shape = {1, 28, 28};
+  images.classes = 10;
+  CHECK_THROWS_AS(model_spec("gpt").build(cfg, images), ConfigError);
+}
+
+TEST_CASE("attention: the causal attention equals an explicit loop over positions") {
+  torch::manual_seed(9);
+  auto q = torch::randn({2, 3, 6, 4}), k = torch::randn({2, 3, 6, 4}), v = torch::randn({2, 3, 6, 4});
+  // Reference: for each query position t, softmax over keys 0..t, by hand.
+  auto want = torch::zeros_like(q);
+  for (int64_t t = 0; t < 6; ++t) {
+    auto keys = k.narrow(2, 0, t + 1), vals = v.narrow(2, 0, t + 1);
+    auto qt = q.narrow(2, t, 1);
+    auto w = torch::softmax((qt * keys).sum(-1, true) / 2.0, 2);  // sqrt(4) = 2
+    want.narrow(2, t, 1).copy_((w * vals).sum(2, true));
+  }
+  CHECK(torch::allclose(plain_causal_attention(q, k, v, 0.0), want, 1e-5, 1e-6));
+  // The kernel training uses (fused where LibTorch has it) gives the same numbers.
+  CHECK(torch::allclose(causal_attention(q, k, v, 0.0), want, 1e-5, 1e-6));
+#if DTRAIN_HAS_FUSED_ATTENTION
+  MESSAGE("fused attention compared with the plain one");
+#endif
 }

@@ -9,8 +9,9 @@
 #include <torch/torch.h>
 
 #include "config/config.hpp"
-#include "train/flat_params.hpp"
-#include "train/optimizer.hpp"
+#include "parallel/flat_params.hpp"
+#include "comm/comm.hpp"
+#include "optim/optimizer.hpp"
 #include "util/error.hpp"
 
 using namespace dtrain;
@@ -147,6 +148,7 @@ TEST_CASE("optimizer: sgd with momentum and weight decay matches torch::optim::S
   cfg.name = "sgd";
   cfg.momentum = 0.9;
   cfg.weight_decay = 0.01;
+  cfg.decay_1d = true;  // torch::optim decays every parameter
   auto model = small_model(1);
   auto ref = clone_of(model);
   FlatParams flat(*model);
@@ -162,6 +164,7 @@ TEST_CASE("optimizer: sgd nesterov matches torch::optim::SGD") {
   cfg.momentum = 0.9;
   cfg.nesterov = true;
   cfg.weight_decay = 0.01;
+  cfg.decay_1d = true;  // torch::optim decays every parameter
   auto model = small_model(1);
   auto ref = clone_of(model);
   FlatParams flat(*model);
@@ -188,6 +191,7 @@ TEST_CASE("optimizer: adamw with weight decay matches torch::optim::AdamW") {
   OptimizerConfig cfg;
   cfg.name = "adamw";
   cfg.weight_decay = 0.01;
+  cfg.decay_1d = true;
   cfg.beta1 = 0.9;
   cfg.beta2 = 0.999;
   cfg.eps = 1e-8;
@@ -202,12 +206,13 @@ TEST_CASE("optimizer: adamw with weight decay matches torch::optim::AdamW") {
   check_against_reference(ref_opt, model, ref, flat, *opt);
 }
 
-TEST_CASE("optimizer: state() -> load_state() into a fresh optimizer continues identically") {
+TEST_CASE("optimizer: saved state restored into a fresh optimizer continues identically") {
   for (const char* name : {"sgd", "adamw"}) {
     CAPTURE(name);
     OptimizerConfig cfg;
     cfg.name = name;
     cfg.weight_decay = 0.01;
+    cfg.decay_1d = true;
     auto data = make_data(7);
 
     auto a = small_model(1);
@@ -219,7 +224,8 @@ TEST_CASE("optimizer: state() -> load_state() into a fresh optimizer continues i
       opt_a->step(kLrs[s]);
     }
 
-    const NamedTensors state = opt_a->state();
+    auto local = make_local_comm();
+    const NamedTensors state = optimizer_state(*opt_a, fa, *local);
     bool has_steps = false;
     for (const auto& [n, t] : state) {
       if (n == "steps") has_steps = true;
@@ -241,7 +247,7 @@ TEST_CASE("optimizer: state() -> load_state() into a fresh optimizer continues i
     auto opt_b = make_optimizer(cfg, fb);
     NamedTensors saved;
     for (const auto& [n, t] : state) saved.emplace_back(n, t.clone());
-    opt_b->load_state(saved);
+    load_optimizer_state(*opt_b, fb, saved, 0, "test");
     // Control: the same parameters with a fresh optimizer and no state.
     auto c = clone_of(a);
     FlatParams fc(*c);
@@ -266,15 +272,15 @@ TEST_CASE("optimizer: state() -> load_state() into a fresh optimizer continues i
     NamedTensors missing;
     for (const auto& [n, t] : saved)
       if (n.rfind("0.bias.", 0) != 0) missing.emplace_back(n, t);
-    CHECK_THROWS_AS(opt_d->load_state(missing), CheckpointError);
+    CHECK_THROWS_AS(load_optimizer_state(*opt_d, fd, missing, 0, "test"), CheckpointError);
     NamedTensors misshapen;
     for (const auto& [n, t] : saved)
       misshapen.emplace_back(n, n.rfind("0.bias.", 0) == 0 ? torch::zeros({4}) : t);
-    CHECK_THROWS_AS(opt_d->load_state(misshapen), CheckpointError);
+    CHECK_THROWS_AS(load_optimizer_state(*opt_d, fd, misshapen, 0, "test"), CheckpointError);
     NamedTensors no_steps;
     for (const auto& [n, t] : saved)
       if (n != "steps") no_steps.emplace_back(n, t);
-    CHECK_THROWS_AS(opt_d->load_state(no_steps), CheckpointError);
+    CHECK_THROWS_AS(load_optimizer_state(*opt_d, fd, no_steps, 0, "test"), CheckpointError);
   }
 }
 
@@ -291,7 +297,9 @@ TEST_CASE("flat params: channels-last conv weights are views of the buffer and c
   torch::nn::Sequential plain(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
                               torch::nn::ReLU(), torch::nn::Conv2d(8, 4, 3));
   auto flat_model = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(plain->clone());
-  dtrain::FlatParams flat(*flat_model, torch::MemoryFormat::ChannelsLast);
+  FlatOptions channels_last;
+  channels_last.format = torch::MemoryFormat::ChannelsLast;
+  dtrain::FlatParams flat(*flat_model, channels_last);
   auto w = flat_model->named_parameters()["0.weight"];
   CHECK(w.is_contiguous(torch::MemoryFormat::ChannelsLast));
   CHECK(!w.is_contiguous());
@@ -305,4 +313,116 @@ TEST_CASE("flat params: channels-last conv weights are views of the buffer and c
   auto g = flat.view(flat.grad(), 0);
   CHECK(torch::allclose(g, plain->named_parameters()["0.weight"].grad(), 1e-5, 1e-6));
   CHECK(flat_model->named_parameters()["0.weight"].grad().data_ptr<float>() == flat.grad().data_ptr<float>());
+}
+
+namespace {
+// torch::optim with two parameter groups: weights decayed, biases not.
+std::vector<torch::optim::OptimizerParamGroup> groups(torch::nn::Sequential& m,
+                                                      std::unique_ptr<torch::optim::OptimizerOptions> decayed,
+                                                      std::unique_ptr<torch::optim::OptimizerOptions> plain) {
+  std::vector<torch::Tensor> weights, biases;
+  for (auto& p : m->parameters()) (p.dim() >= 2 ? weights : biases).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  out.emplace_back(weights, std::move(decayed));
+  out.emplace_back(biases, std::move(plain));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("optimizer: by default weight decay spares 1-D parameters (biases, norm gains)") {
+  for (const char* name : {"sgd", "adamw"}) {
+    CAPTURE(name);
+    OptimizerConfig cfg;
+    cfg.name = name;
+    cfg.weight_decay = 0.05;
+    CHECK(!cfg.decay_1d);
+    CHECK(decays(cfg, {5, 6}));
+    CHECK(!decays(cfg, {5}));
+    auto model = small_model(1);
+    auto ref = clone_of(model);
+    FlatParams flat(*model);
+    auto opt = make_optimizer(cfg, flat);
+    std::unique_ptr<torch::optim::Optimizer> ref_opt;
+    if (cfg.name == "sgd")
+      ref_opt = std::make_unique<torch::optim::SGD>(
+          groups(ref, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.05)),
+                 std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9))),
+          torch::optim::SGDOptions(0.1));
+    else
+      ref_opt = std::make_unique<torch::optim::AdamW>(
+          groups(ref, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0.05)),
+                 std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0))),
+          torch::optim::AdamWOptions(0.1));
+    check_against_reference(*ref_opt, model, ref, flat, *opt);
+  }
+}
+
+TEST_CASE("optimizer: two optimizers over the two halves of the buffer equal one over all") {
+  for (const char* name : {"sgd", "adamw"}) {
+    CAPTURE(name);
+    OptimizerConfig cfg;
+    cfg.name = name;
+    cfg.weight_decay = 0.01;
+    auto whole_model = small_model(1);
+    auto split_model = clone_of(whole_model);
+    FlatParams whole(*whole_model), split(*split_model);
+    auto one = make_optimizer(cfg, whole);
+    // A boundary inside a parameter (0.weight holds 30 values), as a ZeRO shard may have.
+    auto low = make_optimizer(cfg, split, Shard{0, 17});
+    auto high = make_optimizer(cfg, split, Shard{17, -1});
+    CHECK(low->slots()[0].second.numel() == 17);
+    CHECK(high->slots()[0].second.numel() == 53 - 17);
+    auto data = make_data(4);
+    for (int s = 0; s < 4; ++s) {
+      whole.zero_grad();
+      split.zero_grad();
+      loss_of(whole_model, data.x[s], data.t[s]).backward();
+      loss_of(split_model, data.x[s], data.t[s]).backward();
+      one->step(kLrs[s]);
+      low->step(kLrs[s]);
+      high->step(kLrs[s]);
+      CHECK(torch::equal(whole.data(), split.data()));
+    }
+  }
+}
+
+TEST_CASE("flat params: a parameter registered twice (tied weights) is one entry, trained once") {
+  // A weight that a submodule registers again under its own name (an LM head tied to the
+  // token embedding, registered in both places).
+  struct Head : torch::nn::Module {
+    explicit Head(const torch::Tensor& w) { weight = register_parameter("weight", w); }
+    torch::Tensor weight;
+  };
+  struct Tied : torch::nn::Module {
+    Tied() {
+      emb = register_module("emb", torch::nn::Embedding(7, 4));
+      head = register_module("head", std::make_shared<Head>(emb->weight));
+    }
+    torch::Tensor forward(const torch::Tensor& idx) {
+      return torch::nn::functional::linear(emb->forward(idx), head->weight);
+    }
+    torch::nn::Embedding emb{nullptr};
+    std::shared_ptr<Head> head;
+  };
+  auto m = std::make_shared<Tied>();
+  REQUIRE(m->named_parameters().size() == 2);
+  CHECK(m->named_parameters()["emb.weight"].unsafeGetTensorImpl() ==
+        m->named_parameters()["head.weight"].unsafeGetTensorImpl());
+  FlatParams flat(*m);
+  REQUIRE(flat.entries().size() == 1);
+  CHECK(flat.entries()[0].name == "emb.weight");
+  CHECK(flat.data().numel() == 28);
+  // Both uses accumulate into the one gradient slot.
+  auto idx = torch::tensor({1, 3}, torch::kInt64);
+  m->forward(idx).pow(2).sum().backward();
+  CHECK(flat.grad().abs().sum().item<double>() > 0);
+  CHECK(m->head->weight.grad().data_ptr() == flat.grad().data_ptr());
+  // An optimizer step moves the shared weight once, seen through both names.
+  OptimizerConfig cfg;
+  cfg.momentum = 0;
+  auto before = flat.data().clone();
+  make_optimizer(cfg, flat)->step(0.5);
+  CHECK(torch::allclose(flat.data(), before - 0.5 * flat.grad()));
+  CHECK(torch::equal(m->emb->weight, m->head->weight));
+  CHECK(m->emb->weight.data_ptr() == flat.data().data_ptr());
 }

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "config/config.hpp"
-#include "train/schedule.hpp"
+#include "optim/schedule.hpp"
 
 using namespace dtrain;
 

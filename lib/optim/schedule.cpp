@@ -1,4 +1,4 @@
-#include "train/schedule.hpp"
+#include "optim/schedule.hpp"
 
 #include <algorithm>
 #include <cmath>

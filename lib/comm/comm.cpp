@@ -1,0 +1,343 @@
+// c10d behind the Comm interface. Everything version-sensitive is in this file.
+// A job has one store; the world and each sub-group (a Mesh axis) is a process group of its
+// own over that store, under the group's name as a key prefix.
+#include "comm/comm.hpp"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <algorithm>
+#include <thread>
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+// Threads inherit their creator's nice value. Gloo's threads (its TCP loop and workers)
+// are created while this is alive at a higher priority than the compute threads, so that
+// when data arrives they preempt compute at once instead of waiting out the scheduler's
+// wake-up granularity (measured, MLP at 2 ranks on 2 cores: the wait for the gradients
+// p90 3.4 -> 1.5 ms, mean step 4.1 -> 3.65 ms).
+// Without the permission to raise priority (no CAP_SYS_NICE) nothing changes.
+class CommThreadPriority {
+ public:
+  CommThreadPriority() {
+    tid_ = static_cast<id_t>(::syscall(SYS_gettid));
+    errno = 0;
+    old_ = ::getpriority(PRIO_PROCESS, tid_);
+    raised_ = errno == 0 && ::setpriority(PRIO_PROCESS, tid_, old_ - 10) == 0;
+  }
+  ~CommThreadPriority() {
+    if (raised_) ::setpriority(PRIO_PROCESS, tid_, old_);
+  }
+
+ private:
+  id_t tid_;
+  int old_ = 0;
+  bool raised_ = false;
+};
+
+class DonePending : public Pending {
+ public:
+  void wait() override {}
+};
+
+class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
+ public:
+  int64_t rank() const override { return 0; }
+  int64_t size() const override { return 1; }
+  std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override {
+    return std::make_unique<DonePending>();
+  }
+  void broadcast(torch::Tensor, int64_t) override {}
+  std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override { return {t.clone()}; }
+  void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
+    out.view(-1).copy_(in.reshape(-1));
+  }
+  void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp) override {
+    out.view(-1).copy_(in.reshape(-1));
+  }
+  void barrier() override {}
+  std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int) override {
+    if (!ops.empty()) throw std::logic_error("send/recv in a group of one process");
+    return std::make_unique<DonePending>();
+  }
+  std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>& members) override {
+    if (members != std::vector<int64_t>{0})
+      throw std::logic_error("a group of other ranks in a world of one process");
+    return shared_from_this();
+  }
+};
+
+std::string describe(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return first_line(err.what_without_backtrace());
+  } catch (const std::exception& err) {
+    return first_line(err.what());
+  } catch (...) {
+    return "unknown failure";
+  }
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  // Gloo has no AVG: kAvg is a sum divided afterwards (see WorkPending), on every backend.
+  return op == ReduceOp::kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+}
+
+// Where a group's process groups come from: the job's store and options. Shared by a world
+// and every sub-group made from it.
+struct GroupContext {
+  c10::intrusive_ptr<c10d::Store> store;
+  CommOptions opts;
+  int64_t world_rank;
+  bool loopback;  // every rank on this machine
+};
+
+std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const std::string& name,
+                                 int64_t rank, int64_t size);
+
+// Holds a Gloo or NCCL process group. ProcessGroupGloo/NCCL have the collective methods
+// in both 1.13 (where they derive from ProcessGroup) and 2.x (from Backend).
+template <class PG>
+class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> {
+ public:
+  C10dComm(c10::intrusive_ptr<PG> pg, std::shared_ptr<GroupContext> ctx, std::string name,
+           int64_t rank, int64_t size)
+      : pg_(std::move(pg)), ctx_(std::move(ctx)), name_(std::move(name)), rank_(rank),
+        size_(size) {}
+
+  int64_t rank() const override { return rank_; }
+  int64_t size() const override { return size_; }
+
+  std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override {
+    std::vector<torch::Tensor> ts{t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = to_c10d(op);
+    const double divide = op == ReduceOp::kAvg ? double(size_) : 1.0;
+    return guard("all_reduce", [&] {
+      return pending("all_reduce", pg_->allreduce(ts, o), ts, divide);
+    });
+  }
+  void broadcast(torch::Tensor t, int64_t root) override {
+    std::vector<torch::Tensor> ts{std::move(t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    guard("broadcast", [&] { return pending("broadcast", pg_->broadcast(ts, o), ts); })->wait();
+  }
+  std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override {
+    std::vector<std::vector<torch::Tensor>> out(1);
+    for (int64_t i = 0; i < size_; ++i) out[0].push_back(torch::empty_like(t));
+    std::vector<torch::Tensor> in{t};
+    guard("all_gather", [&] { return pending("all_gather", pg_->allgather(out, in), in); })->wait();
+    return out[0];
+  }
+  void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
+    auto flat_in = in.reshape(-1).contiguous();
+    const int64_t n = flat_in.numel();
+    TORCH_CHECK(out.numel() == n * size_, "all_gather_into: output holds ", out.numel(),
+                " elements, expected ", n * size_);
+    // The outputs are views of `out`: Gloo writes each rank's part in place.
+    std::vector<std::vector<torch::Tensor>> outs(1);
+    auto flat_out = out.view(-1);
+    for (int64_t r = 0; r < size_; ++r) outs[0].push_back(flat_out.narrow(0, r * n, n));
+    std::vector<torch::Tensor> ins{flat_in};
+    guard("all_gather", [&] { return pending("all_gather", pg_->allgather(outs, ins), ins); })
+        ->wait();
+  }
+  void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp op) override {
+    // Gloo in LibTorch 1.13 has no reduce-scatter: reduce everything, keep this rank's
+    // chunk. Twice the traffic of a true reduce-scatter, the same result.
+    const int64_t n = out.numel();
+    TORCH_CHECK(in.numel() == n * size_, "reduce_scatter: input holds ", in.numel(),
+                " elements, expected ", n * size_);
+    auto whole = in.reshape(-1).clone();
+    all_reduce(whole, op);
+    out.view(-1).copy_(whole.narrow(0, rank_ * n, n));
+  }
+  void barrier() override {
+    // A barrier is an all-reduce of one number: the same timeout path as everything else.
+    std::vector<torch::Tensor> ts{torch::zeros({1})};
+    guard("barrier", [&] { return pending("barrier", pg_->allreduce(ts), ts); })->wait();
+  }
+  std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int tag) override {
+    return guard("send/recv", [&] {
+      auto all = std::make_unique<PendingAll>();
+      for (auto& op : ops) {
+        std::vector<torch::Tensor> ts{op.tensor};
+        auto work = op.kind == P2POp::kSend ? pg_->send(ts, int(op.peer), tag)
+                                            : pg_->recv(ts, int(op.peer), tag);
+        all->parts.push_back(pending(op.kind == P2POp::kSend ? "send" : "recv", work, ts));
+      }
+      return std::unique_ptr<Pending>(std::move(all));
+    });
+  }
+  std::shared_ptr<Comm> new_group(const std::string& name,
+                                  const std::vector<int64_t>& members) override {
+    auto me = std::find(members.begin(), members.end(), ctx_->world_rank);
+    if (me == members.end())
+      throw std::logic_error(fmt::format("rank {} is not a member of group '{}'",
+                                         ctx_->world_rank, name));
+    if (int64_t(members.size()) == size_ && name_ == "world") return this->shared_from_this();
+    if (members.size() == 1) return make_local_comm();
+    return make_group(ctx_, name, me - members.begin(), int64_t(members.size()));
+  }
+
+ private:
+  class WorkPending : public Pending {
+   public:
+    WorkPending(const C10dComm* comm, const char* op, c10::intrusive_ptr<c10d::Work> work,
+                std::vector<torch::Tensor> keep, double divide)
+        : comm_(comm), op_(op), work_(std::move(work)), keep_(std::move(keep)),
+          divide_(divide) {}
+    void wait() override {
+      bool done = false;
+      try {
+        done = work_->wait(
+            std::chrono::duration_cast<std::chrono::milliseconds>(comm_->ctx_->opts.timeout));
+      } catch (...) {
+        throw comm_->failure(op_, describe(std::current_exception()));
+      }
+      if (!done) throw comm_->failure(op_, "did not complete");
+      if (divide_ != 1.0)
+        for (auto& t : keep_) t.div_(divide_);
+    }
+
+   private:
+    const C10dComm* comm_;
+    const char* op_;
+    c10::intrusive_ptr<c10d::Work> work_;
+    std::vector<torch::Tensor> keep_;  // the buffers must outlive the operation
+    double divide_;
+  };
+  struct PendingAll : Pending {
+    std::vector<std::unique_ptr<Pending>> parts;
+    void wait() override {
+      for (auto& p : parts) p->wait();
+    }
+  };
+
+  std::unique_ptr<Pending> pending(const char* op, c10::intrusive_ptr<c10d::Work> w,
+                                   std::vector<torch::Tensor> keep, double divide = 1.0) const {
+    return std::make_unique<WorkPending>(this, op, std::move(w), std::move(keep), divide);
+  }
+
+  template <class F>
+  std::unique_ptr<Pending> guard(const char* op, F&& f) const {
+    try {
+      return f();
+    } catch (const DistError&) {
+      throw;
+    } catch (...) {
+      throw failure(op, describe(std::current_exception()));
+    }
+  }
+
+  DistError failure(const char* op, const std::string& why) const {
+    const std::string group = name_ == "world" ? "" : fmt::format(" ({} group)", name_);
+    return DistError(fmt::format("rank {}: {}{} failed (timeout {} s; a peer rank may have died "
+                                 "or stalled): {}", ctx_->world_rank, op, group,
+                                 ctx_->opts.timeout.count(), why));
+  }
+
+  c10::intrusive_ptr<PG> pg_;
+  std::shared_ptr<GroupContext> ctx_;
+  std::string name_;
+  int64_t rank_, size_;
+};
+
+// A process group over `size` ranks that rendezvous under `name` in the job's store.
+std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const std::string& name,
+                                 int64_t rank, int64_t size) {
+  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(ctx->opts.timeout);
+  c10::intrusive_ptr<c10d::Store> store = ctx->store;
+  if (name != "world") store = c10::make_intrusive<c10d::PrefixStore>(name + "/", ctx->store);
+  CommThreadPriority priority;  // for the threads created below
+  try {
+    if (ctx->opts.backend == "nccl") {
+#ifdef USE_C10D_NCCL
+      auto o = c10d::ProcessGroupNCCL::Options::create();
+      o->timeout = timeout;
+      auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, int(rank), int(size), o);
+      return std::make_shared<C10dComm<c10d::ProcessGroupNCCL>>(pg, ctx, name, rank, size);
+#else
+      throw ConfigError("dist.backend: this LibTorch was built without NCCL");
+#endif
+    }
+    auto o = c10d::ProcessGroupGloo::Options::create(timeout);
+    o->threads = static_cast<int>(ctx->opts.gloo_threads);
+    // One machine: talk over loopback. Several: this host's own interface (Gloo's default
+    // resolves the hostname; GLOO_SOCKET_IFNAME picks an interface explicitly).
+    o->devices.push_back(ctx->loopback
+                             ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                             : c10d::ProcessGroupGloo::createDefaultDevice());
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, int(rank), int(size), o);
+    return std::make_shared<C10dComm<c10d::ProcessGroupGloo>>(pg, ctx, name, rank, size);
+  } catch (const Error&) {
+    throw;
+  } catch (...) {
+    throw DistError(fmt::format("rank {}: creating the {} process group '{}' failed: {}",
+                                ctx->world_rank, ctx->opts.backend, name,
+                                describe(std::current_exception())));
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Comm> make_local_comm() { return std::make_shared<LocalComm>(); }
+
+std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(world.master_port);
+    so.isServer = world.rank == 0;
+    so.numWorkers = static_cast<std::size_t>(world.world);
+    so.waitWorkers = true;
+    so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
+    store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
+  } catch (...) {
+    throw DistError(fmt::format("rank {}: rendezvous at {}:{} failed ({}): {}", world.rank,
+                                world.master_addr, world.master_port,
+                                world.rank == 0 ? "hosting the store" : "reaching rank 0",
+                                describe(std::current_exception())));
+  }
+  const bool loopback =
+      world.master_addr == "localhost" || world.master_addr.rfind("127.", 0) == 0;
+  auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, world.rank, loopback});
+  return make_group(ctx, "world", world.rank, world.world);
+}
+
+void run_ranks_as_threads(int64_t n, const std::function<void(std::shared_ptr<Comm>)>& body,
+                          const CommOptions& opts) {
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, r, true});
+        body(n == 1 ? make_local_comm() : make_group(ctx, "world", r, n));
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace dtrain

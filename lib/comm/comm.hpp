@@ -1,0 +1,93 @@
+// The collectives dtrain uses, over one group of processes. This is the only interface the
+// rest of the code sees: the c10d calls (whose signatures differ between LibTorch 1.13 and
+// 2.x) stay inside comm.cpp. Every wait is bounded by dist.timeout_s; a failure or a
+// timeout throws DistError naming the operation, the group and the world rank (exit 4).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "launch/world.hpp"
+
+namespace dtrain {
+
+enum class ReduceOp { kSum, kAvg, kMax };
+
+// An operation in flight.
+class Pending {
+ public:
+  virtual ~Pending() = default;
+  virtual void wait() = 0;
+};
+
+// One point-to-point transfer of a batch (see Comm::exchange_async).
+struct P2POp {
+  enum Kind { kSend, kRecv } kind;
+  torch::Tensor tensor;  // contiguous; filled in place for kRecv
+  int64_t peer;          // group rank
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int64_t rank() const = 0;
+  virtual int64_t size() const = 0;
+
+  // In place over the group; the tensor must be contiguous. kAvg divides the sum by size().
+  virtual std::unique_ptr<Pending> all_reduce_async(torch::Tensor t,
+                                                    ReduceOp op = ReduceOp::kSum) = 0;
+  void all_reduce(torch::Tensor t, ReduceOp op = ReduceOp::kSum) {
+    all_reduce_async(std::move(t), op)->wait();
+  }
+  virtual void broadcast(torch::Tensor t, int64_t root) = 0;
+  // Each rank's `t`, in rank order.
+  virtual std::vector<torch::Tensor> all_gather(const torch::Tensor& t) = 0;
+  // Every rank's `in` side by side in one flat tensor: `out` holds size() * in.numel()
+  // elements and rank r's `in` lands at [r * n, (r + 1) * n).
+  virtual void all_gather_into(torch::Tensor out, const torch::Tensor& in) = 0;
+  // `in` holds size() equal chunks; `out` (one chunk) gets chunk rank() reduced over ranks.
+  virtual void reduce_scatter(torch::Tensor out, const torch::Tensor& in,
+                              ReduceOp op = ReduceOp::kSum) = 0;
+  virtual void barrier() = 0;
+  // Sends and receives posted together and completed together, so two peers that each send
+  // to and receive from the other cannot deadlock on the order they post them in.
+  virtual std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int tag = 0) = 0;
+  void send(torch::Tensor t, int64_t dst, int tag = 0) {
+    exchange_async({{P2POp::kSend, std::move(t), dst}}, tag)->wait();
+  }
+  void recv(torch::Tensor t, int64_t src, int tag = 0) {
+    exchange_async({{P2POp::kRecv, std::move(t), src}}, tag)->wait();
+  }
+
+  // The group of the world ranks `members` (in that order; this process among them), named
+  // `name` (unique per group in the job: it prefixes the group's rendezvous keys). Only the
+  // members call it. A group of one needs no process group and gets a local Comm.
+  virtual std::shared_ptr<Comm> new_group(const std::string& name,
+                                          const std::vector<int64_t>& members) = 0;
+};
+
+// A world of one: every collective is the identity and nothing is set up.
+std::shared_ptr<Comm> make_local_comm();
+
+struct CommOptions {
+  std::string backend = "gloo";          // gloo | nccl
+  std::chrono::seconds timeout{120};
+  int64_t gloo_threads = 2;              // Gloo's worker threads per process group
+};
+
+// Rendezvous through a TCPStore at world.master_addr:master_port (rank 0 hosts it), then
+// a Gloo or NCCL process group over all ranks.
+std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts);
+
+// Ranks as threads of this process (tests): runs body(comm) on `n` threads, each with the
+// world Comm of its rank, over an in-memory store and real Gloo on loopback. Rethrows the
+// first exception a rank threw, after all threads have ended.
+void run_ranks_as_threads(int64_t n, const std::function<void(std::shared_ptr<Comm>)>& body,
+                          const CommOptions& opts = {});
+
+}  // namespace dtrain

@@ -1,0 +1,107 @@
+// Token windows for language modelling: a text corpus read as bytes, or synthetic tokens.
+// The sampler treats a window like an image: an index into the split, so global batches,
+// sharding over data-parallel ranks and exact resume work as they do for images.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "data/dataset.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace fs = std::filesystem;
+
+Batch TokenWindows::gather(const torch::Tensor& indices) const {
+  // One index_select for the whole batch: rows of seq + 1 consecutive stream positions.
+  auto offsets = torch::arange(seq + 1, torch::kInt64);
+  auto rows = starts.index_select(0, indices).unsqueeze(1) + offsets;  // [n, seq + 1]
+  auto windows = stream.index_select(0, rows.view(-1)).view({indices.size(0), seq + 1});
+  return {windows.narrow(1, 0, seq).contiguous(), windows.narrow(1, 1, seq).contiguous()};
+}
+
+namespace {
+
+std::string read_all(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw DataError(fmt::format("data.path: cannot read '{}'", p.string()));
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Window starts over [begin, end) of a stream: every seq tokens, each window seq + 1 long.
+std::vector<int64_t> window_starts(int64_t begin, int64_t end, int64_t seq) {
+  std::vector<int64_t> starts;
+  for (int64_t s = begin; s + seq + 1 <= end; s += seq) starts.push_back(s);
+  return starts;
+}
+
+torch::Tensor as_tensor(const std::vector<int64_t>& v) {
+  return torch::tensor(v, torch::kInt64);
+}
+
+}  // namespace
+
+torch::Tensor read_text_bytes(const std::string& path) {
+  std::error_code ec;
+  std::string text;
+  if (fs::is_regular_file(path, ec)) {
+    text = read_all(path);
+  } else if (fs::is_directory(path, ec)) {
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(path, ec))
+      if (e.is_regular_file() && !e.is_symlink() && e.path().filename().string()[0] != '.')
+        files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) {
+      auto bytes = read_all(f);
+      if (bytes.find('\0') == std::string::npos) text += bytes;  // text, not binary
+    }
+  } else {
+    throw DataError(fmt::format("data.path: '{}' is neither a file nor a folder (for the "
+                                "shipped corpus: apt-get install fortunes)", path));
+  }
+  auto t = torch::empty({int64_t(text.size())}, torch::kInt64);
+  auto* p = t.data_ptr<int64_t>();
+  for (size_t i = 0; i < text.size(); ++i) p[i] = static_cast<unsigned char>(text[i]);
+  return t;
+}
+
+DataSplits load_text(const DataConfig& cfg) {
+  auto stream = read_text_bytes(cfg.path);
+  const int64_t seq = cfg.seq_len;
+  auto all = window_starts(0, stream.size(0), seq);
+  const int64_t every = std::max<int64_t>(2, std::llround(1.0 / cfg.eval_fraction));
+  std::vector<int64_t> train, test;
+  for (size_t i = 0; i < all.size(); ++i)
+    (int64_t(i) % every == every - 1 ? test : train).push_back(all[i]);
+  fail_if<DataError>(test.empty(), "data.path: '{}' holds {} bytes, too few for windows of {} "
+                     "with one in {} held out", cfg.path, stream.size(0), seq + 1, every);
+  DataSplits s;
+  s.train = std::make_shared<TokenWindows>(stream, as_tensor(train), seq);
+  s.test = std::make_shared<TokenWindows>(stream, as_tensor(test), seq);
+  s.sample_shape = {seq};
+  s.vocab = 256;
+  return s;
+}
+
+DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t seq = cfg.seq_len;
+  auto make = [&](int64_t windows) {
+    auto stream = at::randint(cfg.vocab, {windows * seq + 1}, gen, torch::kInt64);
+    return std::make_shared<TokenWindows>(stream, as_tensor(window_starts(0, windows * seq + 1, seq)),
+                                          seq);
+  };
+  DataSplits s;
+  s.train = make(cfg.samples);
+  s.test = make(cfg.test_samples);
+  s.sample_shape = {seq};
+  s.vocab = cfg.vocab;
+  return s;
+}
+
+}  // namespace dtrain

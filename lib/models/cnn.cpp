@@ -1,0 +1,57 @@
+// The cnn family (LeNet-style): per stage a 3x3 conv (pad 1) [+ BatchNorm] + ReLU + 2x2
+// max-pool, then the dense layers. Shapes follow ../shared/bench: conv32-pool-conv64-pool-
+// fc128-fc10. It has no tensor-parallel form; data parallelism is what it scales with.
+#include <torch/nn.h>
+
+#include "models/model.hpp"
+#include "parallel/sync_batchnorm.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace nn = torch::nn;
+
+void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims) {
+  fail_if<ConfigError>(dims.tensor != 1, "parallel.tensor: the cnn model has no tensor-parallel "
+                       "layers; use parallel.tensor: 1 (data parallelism scales it)");
+  for (const Ints* v : {&cfg.channels, &cfg.fc})
+    for (auto x : *v)
+      fail_if<ConfigError>(x <= 0, "model.{}: widths must be positive (got {})",
+                           v == &cfg.channels ? "channels" : "fc", x);
+  fail_if<ConfigError>(cfg.dropout < 0 || cfg.dropout >= 1, "model.dropout: must be in [0, 1) "
+                       "(got {})", cfg.dropout);
+}
+
+NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
+  const auto& shape = ctx.sample_shape;
+  fail_if<ConfigError>(shape.size() != 3,
+                       "model.arch: cnn needs samples shaped [channels, height, width], the data "
+                       "has {} dimension(s)", shape.size());
+  int64_t c = shape[0], h = shape[1], w = shape[2];
+  auto m = std::make_shared<LayerStack>();
+  for (auto out : cfg.channels) {
+    fail_if<ConfigError>(h < 2 || w < 2,
+                         "model.channels: {} conv+pool stages shrink the {}x{} input below 1x1",
+                         cfg.channels.size(), shape[1], shape[2]);
+    // With BatchNorm right after, the conv bias would be cancelled by the mean: leave it out.
+    m->add(nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)));
+    if (cfg.batch_norm && ctx.sync_batchnorm)
+      m->add(SyncBatchNorm2d(out, ctx.sync_batchnorm));
+    else if (cfg.batch_norm)
+      m->add(nn::BatchNorm2d(out));
+    m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
+    m->add(nn::MaxPool2d(nn::MaxPool2dOptions(2)));
+    c = out, h /= 2, w /= 2;
+  }
+  m->add(nn::Flatten());
+  int64_t in = c * h * w;
+  for (auto width : cfg.fc) {
+    m->add(nn::Linear(in, width));
+    m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
+    if (cfg.dropout > 0) m->add(nn::Dropout(cfg.dropout));
+    in = width;
+  }
+  m->add(nn::Linear(in, ctx.classes));
+  return m;
+}
+
+}  // namespace dtrain

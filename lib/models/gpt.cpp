@@ -1,0 +1,195 @@
+// The gpt family: a decoder-only transformer (GPT-2's shape). Token and learned position
+// embeddings; pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP;
+// a final LayerNorm; the LM head tied to the token embedding. Initialisation as GPT-2:
+// N(0, 0.02) weights, zero biases, residual projections N(0, 0.02 / sqrt(2 * layers)).
+// Names follow GPT-2's checkpoints: wte, wpe, h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2,
+// mlp.c_fc, mlp.c_proj}, ln_f.
+//
+// Tensor parallelism (Megatron): attention heads split over the tensor group (QKV
+// column-parallel as three blocks, the output projection row-parallel), the MLP likewise;
+// LayerNorms and embeddings replicated.
+#include <cmath>
+
+#include <fmt/format.h>
+#include <torch/nn.h>
+
+#include "models/attention.hpp"
+#include "models/model.hpp"
+#include "parallel/tensor_parallel.hpp"
+#include "util/compat.hpp"
+#include "util/error.hpp"
+
+#if DTRAIN_HAS_FUSED_ATTENTION
+#include <ATen/ops/scaled_dot_product_attention.h>
+#endif
+
+namespace dtrain {
+namespace nn = torch::nn;
+namespace F = torch::nn::functional;
+
+torch::Tensor plain_causal_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, double dropout) {
+  const int64_t seq = q.size(-2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(q.size(-1))));
+  auto future = torch::ones({seq, seq}, torch::dtype(torch::kBool).device(q.device())).triu(1);
+  auto weights = torch::softmax(scores.masked_fill(future, -INFINITY), -1);
+  if (dropout > 0) weights = torch::dropout(weights, dropout, /*train=*/true);
+  return torch::matmul(weights, v);
+}
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, double dropout) {
+#if DTRAIN_HAS_FUSED_ATTENTION
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true);
+#else
+  return plain_causal_attention(q, k, v, dropout);
+#endif
+}
+
+namespace {
+
+LinearInit normal_init(double std) {
+  return [std](torch::Tensor& w, torch::Tensor& b) {
+    nn::init::normal_(w, 0.0, std);
+    if (b.defined()) nn::init::zeros_(b);
+  };
+}
+
+class AttentionImpl : public nn::Module {
+ public:
+  AttentionImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor)
+      : heads_(cfg.heads / tensor->size()), head_dim_(cfg.dim / cfg.heads), dropout_(cfg.dropout) {
+    const double proj_std = 0.02 / std::sqrt(2.0 * double(cfg.layers));
+    c_attn = register_module(
+        "c_attn", ColumnParallelLinear(
+                      ParallelLinearOptions{cfg.dim, 3 * cfg.dim, true, normal_init(0.02), 3},
+                      tensor));
+    c_proj = register_module(
+        "c_proj", RowParallelLinear(
+                      ParallelLinearOptions{cfg.dim, cfg.dim, true, normal_init(proj_std)}, tensor));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t batch = x.size(0), seq = x.size(1), width = heads_ * head_dim_;
+    auto qkv = c_attn->forward(x).split(width, -1);  // this rank's heads of Q, K and V
+    auto heads = [&](const torch::Tensor& t) {
+      return t.view({batch, seq, heads_, head_dim_}).transpose(1, 2);
+    };
+    auto y = causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
+                              is_training() ? dropout_ : 0.0);
+    y = c_proj->forward(y.transpose(1, 2).contiguous().view({batch, seq, width}));
+    return dropout_ > 0 ? F::dropout(y, F::DropoutFuncOptions().p(dropout_).training(is_training()))
+                        : y;
+  }
+
+  ColumnParallelLinear c_attn{nullptr};
+  RowParallelLinear c_proj{nullptr};
+
+ private:
+  int64_t heads_, head_dim_;
+  double dropout_;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public nn::Module {
+ public:
+  MlpImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) : dropout_(cfg.dropout) {
+    const double proj_std = 0.02 / std::sqrt(2.0 * double(cfg.layers));
+    c_fc = register_module("c_fc", ColumnParallelLinear(
+                                       ParallelLinearOptions{cfg.dim, 4 * cfg.dim, true,
+                                                             normal_init(0.02)}, tensor));
+    c_proj = register_module("c_proj", RowParallelLinear(
+                                           ParallelLinearOptions{4 * cfg.dim, cfg.dim, true,
+                                                                 normal_init(proj_std)}, tensor));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = c_proj->forward(torch::gelu(c_fc->forward(x), "tanh"));  // GPT-2's GELU
+    return dropout_ > 0 ? F::dropout(y, F::DropoutFuncOptions().p(dropout_).training(is_training()))
+                        : y;
+  }
+
+  ColumnParallelLinear c_fc{nullptr};
+  RowParallelLinear c_proj{nullptr};
+
+ private:
+  double dropout_;
+};
+TORCH_MODULE(Mlp);
+
+class BlockImpl : public nn::Module {
+ public:
+  BlockImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) {
+    ln_1 = register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+    attn = register_module("attn", Attention(cfg, tensor));
+    ln_2 = register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+    mlp = register_module("mlp", Mlp(cfg, tensor));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn->forward(ln_1->forward(x));
+    return x + mlp->forward(ln_2->forward(x));
+  }
+
+  nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class Gpt : public Network {
+ public:
+  Gpt(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) : dropout_(cfg.dropout) {
+    torch::NoGradGuard no_grad;
+    wte = register_module("wte", nn::Embedding(cfg.vocab, cfg.dim));
+    nn::init::normal_(wte->weight, 0.0, 0.02);
+    wpe = register_module("wpe", nn::Embedding(cfg.seq_len, cfg.dim));
+    nn::init::normal_(wpe->weight, 0.0, 0.02);
+    h = register_module("h", nn::ModuleList());
+    for (int64_t i = 0; i < cfg.layers; ++i) h->push_back(Block(cfg, tensor));
+    ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+  }
+
+  // Token ids [batch, seq] -> next-token logits [batch, seq, vocab].
+  torch::Tensor forward(const torch::Tensor& idx) override {
+    auto pos = torch::arange(idx.size(1), torch::dtype(torch::kInt64).device(idx.device()));
+    auto x = wte->forward(idx) + wpe->forward(pos);
+    if (dropout_ > 0) x = F::dropout(x, F::DropoutFuncOptions().p(dropout_).training(is_training()));
+    for (const auto& block : *h) x = block->as<Block>()->forward(x);
+    return F::linear(ln_f->forward(x), wte->weight);  // the head is the embedding, tied
+  }
+
+  nn::Embedding wte{nullptr}, wpe{nullptr};
+  nn::ModuleList h{nullptr};
+  nn::LayerNorm ln_f{nullptr};
+
+ private:
+  double dropout_;
+};
+
+}  // namespace
+
+void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
+  auto need = [](bool ok, const char* key, const std::string& rule) {
+    if (!ok) throw ConfigError(fmt::format("{}: {}", key, rule));
+  };
+  need(cfg.layers >= 1, "model.layers", fmt::format("must be >= 1 (got {})", cfg.layers));
+  need(cfg.heads >= 1, "model.heads", fmt::format("must be >= 1 (got {})", cfg.heads));
+  need(cfg.dim >= 1 && cfg.dim % cfg.heads == 0, "model.dim",
+       fmt::format("{} must be a positive multiple of model.heads ({})", cfg.dim, cfg.heads));
+  need(cfg.vocab >= 2, "model.vocab", fmt::format("must be >= 2 (got {})", cfg.vocab));
+  need(cfg.seq_len >= 1, "model.seq_len", fmt::format("must be >= 1 (got {})", cfg.seq_len));
+  need(cfg.dropout >= 0 && cfg.dropout < 1, "model.dropout",
+       fmt::format("must be in [0, 1) (got {})", cfg.dropout));
+  need(cfg.heads % dims.tensor == 0, "model.heads",
+       fmt::format("{} heads do not split over parallel.tensor {}", cfg.heads, dims.tensor));
+}
+
+NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx) {
+  fail_if<ConfigError>(ctx.vocab == 0, "model.arch: gpt needs token data (data.dataset: text or "
+                       "synthetic_tokens)");
+  fail_if<ConfigError>(ctx.vocab > cfg.vocab, "model.vocab: {} is smaller than the data's {} "
+                       "token values", cfg.vocab, ctx.vocab);
+  fail_if<ConfigError>(ctx.sample_shape.at(0) > cfg.seq_len, "data.seq_len: windows of {} tokens "
+                       "exceed model.seq_len {}", ctx.sample_shape[0], cfg.seq_len);
+  return std::make_shared<Gpt>(cfg, ctx.tensor);
+}
+
+}  // namespace dtrain

@@ -1,0 +1,61 @@
+// The mlp family: Flatten, then Linear + ReLU (+ Dropout) per hidden width, then the
+// classifier. Layer shapes follow ../shared/bench (784-512-256-10), so dtrain and the
+// PyTorch baseline run the same kernels.
+//
+// Tensor parallelism pairs the layers Megatron's way: hidden layers alternate
+// column-parallel (output split) and row-parallel (input split, summed), so activations
+// stay split between a pair and one all-reduce per pair joins them. The classifier is
+// row-parallel when it follows a column-parallel layer, else replicated.
+#include <fmt/format.h>
+#include <torch/nn.h>
+
+#include "models/model.hpp"
+#include "parallel/tensor_parallel.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace nn = torch::nn;
+
+namespace {
+int64_t product(const Ints& v) {
+  int64_t p = 1;
+  for (auto x : v) p *= x;
+  return p;
+}
+bool column_parallel(size_t layer) { return layer % 2 == 0; }
+}  // namespace
+
+void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
+  for (size_t i = 0; i < cfg.hidden.size(); ++i) {
+    fail_if<ConfigError>(cfg.hidden[i] <= 0, "model.hidden: widths must be positive (got {})",
+                         cfg.hidden[i]);
+    fail_if<ConfigError>(column_parallel(i) && cfg.hidden[i] % dims.tensor != 0,
+                         "model.hidden: layer {} has {} units, which do not split over "
+                         "parallel.tensor {}", i + 1, cfg.hidden[i], dims.tensor);
+  }
+  fail_if<ConfigError>(cfg.dropout < 0 || cfg.dropout >= 1, "model.dropout: must be in [0, 1) "
+                       "(got {})", cfg.dropout);
+}
+
+NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
+  auto m = std::make_shared<LayerStack>();
+  m->add(nn::Flatten());
+  int64_t in = product(ctx.sample_shape);
+  for (size_t i = 0; i < cfg.hidden.size(); ++i) {
+    const int64_t w = cfg.hidden[i];
+    if (column_parallel(i))
+      m->add(ColumnParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor));
+    else
+      m->add(RowParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor));
+    m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
+    if (cfg.dropout > 0) m->add(nn::Dropout(cfg.dropout));
+    in = w;
+  }
+  if (!cfg.hidden.empty() && column_parallel(cfg.hidden.size() - 1))
+    m->add(RowParallelLinear(ParallelLinearOptions{in, ctx.classes}, ctx.tensor));
+  else
+    m->add(ColumnParallelLinear(ParallelLinearOptions{in, ctx.classes}, make_local_comm()));
+  return m;
+}
+
+}  // namespace dtrain

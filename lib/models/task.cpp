@@ -1,0 +1,57 @@
+#include "models/task.hpp"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+namespace dtrain {
+namespace {
+namespace F = torch::nn::functional;
+
+class Classification : public Task {
+ public:
+  const char* name() const override { return "classification"; }
+  const char* metric() const override { return "accuracy"; }
+  bool higher_is_better() const override { return true; }
+  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override {
+    return F::cross_entropy(out.to(torch::kFloat32), b.y);
+  }
+  void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s) const override {
+    auto logits = out.to(torch::kFloat32);
+    s.loss += F::cross_entropy(logits, b.y, F::CrossEntropyFuncOptions().reduction(torch::kSum))
+                  .item<double>();
+    s.correct += double(logits.argmax(1).eq(b.y).sum().item<int64_t>());
+    s.count += double(b.y.size(0));
+  }
+  double metric_value(const EvalSums& s) const override { return s.correct / s.count; }
+};
+
+class LanguageModel : public Task {
+ public:
+  const char* name() const override { return "language_model"; }
+  const char* metric() const override { return "perplexity"; }
+  bool higher_is_better() const override { return false; }
+  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override {
+    return F::cross_entropy(out.to(torch::kFloat32).view({-1, out.size(-1)}), b.y.view(-1));
+  }
+  void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s) const override {
+    s.loss += F::cross_entropy(out.to(torch::kFloat32).view({-1, out.size(-1)}), b.y.view(-1),
+                               F::CrossEntropyFuncOptions().reduction(torch::kSum))
+                  .item<double>();
+    s.count += double(b.y.numel());
+  }
+  double metric_value(const EvalSums& s) const override { return std::exp(s.loss / s.count); }
+};
+
+}  // namespace
+
+const Task& classification_task() {
+  static const Classification task;
+  return task;
+}
+const Task& language_model_task() {
+  static const LanguageModel task;
+  return task;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,39 @@
+// What a model is trained for: its loss, its evaluation metric and which way is better.
+// The trainer, the best checkpoint and the summary ask the task; none of them knows
+// "accuracy" or "perplexity".
+//   classification   x: samples, y: [n] class ids; cross-entropy; accuracy, higher is better
+//   language_model   x, y: [n, seq] token ids, y = x shifted by one; token cross-entropy;
+//                    perplexity = exp(mean token loss), lower is better
+#pragma once
+#include <string>
+
+#include <torch/types.h>
+
+#include "data/dataset.hpp"
+
+namespace dtrain {
+
+// Sums over evaluation batches, reduced over the data-parallel group before use.
+struct EvalSums {
+  double loss = 0;     // summed per-item loss
+  double count = 0;    // items (samples or tokens)
+  double correct = 0;  // classification only
+};
+
+class Task {
+ public:
+  virtual ~Task() = default;
+  virtual const char* name() const = 0;    // "classification" | "language_model"
+  virtual const char* metric() const = 0;  // "accuracy" | "perplexity"
+  virtual bool higher_is_better() const = 0;
+  // The mean loss over one micro-batch, in fp32: what training differentiates.
+  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& batch) const = 0;
+  virtual void accumulate(const torch::Tensor& out, const Batch& batch, EvalSums& sums) const = 0;
+  virtual double metric_value(const EvalSums& sums) const = 0;
+  bool better(double a, double b) const { return higher_is_better() ? a > b : a < b; }
+};
+
+const Task& classification_task();
+const Task& language_model_task();
+
+}  // namespace dtrain

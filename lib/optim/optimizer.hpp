@@ -1,0 +1,54 @@
+// SGD and AdamW over a FlatParams shard, with the update rules of torch.optim.SGD and
+// torch.optim.AdamW (tested against them). Owning the state as flat buffers keeps the
+// update to a handful of large ops and makes the state easy to checkpoint and to shard.
+//
+// Parameter groups: weight decay applies to parameters of two or more dimensions (weights,
+// embeddings), not to biases and norm gains, unless optimizer.decay_1d says so (the
+// GPT-2 / nanoGPT convention; decaying a LayerNorm gain towards 0 fights the norm).
+#pragma once
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config/config.hpp"
+#include "parallel/flat_params.hpp"
+
+namespace dtrain {
+
+// The part of the flat buffers an optimizer updates: the whole of them, or one rank's
+// shard (ZeRO-1).
+struct Shard {
+  int64_t offset = 0;
+  int64_t numel = -1;  // -1 = to the end of the buffer
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  // One update of the shard of params.data() from params.grad() at learning rate `lr`.
+  virtual void step(double lr) = 0;
+  // The state: per-parameter slots as flat buffers over the shard ("exp_avg" -> buffer),
+  // and scalars ("steps").
+  virtual NamedTensors slots() const = 0;
+  virtual NamedTensors scalars() const = 0;
+  // Restores scalars; slots are restored in place through slots() (the buffers are views).
+  virtual void load_scalars(const NamedTensors& scalars) = 0;
+};
+
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams& params,
+                                          Shard shard = {});
+
+// The state at full logical shapes, per parameter and slot ("fc.weight.exp_avg"), plus
+// the scalars: what a checkpoint holds. Split parameters' slots are gathered over `tensor`
+// (a collective over the tensor group).
+NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, Comm& tensor);
+// Restores what optimizer_state() returned, each rank taking its part; throws
+// CheckpointError (naming `origin`) on a missing or misshapen tensor.
+void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
+                          int64_t tensor_rank, const std::string& origin);
+
+// Whether weight decay applies to the parameter with this full shape.
+bool decays(const OptimizerConfig& cfg, const std::vector<int64_t>& full_shape);
+
+}  // namespace dtrain

@@ -1,0 +1,111 @@
+#include "parallel/flat_params.hpp"
+
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "comm/comm.hpp"
+#include "util/error.hpp"
+#include "util/shape.hpp"
+
+namespace dtrain {
+
+std::vector<int64_t> Placement::full_shape(std::vector<int64_t> local) const {
+  if (is_split()) local[size_t(dim)] *= parts;
+  return local;
+}
+
+torch::Tensor Placement::shard(const torch::Tensor& full, int64_t rank) const {
+  if (!is_split()) return full.clone();
+  std::vector<torch::Tensor> pieces;
+  for (const auto& block : full.chunk(blocks, dim)) pieces.push_back(block.chunk(parts, dim)[rank]);
+  return torch::cat(pieces, dim);
+}
+
+torch::Tensor Placement::assemble(const std::vector<torch::Tensor>& ranks) const {
+  if (!is_split()) return ranks.at(0);
+  std::vector<torch::Tensor> pieces;  // block by block, rank by rank within a block
+  for (int64_t b = 0; b < blocks; ++b)
+    for (const auto& part : ranks) pieces.push_back(part.chunk(blocks, dim)[b]);
+  return torch::cat(pieces, dim);
+}
+
+FlatParams::FlatParams(torch::nn::Module& model, const FlatOptions& opts) : format_(opts.format) {
+  // Placements declared by the modules that split their parameters.
+  std::map<std::string, Placement> placements;
+  for (const auto& m : model.named_modules(/*name_prefix=*/"", /*include_self=*/true))
+    if (auto* placed = dynamic_cast<const PlacedModule*>(m.value().get()))
+      for (const auto& p : m.value()->named_parameters(/*recurse=*/false))
+        placements[m.key().empty() ? p.key() : m.key() + "." + p.key()] = placed->placement_of(p.key());
+
+  std::unordered_set<const c10::TensorImpl*> seen;
+  int64_t total = 0;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;  // a tied parameter
+    auto it = placements.find(p.key());
+    Placement place = it == placements.end() ? Placement::replicated() : it->second;
+    auto shape = p.value().sizes().vec();
+    entries_.push_back({p.key(), total, p.value().numel(), shape, place.full_shape(shape), place});
+    params_.push_back(p.value());
+    total += p.value().numel();
+  }
+  torch::NoGradGuard no_grad;
+  auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);
+  data_ = torch::empty({total}, options);
+  grad_ = torch::zeros({total}, options);
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    auto& p = params_[i];
+    auto slot = view(data_, i);
+    slot.copy_(p);
+    p.set_data(slot);
+    p.mutable_grad() = view(grad_, i);
+  }
+}
+
+torch::Tensor FlatParams::view(const torch::Tensor& flat, size_t i) const {
+  const auto& e = entries_[i];
+  auto slot = flat.narrow(0, e.offset, e.numel);
+  if (format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4)  // stored N,H,W,C
+    return slot.view({e.shape[0], e.shape[2], e.shape[3], e.shape[1]}).permute({0, 3, 1, 2});
+  return slot.view(e.shape);
+}
+
+NamedTensors FlatParams::gather_full(const torch::Tensor& flat, const std::string& suffix,
+                                     Comm& tensor) const {
+  NamedTensors out;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const auto& e = entries_[i];
+    auto local = view(flat, i);
+    if (!e.placement.is_split()) {
+      out.emplace_back(e.name + suffix, local);
+      continue;
+    }
+    if (tensor.size() != e.placement.parts)
+      throw std::logic_error(fmt::format("'{}' is split {} ways over a tensor group of {}",
+                                         e.name, e.placement.parts, tensor.size()));
+    out.emplace_back(e.name + suffix, e.placement.assemble(tensor.all_gather(local.contiguous())));
+  }
+  return out;
+}
+
+void FlatParams::scatter_full(torch::Tensor flat, const std::string& suffix,
+                              const std::function<torch::Tensor(const std::string&)>& find,
+                              int64_t tensor_rank, const std::string& origin) const {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const auto& e = entries_[i];
+    const auto name = e.name + suffix;
+    auto full = find(name);
+    if (!full.defined())
+      throw CheckpointError(fmt::format("{}: the model has '{}', the checkpoint does not",
+                                        origin, name));
+    if (full.sizes().vec() != e.full_shape)
+      throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the "
+                                        "model", origin, name, shape_str(full),
+                                        shape_str(e.full_shape)));
+    view(flat, i).copy_(e.placement.shard(full, tensor_rank));
+  }
+}
+
+}  // namespace dtrain

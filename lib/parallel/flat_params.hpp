@@ -1,0 +1,100 @@
+// A model's parameters as views into one contiguous buffer, and their gradients as views
+// into another (llm.c's design). backward() then accumulates straight into the flat
+// gradient, so zeroing, the global norm, the optimizer update and the bucketed all-reduce
+// are a few large operations instead of a loop of small ones per tensor, and a shard (ZeRO)
+// is an offset and a length.
+//
+// Each entry is one parameter, listed once however often the model uses it (a tied weight
+// registered under two names is one entry, the first name), with its local shape and its
+// Placement across the tensor group, so checkpoints can hold every tensor at its full
+// logical shape whatever the layout.
+#pragma once
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+namespace dtrain {
+
+class Comm;
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// How one parameter is laid out over the ranks of the tensor group.
+struct Placement {
+  int64_t dim = -1;    // the split dimension; -1 = replicated (every rank holds all of it)
+  int64_t parts = 1;   // ranks it is split over
+  // The dimension is `blocks` equal blocks, each split in `parts` (a fused QKV weight is 3
+  // blocks: rank r holds its heads' rows of Q, of K and of V).
+  int64_t blocks = 1;
+
+  static Placement replicated() { return {}; }
+  static Placement split(int64_t dim, int64_t parts, int64_t blocks = 1) {
+    return {dim, parts, blocks};
+  }
+  bool is_split() const { return dim >= 0 && parts > 1; }
+  std::vector<int64_t> full_shape(std::vector<int64_t> local) const;
+  // Rank `rank`'s part of the full tensor (a copy).
+  torch::Tensor shard(const torch::Tensor& full, int64_t rank) const;
+  // The full tensor from every rank's part, in rank order.
+  torch::Tensor assemble(const std::vector<torch::Tensor>& parts) const;
+};
+
+// Implemented by modules whose own parameters are split across the tensor group.
+class PlacedModule {
+ public:
+  virtual ~PlacedModule() = default;
+  virtual Placement placement_of(const std::string& param_name) const = 0;
+};
+
+struct FlatOptions {
+  torch::ScalarType dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+  // With ChannelsLast, 4-d parameters (conv weights) are laid out channels-last in the
+  // buffer, which LibTorch's oneDNN convolutions run ~1.4x faster on CPU.
+  torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
+};
+
+class FlatParams {
+ public:
+  struct Entry {
+    std::string name;
+    int64_t offset, numel;
+    std::vector<int64_t> shape;        // this rank's part
+    std::vector<int64_t> full_shape;   // the logical tensor
+    Placement placement;
+  };
+
+  explicit FlatParams(torch::nn::Module& model, const FlatOptions& opts = {});
+
+  torch::Tensor& data() { return data_; }
+  torch::Tensor& grad() { return grad_; }
+  const torch::Tensor& data() const { return data_; }
+  const torch::Tensor& grad() const { return grad_; }
+  const std::vector<Entry>& entries() const { return entries_; }
+  // The parameter tensors autograd sees, one per entry.
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  // The slice of a flat buffer (data, grad or optimizer state) that belongs to entry i.
+  torch::Tensor view(const torch::Tensor& flat, size_t i) const;
+  void zero_grad() { grad_.zero_(); }
+
+  // Every entry of `flat` (a buffer laid out like data(): the parameters or an optimizer
+  // slot) at its full logical shape, named entry.name + suffix. Split entries are gathered
+  // over `tensor`: a collective, every member of the tensor group calls it.
+  NamedTensors gather_full(const torch::Tensor& flat, const std::string& suffix,
+                           Comm& tensor) const;
+  // The reverse: each entry takes its part of the full tensor `find(entry.name + suffix)`.
+  // Throws CheckpointError (naming `origin`) on a missing tensor or a shape mismatch.
+  void scatter_full(torch::Tensor flat, const std::string& suffix,
+                    const std::function<torch::Tensor(const std::string&)>& find,
+                    int64_t tensor_rank, const std::string& origin) const;
+
+ private:
+  torch::Tensor data_, grad_;
+  std::vector<Entry> entries_;
+  std::vector<torch::Tensor> params_;
+  torch::MemoryFormat format_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,38 @@
+#include "parallel/mesh.hpp"
+
+#include <fmt/format.h>
+
+namespace dtrain {
+
+namespace {
+// A name unique to one group of one axis: the axis and the coordinates the members share.
+std::string group_name(Axis axis, const Coord& c) {
+  switch (axis) {
+    case Axis::kData: return fmt::format("data-t{}-p{}", c.tensor, c.pipeline);
+    case Axis::kTensor: return fmt::format("tensor-d{}-p{}", c.data, c.pipeline);
+    case Axis::kPipeline: return fmt::format("pipeline-d{}-t{}", c.data, c.tensor);
+  }
+  return "";
+}
+}  // namespace
+
+Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world)
+    : dims_(dims), coord_(dims.coord_of(world->rank())), world_(std::move(world)) {
+  if (dims_.world() != world_->size())
+    throw std::logic_error(fmt::format("mesh {} over a world of {}", dims_.str(), world_->size()));
+  auto make = [&](Axis axis) {
+    auto members = dims_.group_of(world_->rank(), axis);
+    if (int64_t(members.size()) == world_->size()) return world_;
+    return world_->new_group(group_name(axis, coord_), members);
+  };
+  // The same order on every rank: a group's creation waits for all its members.
+  tensor_ = make(Axis::kTensor);
+  data_ = make(Axis::kData);
+  pipeline_ = make(Axis::kPipeline);
+}
+
+const std::shared_ptr<Comm>& Mesh::group(Axis a) const {
+  return a == Axis::kData ? data_ : a == Axis::kTensor ? tensor_ : pipeline_;
+}
+
+}  // namespace dtrain

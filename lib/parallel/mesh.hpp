@@ -1,0 +1,39 @@
+// The process mesh: one c10d group per axis of ParallelDims, and this rank's coordinates.
+// Each consumer asks for the group it needs:
+//   data      the sampler's shard, loss averaging, evaluation, gradient sync, SyncBatchNorm
+//   tensor    the tensor-parallel layers' collectives, gathering split tensors for checkpoints
+//   pipeline  activations and gradients between stages (the next issue)
+//   world     agreement on stopping and the step's loss: always, whatever the layout, so no
+//             rank checkpoints or exits while a peer waits in a collective
+#pragma once
+#include <memory>
+
+#include "comm/comm.hpp"
+#include "parallel/dims.hpp"
+
+namespace dtrain {
+
+class Mesh {
+ public:
+  // Collective over the world: every rank creates the groups it belongs to. An axis of size
+  // 1 gets a local Comm; an axis that spans the world reuses the world's group.
+  Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world);
+
+  const ParallelDims& dims() const { return dims_; }
+  const Coord& coord() const { return coord_; }
+  int64_t rank() const { return world_->rank(); }
+  bool is_root() const { return world_->rank() == 0; }
+
+  const std::shared_ptr<Comm>& world() const { return world_; }
+  const std::shared_ptr<Comm>& group(Axis a) const;
+  const std::shared_ptr<Comm>& data() const { return data_; }
+  const std::shared_ptr<Comm>& tensor() const { return tensor_; }
+  const std::shared_ptr<Comm>& pipeline() const { return pipeline_; }
+
+ private:
+  ParallelDims dims_;
+  Coord coord_;
+  std::shared_ptr<Comm> world_, data_, tensor_, pipeline_;
+};
+
+}  // namespace dtrain

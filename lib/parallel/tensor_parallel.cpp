@@ -1,0 +1,126 @@
+#include "parallel/tensor_parallel.hpp"
+
+#include <cmath>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The group rides in saved_data as an address: the Comm outlives every graph (the mesh
+// owns it for the whole run).
+int64_t as_int(Comm* c) { return reinterpret_cast<int64_t>(c); }
+Comm* as_comm(AutogradContext* ctx) {
+  return reinterpret_cast<Comm*>(ctx->saved_data["comm"].toInt());
+}
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t comm) {
+    ctx->saved_data["comm"] = comm;
+    return x.view_as(x);  // a new node for autograd; no copy
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = grads[0].contiguous().clone();  // the incoming gradient may be shared
+    as_comm(ctx)->all_reduce(g);
+    return {g, torch::Tensor()};
+  }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static torch::Tensor forward(AutogradContext*, torch::Tensor x, int64_t comm) {
+    auto y = x.contiguous().clone();
+    reinterpret_cast<Comm*>(comm)->all_reduce(y);
+    return y;
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+int64_t parts_dividing(const std::shared_ptr<Comm>& tensor, int64_t n, const char* what) {
+  const int64_t t = tensor->size();
+  if (n % t != 0)
+    throw ConfigError(fmt::format("parallel.tensor: {} {} do not split over {} ranks", n, what, t));
+  return t;
+}
+
+}  // namespace
+
+torch::Tensor copy_to_tensor_region(const torch::Tensor& x, const std::shared_ptr<Comm>& tensor) {
+  if (tensor->size() == 1) return x;
+  return CopyToRegion::apply(x, as_int(tensor.get()));
+}
+
+torch::Tensor reduce_from_tensor_region(const torch::Tensor& x,
+                                        const std::shared_ptr<Comm>& tensor) {
+  if (tensor->size() == 1) return x;
+  return ReduceFromRegion::apply(x, as_int(tensor.get()));
+}
+
+void torch_linear_init(torch::Tensor& weight, torch::Tensor& bias) {
+  // torch::nn::LinearImpl::reset_parameters, draw for draw.
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (bias.defined()) {
+    const double bound = 1 / std::sqrt(double(weight.size(1)));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+namespace {
+// Draws the full layer and returns it; the caller keeps its part.
+std::pair<torch::Tensor, torch::Tensor> full_layer(const ParallelLinearOptions& o) {
+  torch::NoGradGuard no_grad;
+  auto w = torch::empty({o.out, o.in});
+  torch::Tensor b = o.bias ? torch::empty({o.out}) : torch::Tensor();
+  o.init(w, b);
+  return {w, b};
+}
+}  // namespace
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ParallelLinearOptions& opts,
+                                                   std::shared_ptr<Comm> tensor)
+    : opts_(opts), tensor_(std::move(tensor)) {
+  parts_dividing(tensor_, opts.out / opts.blocks, "output features");
+  auto [w, b] = full_layer(opts);
+  const auto place = placement_of("weight");
+  weight = register_parameter("weight", place.shard(w, tensor_->rank()));
+  if (opts.bias) bias = register_parameter("bias", place.shard(b, tensor_->rank()));
+}
+
+Placement ColumnParallelLinearImpl::placement_of(const std::string&) const {
+  return Placement::split(/*dim=*/0, tensor_->size(), opts_.blocks);  // weight rows, bias
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  return torch::nn::functional::linear(copy_to_tensor_region(x, tensor_), weight, bias);
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const ParallelLinearOptions& opts,
+                                             std::shared_ptr<Comm> tensor)
+    : opts_(opts), tensor_(std::move(tensor)) {
+  parts_dividing(tensor_, opts.in, "input features");
+  auto [w, b] = full_layer(opts);
+  weight = register_parameter("weight", placement_of("weight").shard(w, tensor_->rank()));
+  if (opts.bias) bias = register_parameter("bias", b);
+}
+
+Placement RowParallelLinearImpl::placement_of(const std::string& param) const {
+  if (param == "bias") return Placement::replicated();  // added once, after the sum
+  return Placement::split(/*dim=*/1, tensor_->size());
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  // One rank: the fused addmm of an unsplit layer.
+  if (tensor_->size() == 1) return torch::nn::functional::linear(x, weight, bias);
+  auto y = reduce_from_tensor_region(torch::nn::functional::linear(x, weight), tensor_);
+  return bias.defined() ? y + bias : y;
+}
+
+}  // namespace dtrain
+

@@ -1,0 +1,76 @@
+// Everything one training run owns, built once by setup() and shared by the loop, the
+// step, the evaluator and the checkpoint code.
+#pragma once
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "checkpoint/checkpoint.hpp"
+#include "config/config.hpp"
+#include "data/dataset.hpp"
+#include "data/sampler.hpp"
+#include "launch/world.hpp"
+#include "logging/metrics.hpp"
+#include "models/model.hpp"
+#include "optim/optimizer.hpp"
+#include "parallel/flat_params.hpp"
+#include "parallel/grad_sync.hpp"
+#include "parallel/mesh.hpp"
+#include "train/trainer.hpp"
+
+namespace dtrain {
+
+struct EvalResult {
+  double loss = 0;    // mean per item (sample or token)
+  double metric = 0;  // the task's metric
+};
+
+// What changes from step to step and is saved with a checkpoint (with the model and the
+// optimizer).
+struct RunState {
+  int64_t step = 0;                    // optimizer steps done
+  double last_loss = std::nan("");
+  double best_metric = std::nan("");   // NaN until the first evaluation
+  int64_t best_step = 0;
+  std::optional<EvalResult> last_eval;
+  int64_t last_saved = -1;
+};
+
+struct Context {
+  Context(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
+          const WorldInfo& world, std::shared_ptr<Comm> comm)
+      : cfg(cfg), opts(opts), world(world), mesh(dims, std::move(comm)) {}
+
+  JobConfig cfg;
+  RunOptions opts;
+  WorldInfo world;
+  Mesh mesh;
+  DataSplits data;
+  const ModelSpec* spec = nullptr;
+  const Task* task = nullptr;
+  NetworkPtr model;
+  std::unique_ptr<FlatParams> params;
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<GradSync> sync;
+  std::optional<ShardedSampler> sampler;
+  int64_t total_steps = 0;
+  std::unique_ptr<CheckpointStore> checkpoints;  // rank 0
+  std::unique_ptr<MetricsLog> metrics;           // rank 0
+  std::unique_ptr<Progress> progress;
+  RunState state;
+
+  bool root() const { return mesh.is_root(); }
+  torch::MemoryFormat format() const { return spec->format; }
+  int64_t steps_per_epoch() const { return sampler->steps_per_epoch(); }
+  // Items per sample: 1, or the tokens of a window (for tokens/s).
+  int64_t items_per_sample() const { return task == &language_model_task() ? data.sample_shape[0] : 1; }
+  void say(const std::string& line) const {
+    if (root()) progress->print(line);
+  }
+};
+
+// Builds the run: threads, data, model, optimizer, gradient sync; resumes when asked.
+void setup(Context& c);
+
+}  // namespace dtrain

@@ -1,0 +1,33 @@
+#include "train/evaluator.hpp"
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+namespace dtrain {
+
+EvalResult evaluate(Context& c) {
+  torch::NoGradGuard no_grad;
+  c.model->eval();
+  const auto& test = *c.data.test;
+  const int64_t ranks = c.mesh.dims().data, r = c.mesh.coord().data;
+  const int64_t lo = test.size() * r / ranks, hi = test.size() * (r + 1) / ranks;
+  const bool bf16 = c.cfg.precision.dtype == "bf16";
+  EvalSums sums;
+  for (int64_t start = lo; start < hi; start += c.cfg.train.eval_batch_size) {
+    const int64_t n = std::min(c.cfg.train.eval_batch_size, hi - start);
+    Batch b = test.gather(torch::arange(start, start + n, torch::kInt64));
+    if (b.x.dim() == 4) b.x = b.x.contiguous(c.format());
+    at::autocast::set_cpu_enabled(bf16);
+    auto out = c.model->forward(b.x);
+    at::autocast::set_cpu_enabled(false);
+    if (bf16) at::autocast::clear_cache();
+    c.task->accumulate(out, b, sums);
+  }
+  c.model->train();
+  auto t = torch::tensor({sums.loss, sums.count, sums.correct}, torch::kFloat64);
+  c.mesh.data()->all_reduce(t);
+  EvalSums total{t[0].item<double>(), t[1].item<double>(), t[2].item<double>()};
+  return {total.loss / total.count, c.task->metric_value(total)};
+}
+
+}  // namespace dtrain

@@ -1,0 +1,94 @@
+#include "train/report.hpp"
+
+#include <algorithm>
+
+namespace dtrain {
+namespace {
+nlohmann::json number_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
+}  // namespace
+
+void Window::add(const StepStats& s) {
+  steps += 1;
+  data_wait_ms += s.data_wait_ms;
+  forward_ms += s.forward_ms;
+  backward_ms += s.backward_ms;
+  comm_ms += s.comm_ms;
+  optim_ms += s.optim_ms;
+  step_ms += s.step_ms;
+}
+
+nlohmann::json train_line(const Context& c, const StepStats& last, const Window& w, double lr) {
+  const double n = double(w.steps);
+  const double samples_per_s = n * double(c.cfg.data.batch_size) / (w.step_ms / 1000);
+  const int64_t step = c.state.step;
+  nlohmann::json line{{"kind", "train"},
+                      {"step", step},
+                      {"epoch", (step - 1) / c.steps_per_epoch()},
+                      {"loss", number_or_null(last.loss)},
+                      {"lr", lr},
+                      {"grad_norm", number_or_null(last.grad_norm)},
+                      {"samples_per_s", samples_per_s},
+                      {"step_ms", w.step_ms / n},
+                      {"data_wait_ms", w.data_wait_ms / n},
+                      {"forward_ms", w.forward_ms / n},
+                      {"backward_ms", w.backward_ms / n},
+                      {"optim_ms", w.optim_ms / n},
+                      {"time", unix_time()}};
+  if (c.items_per_sample() > 1) line["tokens_per_s"] = samples_per_s * double(c.items_per_sample());
+  if (c.mesh.world()->size() > 1) {
+    line["comm_ms"] = w.comm_ms / n;
+    line["comm_bytes"] = c.sync->bytes_per_step();
+  }
+  return line;
+}
+
+nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms) {
+  const int64_t step = c.state.step;
+  return {{"kind", "eval"},
+          {"step", step},
+          {"epoch", (step - 1) / c.steps_per_epoch()},
+          {"loss", e.loss},
+          {c.task->metric(), e.metric},
+          {"eval_ms", eval_ms},
+          {"time", unix_time()}};
+}
+
+nlohmann::json summary_line(const Context& c, const std::string& status,
+                            const std::vector<double>& step_ms, double data_wait_total_ms) {
+  // Steady state: leave out the first steps of this process (allocator and cache warm-up).
+  const size_t n = step_ms.size();
+  const size_t warm = std::min<size_t>(20, n / 5);
+  double ms = 0;
+  for (size_t i = warm; i < n; ++i) ms += step_ms[i];
+  const double steady = ms > 0 ? double(n - warm) * double(c.cfg.data.batch_size) / (ms / 1000) : 0;
+  std::vector<double> sorted(step_ms.begin() + long(warm), step_ms.end());
+  std::sort(sorted.begin(), sorted.end());
+  const auto& d = c.mesh.dims();
+  const auto& st = c.state;
+  nlohmann::json s{
+      {"kind", "summary"},
+      {"status", status},
+      {"steps", st.step},
+      {"epochs", double(st.step) / double(c.steps_per_epoch())},
+      {"final_loss", number_or_null(st.last_loss)},
+      {"samples_per_s", steady},
+      {"step_ms_median", sorted.empty() ? 0.0 : sorted[sorted.size() / 2]},
+      {"data_wait_ms_mean", n ? data_wait_total_ms / double(n) : 0.0},
+      {"world_size", c.mesh.world()->size()},
+      {"layout", {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}}},
+      {"task", c.task->name()},
+      {"time", unix_time()}};
+  if (c.items_per_sample() > 1) s["tokens_per_s"] = steady * double(c.items_per_sample());
+  const std::string metric = c.task->metric();
+  if (std::isfinite(st.best_metric)) {
+    s["best_" + metric] = st.best_metric;
+    s["best_step"] = st.best_step;
+  }
+  if (st.last_eval) {
+    s["final_" + metric] = st.last_eval->metric;
+    s["final_eval_loss"] = st.last_eval->loss;
+  }
+  return s;
+}
+
+}  // namespace dtrain

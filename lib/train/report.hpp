@@ -1,0 +1,37 @@
+// The lines of metrics.jsonl: every key of every kind of line is written here and nowhere
+// else (the contract: ../DESIGN.md "Files a run writes").
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "train/context.hpp"
+
+namespace dtrain {
+
+// One step's figures (train/step.cpp), milliseconds unless named otherwise.
+struct StepStats {
+  double loss = 0;             // mean over the global batch
+  double grad_norm = 0;        // NaN when not computed this step
+  double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
+         step_ms = 0;
+  bool stop = false;           // some rank was asked to stop: all stop after this step
+};
+
+// Sums over one logging window of steps.
+struct Window {
+  int64_t steps = 0;
+  double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
+         step_ms = 0;
+  void add(const StepStats& s);
+};
+
+nlohmann::json train_line(const Context& c, const StepStats& last, const Window& w, double lr);
+nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms);
+// `step_ms`: this process's step times, for the steady-state rate.
+nlohmann::json summary_line(const Context& c, const std::string& status,
+                            const std::vector<double>& step_ms, double data_wait_total_ms);
+
+}  // namespace dtrain

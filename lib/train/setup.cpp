@@ -1,0 +1,98 @@
+// Builds a run: the order matters. Threads and the seed first (the model's initialisation
+// draws from the generator), then data, model, flat buffers, optimizer, sampler; then the
+// resume decision (collective), the restored state, the broadcast that makes every
+// data-parallel rank start from the same weights, and last the gradient sync (its hooks).
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "config/schema.hpp"
+#include "train/context.hpp"
+#include "train/state.hpp"
+#include "util/affinity.hpp"
+#include "util/blas.hpp"
+#include "util/files.hpp"
+#include "util/memory.hpp"
+
+namespace dtrain {
+namespace fs = std::filesystem;
+
+void setup(Context& c) {
+  const auto& cfg = c.cfg;
+  const auto& dims = c.mesh.dims();
+  tune_allocator();
+  // Local processes share the machine's cores.
+  const int64_t threads =
+      cfg.train.threads > 0
+          ? cfg.train.threads
+          : std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()) / c.world.local_world);
+  torch::set_num_threads(static_cast<int>(threads));
+  const std::string pinning = cfg.train.pin_threads
+                                  ? pin_compute_threads(threads, c.world.local_rank, c.world.local_world)
+                                  : "not pinned";
+  torch::manual_seed(static_cast<uint64_t>(cfg.seed));
+
+  auto blas = loaded_blas();
+  if (c.root() && is_reference_blas(blas))
+    std::cerr << "dtrain: warning: LibTorch is using the reference BLAS (" << blas
+              << "), which is ~19x slower on Linear layers; install libopenblas0-openmp\n";
+
+  c.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed));
+  c.spec = &model_spec(cfg.model.arch);
+  c.task = c.spec->task;
+  ModelContext mc;
+  mc.sample_shape = c.data.sample_shape;
+  mc.classes = c.data.classes;
+  mc.vocab = c.data.vocab;
+  if (cfg.parallel.sync_batchnorm && dims.data > 1) mc.sync_batchnorm = c.mesh.data();
+  mc.tensor = c.mesh.tensor();
+  c.model = c.spec->build(cfg.model, mc);
+  FlatOptions flat;
+  flat.format = c.spec->format;
+  c.params = std::make_unique<FlatParams>(*c.model, flat);
+  c.optimizer = make_optimizer(cfg.optimizer, *c.params);
+  c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
+                    static_cast<uint64_t>(cfg.seed), /*rank=*/c.mesh.coord().data,
+                    /*ranks=*/dims.data);
+  c.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
+                                          : cfg.train.epochs * c.steps_per_epoch();
+  c.progress = std::make_unique<Progress>(c.root() ? cfg.logging.progress : "off", c.total_steps);
+
+  if (c.root()) {
+    fs::create_directories(cfg.run_dir);
+    c.checkpoints = std::make_unique<CheckpointStore>(cfg.run_dir, cfg.checkpoint);
+  }
+  auto resume_from = choose_checkpoint(c);
+  if (resume_from) restore(c, *resume_from);
+  broadcast_state(c);
+  c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum);
+  if (c.root()) {
+    write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
+    c.metrics = std::make_unique<MetricsLog>(
+        (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
+        resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt);
+  }
+  int64_t local = 0, full = 0;
+  for (const auto& e : c.params->entries()) {
+    local += e.numel;
+    int64_t n = 1;
+    for (auto s : e.full_shape) n *= s;
+    full += n;
+  }
+  c.say(fmt::format(
+      "dtrain {}: job '{}', {} ({} parameters{}), {} ({} train / {} test), batch {}, {} steps "
+      "({} per epoch), world {} ({}, launcher {}), {} thread(s) per rank ({}), BLAS {}{}; "
+      "logs in {}",
+      DTRAIN_VERSION, cfg.name, cfg.model.arch, full,
+      local != full ? fmt::format(", {} on each tensor rank", local) : "", cfg.data.dataset,
+      c.data.train->size(), c.data.test->size(), cfg.data.batch_size, c.total_steps,
+      c.steps_per_epoch(), c.mesh.world()->size(), dims.str(), c.world.launcher, threads, pinning,
+      blas.empty() ? "unknown" : blas,
+      resume_from ? fmt::format(", resumed at step {} from {}", c.state.step, *resume_from) : "",
+      cfg.run_dir));
+}
+
+}  // namespace dtrain

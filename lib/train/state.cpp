@@ -1,0 +1,156 @@
+#include "train/state.hpp"
+
+#include <filesystem>
+#include <map>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "config/schema.hpp"
+#include "util/error.hpp"
+#include "util/shape.hpp"
+
+namespace dtrain {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string to_hex(const torch::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  auto c = bytes.contiguous();
+  const auto* p = c.data_ptr<uint8_t>();
+  std::string s;
+  for (int64_t i = 0; i < c.numel(); ++i) s += digits[p[i] >> 4], s += digits[p[i] & 15];
+  return s;
+}
+
+torch::Tensor from_hex(const std::string& s) {
+  auto t = torch::empty({int64_t(s.size() / 2)}, torch::kUInt8);
+  auto* p = t.data_ptr<uint8_t>();
+  auto nibble = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (size_t i = 0; i + 1 < s.size(); i += 2) p[i / 2] = uint8_t(nibble(s[i]) << 4 | nibble(s[i + 1]));
+  return t;
+}
+
+nlohmann::json number_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
+double number_or_nan(const nlohmann::json& j) { return j.is_number() ? j.get<double>() : std::nan(""); }
+
+nlohmann::json layout_json(const ParallelDims& d) {
+  return {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}};
+}
+
+}  // namespace
+
+std::optional<std::string> choose_checkpoint(Context& c) {
+  const auto& resume = c.opts.resume;
+  if (!resume.empty() && resume != "auto") return resume;
+  auto decision = torch::full({1}, -1, torch::kInt64);  // the step to resume, -1 = fresh
+  std::string refusal;
+  if (c.root()) {
+    auto newest = c.checkpoints->newest_valid();
+    if (newest && resume == "auto")
+      decision.fill_(verify_checkpoint(*newest)["step"].get<int64_t>());
+    else if (newest)  // starting over would mix a new run's checkpoints with the old ones
+      refusal = fmt::format("run directory '{}' already holds checkpoints: resume with "
+                            "--resume auto, or choose another --run-dir", c.cfg.run_dir);
+    if (!refusal.empty()) decision.fill_(-2);
+  }
+  c.mesh.world()->broadcast(decision, 0);
+  const int64_t step = decision.item<int64_t>();
+  if (step == -2)
+    throw ConfigError(c.root() ? refusal
+                               : fmt::format("run directory '{}' already holds checkpoints (see "
+                                             "rank 0)", c.cfg.run_dir));
+  if (step < 0) return std::nullopt;
+  return (fs::path(c.cfg.run_dir) / "checkpoints" / fmt::format("step-{:08d}", step)).string();
+}
+
+void restore(Context& c, const std::string& folder) {
+  auto saved = load_checkpoint(folder);
+  const auto& t = saved.trainer;
+  try {
+    fail_if<ConfigError>(t.at("global_batch").get<int64_t>() != c.cfg.data.batch_size,
+                         "data.batch_size: {} differs from the checkpoint's {} ({}); an exact "
+                         "resume needs the same global batch", c.cfg.data.batch_size,
+                         t["global_batch"].get<int64_t>(), folder);
+    fail_if<ConfigError>(t.at("train_samples").get<int64_t>() != c.data.train->size(),
+                         "data: the checkpoint {} was trained on {} samples, this job has {}",
+                         folder, t["train_samples"].get<int64_t>(), c.data.train->size());
+    auto& st = c.state;
+    st.step = t.at("step").get<int64_t>();
+    st.best_metric = number_or_nan(t.at("best_metric"));
+    st.best_step = t.at("best_step").get<int64_t>();
+    st.last_loss = number_or_nan(t.at("last_loss"));
+    st.last_saved = st.step;
+
+    std::map<std::string, torch::Tensor> model(saved.model.begin(), saved.model.end());
+    auto find = [&model](const std::string& name) {
+      auto it = model.find(name);
+      return it == model.end() ? torch::Tensor() : it->second;
+    };
+    const int64_t tensor_rank = c.mesh.coord().tensor;
+    c.params->scatter_full(c.params->data(), "", find, tensor_rank, folder);
+    torch::NoGradGuard no_grad;
+    for (const auto& b : c.model->named_buffers()) {
+      auto it = model.find(b.key());
+      if (it == model.end())
+        throw CheckpointError(fmt::format("{}: the model has '{}', the checkpoint does not",
+                                          folder, b.key()));
+      if (it->second.sizes() != b.value().sizes())
+        throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the "
+                                          "model", folder, b.key(), shape_str(it->second),
+                                          shape_str(b.value())));
+      b.value().copy_(it->second);
+    }
+    load_optimizer_state(*c.optimizer, *c.params, saved.optimizer, tensor_rank, folder);
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(from_hex(t.at("rng_torch_cpu").get<std::string>()));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}/trainer.json: {}", folder, e.what()));
+  }
+}
+
+void broadcast_state(Context& c) {
+  auto& data = *c.mesh.data();
+  if (data.size() == 1) return;
+  torch::NoGradGuard no_grad;
+  data.broadcast(c.params->data(), 0);
+  for (auto& b : c.model->buffers())
+    if (b.is_floating_point()) data.broadcast(b, 0);
+}
+
+void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
+  // The first data-parallel replica gathers the split tensors; rank 0 (one of its members)
+  // writes them.
+  if (c.mesh.coord().data == 0) {
+    auto& tensor = *c.mesh.tensor();
+    CheckpointState state;
+    state.model = c.params->gather_full(c.params->data(), "", tensor);
+    for (const auto& b : c.model->named_buffers()) state.model.emplace_back(b.key(), b.value());
+    state.optimizer = optimizer_state(*c.optimizer, *c.params, tensor);
+    if (c.root()) {
+      const auto& st = c.state;
+      const int64_t spe = c.steps_per_epoch();
+      state.trainer = {{"step", st.step},
+                       {"epoch", st.step / spe},
+                       {"step_in_epoch", st.step % spe},
+                       {"global_batch", c.cfg.data.batch_size},
+                       {"train_samples", c.data.train->size()},
+                       {"best_metric", number_or_null(st.best_metric)},
+                       {"best_step", st.best_step},
+                       {"last_loss", number_or_null(st.last_loss)},
+                       {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
+      state.config_yaml = to_yaml(c.cfg);
+      std::optional<Metric> metric;
+      if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};
+      auto folder = c.checkpoints->save(state, st.step, st.step / spe,
+                                        layout_json(c.mesh.dims()), metric);
+      c.say(fmt::format("checkpoint {}", folder));
+    }
+  }
+  c.mesh.world()->barrier();  // no rank moves on (or exits) before the checkpoint is complete
+  c.state.last_saved = c.state.step;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,247 @@
+// The parallel core without processes: ParallelDims arithmetic, the Mesh's groups, the
+// collectives (one-process and ranks as threads over real Gloo), Placement, and the
+// tensor-parallel layers against an unsplit layer (forward and gradients).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <mutex>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "optim/clip.hpp"
+#include "parallel/dims.hpp"
+#include "parallel/flat_params.hpp"
+#include "parallel/mesh.hpp"
+#include "parallel/tensor_parallel.hpp"
+#include "util/error.hpp"
+
+using namespace dtrain;
+
+namespace {
+CommOptions quick() {
+  CommOptions o;
+  o.timeout = std::chrono::seconds(30);
+  o.gloo_threads = 1;
+  return o;
+}
+}  // namespace
+
+TEST_CASE("dims: coordinates and groups for several layouts") {
+  ParallelConfig p;
+  p.tensor = 2;
+  p.pipeline = 2;
+  auto d = ParallelDims::resolve(p, 8);
+  CHECK(d.data == 2);
+  CHECK(d.str() == "data 2 x tensor 2 x pipeline 2");
+  // Tensor fastest, then data, then pipeline.
+  for (int64_t r = 0; r < 8; ++r) {
+    auto c = d.coord_of(r);
+    CHECK(c.tensor == r % 2);
+    CHECK(c.data == (r / 2) % 2);
+    CHECK(c.pipeline == r / 4);
+    CHECK(d.rank_of(c) == r);
+  }
+  CHECK(d.group_of(5, Axis::kTensor) == std::vector<int64_t>{4, 5});
+  CHECK(d.group_of(5, Axis::kData) == std::vector<int64_t>{5, 7});
+  CHECK(d.group_of(5, Axis::kPipeline) == std::vector<int64_t>{1, 5});
+  // Every axis's groups partition the world.
+  for (Axis a : {Axis::kData, Axis::kTensor, Axis::kPipeline}) {
+    std::set<std::vector<int64_t>> groups;
+    for (int64_t r = 0; r < 8; ++r) groups.insert(d.group_of(r, a));
+    CHECK(int64_t(groups.size()) == 8 / d.size(a));
+  }
+  // data 0 takes the rest; explicit sizes must multiply to the world.
+  ParallelConfig only_tensor;
+  only_tensor.tensor = 4;
+  auto t = ParallelDims::resolve(only_tensor, 4);
+  CHECK(t.data == 1);
+  CHECK(t.group_of(2, Axis::kTensor) == std::vector<int64_t>{0, 1, 2, 3});
+  CHECK(t.group_of(2, Axis::kData) == std::vector<int64_t>{2});
+  only_tensor.data = 2;
+  CHECK_THROWS_AS(ParallelDims::resolve(only_tensor, 4), ConfigError);
+  CHECK_THROWS_AS(ParallelDims::resolve(only_tensor, 6), ConfigError);
+}
+
+TEST_CASE("comm: the one-process collectives are identities") {
+  auto c = make_local_comm();
+  auto t = torch::tensor({1.0f, 2.0f});
+  c->all_reduce(t, ReduceOp::kAvg);
+  CHECK(torch::equal(t, torch::tensor({1.0f, 2.0f})));
+  auto out = torch::zeros({2});
+  c->all_gather_into(out, t);
+  CHECK(torch::equal(out, t));
+  auto rs = torch::zeros({2});
+  c->reduce_scatter(rs, t);
+  CHECK(torch::equal(rs, t));
+  CHECK(c->all_gather(t).size() == 1);
+  CHECK(c->new_group("g", {0}).get() == c.get());
+  CHECK_THROWS(c->send(t, 0));
+}
+
+TEST_CASE("comm: collectives over ranks as threads") {
+  const int64_t n = 3;
+  std::mutex mu;
+  std::vector<std::string> failures;
+  run_ranks_as_threads(n, [&](std::shared_ptr<Comm> c) {
+    const int64_t r = c->rank();
+    auto fail = [&](const std::string& what) {
+      std::lock_guard<std::mutex> lock(mu);
+      failures.push_back(fmt::format("rank {}: {}", r, what));
+    };
+    // sum, avg, max
+    auto s = torch::full({4}, double(r + 1), torch::kFloat64);
+    c->all_reduce(s);
+    if (!torch::equal(s, torch::full({4}, 6.0, torch::kFloat64))) fail("sum");
+    auto a = torch::full({2}, double(r), torch::kFloat64);
+    c->all_reduce(a, ReduceOp::kAvg);
+    if (!torch::equal(a, torch::full({2}, 1.0, torch::kFloat64))) fail("avg");
+    auto m = torch::tensor({double(r), double(-r)}, torch::kFloat64);
+    c->all_reduce(m, ReduceOp::kMax);
+    if (!torch::equal(m, torch::tensor({2.0, 0.0}, torch::kFloat64))) fail("max");
+    // all-gather into one flat tensor: rank r's [r, r+10] at [2r, 2r+2)
+    auto flat = torch::zeros({2 * n});
+    c->all_gather_into(flat, torch::tensor({float(r), float(r + 10)}));
+    if (!torch::equal(flat, torch::tensor({0.f, 10.f, 1.f, 11.f, 2.f, 12.f}))) fail("all_gather_into");
+    // reduce-scatter: chunk r of the sum
+    auto in = torch::arange(2 * n, torch::kFloat32) * float(r + 1);  // sum over ranks: 6 * arange
+    auto out = torch::zeros({2});
+    c->reduce_scatter(out, in);
+    if (!torch::equal(out, torch::tensor({6.f * 2 * r, 6.f * (2 * r + 1)}))) fail("reduce_scatter");
+    // a ring of sends and receives posted together: no deadlock, every value arrives
+    auto got = torch::zeros({3});
+    c->exchange_async({{P2POp::kSend, torch::full({3}, float(r)), (r + 1) % n},
+                       {P2POp::kRecv, got, (r + n - 1) % n}})
+        ->wait();
+    if (!torch::equal(got, torch::full({3}, float((r + n - 1) % n)))) fail("exchange");
+    // a sub-group of ranks {0, 2}; rank 1 alone gets a local group
+    auto g = r == 1 ? c->new_group("solo-1", {1}) : c->new_group("pair", {0, 2});
+    auto x = torch::full({1}, double(r), torch::kFloat64);
+    g->all_reduce(x);
+    if (x.item<double>() != (r == 1 ? 1.0 : 2.0)) fail("sub-group");
+    if (g->size() != (r == 1 ? 1 : 2)) fail("sub-group size");
+    c->barrier();
+  }, quick());
+  for (const auto& f : failures) FAIL_CHECK(f);
+}
+
+TEST_CASE("mesh: each rank gets the groups its coordinates name") {
+  std::mutex mu;
+  std::vector<std::string> failures;
+  // world 4 = data 2 x tensor 2: rank r has tensor peers {r^1}, data peers {r^2}.
+  run_ranks_as_threads(4, [&](std::shared_ptr<Comm> world) {
+    ParallelConfig p;
+    p.tensor = 2;
+    Mesh mesh(ParallelDims::resolve(p, 4), world);
+    const int64_t r = world->rank();
+    auto fail = [&](const std::string& what) {
+      std::lock_guard<std::mutex> lock(mu);
+      failures.push_back(fmt::format("rank {}: {}", r, what));
+    };
+    if (mesh.coord().tensor != r % 2 || mesh.coord().data != r / 2) fail("coordinates");
+    if (mesh.tensor()->size() != 2 || mesh.tensor()->rank() != r % 2) fail("tensor group");
+    if (mesh.data()->size() != 2 || mesh.data()->rank() != r / 2) fail("data group");
+    if (mesh.pipeline()->size() != 1) fail("pipeline group");
+    // Sum of world ranks over each group identifies its members.
+    auto t = torch::full({1}, double(r), torch::kFloat64);
+    mesh.tensor()->all_reduce(t);
+    if (t.item<double>() != double((r / 2) * 4 + 1)) fail("tensor members");
+    auto d = torch::full({1}, double(r), torch::kFloat64);
+    mesh.data()->all_reduce(d);
+    if (d.item<double>() != double(2 * (r % 2) + 2)) fail("data members");
+  }, quick());
+  for (const auto& f : failures) FAIL_CHECK(f);
+}
+
+TEST_CASE("placement: shard and assemble are inverse, blocks split separately") {
+  auto full = torch::arange(24, torch::kFloat32).view({6, 4});
+  auto rows = Placement::split(0, 2);
+  CHECK(torch::equal(rows.shard(full, 1), full.narrow(0, 3, 3)));
+  CHECK(torch::equal(rows.assemble({rows.shard(full, 0), rows.shard(full, 1)}), full));
+  // Three blocks of two rows (Q, K, V): rank 0 holds row 0 of each block.
+  auto qkv = Placement::split(0, 2, 3);
+  auto r0 = qkv.shard(full, 0);
+  CHECK(torch::equal(r0, torch::stack({full[0], full[2], full[4]})));
+  CHECK(torch::equal(qkv.assemble({r0, qkv.shard(full, 1)}), full));
+  auto cols = Placement::split(1, 4);
+  CHECK(cols.full_shape({6, 1}) == std::vector<int64_t>{6, 4});
+  CHECK(!Placement::replicated().is_split());
+}
+
+namespace {
+// The unsplit two-layer block: column then row, as in a transformer MLP.
+struct Reference {
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+}  // namespace
+
+TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unsplit layers") {
+  const int64_t in = 6, hidden = 8, out = 5, batch = 4;
+  // The unsplit model, drawn from the same seed in the same order as the parallel layers.
+  torch::manual_seed(21);
+  torch::nn::Linear ref_a(in, hidden), ref_b(hidden, out);
+  auto x = torch::randn({batch, in}), target = torch::randn({batch, out});
+  auto xr = x.clone().requires_grad_(true);
+  auto ref_y = ref_b(torch::relu(ref_a(xr)));
+  torch::mse_loss(ref_y, target).backward();
+
+  for (int64_t ranks : {1, 2}) {
+    CAPTURE(ranks);
+    std::mutex mu;
+    std::vector<std::string> failures;
+    run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
+      torch::manual_seed(21);  // every rank draws the full layers, as every process would
+      ColumnParallelLinear a(ParallelLinearOptions{in, hidden}, tensor);
+      RowParallelLinear b(ParallelLinearOptions{hidden, out}, tensor);
+      const int64_t r = tensor->rank();
+      auto fail = [&](const std::string& what) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures.push_back(fmt::format("rank {}: {}", r, what));
+      };
+      // Initialisation: this rank's part of the unsplit weights, exactly.
+      if (!torch::equal(a->weight, ref_a->weight.chunk(ranks, 0)[r])) fail("column weight init");
+      if (!torch::equal(a->bias, ref_a->bias.chunk(ranks, 0)[r])) fail("column bias init");
+      if (!torch::equal(b->weight, ref_b->weight.chunk(ranks, 1)[r])) fail("row weight init");
+      if (!torch::equal(b->bias, ref_b->bias)) fail("row bias init");
+      torch::nn::Sequential both(a, torch::nn::Functional(torch::relu), b);
+      FlatParams flat(*both);  // before backward: gradients land in its buffer
+      auto xi = x.clone().requires_grad_(true);
+      auto y = b(torch::relu(a(xi)));
+      if (!torch::allclose(y, ref_y, 1e-5, 1e-6)) fail("forward");
+      torch::mse_loss(y, target).backward();
+      if (!torch::allclose(a->weight.grad(), ref_a->weight.grad().chunk(ranks, 0)[r], 1e-5, 1e-6))
+        fail("column weight gradient");
+      if (!torch::allclose(b->weight.grad(), ref_b->weight.grad().chunk(ranks, 1)[r], 1e-5, 1e-6))
+        fail("row weight gradient");
+      if (!torch::allclose(b->bias.grad(), ref_b->bias.grad(), 1e-5, 1e-6)) fail("row bias gradient");
+      // The input gradient is whole on every rank (the column layer's backward all-reduce).
+      if (!torch::allclose(xi.grad(), xr.grad(), 1e-5, 1e-6)) fail("input gradient");
+
+      // The flat buffer knows the placements; gathering gives the unsplit tensors, and the
+      // global norm counts the replicated bias once.
+      auto full = flat.gather_full(flat.data(), "", *tensor);
+      std::map<std::string, torch::Tensor> by_name(full.begin(), full.end());
+      if (!torch::equal(by_name.at("0.weight"), ref_a->weight)) fail("gathered column weight");
+      if (!torch::equal(by_name.at("2.weight"), ref_b->weight)) fail("gathered row weight");
+      double ref_sq = 0;
+      for (auto* p : {&ref_a->weight, &ref_a->bias, &ref_b->weight, &ref_b->bias})
+        ref_sq += p->grad().pow(2).sum().item<double>();
+      const double norm = global_grad_norm(flat, *tensor);
+      if (std::abs(norm - std::sqrt(ref_sq)) > 1e-5 * std::sqrt(ref_sq)) fail("global norm");
+      // scatter_full is the inverse: every rank takes back its part.
+      auto copy = torch::zeros_like(flat.data());
+      flat.scatter_full(copy, "", [&](const std::string& n) { return by_name.at(n); }, r, "test");
+      if (!torch::equal(copy, flat.data())) fail("scatter_full");
+    }, quick());
+    for (const auto& f : failures) FAIL_CHECK(f);
+  }
+}
+
+TEST_CASE("tensor parallel: a width that does not split is a ConfigError") {
+  run_ranks_as_threads(2, [](std::shared_ptr<Comm> tensor) {
+    CHECK_THROWS_AS(ColumnParallelLinear(ParallelLinearOptions{4, 5}, tensor), ConfigError);
+    CHECK_THROWS_AS(RowParallelLinear(ParallelLinearOptions{5, 4}, tensor), ConfigError);
+  }, quick());
+}
