@@ -1,6 +1,7 @@
 #include "train/evaluator.hpp"
 
-#include <ATen/autocast_mode.h>
+#include "precision/autocast.hpp"
+
 #include <torch/torch.h>
 
 namespace dtrain {
@@ -17,10 +18,11 @@ EvalResult evaluate(Context& c) {
     const int64_t n = std::min(c.cfg.train.eval_batch_size, hi - start);
     Batch b = test.gather(torch::arange(start, start + n, torch::kInt64));
     if (b.x.dim() == 4) b.x = b.x.contiguous(c.format());
-    at::autocast::set_cpu_enabled(bf16);
-    auto out = c.model->forward(b.x);
-    at::autocast::set_cpu_enabled(false);
-    if (bf16) at::autocast::clear_cache();
+    torch::Tensor out;
+    {
+      AutocastGuard guard(bf16);
+      out = c.model->forward(b.x);
+    }
     c.task->accumulate(out, b, sums);
   }
   c.model->train();

@@ -6,8 +6,6 @@
 //   5. optimizer update
 #include "train/step.hpp"
 
-#include <ATen/autocast_mode.h>
-
 #include <chrono>
 #include <iostream>
 
@@ -16,6 +14,7 @@
 
 #include "optim/clip.hpp"
 #include "optim/schedule.hpp"
+#include "precision/autocast.hpp"
 #include "train/signals.hpp"
 
 namespace dtrain {
@@ -25,19 +24,6 @@ using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
-
-// bf16 CPU autocast while alive, when asked; weights stay fp32.
-class Autocast {
- public:
-  explicit Autocast(bool bf16) : on_(bf16) { at::autocast::set_cpu_enabled(on_); }
-  ~Autocast() {
-    at::autocast::set_cpu_enabled(false);
-    if (on_) at::autocast::clear_cache();
-  }
-
- private:
-  bool on_;
-};
 
 }  // namespace
 
@@ -58,7 +44,7 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
     auto t0 = Clock::now();
     torch::Tensor loss;
     {
-      Autocast guard(bf16);
+      AutocastGuard guard(bf16);
       loss = c.task->loss(c.model->forward(mb.x), mb);
     }
     loss_sum += loss.item<double>() / double(accum);

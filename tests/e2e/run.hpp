@@ -3,10 +3,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
 
@@ -63,6 +65,13 @@ inline std::vector<nlohmann::json> of_kind(const std::vector<nlohmann::json>& li
   std::vector<nlohmann::json> out;
   for (const auto& l : lines)
     if (l["kind"] == kind) out.push_back(l);
+  return out;
+}
+
+// Each logged step's training loss, by step.
+inline std::map<int64_t, double> train_losses(const std::string& run_dir) {
+  std::map<int64_t, double> out;
+  for (const auto& l : of_kind(metrics(run_dir), "train")) out[l["step"]] = l["loss"];
   return out;
 }
 
@@ -151,6 +160,18 @@ inline bool wait_for_step(const std::string& run_dir, int64_t step, std::chrono:
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return false;
+}
+
+// Every step of `ref` has a loss within `rtol` relative in `got`.
+inline void check_losses_close(const std::map<int64_t, double>& ref,
+                               const std::map<int64_t, double>& got, double rtol,
+                               const std::string& what) {
+  REQUIRE(!ref.empty());
+  for (const auto& [step, loss] : ref) {
+    INFO(what << " step " << step << ": " << (got.count(step) ? got.at(step) : NAN) << " vs " << loss);
+    REQUIRE(got.count(step));
+    CHECK(std::abs(got.at(step) - loss) <= rtol * std::abs(loss));
+  }
 }
 
 }  // namespace e2e

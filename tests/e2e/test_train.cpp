@@ -28,12 +28,6 @@ checkpoint: {every_steps: 7, keep_last: 2}
   return path;
 }
 
-std::map<int64_t, double> train_losses(const std::string& run_dir) {
-  std::map<int64_t, double> out;
-  for (const auto& l : of_kind(metrics(run_dir), "train")) out[l["step"]] = l["loss"];
-  return out;
-}
-
 void check_identical_losses(const std::map<int64_t, double>& a, const std::map<int64_t, double>& b,
                             int64_t from, int64_t to) {
   for (int64_t s = from; s <= to; ++s) {

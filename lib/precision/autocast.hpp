@@ -1,0 +1,23 @@
+// Mixed precision for the forward pass: bf16 autocast on the CPU while a guard is alive.
+// Weights (the flat buffer) stay fp32, the master copy every update writes to; the loss is
+// taken in fp32 by the task.
+#pragma once
+#include <ATen/autocast_mode.h>
+
+namespace dtrain {
+
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(bool bf16) : on_(bf16) { at::autocast::set_cpu_enabled(on_); }
+  ~AutocastGuard() {
+    at::autocast::set_cpu_enabled(false);
+    if (on_) at::autocast::clear_cache();  // casts of the weights are per step
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool on_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPT of configs/gpt_text.yaml, side by side in one run: PyTorch eager on one process
+# (scripts/gpt_baseline.py: the same network, optimizer and threads), dtrain on one
+# process, and dtrain on 2 processes as tensor 2 and as data 2 (same global batch). Runs
+# are interleaved and repeated; medians of tokens/s are reported, with ratios to PyTorch.
+#
+#   scripts/bench_gpt.sh [--repeats N] [--steps S]
+# Needs python3-torch (scripts/setup.sh --bench). Results: $OUT_DIR/bench_gpt.jsonl.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-gpt}"
+REPEATS=3 STEPS=60
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --repeats) REPEATS=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    *) echo "usage: scripts/bench_gpt.sh [--repeats N] [--steps S]" >&2; exit 2 ;;
+  esac
+done
+PY=/usr/bin/python3
+$PY -c 'import torch' 2>/dev/null || { echo "bench_gpt: run scripts/setup.sh --bench first" >&2; exit 2; }
+[ -x "$ROOT/build/dtrain" ] || { echo "bench_gpt: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+mkdir -p "$OUT_DIR"
+: > "$OUT_DIR/bench_gpt.jsonl"
+
+dtrain_run() {  # label, extra args...
+  local label=$1; shift
+  rm -rf "$OUT_DIR/run"
+  "$ROOT/build/dtrain" run "$ROOT/configs/gpt_text.yaml" --run-dir "$OUT_DIR/run" \
+    --set train.max_steps="$STEPS" --set train.eval_every=100000 --set train.log_every=10 \
+    --set logging.progress=off "$@" > /dev/null 2>&1
+  $PY - "$label" "$OUT_DIR/run/metrics.jsonl" >> "$OUT_DIR/bench_gpt.jsonl" <<'PYEOF'
+import json, sys
+s = [json.loads(l) for l in open(sys.argv[2])][-1]
+print(json.dumps({"who": sys.argv[1], "tokens_per_s": s["tokens_per_s"], "step_ms": s["step_ms_median"]}))
+PYEOF
+}
+
+for r in $(seq 1 "$REPEATS"); do
+  echo "== repeat $r/$REPEATS" >&2
+  $PY "$ROOT/scripts/gpt_baseline.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
+  dtrain_run "dtrain 1 process" --set train.threads=2
+  dtrain_run "dtrain tensor 2" --nproc 2 --set parallel.tensor=2 --set train.threads=1
+  dtrain_run "dtrain data 2" --nproc 2 --set train.threads=1
+done
+
+$PY - "$OUT_DIR/bench_gpt.jsonl" <<'PYEOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+who = list(dict.fromkeys(r["who"] for r in rows))
+med = {w: statistics.median(r["tokens_per_s"] for r in rows if r["who"] == w) for w in who}
+ms = {w: statistics.median(r["step_ms"] for r in rows if r["who"] == w) for w in who}
+base = med["pytorch"]
+print(f"{'run':20} {'tokens/s':>10} {'step ms':>8} {'vs PyTorch 1 process':>21}")
+for w in who:
+    print(f"{w:20} {med[w]:10.0f} {ms[w]:8.1f} {med[w] / base:21.2f}")
+PYEOF

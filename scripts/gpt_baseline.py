@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""PyTorch (Python, eager) reference for configs/gpt_text.yaml's model on the CPU: the same
+GPT-2-shaped network (pre-LayerNorm blocks, plain causal attention as Debian's torch 1.13
+has no fused kernel, tanh GELU, tied head), AdamW with weight decay on >= 2-D parameters,
+clipping at 1.0, fp32. Random byte tokens (loading is not what is measured). Prints one JSON
+line: tokens/s over the steady state (median step after warm-up)."""
+import argparse, json, math, statistics, time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.h)
+        a = att.masked_fill(mask[:t, :t], float("-inf")).softmax(-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, ctx, d, layers, heads):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.register_buffer("mask", torch.ones(ctx, ctx, dtype=torch.bool).triu(1))
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x, self.mask)
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = GPT(256, a.seq, a.dim, a.layers, a.heads)
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    other = [q for q in model.parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=2e-3, betas=(0.9, 0.99))
+    data = torch.randint(0, 256, (a.steps + a.warmup, a.batch, a.seq + 1))
+    times = []
+    for i in range(a.steps + a.warmup):
+        t0 = time.perf_counter()
+        loss = model(data[i, :, :-1], data[i, :, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    print(json.dumps({"who": "pytorch", "tokens_per_s": a.batch * a.seq / s, "step_ms": s * 1e3,
+                      "params": sum(q.numel() for q in model.parameters()), "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+// Tensor parallelism and the GPT through the dtrain binary: a split layout reproduces one
+// process's per-step losses on the same global batch, checkpoints move between layouts,
+// and the shipped text job learns its corpus.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <map>
+
+#include <torch/torch.h>
+
+#include "checkpoint/safetensors.hpp"
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+std::string mlp_job(const std::string& dir) {
+  auto path = dir + "/mlp.yaml";
+  std::ofstream(path) << "name: tp-mlp\nseed: 11\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                         "model: {arch: mlp, hidden: [64, 32, 16]}\n"
+                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001,"
+                         " grad_clip: 0.5}\n"
+                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
+                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+// A 2-layer GPT on the fortunes corpus (setup installs it), small enough for 4 ranks on
+// 2 cores; AdamW, clipping and weight decay groups all in play.
+std::string gpt_job(const std::string& dir) {
+  auto path = dir + "/gpt.yaml";
+  std::ofstream(path) << "name: tp-gpt\nseed: 5\n"
+                         "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
+                         " seq_len: 32, workers: 1}\n"
+                         "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}\n"
+                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}\n"
+                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
+                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15,"
+                         " eval_batch_size: 256}\n"
+                         "checkpoint: {every_steps: 15}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+std::map<std::string, torch::Tensor> weights(const std::string& file) {
+  auto f = dtrain::read_safetensors(file);
+  return {f.tensors.begin(), f.tensors.end()};
+}
+
+// Runs `job` on one process and on each layout; every layout's per-step losses must be
+// within 1e-4 of one process's, and its last checkpoint must hold the same full tensors.
+void check_layouts(const std::string& dir, const std::string& job,
+                   const std::vector<std::pair<int, std::string>>& layouts) {
+  auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one" + kQuiet);
+  INFO(one.err);
+  REQUIRE(one.code == 0);
+  const auto ref = train_losses(dir + "/one");
+  REQUIRE(ref.size() == 30);
+  const auto ref_w = weights(dir + "/one/checkpoints/step-00000030/model.safetensors");
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const auto& [n, sets] = layouts[i];
+    const auto run = dir + "/layout" + std::to_string(i);
+    auto r = e2e::dtrain("run " + job + " --nproc " + std::to_string(n) + " --run-dir " + run +
+                         sets + kQuiet);
+    INFO(n << " processes" << sets << ": " << r.err);
+    REQUIRE(r.code == 0);
+    check_losses_close(ref, train_losses(run), 1e-4, std::to_string(n) + " processes" + sets);
+    const auto summary = metrics(run).back();
+    CHECK(summary["world_size"] == n);
+    const auto w = weights(run + "/checkpoints/step-00000030/model.safetensors");
+    REQUIRE(w.size() == ref_w.size());
+    for (const auto& [name, t] : ref_w) {
+      INFO(name);
+      REQUIRE(w.count(name));
+      CHECK(w.at(name).sizes() == t.sizes());  // full logical shapes, not this rank's part
+      CHECK(torch::allclose(w.at(name), t, /*rtol=*/1e-4, /*atol=*/1e-5));
+    }
+  }
+}
+
+double byte_unigram_entropy(const std::string& folder) {
+  std::vector<double> counts(256, 0);
+  double n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(folder)) {
+    if (!e.is_regular_file() || e.is_symlink()) continue;
+    const std::string bytes = slurp(e.path().string());
+    if (bytes.find('\0') != std::string::npos) continue;  // the .dat index files
+    for (unsigned char b : bytes) counts[b] += 1;
+    n += double(bytes.size());
+  }
+  double h = 0;
+  for (double c : counts)
+    if (c > 0) h -= c / n * std::log(c / n);
+  return h;
+}
+}  // namespace
+
+TEST_SUITE("tensor_parallel") {
+  TEST_CASE("MLP: tensor 2, and data 2 x tensor 2, reproduce one process") {
+    auto dir = temp_dir("tp-mlp");
+    check_layouts(dir, mlp_job(dir),
+                  {{2, " --set parallel.tensor=2"}, {4, " --set parallel.tensor=2"}});
+    // The layout is reported.
+    auto lines = metrics(dir + "/layout1");
+    REQUIRE(!lines.empty());
+    auto s = lines.back();
+    CHECK(s["layout"] == nlohmann::json{{"data", 2}, {"tensor", 2}, {"pipeline", 1}});
+  }
+
+  TEST_CASE("GPT: tensor 2, and data 2 x tensor 2, reproduce one process") {
+    REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
+    auto dir = temp_dir("tp-gpt");
+    check_layouts(dir, gpt_job(dir),
+                  {{2, " --set parallel.tensor=2"}, {4, " --set parallel.tensor=2"}});
+  }
+
+  TEST_CASE("a checkpoint saved at tensor 2 resumes on one process, and the reverse") {
+    auto dir = temp_dir("tp-relayout");
+    auto job = gpt_job(dir);
+    auto full = e2e::dtrain("run " + job + " --run-dir " + dir + "/full" + kQuiet);
+    REQUIRE(full.code == 0);
+    const auto ref = train_losses(dir + "/full");
+    // Leg 1 on one layout to step 15, leg 2 on the other from the step-15 checkpoint.
+    for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+             {" --nproc 2 --set parallel.tensor=2", ""}, {"", " --nproc 2 --set parallel.tensor=2"}}) {
+      const auto run = dir + "/mixed" + std::to_string(first.size());
+      auto a = e2e::dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=15" + first + kQuiet);
+      INFO(a.err);
+      REQUIRE(a.code == 0);
+      // The saved tensors have their full shapes whatever the layout that wrote them.
+      auto w = weights(run + "/checkpoints/step-00000015/model.safetensors");
+      CHECK(w.at("h.0.attn.c_attn.weight").sizes() == torch::IntArrayRef{96, 32});
+      CHECK(w.at("h.1.mlp.c_proj.weight").sizes() == torch::IntArrayRef{32, 128});
+      auto b = e2e::dtrain("run " + job + " --run-dir " + run + " --resume auto" + second + kQuiet);
+      INFO(b.err);
+      REQUIRE(b.code == 0);
+      auto got = train_losses(run);
+      REQUIRE(got.size() == 30);
+      INFO("resumed at step 16 with" << second);
+      CHECK(std::abs(got.at(16) - ref.at(16)) <= 1e-5 * ref.at(16));
+      check_losses_close(ref, got, 1e-4, "leg 1" + first + ", leg 2" + second);
+    }
+  }
+
+  TEST_CASE("export writes full tensors from a tensor-parallel run") {
+    auto dir = temp_dir("tp-export");
+    auto job = gpt_job(dir);
+    auto r = e2e::dtrain("run " + job + " --nproc 2 --set parallel.tensor=2 --set train.max_steps=3"
+                         " --run-dir " + dir + "/run" + kQuiet);
+    REQUIRE(r.code == 0);
+    auto ex = e2e::dtrain("export " + dir + "/run/checkpoints/step-00000003 " + dir + "/w.safetensors");
+    INFO(ex.err);
+    REQUIRE(ex.code == 0);
+    auto w = weights(dir + "/w.safetensors");
+    CHECK(w.at("h.0.attn.c_attn.weight").sizes() == torch::IntArrayRef{96, 32});
+    CHECK(w.at("h.0.attn.c_proj.weight").sizes() == torch::IntArrayRef{32, 32});
+    CHECK(w.at("h.0.mlp.c_fc.bias").sizes() == torch::IntArrayRef{128});
+    CHECK(w.at("wte.weight").sizes() == torch::IntArrayRef{256, 32});
+    CHECK(!w.count("lm_head.weight"));  // tied to wte: stored once
+  }
+
+  TEST_CASE("what cannot split is refused at validation, naming the key") {
+    auto dir = temp_dir("tp-refuse");
+    auto job = gpt_job(dir);
+    auto heads = e2e::dtrain("validate " + job + " --nproc 8 --set parallel.tensor=8");
+    CHECK(heads.code == 2);
+    CHECK(heads.err.find("model.heads") != std::string::npos);
+    auto width = e2e::dtrain("run " + mlp_job(dir) + " --nproc 2 --set parallel.tensor=2"
+                             " --set model.hidden=[63,32]" + kQuiet);
+    CHECK(width.code == 2);
+    CHECK(width.err.find("model.hidden") != std::string::npos);
+    // validate --nproc checks the job for that world, as a launch would.
+    auto ok = e2e::dtrain("validate " + job + " --nproc 4 --set parallel.tensor=2");
+    INFO(ok.err);
+    CHECK(ok.code == 0);
+    CHECK(ok.out.find("data 2 x tensor 2 x pipeline 1") != std::string::npos);
+    // Without --nproc, the launcher's world size (here torchrun-style variables).
+    auto under = e2e::dtrain("validate " + job + " --set parallel.tensor=2",
+                             "env RANK=0 WORLD_SIZE=4 LOCAL_RANK=0 LOCAL_WORLD_SIZE=4 timeout 60");
+    INFO(under.err);
+    CHECK(under.code == 0);
+    CHECK(under.out.find("4 process(es): data 2 x tensor 2") != std::string::npos);
+    auto too_many = e2e::dtrain("validate " + job + " --nproc 3 --set parallel.tensor=2");
+    CHECK(too_many.code == 2);
+    CHECK(too_many.err.find("parallel.tensor") != std::string::npos);
+  }
+}
+
+TEST_SUITE("gpt_text") {
+  TEST_CASE("the shipped GPT job learns its corpus: held-out loss well below byte-unigram entropy") {
+    const std::string corpus = "/usr/share/games/fortunes";
+    REQUIRE_MESSAGE(std::filesystem::exists(corpus), "apt-get install fortunes");
+    auto dir = temp_dir("gpt-text");
+    auto r = e2e::dtrain("run " + config("gpt_text.yaml") + " --run-dir " + dir + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    const double entropy = byte_unigram_entropy(corpus);
+    auto evals = of_kind(metrics(dir), "eval");
+    REQUIRE(!evals.empty());
+    const double loss = evals.back()["loss"];
+    MESSAGE("byte-unigram entropy " << entropy << " nats; held-out loss " << loss
+            << " nats (perplexity " << evals.back()["perplexity"] << ")");
+    CHECK(entropy > 3.0);           // English text as bytes: ~3.3 nats
+    CHECK(loss < entropy - 0.5);    // a unigram model cannot get here
+    CHECK(evals.back()["perplexity"].get<double>() == doctest::Approx(std::exp(loss)).epsilon(1e-9));
+    auto s = metrics(dir).back();
+    CHECK(s["task"] == "language_model");
+    CHECK(s.contains("best_perplexity"));
+    CHECK(s.contains("tokens_per_s"));
+    CHECK(s["best_perplexity"].get<double>() <= evals.front()["perplexity"].get<double>());
+    // The best checkpoint follows the lower perplexity.
+    auto best = slurp(dir + "/checkpoints/best");
+    CHECK(best.find(fmt::format("step-{:08d}", s["best_step"].get<int64_t>())) != std::string::npos);
+  }
+
+  TEST_CASE("a GPT run resumes bit-exactly, mid-epoch, from its checkpoint") {
+    auto dir = temp_dir("gpt-resume");
+    auto job = gpt_job(dir);
+    auto full = e2e::dtrain("run " + job + " --run-dir " + dir + "/full" + kQuiet);
+    REQUIRE(full.code == 0);
+    auto a = e2e::dtrain("run " + job + " --run-dir " + dir + "/legs --set train.max_steps=15" + kQuiet);
+    REQUIRE(a.code == 0);
+    auto b = e2e::dtrain("run " + job + " --run-dir " + dir + "/legs --resume auto" + kQuiet);
+    INFO(b.err);
+    REQUIRE(b.code == 0);
+    auto x = train_losses(dir + "/full"), y = train_losses(dir + "/legs");
+    REQUIRE(y.size() == 30);
+    for (int64_t s = 1; s <= 30; ++s) {
+      INFO("step " << s);
+      CHECK(x.at(s) == y.at(s));
+    }
+  }
+
+  TEST_CASE("the GPT-2 small shape validates and trains a step on a CPU") {
+    auto dir = temp_dir("gpt2-small");
+    auto v = e2e::dtrain("validate " + config("gpt2_small.yaml"));
+    INFO(v.err);
+    CHECK(v.code == 0);
+    auto r = e2e::dtrain("run " + config("gpt2_small.yaml") + " --run-dir " + dir +
+                         " --set data.batch_size=1 --set train.max_steps=2 --set data.samples=4"
+                         " --set data.test_samples=1 --set train.eval_batch_size=1" + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    auto train = of_kind(metrics(dir), "train");
+    REQUIRE(train.size() == 2);
+    // Random tokens over a 50304-value vocabulary: the loss starts at about ln(50304).
+    CHECK(train[0]["loss"].get<double>() == doctest::Approx(std::log(50304.0)).epsilon(0.05));
+    CHECK(r.err.find("gpt (124") != std::string::npos);  // 124M parameters, in the start line
+  }
+}
