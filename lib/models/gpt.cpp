@@ -6,8 +6,9 @@
 // mlp.c_fc, mlp.c_proj}, ln_f.
 //
 // Tensor parallelism (Megatron): attention heads split over the tensor group (QKV
-// column-parallel as three blocks, the output projection row-parallel), the MLP likewise;
-// LayerNorms and embeddings replicated.
+// column-parallel as three blocks, the output projection row-parallel), the MLP likewise,
+// the token embedding and the tied LM head split by vocabulary; LayerNorms and the
+// position embedding replicated.
 #include <cmath>
 
 #include <fmt/format.h>
@@ -16,6 +17,7 @@
 #include "models/attention.hpp"
 #include "models/model.hpp"
 #include "parallel/tensor_parallel.hpp"
+#include "parallel/vocab_parallel.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
 
@@ -138,8 +140,7 @@ class Gpt : public Network {
  public:
   Gpt(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) : dropout_(cfg.dropout) {
     torch::NoGradGuard no_grad;
-    wte = register_module("wte", nn::Embedding(cfg.vocab, cfg.dim));
-    nn::init::normal_(wte->weight, 0.0, 0.02);
+    wte = register_module("wte", VocabParallelEmbedding(cfg.vocab, cfg.dim, 0.02, tensor));
     wpe = register_module("wpe", nn::Embedding(cfg.seq_len, cfg.dim));
     nn::init::normal_(wpe->weight, 0.0, 0.02);
     h = register_module("h", nn::ModuleList());
@@ -147,16 +148,18 @@ class Gpt : public Network {
     ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
   }
 
-  // Token ids [batch, seq] -> next-token logits [batch, seq, vocab].
+  // Token ids [batch, seq] -> next-token logits [batch, seq, vocab / T]: this tensor rank's
+  // part of the vocabulary.
   torch::Tensor forward(const torch::Tensor& idx) override {
     auto pos = torch::arange(idx.size(1), torch::dtype(torch::kInt64).device(idx.device()));
     auto x = wte->forward(idx) + wpe->forward(pos);
     if (dropout_ > 0) x = F::dropout(x, F::DropoutFuncOptions().p(dropout_).training(is_training()));
     for (const auto& block : *h) x = block->as<Block>()->forward(x);
-    return F::linear(ln_f->forward(x), wte->weight);  // the head is the embedding, tied
+    return wte->logits(ln_f->forward(x));  // the head is the embedding, tied
   }
 
-  nn::Embedding wte{nullptr}, wpe{nullptr};
+  VocabParallelEmbedding wte{nullptr};
+  nn::Embedding wpe{nullptr};
   nn::ModuleList h{nullptr};
   nn::LayerNorm ln_f{nullptr};
 
@@ -178,6 +181,9 @@ void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
   need(cfg.seq_len >= 1, "model.seq_len", fmt::format("must be >= 1 (got {})", cfg.seq_len));
   need(cfg.dropout >= 0 && cfg.dropout < 1, "model.dropout",
        fmt::format("must be in [0, 1) (got {})", cfg.dropout));
+  need(cfg.vocab % dims.tensor == 0, "model.vocab",
+       fmt::format("{} does not split over parallel.tensor {} (pad it: GPT-2 uses 50304 for "
+                   "50257)", cfg.vocab, dims.tensor));
   need(cfg.heads % dims.tensor == 0, "model.heads",
        fmt::format("{} heads do not split over parallel.tensor {}", cfg.heads, dims.tensor));
 }

@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "parallel/vocab_parallel.hpp"
+
 namespace dtrain {
 namespace {
 namespace F = torch::nn::functional;
@@ -13,10 +15,10 @@ class Classification : public Task {
   const char* name() const override { return "classification"; }
   const char* metric() const override { return "accuracy"; }
   bool higher_is_better() const override { return true; }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override {
+  torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm&) const override {
     return F::cross_entropy(out.to(torch::kFloat32), b.y);
   }
-  void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s) const override {
+  void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s, Comm&) const override {
     auto logits = out.to(torch::kFloat32);
     s.loss += F::cross_entropy(logits, b.y, F::CrossEntropyFuncOptions().reduction(torch::kSum))
                   .item<double>();
@@ -31,16 +33,21 @@ class LanguageModel : public Task {
   const char* name() const override { return "language_model"; }
   const char* metric() const override { return "perplexity"; }
   bool higher_is_better() const override { return false; }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b) const override {
-    return F::cross_entropy(out.to(torch::kFloat32).view({-1, out.size(-1)}), b.y.view(-1));
+  torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm& tensor) const override {
+    return per_token(out, b, tensor).mean();
   }
-  void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s) const override {
-    s.loss += F::cross_entropy(out.to(torch::kFloat32).view({-1, out.size(-1)}), b.y.view(-1),
-                               F::CrossEntropyFuncOptions().reduction(torch::kSum))
-                  .item<double>();
+  void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s,
+                  Comm& tensor) const override {
+    s.loss += per_token(out, b, tensor).sum().item<double>();
     s.count += double(b.y.numel());
   }
   double metric_value(const EvalSums& s) const override { return std::exp(s.loss / s.count); }
+
+ private:
+  static torch::Tensor per_token(const torch::Tensor& out, const Batch& b, Comm& tensor) {
+    return vocab_parallel_cross_entropy(out.to(torch::kFloat32).view({-1, out.size(-1)}),
+                                        b.y.view(-1), tensor);
+  }
 };
 
 }  // namespace

@@ -2,13 +2,15 @@
 // The trainer, the best checkpoint and the summary ask the task; none of them knows
 // "accuracy" or "perplexity".
 //   classification   x: samples, y: [n] class ids; cross-entropy; accuracy, higher is better
-//   language_model   x, y: [n, seq] token ids, y = x shifted by one; token cross-entropy;
+//   language_model   x, y: [n, seq] token ids, y = x shifted by one; token cross-entropy
+//                    (from logits split over the tensor group's ranks by vocabulary);
 //                    perplexity = exp(mean token loss), lower is better
 #pragma once
 #include <string>
 
 #include <torch/types.h>
 
+#include "comm/comm.hpp"
 #include "data/dataset.hpp"
 
 namespace dtrain {
@@ -26,9 +28,11 @@ class Task {
   virtual const char* name() const = 0;    // "classification" | "language_model"
   virtual const char* metric() const = 0;  // "accuracy" | "perplexity"
   virtual bool higher_is_better() const = 0;
-  // The mean loss over one micro-batch, in fp32: what training differentiates.
-  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& batch) const = 0;
-  virtual void accumulate(const torch::Tensor& out, const Batch& batch, EvalSums& sums) const = 0;
+  // The mean loss over one micro-batch, in fp32: what training differentiates. `tensor`
+  // is the group a language model's vocabulary (its logits) is split over.
+  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& batch, Comm& tensor) const = 0;
+  virtual void accumulate(const torch::Tensor& out, const Batch& batch, EvalSums& sums,
+                          Comm& tensor) const = 0;
   virtual double metric_value(const EvalSums& sums) const = 0;
   bool better(double a, double b) const { return higher_is_better() ? a > b : a < b; }
 };

@@ -26,6 +26,9 @@ class FlatOptimizer : public Optimizer {
       : cfg_(cfg), params_(params) {
     const int64_t total = params.data().numel();
     shard_ = {shard.offset, shard.numel < 0 ? total - shard.offset : shard.numel};
+    // Views of the shard: the buffers never move, so they are taken once.
+    p_ = params.data().narrow(0, shard_.offset, shard_.numel);
+    g_ = params.grad().narrow(0, shard_.offset, shard_.numel);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
     // Decay groups as a 0/1 mask over the shard, only when they differ.
     if (cfg.weight_decay != 0) {
@@ -50,13 +53,14 @@ class FlatOptimizer : public Optimizer {
 
  protected:
   enum class Decay { kNone, kAll, kMasked };
-  torch::Tensor p() { return params_.data().narrow(0, shard_.offset, shard_.numel); }
-  torch::Tensor g() { return params_.grad().narrow(0, shard_.offset, shard_.numel); }
+  torch::Tensor& p() { return p_; }
+  torch::Tensor& g() { return g_; }
   torch::Tensor& slot(size_t i) { return slots_[i].second; }
 
   OptimizerConfig cfg_;
   FlatParams& params_;
   Shard shard_;
+  torch::Tensor p_, g_;
   NamedTensors slots_;
   Decay decay_ = Decay::kNone;
   torch::Tensor mask_;  // 1 where weight decay applies (kMasked only)
@@ -72,7 +76,7 @@ class Sgd : public FlatOptimizer {
 
   void step(double lr) override {
     torch::NoGradGuard no_grad;
-    auto w = p();
+    auto& w = p();
     torch::Tensor d = g();
     if (decay_ == Decay::kAll) d = d.add(w, cfg_.weight_decay);
     if (decay_ == Decay::kMasked) d = torch::addcmul(d, w, mask_, cfg_.weight_decay);
@@ -95,8 +99,8 @@ class AdamW : public FlatOptimizer {
 
   void step(double lr) override {
     torch::NoGradGuard no_grad;
-    auto w = p();
-    auto grad = g();
+    auto& w = p();
+    const auto& grad = g();
     ++steps_;
     if (decay_ == Decay::kAll) w.mul_(1 - lr * cfg_.weight_decay);
     if (decay_ == Decay::kMasked) w.addcmul_(w, mask_, -lr * cfg_.weight_decay);

@@ -23,7 +23,7 @@ EvalResult evaluate(Context& c) {
       AutocastGuard guard(bf16);
       out = c.model->forward(b.x);
     }
-    c.task->accumulate(out, b, sums);
+    c.task->accumulate(out, b, sums, *c.mesh.tensor());
   }
   c.model->train();
   auto t = torch::tensor({sums.loss, sums.count, sums.correct}, torch::kFloat64);

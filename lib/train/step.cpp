@@ -45,7 +45,7 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
     torch::Tensor loss;
     {
       AutocastGuard guard(bf16);
-      loss = c.task->loss(c.model->forward(mb.x), mb);
+      loss = c.task->loss(c.model->forward(mb.x), mb, *c.mesh.tensor());
     }
     loss_sum += loss.item<double>() / double(accum);
     const double factor = c.sync->loss_factor();  // what makes the gradient a global mean
@@ -64,10 +64,10 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
   // over the world: every rank stops after the same step whatever the layout. Each data
   // replica's loss counts once (tensor ranks hold the same value).
   const bool counts = c.mesh.coord().tensor == 0;
-  auto agree = torch::tensor({counts ? loss_sum : 0.0, stop_signal() ? 1.0 : 0.0}, torch::kFloat64);
-  c.mesh.world()->all_reduce(agree);
-  s.loss = agree[0].item<double>() / double(c.mesh.dims().data);
-  s.stop = agree[1].item<double>() > 0;
+  double agree[2] = {counts ? loss_sum : 0.0, stop_signal() ? 1.0 : 0.0};
+  c.mesh.world()->all_reduce(torch::from_blob(agree, {2}, torch::kFloat64));
+  s.loss = agree[0] / double(c.mesh.dims().data);
+  s.stop = agree[1] > 0;
   s.comm_ms = ms_since(t0);
 
   const auto t_opt = Clock::now();

@@ -53,9 +53,11 @@ std::map<std::string, torch::Tensor> weights(const std::string& file) {
 }
 
 // Runs `job` on one process and on each layout; every layout's per-step losses must be
-// within 1e-4 of one process's, and its last checkpoint must hold the same full tensors.
+// within 1e-4 of one process's, and its last checkpoint must hold the same full tensors
+// (to `atol`: AdamW divides by the gradient's running RMS, which magnifies rounding
+// differences in parameters whose gradients are tiny).
 void check_layouts(const std::string& dir, const std::string& job,
-                   const std::vector<std::pair<int, std::string>>& layouts) {
+                   const std::vector<std::pair<int, std::string>>& layouts, double atol) {
   auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one" + kQuiet);
   INFO(one.err);
   REQUIRE(one.code == 0);
@@ -78,7 +80,15 @@ void check_layouts(const std::string& dir, const std::string& job,
       INFO(name);
       REQUIRE(w.count(name));
       CHECK(w.at(name).sizes() == t.sizes());  // full logical shapes, not this rank's part
-      CHECK(torch::allclose(w.at(name), t, /*rtol=*/1e-4, /*atol=*/1e-5));
+      auto got = w.at(name), want = t;
+      if (name.find("attn.c_attn.bias") != std::string::npos) {
+        // The key bias has no effect on the output (softmax ignores a shift common to all
+        // keys): its gradient is zero up to rounding, which AdamW's normalisation turns
+        // into updates of either sign. Compare the query and value biases.
+        got = torch::cat({got.chunk(3)[0], got.chunk(3)[2]});
+        want = torch::cat({want.chunk(3)[0], want.chunk(3)[2]});
+      }
+      CHECK(torch::allclose(got, want, /*rtol=*/1e-4, atol));
     }
   }
 }
@@ -104,7 +114,7 @@ TEST_SUITE("tensor_parallel") {
   TEST_CASE("MLP: tensor 2, and data 2 x tensor 2, reproduce one process") {
     auto dir = temp_dir("tp-mlp");
     check_layouts(dir, mlp_job(dir),
-                  {{2, " --set parallel.tensor=2"}, {4, " --set parallel.tensor=2"}});
+                  {{2, " --set parallel.tensor=2"}, {4, " --set parallel.tensor=2"}}, /*atol=*/1e-5);
     // The layout is reported.
     auto lines = metrics(dir + "/layout1");
     REQUIRE(!lines.empty());
@@ -116,7 +126,7 @@ TEST_SUITE("tensor_parallel") {
     REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
     auto dir = temp_dir("tp-gpt");
     check_layouts(dir, gpt_job(dir),
-                  {{2, " --set parallel.tensor=2"}, {4, " --set parallel.tensor=2"}});
+                  {{2, " --set parallel.tensor=2"}, {4, " --set parallel.tensor=2"}}, /*atol=*/1e-4);
   }
 
   TEST_CASE("a checkpoint saved at tensor 2 resumes on one process, and the reverse") {

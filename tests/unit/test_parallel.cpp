@@ -16,6 +16,7 @@
 #include "parallel/flat_params.hpp"
 #include "parallel/mesh.hpp"
 #include "parallel/tensor_parallel.hpp"
+#include "parallel/vocab_parallel.hpp"
 #include "util/error.hpp"
 
 using namespace dtrain;
@@ -244,4 +245,46 @@ TEST_CASE("tensor parallel: a width that does not split is a ConfigError") {
     CHECK_THROWS_AS(ColumnParallelLinear(ParallelLinearOptions{4, 5}, tensor), ConfigError);
     CHECK_THROWS_AS(RowParallelLinear(ParallelLinearOptions{5, 4}, tensor), ConfigError);
   }, quick());
+}
+
+TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ranks equal torch's") {
+  const int64_t vocab = 10, dim = 4;
+  torch::manual_seed(33);
+  auto table = torch::empty({vocab, dim});
+  torch::nn::init::normal_(table, 0.0, 0.02);
+  auto ids = torch::tensor({{1, 7, 3}, {9, 0, 5}}, torch::kInt64);
+  auto targets = torch::tensor({7, 3, 2, 0, 5, 9}, torch::kInt64);
+  auto mix = torch::randn({dim, dim});  // something between lookup and head
+  auto ref_table = table.clone().requires_grad_(true);
+  auto ref_h = torch::matmul(torch::nn::functional::embedding(ids, ref_table), mix);
+  auto ref_loss = torch::nn::functional::cross_entropy(
+      torch::nn::functional::linear(ref_h, ref_table).view({-1, vocab}), targets);
+  ref_loss.backward();
+
+  for (int64_t ranks : {1, 2}) {
+    CAPTURE(ranks);
+    std::mutex mu;
+    std::vector<std::string> failures;
+    run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
+      torch::manual_seed(33);
+      VocabParallelEmbedding wte(vocab, dim, 0.02, tensor);
+      const int64_t r = tensor->rank();
+      auto fail = [&](const std::string& what) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures.push_back(fmt::format("rank {}: {}", r, what));
+      };
+      if (!torch::equal(wte->weight, table.chunk(ranks, 0)[r])) fail("init");
+      auto h = torch::matmul(wte(ids), mix);
+      if (!torch::allclose(h, ref_h, 1e-6, 1e-7)) fail("lookup");
+      auto logits = wte->logits(h);
+      if (logits.size(-1) != vocab / ranks) fail("logits are this rank's part");
+      auto per_item = vocab_parallel_cross_entropy(logits.view({-1, vocab / ranks}), targets, *tensor);
+      auto loss = per_item.mean();
+      if (std::abs(loss.item<double>() - ref_loss.item<double>()) > 1e-6) fail("loss");
+      loss.backward();
+      if (!torch::allclose(wte->weight.grad(), ref_table.grad().chunk(ranks, 0)[r], 1e-5, 1e-7))
+        fail("gradient");
+    }, quick());
+    for (const auto& f : failures) FAIL_CHECK(f);
+  }
 }

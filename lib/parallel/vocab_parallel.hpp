@@ -1,0 +1,41 @@
+// Vocabulary parallelism (Megatron's): the token embedding, and the LM head tied to it,
+// split by rows over the tensor group, so each rank holds and multiplies by V / T of the
+// vocabulary; the cross-entropy is computed from the split logits without gathering them.
+// At GPT-2's shape the head is a third of the model's FLOPs: replicated, every tensor rank
+// would repeat it.
+#pragma once
+#include <memory>
+
+#include <torch/nn/module.h>
+
+#include "comm/comm.hpp"
+#include "parallel/flat_params.hpp"
+
+namespace dtrain {
+
+// Embedding rows [rank * V/T, (rank + 1) * V/T) on each rank; a lookup is summed over the
+// group (each token's row lives on exactly one rank). Initialised N(0, std) from the
+// full table, drawn on every rank, so any T starts from the same table.
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public PlacedModule {
+ public:
+  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, double std, std::shared_ptr<Comm> tensor);
+  torch::Tensor forward(const torch::Tensor& ids);
+  // This rank's logits [..., V / T] for hidden states x [..., dim]: the tied LM head.
+  torch::Tensor logits(const torch::Tensor& x);
+  Placement placement_of(const std::string& param) const override;
+
+  torch::Tensor weight;
+
+ private:
+  int64_t vocab_;
+  std::shared_ptr<Comm> tensor_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// Per-item cross-entropy [n] from logits split over the vocabulary (this rank's [n, V / T]
+// in fp32, covering ids [rank * V/T, (rank + 1) * V/T)) and targets [n]; every rank gets the
+// full result. With one rank, torch's cross_entropy.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits,
+                                           const torch::Tensor& targets, Comm& tensor);
+
+}  // namespace dtrain
