@@ -45,8 +45,8 @@ class LanguageModel : public Task {
 
  private:
   static torch::Tensor per_token(const torch::Tensor& out, const Batch& b, Comm& tensor) {
-    return vocab_parallel_cross_entropy(out.to(torch::kFloat32).view({-1, out.size(-1)}),
-                                        b.y.view(-1), tensor);
+    return vocab_parallel_cross_entropy(out.to(torch::kFloat32).reshape({-1, out.size(-1)}),
+                                        b.y.reshape(-1), tensor);
   }
 };
 

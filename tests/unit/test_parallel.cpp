@@ -11,7 +11,9 @@
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
+#include "models/model.hpp"
 #include "optim/clip.hpp"
+#include "optim/optimizer.hpp"
 #include "parallel/dims.hpp"
 #include "parallel/flat_params.hpp"
 #include "parallel/mesh.hpp"
@@ -287,4 +289,57 @@ TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ran
     }, quick());
     for (const auto& f : failures) FAIL_CHECK(f);
   }
+}
+
+TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical across ranks") {
+  // LayerNorms, the position embedding and the row-parallel biases are held whole by every
+  // tensor rank and must receive the same gradient there, or the ranks' copies drift apart.
+  std::mutex mu;
+  std::vector<std::string> failures;
+  run_ranks_as_threads(2, [&](std::shared_ptr<Comm> tensor) {
+    ModelConfig cfg;
+    cfg.arch = "gpt";
+    cfg.layers = 2;
+    cfg.heads = 2;
+    cfg.dim = 8;
+    cfg.vocab = 16;
+    cfg.seq_len = 6;
+    ModelContext ctx;
+    ctx.sample_shape = {6};
+    ctx.vocab = 16;
+    ctx.tensor = tensor;
+    torch::manual_seed(8);
+    auto model = model_spec("gpt").build(cfg, ctx);
+    FlatParams flat(*model);
+    OptimizerConfig ocfg;
+    ocfg.name = "adamw";
+    ocfg.lr = 0.01;
+    ocfg.weight_decay = 0.1;
+    auto opt = make_optimizer(ocfg, flat);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(77);  // the same batches on both ranks
+    for (int step = 0; step < 4; ++step) {
+      auto tokens = at::randint(16, {3, 7}, gen, torch::kInt64);
+      Batch b{tokens.narrow(1, 0, 6), tokens.narrow(1, 1, 6)};
+      language_model_task().loss(model->forward(b.x), b, *tensor).backward();
+      clip_grad(flat, global_grad_norm(flat, *tensor), 0.5);
+      opt->step(0.01);
+      flat.zero_grad();
+    }
+    int64_t replicated = 0;
+    for (size_t i = 0; i < flat.entries().size(); ++i) {
+      if (flat.entries()[i].placement.is_split()) continue;
+      ++replicated;
+      auto mine = flat.view(flat.data(), i).contiguous();
+      auto both = tensor->all_gather(mine);
+      if (!torch::equal(both[0], both[1])) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures.push_back(flat.entries()[i].name + " differs between tensor ranks");
+      }
+    }
+    if (replicated < 8) {
+      std::lock_guard<std::mutex> lock(mu);
+      failures.push_back("too few replicated parameters checked");
+    }
+  }, quick());
+  for (const auto& f : failures) FAIL_CHECK(f);
 }
