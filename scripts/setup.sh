@@ -4,7 +4,7 @@
 # (the tests are built by scripts/test.sh).
 # Idempotent: rerunning installs nothing new and rebuilds only what changed.
 #   scripts/setup.sh            install + build
-#   scripts/setup.sh --test     also what the launcher tests run: SLURM, munge, OpenMPI
+#   scripts/setup.sh --test     also what the launcher tests run: SLURM, munge, OpenMPI, torchrun
 #   scripts/setup.sh --bench    also the PyTorch baseline's packages (scripts/bench.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ packages=(build-essential cmake pkg-config
           libopenblas0-openmp)   # LibTorch calls libblas.so.3: the reference BLAS is ~19x slower
 for arg in "$@"; do
   case "$arg" in
-    --test) packages+=(slurm-wlm munge openmpi-bin) ;;
+    --test) packages+=(slurm-wlm munge openmpi-bin python3-torch) ;;   # launchers: SLURM, mpirun, torchrun
     --bench) packages+=(python3 python3-torch python3-numpy) ;;
     *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
   esac

@@ -10,6 +10,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "config/schema.hpp"
 #include "comm/comm.hpp"
+#include "launch/error_file.hpp"
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
 #include "train/trainer.hpp"
@@ -81,13 +82,15 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   resolve(cfg);
   auto world = discover_world(env, cfg.dist.port);
   const ParallelDims dims = validate(cfg, world.world);
+  // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
+  const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
   // dist.backend auto means Gloo while tensors live on the CPU (validation refuses nccl
   // until CUDA training exists).
   std::shared_ptr<Comm> comm =
       world.world == 1 ? make_local_comm()
                        : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s),
                                                 cfg.dist.gloo_threads});
-  return run_training(cfg, dims, RunOptions{resume}, world, comm).exit_code;
+  return run_training(cfg, dims, RunOptions{resume_from}, world, comm).exit_code;
 }
 
 int inspect(const std::string& folder) {
@@ -189,17 +192,22 @@ int run_cli(int argc, char** argv) {
 
 }  // namespace
 
+// One line on stderr, and to the launcher when it asked for the reason (torchrun).
+int fail(int code, const std::string& what) {
+  const std::string line = "dtrain: error: " + first_line(what);
+  std::cerr << line << "\n";
+  dtrain::report_failure_to_launcher(dtrain::process_env(), line);
+  return code;
+}
+
 int main(int argc, char** argv) {
   try {
     return run_cli(argc, argv);
   } catch (const dtrain::Error& e) {
-    std::cerr << "dtrain: error: " << first_line(e.what()) << "\n";
-    return e.code;
+    return fail(e.code, e.what());
   } catch (const c10::Error& e) {
-    std::cerr << "dtrain: error: " << first_line(e.what_without_backtrace()) << "\n";
-    return dtrain::kExitFailure;
+    return fail(dtrain::kExitFailure, e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::cerr << "dtrain: error: " << first_line(e.what()) << "\n";
-    return dtrain::kExitFailure;
+    return fail(dtrain::kExitFailure, e.what());
   }
 }

@@ -304,15 +304,21 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
   try {
     c10d::TCPStoreOptions so;
     so.port = static_cast<std::uint16_t>(world.master_port);
-    so.isServer = world.rank == 0;
+    so.isServer = world.rank == 0 && !world.agent_store;
     so.numWorkers = static_cast<std::size_t>(world.world);
     so.waitWorkers = true;
     so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
     store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
+    // torchrun's store outlives a restart of the workers and holds the agent's own keys:
+    // each attempt's keys go under a prefix of their own.
+    if (world.agent_store)
+      store = c10::make_intrusive<c10d::PrefixStore>(
+          fmt::format("dtrain/attempt_{}", world.restart_count), store);
   } catch (...) {
     throw DistError(fmt::format("rank {}: rendezvous at {}:{} failed ({}): {}", world.rank,
                                 world.master_addr, world.master_port,
-                                world.rank == 0 ? "hosting the store" : "reaching rank 0",
+                                world.agent_store ? "joining torchrun's store"
+                                : world.rank == 0 ? "hosting the store" : "reaching rank 0",
                                 describe(std::current_exception())));
   }
   const bool loopback =

@@ -80,8 +80,8 @@ struct CommOptions {
   int64_t gloo_threads = 2;              // Gloo's worker threads per process group
 };
 
-// Rendezvous through a TCPStore at world.master_addr:master_port (rank 0 hosts it), then
-// a Gloo or NCCL process group over all ranks.
+// Rendezvous through a TCPStore at world.master_addr:master_port (rank 0 hosts it, or
+// under torchrun its agent does), then a Gloo or NCCL process group over all ranks.
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts);
 
 // Ranks as threads of this process (tests): runs body(comm) on `n` threads, each with the

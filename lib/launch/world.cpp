@@ -156,6 +156,10 @@ WorldInfo discover_world(const Env& env, int64_t config_port,
     w.local_rank = int_var(env, l->local_rank).value_or(env_style ? w.rank : 0);
     w.local_world = l->local_size ? int_var(env, l->local_size).value_or(env_style ? w.world : 1) : 1;
     w.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
+    if (env_style) {
+      w.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+      w.restart_count = int_var(env, "TORCHELASTIC_RESTART_COUNT").value_or(0);
+    }
     if (w.launcher == "slurm") {
       // SLURM_*_TASKS_PER_NODE may read "2(x3)": the leading count is this node's.
       auto per_node = env("SLURM_STEP_TASKS_PER_NODE") ? env("SLURM_STEP_TASKS_PER_NODE")

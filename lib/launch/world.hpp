@@ -17,6 +17,12 @@ struct WorldInfo {
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 0;                  // 0 until resolved
   std::string launcher = "single";          // single | env | slurm | openmpi | pmi
+  // torchrun: its agent already hosts a store at master_addr:master_port and says so
+  // (TORCHELASTIC_USE_AGENT_STORE=True); every rank, rank 0 too, joins it as a client.
+  bool agent_store = false;
+  // torchrun's TORCHELASTIC_RESTART_COUNT: > 0 when the agent restarted the workers, who
+  // then resume from the run's newest valid checkpoint.
+  int64_t restart_count = 0;
 };
 
 using Env = std::function<std::optional<std::string>(const std::string&)>;

@@ -88,3 +88,22 @@ TEST_CASE("inconsistent launcher variables are errors") {
   CHECK_THROWS_AS(discover_world(map_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}}), 0, first_of), ConfigError);
   CHECK_THROWS_AS(discover_world(map_env({{"RANK", "x"}, {"WORLD_SIZE", "4"}}), 0, first_of), ConfigError);
 }
+
+TEST_CASE("torchrun's agent store and restart count") {
+  auto w = discover_world(map_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29600"},
+                                   {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                   {"TORCHELASTIC_RESTART_COUNT", "2"}}),
+                          0, first_of);
+  CHECK(w.agent_store);
+  CHECK(w.restart_count == 2);
+  // Our own --nproc workers (and torchrun with another rendezvous backend) host the store.
+  auto own = discover_world(map_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}}), 0, first_of);
+  CHECK(!own.agent_store);
+  CHECK(own.restart_count == 0);
+  auto other = discover_world(map_env({{"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                       {"TORCHELASTIC_USE_AGENT_STORE", "False"}}), 0, first_of);
+  CHECK(!other.agent_store);
+  CHECK_THROWS_AS(discover_world(map_env({{"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                          {"TORCHELASTIC_RESTART_COUNT", "x"}}), 0, first_of),
+                  ConfigError);
+}
