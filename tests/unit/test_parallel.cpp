@@ -24,6 +24,12 @@
 using namespace dtrain;
 
 namespace {
+// Ranks as threads share LibTorch's default generator: seeding and drawing take turns.
+std::mutex& generator_mu() {
+  static std::mutex mu;
+  return mu;
+}
+
 CommOptions quick() {
   CommOptions o;
   o.timeout = std::chrono::seconds(30);
@@ -195,9 +201,13 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
     std::mutex mu;
     std::vector<std::string> failures;
     run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
-      torch::manual_seed(21);  // every rank draws the full layers, as every process would
+      // Every rank draws the full layers from the seed, as every process would. The ranks
+      // here are threads sharing one default generator: they take turns.
+      std::unique_lock<std::mutex> drawing(generator_mu());
+      torch::manual_seed(21);
       ColumnParallelLinear a(ParallelLinearOptions{in, hidden}, tensor);
       RowParallelLinear b(ParallelLinearOptions{hidden, out}, tensor);
+      drawing.unlock();
       const int64_t r = tensor->rank();
       auto fail = [&](const std::string& what) {
         std::lock_guard<std::mutex> lock(mu);
@@ -268,8 +278,10 @@ TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ran
     std::mutex mu;
     std::vector<std::string> failures;
     run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
+      std::unique_lock<std::mutex> drawing(generator_mu());
       torch::manual_seed(33);
       VocabParallelEmbedding wte(vocab, dim, 0.02, tensor);
+      drawing.unlock();
       const int64_t r = tensor->rank();
       auto fail = [&](const std::string& what) {
         std::lock_guard<std::mutex> lock(mu);
@@ -308,8 +320,10 @@ TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical
     ctx.sample_shape = {6};
     ctx.vocab = 16;
     ctx.tensor = tensor;
+    std::unique_lock<std::mutex> drawing(generator_mu());
     torch::manual_seed(8);
     auto model = model_spec("gpt").build(cfg, ctx);
+    drawing.unlock();
     FlatParams flat(*model);
     OptimizerConfig ocfg;
     ocfg.name = "adamw";
