@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -83,7 +84,7 @@ std::string CheckpointStore::save(const CheckpointState& state, int64_t step, in
   fsync_dir(dir_);
   write_file_atomic((fs::path(dir_) / "latest").string(), name + "\n");
 
-  if (cfg_.keep_best && metric) {
+  if (cfg_.keep_best && metric && std::isfinite(metric->value)) {  // NaN is never best
     auto current = best();
     std::optional<double> best_value;
     if (current) {

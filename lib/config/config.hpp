@@ -123,6 +123,8 @@ struct TrainConfig {
   int64_t log_every = 10;       // steps between train lines in metrics.jsonl
   int64_t threads = 0;          // intra-op threads per process; 0 = cores / local processes
   bool pin_threads = true;      // pin each intra-op thread to its own CPU (see util/affinity.hpp)
+  std::string on_nonfinite = "stop";  // a non-finite loss or gradient: stop (exit 3) | skip the step
+  int64_t max_skipped = 10;     // skip: steps skipped in a row before the run counts as diverged
 
   template <class V> void visit(V&& v) {
     v("epochs", epochs);
@@ -133,6 +135,8 @@ struct TrainConfig {
     v("log_every", log_every);
     v("threads", threads);
     v("pin_threads", pin_threads);
+    v("on_nonfinite", on_nonfinite, Choices{"stop", "skip"});
+    v("max_skipped", max_skipped);
   }
 };
 

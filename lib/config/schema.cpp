@@ -329,6 +329,7 @@ void check_ranges(const JobConfig& c) {
   need(t.eval_batch_size >= 1, "train.eval_batch_size", ">= 1", t.eval_batch_size);
   need(t.log_every >= 1, "train.log_every", ">= 1", t.log_every);
   need(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", t.threads);
+  need(t.max_skipped >= 1, "train.max_skipped", ">= 1", t.max_skipped);
 
   const auto& p = c.parallel;
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);

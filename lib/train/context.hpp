@@ -35,6 +35,8 @@ struct RunState {
   int64_t best_step = 0;
   std::optional<EvalResult> last_eval;
   int64_t last_saved = -1;
+  int64_t skipped_in_a_row = 0;        // train.on_nonfinite: skip
+  int64_t skipped = 0;
 };
 
 struct Context {

@@ -14,8 +14,42 @@
 #include "train/state.hpp"
 #include "train/step.hpp"
 #include "train/trainer.hpp"
+#include "util/error.hpp"
 
 namespace dtrain {
+namespace {
+
+// A step with a non-finite loss or gradient made no update. train.on_nonfinite: stop ends
+// the run at once; skip goes on unless train.max_skipped steps in a row were skipped.
+// Either way nothing non-finite is checkpointed: the last good checkpoint stays the newest.
+void handle_nonfinite(Context& c, const StepStats& s, const std::vector<double>& step_ms,
+                      double data_wait_ms) {
+  auto& st = c.state;
+  const bool skip = c.cfg.train.on_nonfinite == "skip";
+  if (skip) {
+    ++st.skipped, ++st.skipped_in_a_row;
+    c.say(fmt::format("warning: step {} skipped: non-finite loss or gradient (rank {}); {} in a "
+                      "row", st.step, s.nonfinite_rank, st.skipped_in_a_row));
+    if (st.skipped_in_a_row < c.cfg.train.max_skipped) return;
+  }
+  const std::string why =
+      skip ? fmt::format("{} steps in a row had a non-finite loss or gradient (train.max_skipped), "
+                         "the last at step {} (rank {})", st.skipped_in_a_row, st.step,
+                         s.nonfinite_rank)
+           : fmt::format("non-finite loss or gradient at step {} (rank {}); no update was made "
+                         "and nothing was checkpointed", st.step, s.nonfinite_rank);
+  auto summary = summary_line(c, "diverged", step_ms, data_wait_ms);
+  summary["diverged_step"] = st.step;
+  summary["diverged_rank"] = s.nonfinite_rank;
+  summary["reason"] = why;
+  if (c.root()) {
+    c.progress->finish();
+    c.metrics->write(summary);
+  }
+  throw DivergedError("training diverged: " + why);
+}
+
+}  // namespace
 
 RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
                        const WorldInfo& world, std::shared_ptr<Comm> comm) {
@@ -33,7 +67,12 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   while (st.step < c.total_steps) {
     const bool log_now = (st.step + 1) % cfg.train.log_every == 0 || st.step + 1 == c.total_steps;
     const StepStats s = train_step(c, loader, log_now);
-    st.last_loss = s.loss;
+    if (s.nonfinite) {
+      handle_nonfinite(c, s, step_ms, data_wait_ms);
+    } else {
+      st.skipped_in_a_row = 0;
+      st.last_loss = s.loss;
+    }
     window.add(s);
     step_ms.push_back(s.step_ms);
     data_wait_ms += s.data_wait_ms;
@@ -54,7 +93,8 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
       const auto t0 = std::chrono::steady_clock::now();
       eval = evaluate(c);
       st.last_eval = eval;
-      if (!std::isfinite(st.best_metric) || c.task->better(eval->metric, st.best_metric))
+      if (std::isfinite(eval->metric) &&
+          (!std::isfinite(st.best_metric) || c.task->better(eval->metric, st.best_metric)))
         st.best_metric = eval->metric, st.best_step = st.step;
       const double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

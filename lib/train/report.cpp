@@ -77,6 +77,7 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"world_size", c.mesh.world()->size()},
       {"layout", {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}}},
       {"task", c.task->name()},
+      {"skipped_steps", st.skipped},
       {"time", unix_time()}};
   if (c.items_per_sample() > 1) s["tokens_per_s"] = steady * double(c.items_per_sample());
   const std::string metric = c.task->metric();

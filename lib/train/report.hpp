@@ -18,6 +18,8 @@ struct StepStats {
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
          step_ms = 0;
   bool stop = false;           // some rank was asked to stop: all stop after this step
+  bool nonfinite = false;      // some rank saw a non-finite loss or gradient: no update made
+  int64_t nonfinite_rank = -1; // the lowest world rank that saw it
 };
 
 // Sums over one logging window of steps.

@@ -3,13 +3,11 @@
 //   2. forward, per micro-batch (bf16 autocast keeps fp32 master weights)
 //   3. backward, the gradient sync overlapped; then agreement over the world
 //   4. clip by the global norm
-//   5. optimizer update
+//   5. optimizer update, unless some rank saw a non-finite loss or gradient
 #include "train/step.hpp"
 
 #include <chrono>
-#include <iostream>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "optim/clip.hpp"
@@ -64,28 +62,40 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
   // over the world: every rank stops after the same step whatever the layout. Each data
   // replica's loss counts once (tensor ranks hold the same value).
   const bool counts = c.mesh.coord().tensor == 0;
-  double agree[2] = {counts ? loss_sum : 0.0, stop_signal() ? 1.0 : 0.0};
-  c.mesh.world()->all_reduce(torch::from_blob(agree, {2}, torch::kFloat64));
+  double agree[3] = {counts ? loss_sum : 0.0, stop_signal() ? 1.0 : 0.0,
+                     std::isfinite(loss_sum) ? 0.0 : 1.0};
+  c.mesh.world()->all_reduce(torch::from_blob(agree, {3}, torch::kFloat64));
   s.loss = agree[0] / double(c.mesh.dims().data);
   s.stop = agree[1] > 0;
   s.comm_ms = ms_since(t0);
 
   const auto t_opt = Clock::now();
-  // 4. clip by the global norm over every shard
+  // 4. clip by the global norm over every shard. The norm is also the gradient's check:
+  //    taken when clipping or logging, and on every step when non-finite steps are skipped
+  //    (otherwise a non-finite gradient shows in the next step's loss).
   const double clip = c.cfg.optimizer.grad_clip;
-  s.grad_norm = std::nan("");
-  if (want_norm || clip > 0) {
-    s.grad_norm = global_grad_norm(*c.params, *c.mesh.tensor());
+  const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
+  const bool norm_taken = want_norm || clip > 0 || skip_mode;
+  s.grad_norm = norm_taken ? global_grad_norm(*c.params, *c.mesh.tensor()) : std::nan("");
+  // The norm is the same on every rank (after the gradient sync), so this verdict needs no
+  // further agreement.
+  const bool seen_here = !std::isfinite(loss_sum) || (norm_taken && !std::isfinite(s.grad_norm));
+  s.nonfinite = agree[2] > 0 || seen_here;
+  if (s.nonfinite) {
+    // Name the lowest rank that saw it: one more reduction, on this rare path only.
+    const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
+    double seen[1] = {seen_here ? double(world - rank) : 0.0};
+    c.mesh.world()->all_reduce(torch::from_blob(seen, {1}, torch::kFloat64), ReduceOp::kMax);
+    s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
+  } else {
     clip_grad(*c.params, s.grad_norm, clip);
+    // 5. optimizer update
+    c.optimizer->step(lr_at(c.cfg.schedule, c.cfg.optimizer.lr, c.state.step + 1, c.total_steps));
   }
-  // 5. optimizer update
-  c.optimizer->step(lr_at(c.cfg.schedule, c.cfg.optimizer.lr, c.state.step + 1, c.total_steps));
   c.params->zero_grad();
   ++c.state.step;
   s.optim_ms = ms_since(t_opt);
   s.step_ms = ms_since(t_step);
-  if (!std::isfinite(s.loss) && c.root())
-    std::cerr << fmt::format("dtrain: warning: loss is {} at step {}\n", s.loss, c.state.step);
   return s;
 }
 

@@ -33,6 +33,10 @@ struct DataError : Error {
 struct CheckpointError : Error {
   explicit CheckpointError(const std::string& what) : Error(kExitBadData, what) {}
 };
+// Training diverged: a non-finite loss or gradient (exit 3, status "diverged").
+struct DivergedError : Error {
+  explicit DivergedError(const std::string& what) : Error(kExitBadData, what) {}
+};
 // A peer rank died or a collective timed out (exit 4).
 struct DistError : Error {
   explicit DistError(const std::string& what) : Error(kExitPeerFailed, what) {}

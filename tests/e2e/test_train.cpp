@@ -246,3 +246,62 @@ TEST_SUITE("precision") {
     CHECK(ins.out.find("Float") != std::string::npos);
   }
 }
+
+TEST_SUITE("divergence") {
+  TEST_CASE("a non-finite loss stops the run: exit 3, status diverged, no NaN checkpoint") {
+    auto dir = temp_dir("diverge");
+    auto job = synthetic_job(dir);
+    for (const std::string& procs : {std::string(""), std::string(" --nproc 2")}) {
+      const auto run = dir + "/run" + std::to_string(procs.size());
+      auto r = dtrain("run " + job + procs + " --run-dir " + run + " --set optimizer.lr=1e6"
+                      " --set optimizer.grad_clip=0 --set train.max_steps=50 --set checkpoint.every_steps=1"
+                      " --set train.eval_every=1" + kQuiet);
+      INFO(procs << ": " << r.err);
+      CHECK(r.code == 3);
+      CHECK(r.err.find("dtrain: error: training diverged: non-finite loss or gradient at step") !=
+            std::string::npos);
+      auto lines = metrics(run);
+      REQUIRE(!lines.empty());
+      const auto& s = lines.back();
+      CHECK(s["kind"] == "summary");
+      CHECK(s["status"] == "diverged");
+      const int64_t at = s["diverged_step"];
+      CHECK(at < 50);
+      // Checkpoints exist only for the steps before it, and best is never a NaN metric.
+      CHECK(!std::filesystem::exists(run + "/checkpoints/" + fmt::format("step-{:08d}", at)));
+      CHECK(std::filesystem::exists(run + "/checkpoints/" + fmt::format("step-{:08d}", at - 1) +
+                                    "/manifest.json"));
+      for (const auto& e : std::filesystem::directory_iterator(run + "/checkpoints")) {
+        const auto manifest = e.path() / "manifest.json";
+        if (!std::filesystem::exists(manifest)) continue;
+        auto m = nlohmann::json::parse(slurp(manifest.string()));
+        if (m.contains("metric")) CHECK(m["metric"]["value"].is_number());
+      }
+      if (std::filesystem::exists(run + "/checkpoints/best")) {
+        auto best = slurp(run + "/checkpoints/best");
+        best.erase(best.find_last_not_of("\n") + 1);
+        auto m = nlohmann::json::parse(slurp(run + "/checkpoints/" + best + "/manifest.json"));
+        CHECK(std::isfinite(m["metric"]["value"].get<double>()));
+      }
+    }
+  }
+
+  TEST_CASE("on_nonfinite: skip drops bad steps and gives up after max_skipped in a row") {
+    auto dir = temp_dir("diverge-skip");
+    auto r = dtrain("run " + synthetic_job(dir) + " --run-dir " + dir + "/run --set optimizer.lr=1e6"
+                    " --set optimizer.grad_clip=0 --set train.on_nonfinite=skip --set train.max_skipped=3"
+                    " --set train.max_steps=50" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("3 steps in a row") != std::string::npos);
+    CHECK(r.err.find("skipped: non-finite loss or gradient") != std::string::npos);
+    auto s = metrics(dir + "/run").back();
+    CHECK(s["status"] == "diverged");
+    CHECK(s["skipped_steps"] == 3);
+    // A run that never diverges reports no skipped steps.
+    auto ok = dtrain("run " + synthetic_job(dir) + " --run-dir " + dir + "/ok --set train.on_nonfinite=skip"
+                     " --set train.max_steps=10" + kQuiet);
+    CHECK(ok.code == 0);
+    CHECK(metrics(dir + "/ok").back()["skipped_steps"] == 0);
+  }
+}

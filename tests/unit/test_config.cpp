@@ -271,6 +271,8 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"gpt on images", "model: {arch: gpt}\n", {"model.arch", "gpt", "fashion_mnist"}},
       {"mlp on text", "data: {dataset: text, path: /tmp}\nmodel: {arch: mlp}\n", {"model.arch", "text"}},
       {"eval_fraction", "data: {eval_fraction: 0.9}\n", {"data.eval_fraction"}},
+      {"on_nonfinite", "train: {on_nonfinite: ignore}\n", {"train.on_nonfinite", "stop | skip"}},
+      {"max_skipped", "train: {max_skipped: 0}\n", {"train.max_skipped", ">= 1"}},
       {"bad name", "name: a/b\n", {"name", "'/'"}},
       {"loss scale not a number", "precision:\n  loss_scale: 12abc\n", {"precision.loss_scale"}},
       {"batch not divisible by grad_accum", "data:\n  batch_size: 10\ntrain:\n  grad_accum: 4\n",
