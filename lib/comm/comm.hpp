@@ -66,10 +66,17 @@ class Comm {
 
   // The group of the world ranks `members` (in that order; this process among them), named
   // `name` (unique per group in the job: it prefixes the group's rendezvous keys). Only the
-  // members call it. A group of one needs no process group and gets a local Comm.
+  // members call it. A group of one needs no process group and gets a local Comm; a group
+  // of every rank, called on the world, is the world's own group.
   virtual std::shared_ptr<Comm> new_group(const std::string& name,
                                           const std::vector<int64_t>& members) = 0;
 };
+
+// Autograd functions (SyncBatchNorm, the tensor-parallel conjugates) keep non-tensor state
+// in saved_data, which holds only IValues: a Comm rides there as its address. The Comm
+// outlives every graph (the mesh owns each group for the whole run).
+inline int64_t comm_handle(Comm* comm) { return reinterpret_cast<int64_t>(comm); }
+inline Comm* comm_from_handle(int64_t handle) { return reinterpret_cast<Comm*>(handle); }
 
 // A world of one: every collective is the identity and nothing is set up.
 std::shared_ptr<Comm> make_local_comm();

@@ -1,6 +1,7 @@
 // metrics.jsonl (one JSON object per line, flushed as written) and the human progress output.
 #pragma once
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -23,6 +24,11 @@ class MetricsLog {
  private:
   std::FILE* file_ = nullptr;
 };
+
+// A number, or null where it is NaN or infinite (JSON has no such numbers).
+inline nlohmann::json finite_or_null(double x) {
+  return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr);
+}
 
 // Seconds since the Unix epoch, for the "time" field.
 double unix_time();

@@ -1,6 +1,7 @@
 #include "optim/clip.hpp"
 
 #include <cmath>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -11,12 +12,14 @@ namespace dtrain {
 
 double global_grad_norm(const FlatParams& params, Comm& tensor) {
   if (tensor.size() == 1) return params.grad().norm().item<double>();
-  double split = 0, replicated = 0;
-  for (size_t i = 0; i < params.entries().size(); ++i) {
-    const double sq = params.view(params.grad(), i).pow(2).sum().item<double>();
-    (params.entries()[i].placement.is_split() ? split : replicated) += sq;
-  }
-  auto total = torch::tensor({split + (tensor.rank() == 0 ? replicated : 0.0)}, torch::kFloat64);
+  // Every rank adds its parts of the split entries; rank 0 alone the replicated ones. The
+  // squares stay tensors until one reduction, so the step waits once, not per entry.
+  std::vector<torch::Tensor> squares;
+  for (size_t i = 0; i < params.entries().size(); ++i)
+    if (params.entries()[i].placement.is_split() || tensor.rank() == 0)
+      squares.push_back(params.view(params.grad(), i).pow(2).sum());
+  auto total = squares.empty() ? torch::zeros({1}, torch::kFloat64)
+                               : torch::stack(squares).to(torch::kFloat64).sum().reshape({1});
   tensor.all_reduce(total);
   return std::sqrt(total.item<double>());
 }

@@ -1,7 +1,6 @@
 #include "optim/optimizer.hpp"
 
 #include <cmath>
-#include <map>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -126,12 +125,8 @@ NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, Com
 
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
                           int64_t tensor_rank, const std::string& origin) {
-  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
-  auto find = [&](const std::string& name) {
-    auto it = by_name.find(name);
-    return it == by_name.end() ? torch::Tensor() : it->second;
-  };
-  for (auto& [slot, flat] : opt.slots()) params.scatter_full(flat, "." + slot, find, tensor_rank, origin);
+  const SavedTensors saved(state, origin);
+  for (auto& [slot, flat] : opt.slots()) params.scatter_full(flat, "." + slot, saved, tensor_rank);
   opt.load_scalars(state);
 }
 

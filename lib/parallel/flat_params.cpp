@@ -11,6 +11,21 @@
 
 namespace dtrain {
 
+SavedTensors::SavedTensors(const NamedTensors& tensors, std::string origin)
+    : by_name_(tensors.begin(), tensors.end()), origin_(std::move(origin)) {}
+
+const torch::Tensor& SavedTensors::at(const std::string& name,
+                                      const std::vector<int64_t>& shape) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end())
+    throw CheckpointError(fmt::format("{}: the model has '{}', the checkpoint does not", origin_,
+                                      name));
+  if (it->second.sizes().vec() != shape)
+    throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the model",
+                                      origin_, name, shape_str(it->second), shape_str(shape)));
+  return it->second;
+}
+
 std::vector<int64_t> Placement::full_shape(std::vector<int64_t> local) const {
   if (is_split()) local[size_t(dim)] *= parts;
   return local;
@@ -90,21 +105,11 @@ NamedTensors FlatParams::gather_full(const torch::Tensor& flat, const std::strin
 }
 
 void FlatParams::scatter_full(torch::Tensor flat, const std::string& suffix,
-                              const std::function<torch::Tensor(const std::string&)>& find,
-                              int64_t tensor_rank, const std::string& origin) const {
+                              const SavedTensors& saved, int64_t tensor_rank) const {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
-    const auto name = e.name + suffix;
-    auto full = find(name);
-    if (!full.defined())
-      throw CheckpointError(fmt::format("{}: the model has '{}', the checkpoint does not",
-                                        origin, name));
-    if (full.sizes().vec() != e.full_shape)
-      throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the "
-                                        "model", origin, name, shape_str(full),
-                                        shape_str(e.full_shape)));
-    view(flat, i).copy_(e.placement.shard(full, tensor_rank));
+    view(flat, i).copy_(e.placement.shard(saved.at(e.name + suffix, e.full_shape), tensor_rank));
   }
 }
 

@@ -9,7 +9,7 @@
 // Placement across the tensor group, so checkpoints can hold every tensor at its full
 // logical shape whatever the layout.
 #pragma once
-#include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +20,20 @@ namespace dtrain {
 
 class Comm;
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// Saved tensors by name (a checkpoint's model or optimizer file), for restoring them.
+class SavedTensors {
+ public:
+  // `origin` names where they came from in errors (the checkpoint folder).
+  SavedTensors(const NamedTensors& tensors, std::string origin);
+  // The tensor `name`, which must have `shape`; throws CheckpointError naming the origin
+  // when it is missing or shaped otherwise.
+  const torch::Tensor& at(const std::string& name, const std::vector<int64_t>& shape) const;
+
+ private:
+  std::map<std::string, torch::Tensor> by_name_;
+  std::string origin_;
+};
 
 // How one parameter is laid out over the ranks of the tensor group.
 struct Placement {
@@ -84,11 +98,10 @@ class FlatParams {
   // over `tensor`: a collective, every member of the tensor group calls it.
   NamedTensors gather_full(const torch::Tensor& flat, const std::string& suffix,
                            Comm& tensor) const;
-  // The reverse: each entry takes its part of the full tensor `find(entry.name + suffix)`.
-  // Throws CheckpointError (naming `origin`) on a missing tensor or a shape mismatch.
-  void scatter_full(torch::Tensor flat, const std::string& suffix,
-                    const std::function<torch::Tensor(const std::string&)>& find,
-                    int64_t tensor_rank, const std::string& origin) const;
+  // The reverse: each entry takes its part of the full tensor `entry.name + suffix` of
+  // `saved` (CheckpointError on a missing or misshapen one).
+  void scatter_full(torch::Tensor flat, const std::string& suffix, const SavedTensors& saved,
+                    int64_t tensor_rank) const;
 
  private:
   torch::Tensor data_, grad_;

@@ -21,9 +21,7 @@ Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world)
   if (dims_.world() != world_->size())
     throw std::logic_error(fmt::format("mesh {} over a world of {}", dims_.str(), world_->size()));
   auto make = [&](Axis axis) {
-    auto members = dims_.group_of(world_->rank(), axis);
-    if (int64_t(members.size()) == world_->size()) return world_;
-    return world_->new_group(group_name(axis, coord_), members);
+    return world_->new_group(group_name(axis, coord_), dims_.group_of(world_->rank(), axis));
   };
   // The same order on every rank: a group's creation waits for all its members.
   tensor_ = make(Axis::kTensor);

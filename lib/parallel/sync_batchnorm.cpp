@@ -37,7 +37,7 @@ struct SyncBNFunction : public torch::autograd::Function<SyncBNFunction> {
     auto xhat = (x - per_channel(mean, x)) * per_channel(invstd, x);
     stats.copy_(torch::cat({mean, var, torch::full({1}, count, x.options())}));
     ctx->save_for_backward({xhat, weight, invstd});
-    ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+    ctx->saved_data["comm"] = comm_handle(comm);
     ctx->saved_data["count"] = count;
     return xhat * per_channel(weight, x) + per_channel(bias, x);
   }
@@ -45,7 +45,7 @@ struct SyncBNFunction : public torch::autograd::Function<SyncBNFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto xhat = saved[0], weight = saved[1], invstd = saved[2];
-    auto* comm = reinterpret_cast<Comm*>(ctx->saved_data["comm"].toInt());
+    auto* comm = comm_from_handle(ctx->saved_data["comm"].toInt());
     const double count = ctx->saved_data["count"].toDouble();
     auto dy = grads[0].contiguous();
     const auto dims = reduce_dims(dy);

@@ -13,29 +13,22 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The group rides in saved_data as an address: the Comm outlives every graph (the mesh
-// owns it for the whole run).
-int64_t as_int(Comm* c) { return reinterpret_cast<int64_t>(c); }
-Comm* as_comm(AutogradContext* ctx) {
-  return reinterpret_cast<Comm*>(ctx->saved_data["comm"].toInt());
-}
-
 struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t comm) {
-    ctx->saved_data["comm"] = comm;
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, Comm* comm) {
+    ctx->saved_data["comm"] = comm_handle(comm);
     return x.view_as(x);  // a new node for autograd; no copy
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto g = grads[0].contiguous().clone();  // the incoming gradient may be shared
-    as_comm(ctx)->all_reduce(g);
+    comm_from_handle(ctx->saved_data["comm"].toInt())->all_reduce(g);
     return {g, torch::Tensor()};
   }
 };
 
 struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
-  static torch::Tensor forward(AutogradContext*, torch::Tensor x, int64_t comm) {
+  static torch::Tensor forward(AutogradContext*, torch::Tensor x, Comm* comm) {
     auto y = x.contiguous().clone();
-    reinterpret_cast<Comm*>(comm)->all_reduce(y);
+    comm->all_reduce(y);
     return y;
   }
   static variable_list backward(AutogradContext*, variable_list grads) {
@@ -54,13 +47,13 @@ int64_t parts_dividing(const std::shared_ptr<Comm>& tensor, int64_t n, const cha
 
 torch::Tensor copy_to_tensor_region(const torch::Tensor& x, const std::shared_ptr<Comm>& tensor) {
   if (tensor->size() == 1) return x;
-  return CopyToRegion::apply(x, as_int(tensor.get()));
+  return CopyToRegion::apply(x, tensor.get());
 }
 
 torch::Tensor reduce_from_tensor_region(const torch::Tensor& x,
                                         const std::shared_ptr<Comm>& tensor) {
   if (tensor->size() == 1) return x;
-  return ReduceFromRegion::apply(x, as_int(tensor.get()));
+  return ReduceFromRegion::apply(x, tensor.get());
 }
 
 void torch_linear_init(torch::Tensor& weight, torch::Tensor& bias) {

@@ -46,8 +46,8 @@ using torch::autograd::variable_list;
 // all-reduces, the target's logit from the rank that holds it by a third.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor targets,
-                               int64_t comm_address) {
-    auto& comm = *reinterpret_cast<Comm*>(comm_address);
+                               Comm* group) {
+    auto& comm = *group;
     const int64_t rows = logits.size(1), first = comm.rank() * rows;
     auto max = std::get<0>(logits.max(1)).contiguous();
     comm.all_reduce(max, ReduceOp::kMax);
@@ -78,7 +78,7 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits,
                                            const torch::Tensor& targets, Comm& tensor) {
   if (tensor.size() == 1)
     return F::cross_entropy(local_logits, targets, F::CrossEntropyFuncOptions().reduction(torch::kNone));
-  return VocabParallelCrossEntropy::apply(local_logits, targets, reinterpret_cast<int64_t>(&tensor));
+  return VocabParallelCrossEntropy::apply(local_logits, targets, &tensor);
 }
 
 }  // namespace dtrain

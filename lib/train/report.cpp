@@ -3,10 +3,6 @@
 #include <algorithm>
 
 namespace dtrain {
-namespace {
-nlohmann::json number_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
-}  // namespace
-
 void Window::add(const StepStats& s) {
   steps += 1;
   data_wait_ms += s.data_wait_ms;
@@ -24,9 +20,9 @@ nlohmann::json train_line(const Context& c, const StepStats& last, const Window&
   nlohmann::json line{{"kind", "train"},
                       {"step", step},
                       {"epoch", (step - 1) / c.steps_per_epoch()},
-                      {"loss", number_or_null(last.loss)},
+                      {"loss", finite_or_null(last.loss)},
                       {"lr", lr},
-                      {"grad_norm", number_or_null(last.grad_norm)},
+                      {"grad_norm", finite_or_null(last.grad_norm)},
                       {"samples_per_s", samples_per_s},
                       {"step_ms", w.step_ms / n},
                       {"data_wait_ms", w.data_wait_ms / n},
@@ -70,7 +66,7 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"status", status},
       {"steps", st.step},
       {"epochs", double(st.step) / double(c.steps_per_epoch())},
-      {"final_loss", number_or_null(st.last_loss)},
+      {"final_loss", finite_or_null(st.last_loss)},
       {"samples_per_s", steady},
       {"step_ms_median", sorted.empty() ? 0.0 : sorted[sorted.size() / 2]},
       {"data_wait_ms_mean", n ? data_wait_total_ms / double(n) : 0.0},

@@ -1,14 +1,12 @@
 #include "train/state.hpp"
 
 #include <filesystem>
-#include <map>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "config/schema.hpp"
 #include "util/error.hpp"
-#include "util/shape.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -32,7 +30,6 @@ torch::Tensor from_hex(const std::string& s) {
   return t;
 }
 
-nlohmann::json number_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
 double number_or_nan(const nlohmann::json& j) { return j.is_number() ? j.get<double>() : std::nan(""); }
 
 nlohmann::json layout_json(const ParallelDims& d) {
@@ -83,25 +80,12 @@ void restore(Context& c, const std::string& folder) {
     st.last_loss = number_or_nan(t.at("last_loss"));
     st.last_saved = st.step;
 
-    std::map<std::string, torch::Tensor> model(saved.model.begin(), saved.model.end());
-    auto find = [&model](const std::string& name) {
-      auto it = model.find(name);
-      return it == model.end() ? torch::Tensor() : it->second;
-    };
+    const SavedTensors model(saved.model, folder);
     const int64_t tensor_rank = c.mesh.coord().tensor;
-    c.params->scatter_full(c.params->data(), "", find, tensor_rank, folder);
+    c.params->scatter_full(c.params->data(), "", model, tensor_rank);
     torch::NoGradGuard no_grad;
-    for (const auto& b : c.model->named_buffers()) {
-      auto it = model.find(b.key());
-      if (it == model.end())
-        throw CheckpointError(fmt::format("{}: the model has '{}', the checkpoint does not",
-                                          folder, b.key()));
-      if (it->second.sizes() != b.value().sizes())
-        throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the "
-                                          "model", folder, b.key(), shape_str(it->second),
-                                          shape_str(b.value())));
-      b.value().copy_(it->second);
-    }
+    for (const auto& b : c.model->named_buffers())  // replicated: every rank takes all of it
+      b.value().copy_(model.at(b.key(), b.value().sizes().vec()));
     load_optimizer_state(*c.optimizer, *c.params, saved.optimizer, tensor_rank, folder);
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -137,9 +121,9 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
                        {"step_in_epoch", st.step % spe},
                        {"global_batch", c.cfg.data.batch_size},
                        {"train_samples", c.data.train->size()},
-                       {"best_metric", number_or_null(st.best_metric)},
+                       {"best_metric", finite_or_null(st.best_metric)},
                        {"best_step", st.best_step},
-                       {"last_loss", number_or_null(st.last_loss)},
+                       {"last_loss", finite_or_null(st.last_loss)},
                        {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
       state.config_yaml = to_yaml(c.cfg);
       std::optional<Metric> metric;

@@ -30,6 +30,22 @@ std::mutex& generator_mu() {
   return mu;
 }
 
+// Failures seen on rank threads, reported from the test's own thread.
+class RankFailures {
+ public:
+  void add(int64_t rank, const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    list_.push_back(fmt::format("rank {}: {}", rank, what));
+  }
+  void check() const {
+    for (const auto& f : list_) FAIL_CHECK(f);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> list_;
+};
+
 CommOptions quick() {
   CommOptions o;
   o.timeout = std::chrono::seconds(30);
@@ -92,14 +108,10 @@ TEST_CASE("comm: the one-process collectives are identities") {
 
 TEST_CASE("comm: collectives over ranks as threads") {
   const int64_t n = 3;
-  std::mutex mu;
-  std::vector<std::string> failures;
+  RankFailures failures;
   run_ranks_as_threads(n, [&](std::shared_ptr<Comm> c) {
     const int64_t r = c->rank();
-    auto fail = [&](const std::string& what) {
-      std::lock_guard<std::mutex> lock(mu);
-      failures.push_back(fmt::format("rank {}: {}", r, what));
-    };
+    auto fail = [&](const std::string& what) { failures.add(r, what); };
     // sum, avg, max
     auto s = torch::full({4}, double(r + 1), torch::kFloat64);
     c->all_reduce(s);
@@ -133,22 +145,18 @@ TEST_CASE("comm: collectives over ranks as threads") {
     if (g->size() != (r == 1 ? 1 : 2)) fail("sub-group size");
     c->barrier();
   }, quick());
-  for (const auto& f : failures) FAIL_CHECK(f);
+  failures.check();
 }
 
 TEST_CASE("mesh: each rank gets the groups its coordinates name") {
-  std::mutex mu;
-  std::vector<std::string> failures;
+  RankFailures failures;
   // world 4 = data 2 x tensor 2: rank r has tensor peers {r^1}, data peers {r^2}.
   run_ranks_as_threads(4, [&](std::shared_ptr<Comm> world) {
     ParallelConfig p;
     p.tensor = 2;
     Mesh mesh(ParallelDims::resolve(p, 4), world);
     const int64_t r = world->rank();
-    auto fail = [&](const std::string& what) {
-      std::lock_guard<std::mutex> lock(mu);
-      failures.push_back(fmt::format("rank {}: {}", r, what));
-    };
+    auto fail = [&](const std::string& what) { failures.add(r, what); };
     if (mesh.coord().tensor != r % 2 || mesh.coord().data != r / 2) fail("coordinates");
     if (mesh.tensor()->size() != 2 || mesh.tensor()->rank() != r % 2) fail("tensor group");
     if (mesh.data()->size() != 2 || mesh.data()->rank() != r / 2) fail("data group");
@@ -161,7 +169,7 @@ TEST_CASE("mesh: each rank gets the groups its coordinates name") {
     mesh.data()->all_reduce(d);
     if (d.item<double>() != double(2 * (r % 2) + 2)) fail("data members");
   }, quick());
-  for (const auto& f : failures) FAIL_CHECK(f);
+  failures.check();
 }
 
 TEST_CASE("placement: shard and assemble are inverse, blocks split separately") {
@@ -198,8 +206,7 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
 
   for (int64_t ranks : {1, 2}) {
     CAPTURE(ranks);
-    std::mutex mu;
-    std::vector<std::string> failures;
+    RankFailures failures;
     run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
       // Every rank draws the full layers from the seed, as every process would. The ranks
       // here are threads sharing one default generator: they take turns.
@@ -209,10 +216,7 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
       RowParallelLinear b(ParallelLinearOptions{hidden, out}, tensor);
       drawing.unlock();
       const int64_t r = tensor->rank();
-      auto fail = [&](const std::string& what) {
-        std::lock_guard<std::mutex> lock(mu);
-        failures.push_back(fmt::format("rank {}: {}", r, what));
-      };
+      auto fail = [&](const std::string& what) { failures.add(r, what); };
       // Initialisation: this rank's part of the unsplit weights, exactly.
       if (!torch::equal(a->weight, ref_a->weight.chunk(ranks, 0)[r])) fail("column weight init");
       if (!torch::equal(a->bias, ref_a->bias.chunk(ranks, 0)[r])) fail("column bias init");
@@ -245,10 +249,10 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
       if (std::abs(norm - std::sqrt(ref_sq)) > 1e-5 * std::sqrt(ref_sq)) fail("global norm");
       // scatter_full is the inverse: every rank takes back its part.
       auto copy = torch::zeros_like(flat.data());
-      flat.scatter_full(copy, "", [&](const std::string& n) { return by_name.at(n); }, r, "test");
+      flat.scatter_full(copy, "", SavedTensors(full, "test"), r);
       if (!torch::equal(copy, flat.data())) fail("scatter_full");
     }, quick());
-    for (const auto& f : failures) FAIL_CHECK(f);
+    failures.check();
   }
 }
 
@@ -275,18 +279,14 @@ TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ran
 
   for (int64_t ranks : {1, 2}) {
     CAPTURE(ranks);
-    std::mutex mu;
-    std::vector<std::string> failures;
+    RankFailures failures;
     run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
       std::unique_lock<std::mutex> drawing(generator_mu());
       torch::manual_seed(33);
       VocabParallelEmbedding wte(vocab, dim, 0.02, tensor);
       drawing.unlock();
       const int64_t r = tensor->rank();
-      auto fail = [&](const std::string& what) {
-        std::lock_guard<std::mutex> lock(mu);
-        failures.push_back(fmt::format("rank {}: {}", r, what));
-      };
+      auto fail = [&](const std::string& what) { failures.add(r, what); };
       if (!torch::equal(wte->weight, table.chunk(ranks, 0)[r])) fail("init");
       auto h = torch::matmul(wte(ids), mix);
       if (!torch::allclose(h, ref_h, 1e-6, 1e-7)) fail("lookup");
@@ -299,15 +299,14 @@ TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ran
       if (!torch::allclose(wte->weight.grad(), ref_table.grad().chunk(ranks, 0)[r], 1e-5, 1e-7))
         fail("gradient");
     }, quick());
-    for (const auto& f : failures) FAIL_CHECK(f);
+    failures.check();
   }
 }
 
 TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical across ranks") {
   // LayerNorms, the position embedding and the row-parallel biases are held whole by every
   // tensor rank and must receive the same gradient there, or the ranks' copies drift apart.
-  std::mutex mu;
-  std::vector<std::string> failures;
+  RankFailures failures;
   run_ranks_as_threads(2, [&](std::shared_ptr<Comm> tensor) {
     ModelConfig cfg;
     cfg.arch = "gpt";
@@ -345,15 +344,10 @@ TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical
       ++replicated;
       auto mine = flat.view(flat.data(), i).contiguous();
       auto both = tensor->all_gather(mine);
-      if (!torch::equal(both[0], both[1])) {
-        std::lock_guard<std::mutex> lock(mu);
-        failures.push_back(flat.entries()[i].name + " differs between tensor ranks");
-      }
+      if (!torch::equal(both[0], both[1]))
+        failures.add(tensor->rank(), flat.entries()[i].name + " differs between tensor ranks");
     }
-    if (replicated < 8) {
-      std::lock_guard<std::mutex> lock(mu);
-      failures.push_back("too few replicated parameters checked");
-    }
+    if (replicated < 8) failures.add(tensor->rank(), "too few replicated parameters checked");
   }, quick());
-  for (const auto& f : failures) FAIL_CHECK(f);
+  failures.check();
 }
