@@ -10,6 +10,7 @@
 #
 #   scripts/bench.sh [--repeats N] [--models "mlp cnn"] [--threads T] [--nproc N]
 # Needs the baseline's packages: scripts/setup.sh --bench. Results: $OUT_DIR/bench.jsonl.
+# DTRAIN_BIN=PATH benchmarks another dtrain binary (e.g. an older build) the same way.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="${DTRAIN_BASELINE:-$ROOT/../shared/bench}"
@@ -27,7 +28,8 @@ done
 [ -f "$BENCH/ddp_baseline.py" ] || { echo "bench: no baseline at $BENCH (set DTRAIN_BASELINE)" >&2; exit 2; }
 PY=/usr/bin/python3
 $PY -c 'import torch, numpy' 2>/dev/null || { echo "bench: run scripts/setup.sh --bench first" >&2; exit 2; }
-[ -x "$ROOT/build/dtrain" ] || { echo "bench: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
+[ -x "$DTRAIN" ] || { echo "bench: no dtrain at $DTRAIN (build it: scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/bench.jsonl"
 echo "BLAS: $(update-alternatives --query libblas.so.3-x86_64-linux-gnu 2>/dev/null | sed -n 's/^Value: //p')" >&2
@@ -63,7 +65,7 @@ for r in $(seq 1 "$REPEATS"); do
       >> "$OUT_DIR/bench.jsonl"
     echo "== repeat $r/$REPEATS $model: dtrain" >&2
     rm -rf "$OUT_DIR/run"
-    "$ROOT/build/dtrain" run "$ROOT/configs/fashion_mnist_$model.yaml" --run-dir "$OUT_DIR/run" \
+    "$DTRAIN" run "$ROOT/configs/fashion_mnist_$model.yaml" --run-dir "$OUT_DIR/run" \
       --nproc "$NPROC" --set train.max_steps="$steps" --set train.threads="$PER_RANK_THREADS" \
       --set schedule.decay=constant --set schedule.warmup_steps=0 --set optimizer.lr=0.05 \
       --set optimizer.momentum=0.9 --set data.batch_size=$((64 * NPROC)) \
