@@ -9,12 +9,14 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/schema.hpp"
+#include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/error_file.hpp"
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
 #include "train/trainer.hpp"
 #include "util/error.hpp"
+#include "util/files.hpp"
 #include "util/shape.hpp"
 
 namespace {
@@ -93,7 +95,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   return run_training(cfg, dims, RunOptions{resume_from}, world, comm).exit_code;
 }
 
-int inspect(const std::string& folder) {
+int inspect(const std::string& path) {
+  const std::string folder = resolve_checkpoint(path);
   auto manifest = verify_checkpoint(folder);
   auto state = load_checkpoint(folder);
   std::cout << fmt::format("checkpoint {}\n  step {}  epoch {}  layout {}  format v{}\n", folder,
@@ -118,11 +121,29 @@ int inspect(const std::string& folder) {
   return 0;
 }
 
-int export_weights(const std::string& folder, const std::string& out) {
+// Copies the checkpoint's weights to `out` only after reading them as a safetensors file
+// (header, dtypes, shapes, offsets), and reads back what it wrote.
+int export_weights(const std::string& path, const std::string& out) {
+  const std::string folder = resolve_checkpoint(path);
   verify_checkpoint(folder);
-  std::filesystem::copy_file(std::filesystem::path(folder) / "model.safetensors", out,
-                             std::filesystem::copy_options::overwrite_existing);
-  std::cerr << fmt::format("wrote {}\n", out);
+  const auto source = (std::filesystem::path(folder) / "model.safetensors").string();
+  const auto weights = read_safetensors(source);
+  std::error_code ec;
+  fail_if<RunDirError>(std::filesystem::is_directory(out, ec),
+                       "export: '{}' is a folder; name the file to write, e.g. {}/model.safetensors",
+                       out, out);
+  try {
+    write_file_atomic(out, read_file(source));
+  } catch (const std::exception& e) {
+    throw RunDirError(fmt::format("export: cannot write '{}': {}", out, first_line(e.what())));
+  }
+  const auto back = read_safetensors(out);
+  bool same = back.tensors.size() == weights.tensors.size();
+  for (size_t i = 0; same && i < back.tensors.size(); ++i)
+    same = back.tensors[i].first == weights.tensors[i].first &&
+           back.tensors[i].second.equal(weights.tensors[i].second);
+  fail_if<RunDirError>(!same, "export: '{}' does not read back as the checkpoint's weights", out);
+  std::cerr << fmt::format("wrote {} ({} tensors)\n", out, back.tensors.size());
   return 0;
 }
 
@@ -157,9 +178,11 @@ int run_cli(int argc, char** argv) {
 
   std::string folder, out;
   auto* inspect_cmd = app.add_subcommand("inspect", "what a checkpoint holds");
-  inspect_cmd->add_option("CHECKPOINT_DIR", folder, "checkpoint folder")->required();
+  inspect_cmd->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
+                                               "latest checkpoint)")->required();
   auto* export_cmd = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
-  export_cmd->add_option("CHECKPOINT_DIR", folder, "checkpoint folder")->required();
+  export_cmd->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
+                                              "latest checkpoint)")->required();
   export_cmd->add_option("OUT", out, "output .safetensors file")->required();
 
   try {
@@ -177,6 +200,7 @@ int run_cli(int argc, char** argv) {
   if (*run) return run_job(job, run_dir, resume, nproc, max_restarts, argc, argv);
   if (*validate_cmd) {
     auto checked = load(job, "", world_for_check(check_nproc));
+    load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed));  // as run would read it
     std::cout << fmt::format("{}: ok ({} process(es): {})\n", job.path, checked.dims.world(),
                              checked.dims.str());
     return 0;
@@ -205,9 +229,11 @@ int main(int argc, char** argv) {
     return run_cli(argc, argv);
   } catch (const dtrain::Error& e) {
     return fail(e.code, e.what());
+  } catch (const std::filesystem::filesystem_error& e) {  // a file that cannot be read or written
+    return fail(dtrain::kExitBadData, e.what());
   } catch (const c10::Error& e) {
-    return fail(dtrain::kExitFailure, e.what_without_backtrace());
+    return fail(dtrain::kExitFailure, std::string("internal error: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    return fail(dtrain::kExitFailure, e.what());
+    return fail(dtrain::kExitFailure, std::string("internal error: ") + e.what());
   }
 }

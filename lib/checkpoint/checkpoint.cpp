@@ -47,6 +47,9 @@ std::optional<std::string> read_pointer(const std::string& path) {
 CheckpointStore::CheckpointStore(std::string run_dir, const CheckpointConfig& cfg)
     : dir_((fs::path(run_dir) / "checkpoints").string()), cfg_(cfg) {
   fs::create_directories(dir_);
+}
+
+void CheckpointStore::discard_partial() {
   // A crash mid-save leaves a temporary folder that never became a checkpoint.
   for (const auto& e : fs::directory_iterator(dir_))
     if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
@@ -55,6 +58,19 @@ CheckpointStore::CheckpointStore(std::string run_dir, const CheckpointConfig& cf
 std::string CheckpointStore::save(const CheckpointState& state, int64_t step, int64_t epoch,
                                   const nlohmann::json& layout,
                                   const std::optional<Metric>& metric) {
+  try {
+    return write(state, step, epoch, layout, metric);
+  } catch (const std::exception& e) {
+    std::error_code ec;  // never leave a partial folder filling the disk
+    fs::remove_all(fs::path(dir_) / (".tmp-" + folder_name(step)), ec);
+    throw CheckpointError(fmt::format("cannot write the checkpoint of step {} in '{}': {}", step,
+                                      dir_, first_line(e.what())));
+  }
+}
+
+std::string CheckpointStore::write(const CheckpointState& state, int64_t step, int64_t epoch,
+                                   const nlohmann::json& layout,
+                                   const std::optional<Metric>& metric) {
   const std::string name = folder_name(step);
   const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
   fs::remove_all(tmp);
@@ -114,17 +130,21 @@ void CheckpointStore::prune() {
     if (!keep_best || names[i] != *keep_best) fs::remove_all(fs::path(dir_) / names[i]);
 }
 
-std::optional<std::string> CheckpointStore::newest_valid() const {
+CheckpointScan CheckpointStore::scan() const {
+  CheckpointScan out;
   auto names = list_checkpoints(dir_);
+  out.folders = names.size();
   for (auto it = names.rbegin(); it != names.rend(); ++it) {
     auto path = (fs::path(dir_) / *it).string();
     try {
       verify_checkpoint(path);
-      return path;
-    } catch (const CheckpointError&) {  // damaged: fall back to an older one
+      out.newest_valid = path;
+      break;
+    } catch (const CheckpointError& e) {  // damaged: fall back to an older one, and say so
+      out.skipped.push_back({path, e.what()});
     }
   }
-  return std::nullopt;
+  return out;
 }
 
 nlohmann::json verify_checkpoint(const std::string& folder) {
@@ -177,6 +197,29 @@ CheckpointState load_checkpoint(const std::string& folder) {
   }
   s.config_yaml = read_file((dir / kFiles[3]).string());
   return s;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  std::error_code ec;
+  const fs::path p(path);
+  auto follow = [&](const fs::path& pointer) {
+    auto name = read_pointer(pointer.string());
+    if (!name || !is_checkpoint_name(*name))
+      throw CheckpointError(fmt::format("'{}' does not name a checkpoint folder", pointer.string()));
+    return (pointer.parent_path() / *name).string();
+  };
+  if (!fs::exists(p, ec))
+    throw CheckpointError(fmt::format("checkpoint '{}' does not exist", path));
+  if (!fs::is_directory(p, ec)) {
+    const auto name = p.filename().string();
+    if (name == "latest" || name == "best") return follow(p);
+    throw CheckpointError(fmt::format("'{}' is a file; a checkpoint is a folder such as "
+                                      "RUN_DIR/checkpoints/step-00000100", path));
+  }
+  if (fs::exists(p / "manifest.json", ec)) return path;
+  if (fs::exists(p / "latest", ec)) return follow(p / "latest");
+  if (fs::exists(p / "checkpoints" / "latest", ec)) return follow(p / "checkpoints" / "latest");
+  return path;  // verify_checkpoint says what is missing
 }
 
 }  // namespace dtrain

@@ -4,6 +4,7 @@
 #pragma once
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -28,20 +29,39 @@ struct Metric {
   bool higher_is_better = true;  // which way "best" goes
 };
 
+// What a run directory holds: the newest checkpoint that verifies, and the newer (or all)
+// folders that did not, each with the reason.
+struct CheckpointScan {
+  struct Damaged {
+    std::string folder, why;
+  };
+  std::optional<std::string> newest_valid;
+  std::vector<Damaged> skipped;  // newer than newest_valid (or all, when none verifies)
+  size_t folders = 0;            // step-* folders found, valid or not
+};
+
 class CheckpointStore {
  public:
+  // Creates RUN_DIR/checkpoints; touches nothing in it.
   CheckpointStore(std::string run_dir, const CheckpointConfig& cfg);
 
   // Writes the checkpoint for `step`, points `latest` (and `best` when `metric` beats it)
-  // at it, and prunes beyond checkpoint.keep_last. Returns the folder.
+  // at it, and prunes beyond checkpoint.keep_last. Returns the folder. On any failure
+  // (a full disk) the temporary folder is removed, earlier checkpoints are untouched, and
+  // CheckpointError says what could not be written.
   std::string save(const CheckpointState& state, int64_t step, int64_t epoch,
                    const nlohmann::json& layout, const std::optional<Metric>& metric);
+  CheckpointScan scan() const;
   // The newest folder that verifies, if any.
-  std::optional<std::string> newest_valid() const;
+  std::optional<std::string> newest_valid() const { return scan().newest_valid; }
+  // Removes the temporary folders of saves a crash cut short (once the run owns the folder).
+  void discard_partial();
   std::string dir() const { return dir_; }
 
  private:
   std::optional<std::string> best() const;
+  std::string write(const CheckpointState& state, int64_t step, int64_t epoch,
+                    const nlohmann::json& layout, const std::optional<Metric>& metric);
   void prune();
 
   std::string dir_;
@@ -52,5 +72,9 @@ class CheckpointStore {
 nlohmann::json verify_checkpoint(const std::string& folder);
 // Verifies, then reads everything.
 CheckpointState load_checkpoint(const std::string& folder);
+// What a user may name where a checkpoint folder is expected: the folder itself, a run
+// directory or its checkpoints/ folder (their `latest`), or a `latest`/`best` pointer file.
+// Returns the checkpoint folder it names; throws CheckpointError when it names none.
+std::string resolve_checkpoint(const std::string& path);
 
 }  // namespace dtrain

@@ -47,7 +47,10 @@ std::pair<nlohmann::json, size_t> parse_header(const std::string& bytes, const s
   if (n > bytes.size() - 8)
     throw CheckpointError(fmt::format("{}: header length {} past the end of the file", path, n));
   try {
-    return {nlohmann::json::parse(bytes.substr(8, n)), 8 + n};
+    auto header = nlohmann::json::parse(bytes.substr(8, n));
+    if (!header.is_object())
+      throw CheckpointError(fmt::format("{}: safetensors header is not a JSON object", path));
+    return {std::move(header), 8 + n};
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}: unreadable safetensors header ({})", path, e.what()));
   }
@@ -125,18 +128,31 @@ SafetensorsFile tensors_from(const nlohmann::json& header, const std::string& by
     order.emplace_back(it->at("data_offsets").at(0).get<size_t>(), it.key());
   }
   std::sort(order.begin(), order.end());
+  // As the format's reference reader does: every tensor's bytes follow the previous one's,
+  // and together they fill the file exactly, so no byte is unaccounted for.
+  size_t expected_start = 0;
   for (const auto& [start, name] : order) {
     const auto& e = header.at(name);
     auto type = dtype_of(e.at("dtype").get<std::string>(), path);
     auto shape = e.at("shape").get<std::vector<int64_t>>();
-    size_t end = e.at("data_offsets").at(1).get<size_t>();
-    auto t = torch::empty(shape, type);
-    size_t bytes_needed = t.numel() * t.element_size();
-    if (end < start || end - start != bytes_needed || base + end > bytes.size())
+    const size_t end = e.at("data_offsets").at(1).get<size_t>();
+    uint64_t bytes_needed = c10::elementSize(type);
+    for (int64_t d : shape) {  // checked before anything is allocated
+      if (d < 0 || (d > 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d)))
+        throw CheckpointError(fmt::format("{}: tensor '{}' has an impossible shape", path, name));
+      bytes_needed *= uint64_t(d);
+    }
+    if (start != expected_start || end < start || end - start != bytes_needed ||
+        end > bytes.size() - base)
       throw CheckpointError(fmt::format("{}: tensor '{}' has inconsistent offsets", path, name));
+    expected_start = end;
+    auto t = torch::empty(shape, type);
     std::memcpy(t.data_ptr(), bytes.data() + base + start, bytes_needed);
     out.tensors.emplace_back(name, t);
   }
+  if (base + expected_start != bytes.size())
+    throw CheckpointError(fmt::format("{}: {} bytes after the last tensor", path,
+                                      bytes.size() - base - expected_start));
   return out;
 }
 

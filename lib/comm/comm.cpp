@@ -248,9 +248,18 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
 
   DistError failure(const char* op, const std::string& why) const {
     const std::string group = name_ == "world" ? "" : fmt::format(" ({} group)", name_);
-    return DistError(fmt::format("rank {}: {}{} failed (timeout {} s; a peer rank may have died "
-                                 "or stalled): {}", ctx_->world_rank, op, group,
-                                 ctx_->opts.timeout.count(), why));
+    // Say which it was: waiting out dist.timeout_s means a stalled peer; a closed or reset
+    // connection means a peer that died.
+    std::string lower = why;
+    std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+    const bool timed_out = lower.find("timed out") != std::string::npos ||
+                           lower.find("timeout") != std::string::npos;
+    const std::string cause =
+        timed_out ? fmt::format("no answer within dist.timeout_s = {} s; a peer rank stalled",
+                                ctx_->opts.timeout.count())
+                  : std::string("a peer rank closed its connection; it may have died");
+    return DistError(fmt::format("rank {}: {}{} failed ({}): {}", ctx_->world_rank, op, group,
+                                 cause, why));
   }
 
   c10::intrusive_ptr<PG> pg_;

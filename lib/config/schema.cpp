@@ -2,7 +2,9 @@
 #include "config/schema.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -249,12 +251,48 @@ JobConfig parse_job(const std::string& yaml_text, const std::string& origin,
   return from_node(root, origin, overrides);
 }
 
+// Far above any real job, far below what would strain the YAML parser.
+constexpr uintmax_t kMaxJobBytes = 1 << 20;
+
 JobConfig load_job(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  fail_if<ConfigError>(std::filesystem::is_directory(path, ec),
+                       "job file '{}' is a folder; give the job's YAML file", path);
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("cannot read job file '{}'", path));
+  const auto bytes = std::filesystem::file_size(path, ec);
+  fail_if<ConfigError>(!ec && bytes > kMaxJobBytes, "job file '{}' is {} bytes; a job spec is "
+                       "at most {} bytes", path, bytes, kMaxJobBytes);
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_job(ss.str(), path, overrides);
+  const std::string text = ss.str();
+  std::vector<YAML::Node> docs;
+  try {
+    docs = YAML::LoadAll(text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(fmt::format("{}: {}", where(e.mark, path), e.msg));
+  }
+  const auto empty = [](const YAML::Node& n) { return !n.IsDefined() || n.IsNull(); };
+  fail_if<ConfigError>(docs.empty() || empty(docs[0]),
+                       "job file '{}' is empty; a job names at least its model (model.arch) "
+                       "and its data (data.dataset)", path);
+  for (size_t i = 1; i < docs.size(); ++i)  // one would be silently ignored
+    fail_if<ConfigError>(!empty(docs[i]),
+                         "{}: holds {} YAML documents ('---'); a job file is one document", path,
+                         docs.size());
+  JobConfig cfg = from_node(docs[0], path, overrides);
+  // Defaults fill in the rest, but a job that names neither is almost surely the wrong file.
+  for (const char* key : {"model.arch", "data.dataset"}) {
+    const std::string k(key), section = k.substr(0, k.find('.')), leaf_key = k.substr(k.find('.') + 1);
+    const bool in_file = docs[0].IsMap() && docs[0][section].IsMap() &&
+                         docs[0][section][leaf_key].IsDefined();
+    const bool in_sets = std::any_of(overrides.begin(), overrides.end(), [&](const std::string& o) {
+      return o.rfind(k + "=", 0) == 0;
+    });
+    fail_if<ConfigError>(!in_file && !in_sets, "{}: {} is not set; a job names at least its model "
+                         "(model.arch) and its data (data.dataset)", path, key);
+  }
+  return cfg;
 }
 
 std::string to_yaml(const JobConfig& cfg) {
@@ -274,14 +312,29 @@ void resolve(JobConfig& cfg) {
 
 namespace {
 
+// `s` with control and non-ASCII bytes written as \xNN, for an error line.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char ch : s)
+    out += ch >= 0x20 && ch < 0x7f ? std::string(1, char(ch)) : fmt::format("\\x{:02x}", ch);
+  return out;
+}
+
 // Range checks in one table-like function: each line names its key and the valid range.
 void check_ranges(const JobConfig& c) {
   auto need = [](bool ok, const std::string& key, const std::string& rule, const auto& value) {
     if (!ok) throw ConfigError(fmt::format("{}: must be {} (got {})", key, rule, value));
   };
   auto finite = [](double x) { return std::isfinite(x); };
-  need(!c.name.empty() && c.name.find('/') == std::string::npos, "name",
-       "a non-empty name without '/'", fmt::format("'{}'", c.name));
+  // The name becomes a folder (runs/NAME) and a file-name part: nothing that walks out of
+  // it, hides it or breaks a shell.
+  const bool safe_name =
+      !c.name.empty() && c.name.size() <= 128 && c.name[0] != '.' &&
+      std::all_of(c.name.begin(), c.name.end(),
+                  [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) ||
+                                       ch == '.' || ch == '_' || ch == '-'; });
+  need(safe_name, "name", "1 to 128 letters, digits, '.', '_' or '-', not starting with '.'",
+       fmt::format("'{}'", printable(c.name)));
   need(c.seed >= 0, "seed", ">= 0", c.seed);
 
   const auto& d = c.data;

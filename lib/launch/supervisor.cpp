@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <thread>
@@ -105,6 +106,38 @@ std::string describe(int rank, int status) {
   return fmt::format("rank {} exited with status {}", rank, WEXITSTATUS(status));
 }
 
+// The state letter of /proc/PID/stat: R, S, D, T (stopped), t (traced), Z, ...
+char proc_state(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+}
+
+// Why the job failed, blaming the rank that caused it rather than the first to notice: a
+// rank that died of a signal we did not send; else one that is stopped, or still running
+// after a peer gave up on it (exit 4: a collective failed), i.e. stalled; else the first
+// rank to fail. `running` holds the state letters of the ranks still alive when the
+// first failure was seen.
+std::pair<size_t, std::string> blame(const std::vector<Worker>& ws, size_t first,
+                                     const std::vector<char>& running) {
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (ws[i].status && WIFSIGNALED(*ws[i].status) && !ws[i].stopped_by_us)
+      return {i, describe(int(i), *ws[i].status)};
+  const int first_status = *ws[first].status;
+  const bool peer_gave_up = WIFEXITED(first_status) && WEXITSTATUS(first_status) == kExitPeerFailed;
+  for (char wanted : {'T', 'R'})
+    for (size_t i = 0; peer_gave_up && i < ws.size(); ++i) {
+      const char st = running[i];
+      if (wanted == 'T' ? (st == 'T' || st == 't') : (st != 0 && st != 'T' && st != 't'))
+        return {i, fmt::format("rank {} {} and rank {} gave up waiting for it ({})", i,
+                               wanted == 'T' ? "was stopped (SIGSTOP or a debugger)"
+                                             : "stopped responding",
+                               first, describe(int(first), first_status))};
+    }
+  return {first, describe(int(first), first_status)};
+}
+
 std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
   std::vector<std::string> args{o.executable};
   for (size_t i = 0; i < o.run_args.size(); ++i) {
@@ -196,6 +229,7 @@ int supervise(const SupervisorOptions& o) {
   for (int64_t attempt = 0;; ++attempt) {
     auto ws = spawn(o, free_local_port(), /*resume_auto=*/attempt > 0);
     std::optional<size_t> first_failure;
+    std::vector<char> running(ws.size(), 0);  // state letters of the ranks alive at the failure
     int forwarded = 0;
     while (!all_done(ws)) {
       pump(ws, 100);
@@ -215,6 +249,7 @@ int supervise(const SupervisorOptions& o) {
         // collective), so a signal death can be told from its consequences.
         const auto until = Clock::now() + std::chrono::milliseconds(500);
         while (!all_done(ws) && Clock::now() < until) pump(ws, 50), reap(ws);
+        for (size_t i = 0; i < ws.size(); ++i) running[i] = ws[i].status ? 0 : proc_state(ws[i].pid);
         stop_all(ws, std::chrono::seconds(5));
         break;
       }
@@ -235,21 +270,21 @@ int supervise(const SupervisorOptions& o) {
       return forwarded == SIGINT ? 130 : 143;
     }
     if (!first_failure) return kExitOk;
-    // Blame a rank that died of a signal we did not send, else the first to fail.
-    size_t culprit = *first_failure;
-    for (size_t i = 0; i < ws.size(); ++i)
-      if (ws[i].status && WIFSIGNALED(*ws[i].status) && !ws[i].stopped_by_us) culprit = i;
+    const auto [culprit, what] = blame(ws, *first_failure, running);
     const int status = *ws[culprit].status;
-    const std::string what = describe(int(culprit), status);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
     // A bad job spec or unreadable data fails the same way on every attempt: no restart,
     // and the worker's own exit code (its message says why).
-    if (WIFEXITED(status) &&
-        (WEXITSTATUS(status) == kExitBadSpec || WEXITSTATUS(status) == kExitBadData)) {
+    if (code == kExitBadSpec || code == kExitBadData) {
       std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
-      return WEXITSTATUS(status);
+      return code;
     }
     if (attempt >= o.max_restarts) {
-      std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
+      std::cerr << "dtrain: error: " << what << "; the other ranks were stopped"
+                << (o.max_restarts > 0 ? fmt::format("; no restarts left (--max-restarts {} used)",
+                                                     o.max_restarts)
+                                       : std::string())
+                << "\n";
       return kExitPeerFailed;
     }
     std::cerr << fmt::format("dtrain: {}; restarting all {} workers from the latest checkpoint "

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -25,7 +27,8 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_st
     }
   }
   file_ = std::fopen(path.c_str(), "w");
-  if (!file_) throw std::runtime_error(fmt::format("cannot write '{}'", path));
+  if (!file_)
+    throw std::runtime_error(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));
   std::fputs(kept.c_str(), file_);
   std::fflush(file_);
 }

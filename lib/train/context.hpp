@@ -18,6 +18,7 @@
 #include "parallel/grad_sync.hpp"
 #include "parallel/mesh.hpp"
 #include "train/trainer.hpp"
+#include "util/files.hpp"
 
 namespace dtrain {
 
@@ -57,6 +58,8 @@ struct Context {
   std::unique_ptr<GradSync> sync;
   std::optional<ShardedSampler> sampler;
   int64_t total_steps = 0;
+  bool finished = false;  // resumed at or past total_steps: nothing to train
+  std::optional<DirLock> run_dir_lock;           // rank 0: held for the whole run
   std::unique_ptr<CheckpointStore> checkpoints;  // rank 0
   std::unique_ptr<MetricsLog> metrics;           // rank 0
   std::unique_ptr<Progress> progress;

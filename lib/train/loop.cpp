@@ -57,6 +57,12 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   Context c(cfg, dims, opts, world, std::move(comm));
   setup(c);
   auto& st = c.state;
+  if (c.finished) {
+    c.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
+                      "(train.max_steps, or train.epochs x {} steps); run directory unchanged",
+                      st.step, c.total_steps, c.steps_per_epoch()));
+    return {0, nlohmann::json()};
+  }
   Loader loader(*c.data.train, *c.sampler, st.step, c.total_steps, cfg.data.workers,
                 cfg.data.prefetch);
   const int64_t spe = c.steps_per_epoch();
@@ -64,58 +70,71 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   double data_wait_ms = 0;
   Window window;
   double rate = 0;
-  while (st.step < c.total_steps) {
-    const bool log_now = (st.step + 1) % cfg.train.log_every == 0 || st.step + 1 == c.total_steps;
-    const StepStats s = train_step(c, loader, log_now);
-    if (s.nonfinite) {
-      handle_nonfinite(c, s, step_ms, data_wait_ms);
-    } else {
-      st.skipped_in_a_row = 0;
-      st.last_loss = s.loss;
-    }
-    window.add(s);
-    step_ms.push_back(s.step_ms);
-    data_wait_ms += s.data_wait_ms;
-    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, st.step, c.total_steps);  // just used
-    if (log_now) {
-      auto line = train_line(c, s, window, lr);
-      rate = line["samples_per_s"].get<double>();
-      if (c.root()) c.metrics->write(line);
-      window = Window{};
-    }
-    if (c.root()) c.progress->step(st.step, st.last_loss, lr, rate, log_now);
+  try {
+    while (st.step < c.total_steps) {
+      const bool log_now = (st.step + 1) % cfg.train.log_every == 0 || st.step + 1 == c.total_steps;
+      const StepStats s = train_step(c, loader, log_now);
+      if (s.nonfinite) {
+        handle_nonfinite(c, s, step_ms, data_wait_ms);
+      } else {
+        st.skipped_in_a_row = 0;
+        st.last_loss = s.loss;
+      }
+      window.add(s);
+      step_ms.push_back(s.step_ms);
+      data_wait_ms += s.data_wait_ms;
+      const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, st.step, c.total_steps);  // just used
+      if (log_now) {
+        auto line = train_line(c, s, window, lr);
+        rate = line["samples_per_s"].get<double>();
+        if (c.root()) c.metrics->write(line);
+        window = Window{};
+      }
+      if (c.root()) c.progress->step(st.step, st.last_loss, lr, rate, log_now);
 
-    const bool epoch_end = st.step % spe == 0, last = st.step == c.total_steps;
-    const bool eval_now =
-        (cfg.train.eval_every > 0 ? st.step % cfg.train.eval_every == 0 : epoch_end) || last;
-    std::optional<EvalResult> eval;
-    if (eval_now) {
-      const auto t0 = std::chrono::steady_clock::now();
-      eval = evaluate(c);
-      st.last_eval = eval;
-      if (std::isfinite(eval->metric) &&
-          (!std::isfinite(st.best_metric) || c.task->better(eval->metric, st.best_metric)))
-        st.best_metric = eval->metric, st.best_step = st.step;
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      if (c.root()) c.metrics->write(eval_line(c, *eval, ms));
-      c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval->loss,
-                        c.task->metric(), eval->metric));
-    }
-    const bool save_now =
-        (cfg.checkpoint.every_steps > 0 ? st.step % cfg.checkpoint.every_steps == 0 : epoch_end) ||
-        last;
-    if (save_now) save_checkpoint(c, eval);
+      const bool epoch_end = st.step % spe == 0, last = st.step == c.total_steps;
+      const bool eval_now =
+          (cfg.train.eval_every > 0 ? st.step % cfg.train.eval_every == 0 : epoch_end) || last;
+      std::optional<EvalResult> eval;
+      if (eval_now) {
+        const auto t0 = std::chrono::steady_clock::now();
+        eval = evaluate(c);
+        st.last_eval = eval;
+        if (std::isfinite(eval->metric) &&
+            (!std::isfinite(st.best_metric) || c.task->better(eval->metric, st.best_metric)))
+          st.best_metric = eval->metric, st.best_step = st.step;
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (c.root()) c.metrics->write(eval_line(c, *eval, ms));
+        c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval->loss,
+                          c.task->metric(), eval->metric));
+      }
+      const bool save_now =
+          (cfg.checkpoint.every_steps > 0 ? st.step % cfg.checkpoint.every_steps == 0 : epoch_end) ||
+          last;
+      if (save_now) save_checkpoint(c, eval);
 
-    if (s.stop) {
-      if (st.last_saved != st.step) save_checkpoint(c, std::nullopt);
-      const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
-      auto summary = summary_line(c, "stopped", step_ms, data_wait_ms);
-      summary["signal"] = sig;
-      if (c.root()) c.metrics->write(summary);
-      c.say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, st.step));
-      return {exit_code_for_signal(sig), summary};
+      if (s.stop) {
+        if (st.last_saved != st.step) save_checkpoint(c, std::nullopt);
+        const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
+        auto summary = summary_line(c, "stopped", step_ms, data_wait_ms);
+        summary["signal"] = sig;
+        if (c.root()) c.metrics->write(summary);
+        c.say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, st.step));
+        return {exit_code_for_signal(sig), summary};
+      }
     }
+  } catch (const DivergedError&) {
+    throw;  // its summary is written
+  } catch (const Error& e) {
+    // A checkpoint that could not be written, a peer that failed: the record says so.
+    auto summary = summary_line(c, "failed", step_ms, data_wait_ms);
+    summary["reason"] = first_line(e.what());
+    if (c.root()) {
+      c.progress->finish();
+      c.metrics->write(summary);
+    }
+    throw;
   }
   auto summary = summary_line(c, "completed", step_ms, data_wait_ms);
   if (c.root()) {

@@ -15,6 +15,7 @@
 #include "util/affinity.hpp"
 #include "util/blas.hpp"
 #include "util/files.hpp"
+#include "util/error.hpp"
 #include "util/memory.hpp"
 
 namespace dtrain {
@@ -61,19 +62,24 @@ void setup(Context& c) {
                                           : cfg.train.epochs * c.steps_per_epoch();
   c.progress = std::make_unique<Progress>(c.root() ? cfg.logging.progress : "off", c.total_steps);
 
-  if (c.root()) {
-    fs::create_directories(cfg.run_dir);
-    c.checkpoints = std::make_unique<CheckpointStore>(cfg.run_dir, cfg.checkpoint);
-  }
-  auto resume_from = choose_checkpoint(c);
+  auto resume_from = open_run_dir(c);
   if (resume_from) restore(c, *resume_from);
+  if (c.state.step >= c.total_steps) {  // a finished run: its files stay as they are
+    c.finished = true;
+    return;
+  }
   broadcast_state(c);
   c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum);
   if (c.root()) {
-    write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
-    c.metrics = std::make_unique<MetricsLog>(
-        (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
-        resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt);
+    try {
+      write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
+      c.metrics = std::make_unique<MetricsLog>(
+          (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
+          resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt);
+    } catch (const std::exception& e) {
+      throw RunDirError(fmt::format("cannot write in run directory '{}': {}", cfg.run_dir,
+                                    first_line(e.what())));
+    }
   }
   int64_t local = 0, full = 0;
   for (const auto& e : c.params->entries()) {

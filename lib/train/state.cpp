@@ -1,12 +1,14 @@
 #include "train/state.hpp"
 
 #include <filesystem>
+#include <iostream>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "config/schema.hpp"
 #include "util/error.hpp"
+#include "util/files.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -38,26 +40,66 @@ nlohmann::json layout_json(const ParallelDims& d) {
 
 }  // namespace
 
-std::optional<std::string> choose_checkpoint(Context& c) {
+namespace {
+
+// Rank 0's part of open_run_dir: claim the folder, then choose the checkpoint. Returns the
+// step to resume (-1: start fresh); throws dtrain::Error when the job must not go on.
+int64_t claim_and_choose(Context& c) {
+  const auto& dir = c.cfg.run_dir;
   const auto& resume = c.opts.resume;
-  if (!resume.empty() && resume != "auto") return resume;
-  auto decision = torch::full({1}, -1, torch::kInt64);  // the step to resume, -1 = fresh
-  std::string refusal;
+  try {
+    fs::create_directories(dir);
+    std::string holder;
+    c.run_dir_lock = DirLock::try_lock(dir, holder);
+    fail_if<ConfigError>(!c.run_dir_lock, "run directory '{}' is in use by {} (lock {}/.lock): "
+                         "wait for that job, or choose another --run-dir", dir, holder, dir);
+    c.checkpoints = std::make_unique<CheckpointStore>(dir, c.cfg.checkpoint);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // read-only, a file in the way, a full disk
+    throw RunDirError(fmt::format("cannot use run directory '{}': {}", dir, first_line(e.what())));
+  }
+  int64_t step = -1;
+  if (resume == "auto" || resume.empty()) {
+    const auto scan = c.checkpoints->scan();
+    // Starting over would prune and overwrite an earlier run's checkpoints, readable or not.
+    fail_if<ConfigError>(resume.empty() && scan.folders > 0,
+                         "run directory '{}' already holds checkpoints: resume with --resume "
+                         "auto, or choose another --run-dir", dir);
+    if (!scan.newest_valid && scan.folders > 0)
+      throw CheckpointError(fmt::format(
+          "none of the {} checkpoint(s) in '{}' verifies (newest: {}); nothing was changed",
+          scan.folders, c.checkpoints->dir(), scan.skipped.front().why));
+    for (const auto& d : scan.skipped)
+      std::cerr << fmt::format("dtrain: warning: resume: skipping {}\n",
+                               first_line(d.why));
+    if (scan.newest_valid) step = verify_checkpoint(*scan.newest_valid)["step"].get<int64_t>();
+  }
+  c.checkpoints->discard_partial();  // the folder is this run's now
+  return step;
+}
+
+}  // namespace
+
+std::optional<std::string> open_run_dir(Context& c) {
+  // [step, exit code]: rank 0 decides, everyone acts on the same answer, so a refusal
+  // ends every rank at once with rank 0's exit code instead of a timeout.
+  auto decision = torch::tensor({int64_t(-1), int64_t(0)}, torch::kInt64);
+  std::string why;
   if (c.root()) {
-    auto newest = c.checkpoints->newest_valid();
-    if (newest && resume == "auto")
-      decision.fill_(verify_checkpoint(*newest)["step"].get<int64_t>());
-    else if (newest)  // starting over would mix a new run's checkpoints with the old ones
-      refusal = fmt::format("run directory '{}' already holds checkpoints: resume with "
-                            "--resume auto, or choose another --run-dir", c.cfg.run_dir);
-    if (!refusal.empty()) decision.fill_(-2);
+    try {
+      decision[0] = claim_and_choose(c);
+    } catch (const Error& e) {
+      decision[1] = int64_t(e.code);
+      why = e.what();
+    }
   }
   c.mesh.world()->broadcast(decision, 0);
-  const int64_t step = decision.item<int64_t>();
-  if (step == -2)
-    throw ConfigError(c.root() ? refusal
-                               : fmt::format("run directory '{}' already holds checkpoints (see "
-                                             "rank 0)", c.cfg.run_dir));
+  const int64_t step = decision[0].item<int64_t>();
+  if (const auto code = decision[1].item<int64_t>())
+    throw Error(ExitCode(code), c.root() ? why : fmt::format("rank 0 could not use run directory "
+                                                             "'{}' (see rank 0)", c.cfg.run_dir));
+  if (!c.opts.resume.empty() && c.opts.resume != "auto") return resolve_checkpoint(c.opts.resume);
   if (step < 0) return std::nullopt;
   return (fs::path(c.cfg.run_dir) / "checkpoints" / fmt::format("step-{:08d}", step)).string();
 }
@@ -73,8 +115,12 @@ void restore(Context& c, const std::string& folder) {
     fail_if<ConfigError>(t.at("train_samples").get<int64_t>() != c.data.train->size(),
                          "data: the checkpoint {} was trained on {} samples, this job has {}",
                          folder, t["train_samples"].get<int64_t>(), c.data.train->size());
+    const int64_t step = t.at("step").get<int64_t>(), best = t.at("best_step").get<int64_t>();
+    fail_if<CheckpointError>(step < 0 || best < 0 || best > step,
+                             "{}/trainer.json: step {} and best_step {} are out of range", folder,
+                             step, best);
     auto& st = c.state;
-    st.step = t.at("step").get<int64_t>();
+    st.step = step;
     st.best_metric = number_or_nan(t.at("best_metric"));
     st.best_step = t.at("best_step").get<int64_t>();
     st.last_loss = number_or_nan(t.at("last_loss"));
@@ -92,6 +138,9 @@ void restore(Context& c, const std::string& folder) {
     gen.set_state(from_hex(t.at("rng_torch_cpu").get<std::string>()));
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}/trainer.json: {}", folder, e.what()));
+  } catch (const c10::Error& e) {  // e.g. a random state of the wrong size
+    throw CheckpointError(fmt::format("{}: cannot restore: {}", folder,
+                                      first_line(e.what_without_backtrace())));
   }
 }
 
@@ -107,6 +156,7 @@ void broadcast_state(Context& c) {
 void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   // The first data-parallel replica gathers the split tensors; rank 0 (one of its members)
   // writes them.
+  std::string failure;
   if (c.mesh.coord().data == 0) {
     auto& tensor = *c.mesh.tensor();
     CheckpointState state;
@@ -128,12 +178,23 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
       state.config_yaml = to_yaml(c.cfg);
       std::optional<Metric> metric;
       if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};
-      auto folder = c.checkpoints->save(state, st.step, st.step / spe,
-                                        layout_json(c.mesh.dims()), metric);
-      c.say(fmt::format("checkpoint {}", folder));
+      try {
+        auto folder = c.checkpoints->save(state, st.step, st.step / spe,
+                                          layout_json(c.mesh.dims()), metric);
+        c.say(fmt::format("checkpoint {}", folder));
+      } catch (const CheckpointError& e) {
+        failure = e.what();
+      }
     }
   }
-  c.mesh.world()->barrier();  // no rank moves on (or exits) before the checkpoint is complete
+  // No rank moves on (or exits) before the checkpoint is complete, and if it could not be
+  // written every rank stops with rank 0's reason.
+  auto failed = torch::tensor({int64_t(!failure.empty())}, torch::kInt64);
+  c.mesh.world()->broadcast(failed, 0);
+  if (failed.item<int64_t>())
+    throw CheckpointError(c.root() ? failure
+                                   : fmt::format("rank 0 could not write the checkpoint of step "
+                                                 "{} (see rank 0)", c.state.step));
   c.state.last_saved = c.state.step;
 }
 

@@ -9,8 +9,9 @@
 
 namespace dtrain {
 
-// Rank 0 decides which checkpoint (if any) the job resumes from; the others follow.
-std::optional<std::string> choose_checkpoint(Context& c);
+// Collective. Rank 0 creates and locks the run directory and decides which checkpoint (if
+// any) the job resumes from; the others follow, or fail together with rank 0's exit code.
+std::optional<std::string> open_run_dir(Context& c);
 // Every rank reads the checkpoint and takes its part.
 void restore(Context& c, const std::string& folder);
 // Collective over the world: rank 0 writes, nobody moves on before it is complete.

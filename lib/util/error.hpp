@@ -33,6 +33,10 @@ struct DataError : Error {
 struct CheckpointError : Error {
   explicit CheckpointError(const std::string& what) : Error(kExitBadData, what) {}
 };
+// A run directory or export target that cannot be created or written (exit 3).
+struct RunDirError : Error {
+  explicit RunDirError(const std::string& what) : Error(kExitBadData, what) {}
+};
 // Training diverged: a non-finite loss or gradient (exit 3, status "diverged").
 struct DivergedError : Error {
   explicit DivergedError(const std::string& what) : Error(kExitBadData, what) {}

@@ -1,6 +1,7 @@
 #include "util/files.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -43,8 +44,17 @@ void write_file_synced(const std::string& path, const std::string& data) {
 
 void write_file_atomic(const std::string& path, const std::string& data) {
   const std::string tmp = path + ".tmp";
-  write_file_synced(tmp, data);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw sys_error("rename", tmp);
+  try {
+    write_file_synced(tmp, data);
+  } catch (const std::exception&) {
+    ::unlink(tmp.c_str());  // a partial file would only fill the disk
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    auto e = sys_error("rename", tmp);
+    ::unlink(tmp.c_str());
+    throw e;
+  }
   auto slash = path.rfind('/');
   fsync_dir(slash == std::string::npos ? "." : path.substr(0, slash));
 }
@@ -74,6 +84,36 @@ uint32_t crc32_of_file(const std::string& path) {
     crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(in.gcount()));
   }
   return static_cast<uint32_t>(crc);
+}
+
+std::optional<DirLock> DirLock::try_lock(const std::string& dir, std::string& holder) {
+  const std::string path = dir + "/.lock";
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw sys_error("create", path);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char buf[256] = {};
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    ::close(fd);
+    if (err != EWOULDBLOCK) {
+      errno = err;
+      throw sys_error("lock", path);
+    }
+    holder = n > 0 ? std::string(buf, size_t(n)) : "another process";
+    holder.erase(holder.find_last_not_of(" \n") + 1);
+    return std::nullopt;
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string who = fmt::format("pid {} on host {}\n", ::getpid(), host);
+  // Best effort: the lock itself is what counts; the text only names the holder.
+  [[maybe_unused]] const bool named =
+      ::ftruncate(fd, 0) == 0 && ::pwrite(fd, who.data(), who.size(), 0) == ssize_t(who.size());
+  return DirLock(fd);
+}
+
+DirLock::~DirLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the flock
 }
 
 }  // namespace dtrain

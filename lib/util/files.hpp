@@ -1,7 +1,9 @@
 // Durable file writes: what a checkpoint relies on to survive a crash or a power cut.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 
 namespace dtrain {
 
@@ -15,5 +17,24 @@ void fsync_dir(const std::string& dir);
 std::string read_file(const std::string& path);
 // zlib CRC-32 of a file's bytes.
 uint32_t crc32_of_file(const std::string& path);
+
+// An advisory lock on a folder (flock on DIR/.lock) that the kernel releases when the
+// process dies, however it dies: one job per run directory. The file holds the holder's
+// pid and host so that a refused job can say who has it.
+class DirLock {
+ public:
+  // Takes the lock, or returns std::nullopt and sets `holder` to what the file says.
+  static std::optional<DirLock> try_lock(const std::string& dir, std::string& holder);
+  DirLock(DirLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  DirLock& operator=(DirLock&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  ~DirLock();
+
+ private:
+  explicit DirLock(int fd) : fd_(fd) {}
+  int fd_;
+};
 
 }  // namespace dtrain

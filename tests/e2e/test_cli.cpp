@@ -15,6 +15,9 @@ void check_one_line_error(const Result& r, int code, const std::string& needle) 
   CHECK(r.err.find(needle) != std::string::npos);
 }
 
+// The least a job names: its model and its data.
+const char* kMinimal = "model: {arch: mlp}\ndata: {dataset: synthetic}\n";
+
 std::string write_job(const std::string& dir, const std::string& text) {
   auto path = dir + "/job.yaml";
   std::ofstream(path) << text;
@@ -53,14 +56,28 @@ TEST_SUITE("cli") {
         {"lr: 0.1\n", "", "did you mean 'optimizer.lr'"},
         {"data:\n  batch_size: abc\n", "", "job.yaml:2:15: data.batch_size: expected an integer"},
         {"model:\n  arch: transformer\n", "", "'transformer' is not one of mlp | cnn"},
-        {"optimizer:\n  lr: -1\n", "", "optimizer.lr: must be > 0"},
-        {"data:\n  batch_size: 64\ntrain:\n  grad_accum: 5\n", "", "data.batch_size: 64 does not divide"},
+        {std::string(kMinimal) + "optimizer:\n  lr: -1\n", "", "optimizer.lr: must be > 0"},
+        {"model: {arch: mlp}\ndata:\n  dataset: synthetic\n  batch_size: 64\ntrain:\n  grad_accum: 5\n",
+         "", "data.batch_size: 64 does not divide"},
         {"data: [1, 2\n", "", "job.yaml:"},
-        {"", "--set optimizer.momentun=0.5", "did you mean 'optimizer.momentum'"},
-        {"", "--set train.epochs=two", "train.epochs: expected an integer"},
-        {"", "--set optimizer.lr", "expected KEY=VALUE"},
-        {"", "--set parallel.tensor=2", "parallel.tensor"},
-        {"", "--set checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1"},
+        {kMinimal, "--set optimizer.momentun=0.5", "did you mean 'optimizer.momentum'"},
+        {kMinimal, "--set train.epochs=two", "train.epochs: expected an integer"},
+        {kMinimal, "--set optimizer.lr", "expected KEY=VALUE"},
+        {kMinimal, "--set parallel.tensor=2", "parallel.tensor"},
+        {kMinimal, "--set checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1"},
+        // The job file itself.
+        {"", "", "job file '" + dir + "/job.yaml' is empty"},
+        {"# only a comment\n", "", "is empty"},
+        {std::string(kMinimal) + "---\nmodel: {arch: cnn}\n", "", "holds 2 YAML documents"},
+        {"optimizer: {lr: 0.1}\n", "", "model.arch is not set"},
+        {"model: {arch: mlp}\n", "", "data.dataset is not set"},
+        // Names become folders: nothing that walks out of runs/, hides, or hides a byte.
+        {kMinimal, "--set name=..", "name: must be 1 to 128 letters, digits"},
+        {kMinimal, "--set name=.hidden", "(got '.hidden')"},
+        {kMinimal, "--set name=a/b", "(got 'a/b')"},
+        {kMinimal, "--set name=a\\ b", "name: must be"},
+        {std::string(kMinimal) + "name: \"a\\0b\"\n", "", "(got 'a\\x00b')"},
+        {kMinimal, "--set name=" + std::string(129, 'n'), "name: must be 1 to 128"},
     };
     for (const auto& c : cases) {
       auto job = write_job(dir, c.yaml);
@@ -78,7 +95,19 @@ TEST_SUITE("cli") {
     check_one_line_error(dtrain(""), 2, "");
     check_one_line_error(dtrain("train x.yaml"), 2, "");
     check_one_line_error(dtrain("validate /nonexistent/job.yaml"), 2, "/nonexistent/job.yaml");
+    for (const char* cmd : {"validate", "config", "run"}) {
+      check_one_line_error(dtrain(std::string(cmd) + " /dev/null"), 2, "'/dev/null' is empty");
+      check_one_line_error(dtrain(std::string(cmd) + " " + DTRAIN_CONFIGS), 2, "is a folder");
+    }
     check_one_line_error(dtrain("run " + config("fashion_mnist_mlp.yaml") + " --bogus"), 2, "--bogus");
     CHECK(dtrain("--help").code == 0);
+  }
+
+  TEST_CASE("validate reads the data as run would: unreadable data exits 3") {
+    auto dir = temp_dir("validate-data");
+    auto r = dtrain("validate " + config("fashion_mnist_mlp.yaml") + " --set data.path=" + dir);
+    check_one_line_error(r, 3, "train-images-idx3-ubyte.gz");
+    r = dtrain("validate " + config("gpt_text.yaml") + " --set data.path=" + dir + "/none.txt");
+    check_one_line_error(r, 3, dir + "/none.txt");
   }
 }

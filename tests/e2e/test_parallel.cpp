@@ -128,6 +128,9 @@ TEST_SUITE("failures") {
       CHECK(code == 4);
       CHECK(took < 40);
       CHECK(err.find("dtrain: error: rank 1 was killed by signal 9") != std::string::npos);
+      // Rank 0 saw a closed connection, not a timeout, and says so.
+      CHECK(err.find("a peer rank closed its connection") != std::string::npos);
+      CHECK(err.find("no answer within") == std::string::npos);
     }
     {
       // The same with one restart allowed: the job comes back from its checkpoint and ends
@@ -147,6 +150,27 @@ TEST_SUITE("failures") {
       CHECK(lines.back()["kind"] == "summary");
       CHECK(lines.back()["steps"] == 400);
     }
+    {
+      // Killed again after its one restart: the job ends, and says the restarts ran out.
+      auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/c --max-restarts 1" + common);
+      REQUIRE(wait_for_step(dir + "/c", 60, std::chrono::seconds(60)));
+      const pid_t first = worker_pid(bg.pid, 1);
+      REQUIRE(first > 0);
+      ::kill(first, SIGKILL);
+      // The restarted workers announce the step they resumed at once they are training.
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (slurp(bg.err).find("resumed at step") == std::string::npos &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      pid_t victim = worker_pid(bg.pid, 1);
+      REQUIRE(victim > 0);
+      ::kill(victim, SIGKILL);
+      int code = wait_for(bg.pid, std::chrono::seconds(60));
+      auto err = slurp(bg.err);
+      INFO(err);
+      CHECK(code == 4);
+      CHECK(err.find("no restarts left (--max-restarts 1 used)") != std::string::npos);
+    }
   }
 
   TEST_CASE("a stalled worker (SIGSTOP) makes the others fail with the timeout, not hang") {
@@ -164,7 +188,10 @@ TEST_SUITE("failures") {
     INFO(err);
     CHECK(code == 4);
     CHECK(err.find("[rank 0] dtrain: error: rank 0:") != std::string::npos);
-    CHECK(err.find("timeout 5 s") != std::string::npos);
+    CHECK(err.find("no answer within dist.timeout_s = 5 s") != std::string::npos);
+    // The supervisor blames the rank that stalled, not the one that noticed.
+    CHECK(err.find("dtrain: error: rank 1 was stopped (SIGSTOP or a debugger) and rank 0 gave up "
+                   "waiting for it") != std::string::npos);
   }
 
   TEST_CASE("SIGTERM to --nproc: every rank stops at the same step, rank 0 checkpoints, exit 143") {

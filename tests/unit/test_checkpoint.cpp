@@ -17,6 +17,7 @@
 #include "checkpoint/safetensors.hpp"
 #include "temp_dir.hpp"
 #include "util/error.hpp"
+#include "util/files.hpp"
 
 using namespace dtrain;
 using dtrain::test::TempDir;
@@ -191,6 +192,25 @@ TEST_CASE("safetensors: malformed files throw CheckpointError") {
   bad("garbage-header", garbage);
   CHECK_THROWS_AS(read_safetensors(dir / "missing"), CheckpointError);
   CHECK_THROWS_AS(read_safetensors_header(dir / "missing"), CheckpointError);
+
+  // Headers that parse but describe impossible data: each is refused before anything is
+  // allocated, as CheckpointError (never a LibTorch error or an allocation failure).
+  auto with_header = [&](const std::string& name, const std::string& json, size_t data_bytes) {
+    std::string h = json, out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((uint64_t(h.size()) >> (8 * i)) & 0xff);
+    bad(name, out + h + std::string(data_bytes, '\0'));
+  };
+  with_header("array-header", "[1, 2]", 0);
+  with_header("negative-shape", R"({"x":{"dtype":"F32","shape":[-1,4],"data_offsets":[0,16]}})", 16);
+  with_header("overflowing-shape",
+              R"({"x":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}})", 16);
+  with_header("bad-dtype", R"({"x":{"dtype":"Q7","shape":[4],"data_offsets":[0,16]}})", 16);
+  with_header("gap", R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[4,20]}})", 20);
+  with_header("overlap", R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                         R"("y":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})", 24);
+  with_header("trailing-bytes", R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 20);
+  with_header("offsets-not-numbers", R"({"x":{"dtype":"F32","shape":[4],"data_offsets":"a"}})", 16);
+  with_header("metadata-not-strings", R"({"__metadata__":{"a":1}})", 0);
 }
 
 TEST_CASE("checkpoint store: keep-last-N plus best, latest, verify, fallback") {
@@ -290,6 +310,78 @@ TEST_CASE("checkpoint store: an empty store has no valid checkpoint; leftovers a
   fs::create_directories(leftover);
   test::write_bytes((leftover / "model.safetensors").string(), "partial");
   CheckpointStore store(run.path().string(), cfg);
+  CHECK(fs::exists(leftover));  // not until the run owns the folder
+  store.discard_partial();
   CHECK_FALSE(fs::exists(leftover));
   CHECK_FALSE(store.newest_valid().has_value());
+}
+
+TEST_CASE("checkpoint store: a save that fails removes its partial folder and keeps the rest") {
+  TempDir run;
+  CheckpointConfig cfg;
+  CheckpointStore store(run.path().string(), cfg);
+  store.save(state_for(1), 1, 0, nlohmann::json::object(), std::nullopt);
+  CheckpointState unwritable = state_for(2);
+  unwritable.model.emplace_back("complex", torch::zeros({2}, torch::kComplexFloat));  // no dtype
+  CHECK_THROWS_WITH_AS(store.save(unwritable, 2, 0, nlohmann::json::object(), std::nullopt),
+                       doctest::Contains("cannot write the checkpoint of step 2"), CheckpointError);
+  CHECK(checkpoint_folders(store.dir()) == std::vector<std::string>{"step-00000001"});
+  CHECK_FALSE(fs::exists(fs::path(store.dir()) / ".tmp-step-00000002"));
+  CHECK(store.newest_valid().value_or("<none>") == (fs::path(store.dir()) / "step-00000001").string());
+}
+
+TEST_CASE("checkpoint store: scan names every damaged folder newer than the one it picks") {
+  TempDir run;
+  CheckpointConfig cfg;
+  cfg.keep_last = 5;
+  CheckpointStore store(run.path().string(), cfg);
+  for (int64_t step : {1, 2, 3}) store.save(state_for(step), step, 0, nlohmann::json::object(), std::nullopt);
+  const fs::path dir = store.dir();
+  fs::remove(dir / "step-00000003" / "config.yaml");
+  fs::remove(dir / "step-00000002" / "manifest.json");
+  auto scan = store.scan();
+  CHECK(scan.folders == 3);
+  CHECK(scan.newest_valid.value_or("<none>") == (dir / "step-00000001").string());
+  REQUIRE(scan.skipped.size() == 2);
+  CHECK(scan.skipped[0].folder == (dir / "step-00000003").string());
+  CHECK(scan.skipped[0].why.find("missing config.yaml") != std::string::npos);
+  CHECK(scan.skipped[1].why.find("no manifest.json") != std::string::npos);
+  fs::remove(dir / "step-00000001" / "trainer.json");
+  scan = store.scan();
+  CHECK_FALSE(scan.newest_valid.has_value());
+  CHECK(scan.skipped.size() == 3);
+}
+
+TEST_CASE("resolve_checkpoint follows a run directory, checkpoints/ and its pointers") {
+  TempDir run;
+  CheckpointConfig cfg;
+  cfg.keep_best = true;
+  CheckpointStore store(run.path().string(), cfg);
+  store.save(state_for(4), 4, 0, nlohmann::json::object(), Metric{"accuracy", 0.9});
+  store.save(state_for(8), 8, 0, nlohmann::json::object(), Metric{"accuracy", 0.1});
+  const std::string dir = store.dir();
+  CHECK(resolve_checkpoint(run.path().string()) == dir + "/step-00000008");
+  CHECK(resolve_checkpoint(dir) == dir + "/step-00000008");
+  CHECK(resolve_checkpoint(dir + "/latest") == dir + "/step-00000008");
+  CHECK(resolve_checkpoint(dir + "/best") == dir + "/step-00000004");
+  CHECK(resolve_checkpoint(dir + "/step-00000004") == dir + "/step-00000004");
+  CHECK_THROWS_WITH_AS(resolve_checkpoint(dir + "/step-00000008/trainer.json"),
+                       doctest::Contains("is a file; a checkpoint is a folder"), CheckpointError);
+  CHECK_THROWS_WITH_AS(resolve_checkpoint(run / "nothing"), doctest::Contains("does not exist"),
+                       CheckpointError);
+  test::write_bytes(dir + "/latest", "../../etc\n");  // a pointer names a sibling folder only
+  CHECK_THROWS_WITH_AS(resolve_checkpoint(dir + "/latest"),
+                       doctest::Contains("does not name a checkpoint folder"), CheckpointError);
+}
+
+TEST_CASE("DirLock: one holder at a time, named; free again once released") {
+  TempDir dir;
+  std::string holder;
+  auto first = DirLock::try_lock(dir.path().string(), holder);
+  REQUIRE(first.has_value());
+  auto second = DirLock::try_lock(dir.path().string(), holder);  // another open file: refused
+  CHECK_FALSE(second.has_value());
+  CHECK(holder.rfind("pid " + std::to_string(::getpid()) + " on host ", 0) == 0);
+  first.reset();
+  CHECK(DirLock::try_lock(dir.path().string(), holder).has_value());
 }

@@ -1,0 +1,272 @@
+// Nothing lost, nothing silent: the run-directory lock, damaged and finished checkpoints, a
+// full disk, and every user-facing failure mapped to an exit code of the contract. Each
+// case is how a user meets it: through the binary.
+#include <doctest/doctest.h>
+
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <zlib.h>
+
+#include "run.hpp"
+
+using namespace e2e;
+namespace fs = std::filesystem;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+// A small synthetic MLP job that checkpoints every 10 steps.
+std::string small_job(const std::string& dir, const std::string& extra = "") {
+  auto path = dir + "/job.yaml";
+  std::ofstream(path) << "name: robust\nseed: 3\n"
+                         "data: {dataset: synthetic, samples: 512, test_samples: 64, "
+                         "input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                         "model: {arch: mlp, hidden: [32]}\n"
+                         "train: {max_steps: 30, log_every: 5, eval_every: 10, threads: 1}\n"
+                         "checkpoint: {every_steps: 10, keep_last: 5}\n"
+                      << extra;
+  return path;
+}
+
+void check_one_line_error(const Result& r, int code, const std::string& needle) {
+  INFO("exit " << r.code << ", stderr: " << r.err);
+  CHECK(r.code == code);
+  CHECK(r.err.rfind("dtrain: error: ", 0) == 0);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(r.err.find(needle) != std::string::npos);
+}
+
+// Every file under `dir` with its bytes: to show a failed command changed nothing.
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file() && e.path().filename() != ".lock")
+      out[fs::relative(e.path(), dir).string()] = slurp(e.path().string());
+  return out;
+}
+
+// Rewrites one file of a checkpoint and its manifest entry, so that the checkpoint still
+// verifies: damage only a deeper check can find.
+void forge(const std::string& folder, const std::string& name, const std::string& bytes) {
+  { std::ofstream(folder + "/" + name, std::ios::binary) << bytes; }
+  auto manifest = nlohmann::json::parse(slurp(folder + "/manifest.json"));
+  for (auto& f : manifest["files"])
+    if (f["name"] == name) {
+      f["bytes"] = bytes.size();
+      f["crc32"] = uint32_t(crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), uInt(bytes.size())));
+    }
+  std::ofstream(folder + "/manifest.json") << manifest.dump(1);
+}
+
+// A tmpfs of `mb` MiB at `dir` (read-only when asked), or false where mounting is not
+// allowed (not root).
+bool mount_tmpfs(const std::string& dir, int mb, bool read_only = false) {
+  fs::create_directories(dir);
+  const std::string opts = "size=" + std::to_string(mb) + "m";
+  return ::mount("tmpfs", dir.c_str(), "tmpfs", read_only ? MS_RDONLY : 0, opts.c_str()) == 0;
+}
+}  // namespace
+
+TEST_SUITE("robust") {
+  TEST_CASE("one job per run directory: a second exits 2 naming the holder; the lock dies with it") {
+    auto dir = temp_dir("lock");
+    auto job = small_job(dir);
+    auto run = dir + "/run";
+    auto bg = start_dtrain("run " + job + " --run-dir " + run +
+                           " --set train.max_steps=1000000 --set train.log_every=5" + kQuiet);
+    REQUIRE(wait_for_step(run, 5, std::chrono::seconds(60)));
+    const auto before = slurp(run + "/metrics.jsonl").size();
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    const std::string holder = "pid " + std::to_string(bg.pid) + " on host " + host;
+    for (const char* how : {"", " --resume auto", " --nproc 2 --resume auto"}) {
+      INFO(how);
+      auto r = dtrain("run " + job + " --run-dir " + run + how + kQuiet);
+      INFO(r.err);
+      CHECK(r.code == 2);
+      CHECK(r.err.find("run directory '" + run + "' is in use by " + holder) != std::string::npos);
+    }
+    CHECK(slurp(run + "/metrics.jsonl").size() >= before);  // the first job's log is its own
+    // A holder that dies, however it dies, leaves the directory free.
+    ::kill(bg.pid, SIGKILL);
+    CHECK(wait_for(bg.pid, std::chrono::seconds(30)) == 128 + SIGKILL);
+    const auto latest = slurp(run + "/checkpoints/latest");
+    REQUIRE(latest.size() == 14);
+    const int64_t step = std::stoll(latest.substr(5));
+    auto r = dtrain("run " + job + " --run-dir " + run + " --resume auto --set train.max_steps=" +
+                    std::to_string(step + 10) + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    const auto lines = metrics(run);  // every line whole JSON: one writer at a time
+    CHECK(lines.back()["status"] == "completed");
+    CHECK(lines.back()["steps"] == step + 10);
+  }
+
+  TEST_CASE("--resume auto names each damaged checkpoint it skips; none verifying changes nothing") {
+    auto dir = temp_dir("damaged");
+    auto job = small_job(dir);
+    auto run = dir + "/run";
+    REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
+    const std::string ck = run + "/checkpoints/step-000000";
+    { std::ofstream(ck + "30/model.safetensors", std::ios::app) << "x"; }
+    fs::remove(ck + "20/manifest.json");
+    auto r = dtrain("run " + job + " --run-dir " + run + " --resume auto --set train.max_steps=40" +
+                    kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK(r.err.find("warning: resume: skipping checkpoint '" + ck + "30': model.safetensors is "
+                     "corrupt") != std::string::npos);
+    CHECK(r.err.find("warning: resume: skipping checkpoint '" + ck + "20' has no manifest.json") !=
+          std::string::npos);
+    CHECK(r.err.find("resumed at step 10") != std::string::npos);
+
+    // Now damage every checkpoint: exit 3, and the earlier run's record stays as it was.
+    for (const auto& e : fs::directory_iterator(run + "/checkpoints"))
+      if (e.is_directory()) std::ofstream(e.path() / "trainer.json", std::ios::app) << " ";
+    const auto before = snapshot(run);
+    r = dtrain("run " + job + " --run-dir " + run + " --resume auto --set train.max_steps=60" + kQuiet);
+    check_one_line_error(r, 3, "checkpoint(s) in '" + run + "/checkpoints' verifies");
+    CHECK(r.err.find("nothing was changed") != std::string::npos);
+    CHECK(snapshot(run) == before);
+    // Nor may a fresh start prune what it could not read.
+    r = dtrain("run " + job + " --run-dir " + run + kQuiet);
+    check_one_line_error(r, 2, "already holds checkpoints");
+    CHECK(snapshot(run) == before);
+  }
+
+  TEST_CASE("a full disk: exit 3, earlier checkpoints intact, no partial folder, a failed summary") {
+    auto dir = temp_dir("full");
+    auto disk = dir + "/disk";
+    if (!mount_tmpfs(disk, 3)) {
+      MESSAGE("skipped: mounting a tmpfs needs root");
+      return;
+    }
+    // 141k parameters: a checkpoint holds ~1.7 MB (weights and two AdamW moments), so the
+    // first fits in 3 MB and the second does not.
+    auto job = small_job(dir, "optimizer: {name: adamw, lr: 0.001}\n");
+    auto run = disk + "/run";
+    auto r = dtrain("run " + job + " --run-dir " + run + " --set model.hidden=[2048] " + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("dtrain: error: cannot write the checkpoint of step 20") != std::string::npos);
+    CHECK(r.err.find("No space left on device") != std::string::npos);
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(run + "/checkpoints")) names.push_back(e.path().filename());
+    std::sort(names.begin(), names.end());
+    CHECK(names == std::vector<std::string>{"best", "latest", "step-00000010"});
+    CHECK(dtrain("inspect " + run).code == 0);
+    auto summary = metrics(run).back();
+    CHECK(summary["kind"] == "summary");
+    CHECK(summary["status"] == "failed");
+    CHECK(summary["reason"].get<std::string>().find("No space left on device") != std::string::npos);
+    ::umount2(disk.c_str(), MNT_DETACH);
+  }
+
+  TEST_CASE("resuming a finished run says there is nothing to train and changes nothing") {
+    auto dir = temp_dir("finished");
+    auto job = small_job(dir);
+    auto run = dir + "/run";
+    REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
+    const auto before = snapshot(run);
+    for (const char* steps : {"30", "20"}) {
+      auto r = dtrain("run " + job + " --run-dir " + run + " --resume auto --set train.max_steps=" +
+                      steps + kQuiet);
+      INFO(r.err);
+      CHECK(r.code == 0);
+      CHECK(r.err.find("nothing to train: the checkpoint is at step 30 and the job ends at step " +
+                       std::string(steps)) != std::string::npos);
+      CHECK(snapshot(run) == before);
+    }
+    CHECK(metrics(run).back()["final_accuracy"].is_number());
+  }
+
+  TEST_CASE("files that cannot be written or read exit 3 with one line naming the path") {
+    auto dir = temp_dir("exit3");
+    auto job = small_job(dir);
+    { std::ofstream(dir + "/a-file") << "x"; }
+    check_one_line_error(dtrain("run " + job + " --run-dir " + dir + "/a-file/run" + kQuiet), 3,
+                         "cannot use run directory '" + dir + "/a-file/run'");
+
+    auto ro = dir + "/read-only";
+    bool ro_ok = false;
+    if (::geteuid() == 0) {
+      ro_ok = mount_tmpfs(ro, 1, /*read_only=*/true);
+    } else {
+      fs::create_directories(ro);
+      fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
+      ro_ok = true;
+    }
+    if (ro_ok) {
+      check_one_line_error(dtrain("run " + job + " --run-dir " + ro + kQuiet), 3,
+                           "cannot use run directory '" + ro + "'");
+      check_one_line_error(dtrain("run " + job + " --run-dir " + ro + "/sub" + kQuiet), 3,
+                           "cannot use run directory '" + ro + "/sub'");
+    }
+
+    auto run = dir + "/run";
+    REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
+    check_one_line_error(dtrain("export " + run + " " + dir + "/missing/w.safetensors"), 3,
+                         dir + "/missing/w.safetensors");
+    check_one_line_error(dtrain("export " + run + " " + dir), 3, "'" + dir + "' is a folder");
+    if (ro_ok) check_one_line_error(dtrain("export " + run + " " + ro + "/w.safetensors"), 3,
+                                    ro + "/w.safetensors");
+    if (::geteuid() == 0) ::umount2(ro.c_str(), MNT_DETACH);
+
+    // trainer.json that parses but cannot be a trainer state.
+    const auto ck = run + "/checkpoints/step-00000030";
+    auto trainer = nlohmann::json::parse(slurp(ck + "/trainer.json"));
+    trainer["step"] = -5;
+    forge(ck, "trainer.json", trainer.dump());
+    check_one_line_error(
+        dtrain("run " + job + " --run-dir " + run + " --resume auto --set train.max_steps=40" + kQuiet),
+        3, ck + "/trainer.json: step -5");
+  }
+
+  TEST_CASE("export verifies the weights it writes; a forged header is refused") {
+    auto dir = temp_dir("export");
+    auto job = small_job(dir);
+    auto run = dir + "/run";
+    REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
+    const auto ck = run + "/checkpoints/step-00000030";
+    auto good = dtrain("export " + run + "/checkpoints/latest " + dir + "/good.safetensors");
+    INFO(good.err);
+    CHECK(good.code == 0);
+    CHECK(slurp(dir + "/good.safetensors") == slurp(ck + "/model.safetensors"));
+
+    // A header whose first tensor claims one more row than its bytes hold, the manifest
+    // rewritten to match: the checkpoint verifies, the weights do not.
+    auto bytes = slurp(ck + "/model.safetensors");
+    const auto at = bytes.find("[32,64]");
+    REQUIRE(at != std::string::npos);
+    bytes.replace(at, 7, "[33,64]");
+    forge(ck, "model.safetensors", bytes);
+    check_one_line_error(dtrain("export " + ck + " " + dir + "/bad.safetensors"), 3,
+                         "has inconsistent offsets");
+    CHECK(!fs::exists(dir + "/bad.safetensors"));
+    CHECK(!fs::exists(dir + "/bad.safetensors.tmp"));
+    check_one_line_error(dtrain("inspect " + ck), 3, "has inconsistent offsets");
+  }
+
+  TEST_CASE("inspect, export and --resume follow a run directory's latest checkpoint") {
+    auto dir = temp_dir("latest");
+    auto job = small_job(dir);
+    auto run = dir + "/run";
+    REQUIRE(dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=20" + kQuiet).code == 0);
+    for (const auto& where : {run, run + "/checkpoints", run + "/checkpoints/latest"}) {
+      auto r = dtrain("inspect " + where);
+      INFO(where << ": " << r.err);
+      CHECK(r.code == 0);
+      CHECK(r.out.rfind("checkpoint " + run + "/checkpoints/step-00000020\n", 0) == 0);
+    }
+    auto r = dtrain("inspect " + run + "/metrics.jsonl");
+    check_one_line_error(r, 3, "'" + run + "/metrics.jsonl' is a file; a checkpoint is a folder");
+    check_one_line_error(dtrain("inspect " + dir + "/nothing-here"), 3, "does not exist");
+
+    r = dtrain("run " + job + " --run-dir " + run + " --resume " + run + "/checkpoints/latest" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK(r.err.find("resumed at step 20 from " + run + "/checkpoints/step-00000020") !=
+          std::string::npos);
+  }
+}
