@@ -12,6 +12,7 @@
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/error_file.hpp"
+#include "launch/requeue.hpp"
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
 #include "train/trainer.hpp"
@@ -72,7 +73,7 @@ std::vector<std::string> worker_args(int argc, char** argv) {
 }
 
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
-            int64_t nproc, int64_t max_restarts, int argc, char** argv) {
+            bool requeue, int64_t nproc, int64_t max_restarts, int argc, char** argv) {
   auto env = process_env();
   if (nproc > 1 && detect_launcher(env) == "single") {
     load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
@@ -86,13 +87,16 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   const ParallelDims dims = validate(cfg, world.world);
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
+  RunOptions opts{resume_from, ""};
+  if (world.launcher == "slurm" && cfg.dist.requeue && requeue) opts.requeue_job = slurm_job_to_requeue(env);
   // dist.backend auto means Gloo while tensors live on the CPU (validation refuses nccl
   // until CUDA training exists).
   std::shared_ptr<Comm> comm =
       world.world == 1 ? make_local_comm()
                        : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s),
-                                                cfg.dist.gloo_threads});
-  return run_training(cfg, dims, RunOptions{resume_from}, world, comm).exit_code;
+                                                cfg.dist.gloo_threads,
+                                                cfg.dist.store_bind == "all"});
+  return run_training(cfg, dims, opts, world, comm).exit_code;
 }
 
 int inspect(const std::string& path) {
@@ -155,6 +159,7 @@ int run_cli(int argc, char** argv) {
   JobArgs job;
   std::string run_dir, resume;
   int64_t nproc = 1, max_restarts = 0;
+  bool no_requeue = false;
   auto* run = app.add_subcommand("run", "train a job");
   add_job_args(run, job);
   run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
@@ -162,6 +167,8 @@ int run_cli(int argc, char** argv) {
                                       "checkpoint folder");
   run->add_option("--nproc", nproc, "start N local worker processes and supervise them")
       ->check(CLI::Range(int64_t(1), int64_t(1024)));
+  run->add_flag("--no-requeue", no_requeue,
+               "under SLURM: do not requeue the job after a SIGUSR1 checkpoint (dist.requeue)");
   run->add_option("--max-restarts", max_restarts,
                   "with --nproc: restart all workers from the latest checkpoint up to N times")
       ->check(CLI::Range(int64_t(0), int64_t(1000)));
@@ -197,7 +204,7 @@ int run_cli(int argc, char** argv) {
     throw ConfigError(e.what());
   }
 
-  if (*run) return run_job(job, run_dir, resume, nproc, max_restarts, argc, argv);
+  if (*run) return run_job(job, run_dir, resume, !no_requeue, nproc, max_restarts, argc, argv);
   if (*validate_cmd) {
     auto checked = load(job, "", world_for_check(check_nproc));
     load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed));  // as run would read it

@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "comm/tcp_store.hpp"
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -311,18 +313,27 @@ std::shared_ptr<Comm> make_local_comm() { return std::make_shared<LocalComm>(); 
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<std::uint16_t>(world.master_port);
-    so.isServer = world.rank == 0 && !world.agent_store;
-    so.numWorkers = static_cast<std::size_t>(world.world);
-    so.waitWorkers = true;
-    so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
-    store = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
-    // torchrun's store outlives a restart of the workers and holds the agent's own keys:
-    // each attempt's keys go under a prefix of their own.
-    if (world.agent_store)
+    const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
+    if (world.agent_store) {
+      // torchrun's store outlives a restart of the workers and holds the agent's own keys:
+      // each attempt's keys go under a prefix of their own.
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<std::uint16_t>(world.master_port);
+      so.isServer = false;
+      so.timeout = timeout;
       store = c10::make_intrusive<c10d::PrefixStore>(
-          fmt::format("dtrain/attempt_{}", world.restart_count), store);
+          fmt::format("dtrain/attempt_{}", world.restart_count),
+          c10::make_intrusive<c10d::TCPStore>(world.master_addr, so));
+    } else {
+      TcpStore::Options so;
+      so.host = world.master_addr;
+      so.port = static_cast<int>(world.master_port);
+      so.server = world.rank == 0;
+      so.listen_everywhere = opts.store_everywhere;
+      so.other_machines = world.local_world < world.world;
+      so.timeout = timeout;
+      store = c10::make_intrusive<TcpStore>(so);
+    }
   } catch (...) {
     throw DistError(fmt::format("rank {}: rendezvous at {}:{} failed ({}): {}", world.rank,
                                 world.master_addr, world.master_port,

@@ -85,10 +85,12 @@ struct CommOptions {
   std::string backend = "gloo";          // gloo | nccl
   std::chrono::seconds timeout{120};
   int64_t gloo_threads = 2;              // Gloo's worker threads per process group
+  bool store_everywhere = false;         // dist.store_bind: all (else MASTER_ADDR's interface)
 };
 
-// Rendezvous through a TCPStore at world.master_addr:master_port (rank 0 hosts it, or
-// under torchrun its agent does), then a Gloo or NCCL process group over all ranks.
+// Rendezvous through a store at world.master_addr:master_port (rank 0 hosts dtrain's
+// TcpStore on that address, or under torchrun its agent hosts a TCPStore), then a Gloo or
+// NCCL process group over all ranks.
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts);
 
 // Ranks as threads of this process (tests): runs body(comm) on `n` threads, each with the

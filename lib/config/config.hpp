@@ -190,12 +190,19 @@ struct DistConfig {
   int64_t timeout_s = 120;       // bound on every collective
   int64_t port = 0;  // rendezvous port: 0 = MASTER_PORT, else 29500 (SLURM: from the job id)
   int64_t gloo_threads = 2;      // collectives Gloo runs at once per process (1 and 3 measured slower)
+  // Under SLURM, after the checkpoint that SIGUSR1 (sbatch --signal=USR1@T) asks for, rank 0
+  // requeues the job (scontrol requeue) so that it resumes; --no-requeue turns it off.
+  bool requeue = true;
+  // Where rank 0's rendezvous store listens: the interface of MASTER_ADDR, or all.
+  std::string store_bind = "master_addr";
 
   template <class V> void visit(V&& v) {
     v("backend", backend, Choices{"auto", "gloo", "nccl"});
     v("timeout_s", timeout_s);
     v("port", port);
     v("gloo_threads", gloo_threads);
+    v("requeue", requeue);
+    v("store_bind", store_bind, Choices{"master_addr", "all"});
   }
 };
 

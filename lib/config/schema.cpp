@@ -11,6 +11,8 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <yaml-cpp/depthguard.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include "models/model.hpp"
@@ -77,6 +79,14 @@ std::string did_you_mean(const std::string& key) {
 std::string where(const YAML::Mark& m, const std::string& origin) {
   if (m.is_null()) return origin;
   return fmt::format("{}:{}:{}", origin, m.line + 1, m.column + 1);
+}
+
+// yaml-cpp reports nesting past its depth limit (a stack guard) as "bad file".
+ConfigError yaml_error(const YAML::ParserException& e, const std::string& origin) {
+  if (dynamic_cast<const YAML::DeepRecursion*>(&e))
+    return ConfigError(fmt::format("{}: nested too deeply (a job spec is a few levels of keys)",
+                                   where(e.mark, origin)));
+  return ConfigError(fmt::format("{}: {}", where(e.mark, origin), e.msg));
 }
 
 Field* find_field(std::vector<Field>& fields, const std::string& key) {
@@ -246,9 +256,46 @@ JobConfig parse_job(const std::string& yaml_text, const std::string& origin,
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::ParserException& e) {
-    throw ConfigError(fmt::format("{}: {}", where(e.mark, origin), e.msg));
+    throw yaml_error(e, origin);
   }
   return from_node(root, origin, overrides);
+}
+
+// Counts what a document holds, without building it.
+struct EventCounter : YAML::EventHandler {
+  long events = 0;
+  void OnDocumentStart(const YAML::Mark&) override {}
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override { ++events; }
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {
+    ++events;
+  }
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {
+    ++events;
+  }
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {
+    ++events;
+  }
+  void OnMapEnd() override {}
+};
+
+// The documents in `text` that hold something, counted to 2 at most: yaml-cpp's LoadAll
+// never ends on some malformed input (an endless run of documents; found by fuzzing).
+int documents_with_content(const std::string& text) {
+  std::stringstream in(text);
+  YAML::Parser parser(in);
+  int found = 0;
+  for (int i = 0; i < 2; ++i) {
+    EventCounter counter;
+    const bool more = parser.HandleNextDocument(counter);
+    if (counter.events > 0) ++found;
+    if (!more) break;
+  }
+  return found;
 }
 
 // Far above any real job, far below what would strain the YAML parser.
@@ -266,26 +313,25 @@ JobConfig load_job(const std::string& path, const std::vector<std::string>& over
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string text = ss.str();
-  std::vector<YAML::Node> docs;
+  YAML::Node root;
+  int documents = 0;
   try {
-    docs = YAML::LoadAll(text);
+    root = YAML::Load(text);
+    documents = documents_with_content(text);
   } catch (const YAML::ParserException& e) {
-    throw ConfigError(fmt::format("{}: {}", where(e.mark, path), e.msg));
+    throw yaml_error(e, path);
   }
-  const auto empty = [](const YAML::Node& n) { return !n.IsDefined() || n.IsNull(); };
-  fail_if<ConfigError>(docs.empty() || empty(docs[0]),
+  fail_if<ConfigError>(!root.IsDefined() || root.IsNull(),
                        "job file '{}' is empty; a job names at least its model (model.arch) "
                        "and its data (data.dataset)", path);
-  for (size_t i = 1; i < docs.size(); ++i)  // one would be silently ignored
-    fail_if<ConfigError>(!empty(docs[i]),
-                         "{}: holds {} YAML documents ('---'); a job file is one document", path,
-                         docs.size());
-  JobConfig cfg = from_node(docs[0], path, overrides);
+  fail_if<ConfigError>(documents > 1,  // the second would be silently ignored
+                       "{}: holds more than one YAML document ('---'); a job file is one document",
+                       path);
+  JobConfig cfg = from_node(root, path, overrides);
   // Defaults fill in the rest, but a job that names neither is almost surely the wrong file.
   for (const char* key : {"model.arch", "data.dataset"}) {
     const std::string k(key), section = k.substr(0, k.find('.')), leaf_key = k.substr(k.find('.') + 1);
-    const bool in_file = docs[0].IsMap() && docs[0][section].IsMap() &&
-                         docs[0][section][leaf_key].IsDefined();
+    const bool in_file = root.IsMap() && root[section].IsMap() && root[section][leaf_key].IsDefined();
     const bool in_sets = std::any_of(overrides.begin(), overrides.end(), [&](const std::string& o) {
       return o.rfind(k + "=", 0) == 0;
     });

@@ -2,7 +2,9 @@
 // uint32 sizes, then the raw data. zlib's gzread reads .gz and plain files alike.
 #include <zlib.h>
 
+#include <cstring>
 #include <filesystem>
+#include <vector>
 #include <memory>
 
 #include <fmt/format.h>
@@ -18,22 +20,24 @@ struct GzCloser {
   void operator()(gzFile_s* f) const { gzclose(f); }
 };
 
-// Reads exactly n bytes or says why not.
-void read_exact(gzFile f, void* dst, size_t n, const std::string& path, const char* what) {
-  size_t got = 0;
-  auto* out = static_cast<unsigned char*>(dst);
-  while (got < n) {
-    unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - got, 1u << 30));
-    int r = gzread(f, out + got, chunk);
-    if (r < 0) {
-      int errnum = 0;
-      throw DataError(fmt::format("{}: corrupt file ({})", path, gzerror(f, &errnum)));
-    }
-    if (r == 0)
-      throw DataError(fmt::format("{}: truncated {}: expected {} bytes, found {}", path, what, n,
-                                  got));
-    got += static_cast<size_t>(r);
+// Reads between 1 and `n` bytes to buf + got, adding them to `got`; says why not, against
+// the `total` bytes of `what` that were expected.
+void read_some(gzFile f, unsigned char* buf, size_t& got, size_t n, size_t total,
+               const std::string& path, const char* what) {
+  int r = gzread(f, buf + got, static_cast<unsigned>(std::min<size_t>(n, 1u << 30)));
+  if (r < 0) {
+    int errnum = 0;
+    throw DataError(fmt::format("{}: corrupt file ({})", path, gzerror(f, &errnum)));
   }
+  if (r == 0)
+    throw DataError(fmt::format("{}: truncated {}: expected {} bytes, found {}", path, what, total,
+                                got));
+  got += static_cast<size_t>(r);
+}
+
+void read_header(gzFile f, unsigned char* dst, size_t n, const std::string& path) {
+  size_t got = 0;
+  while (got < n) read_some(f, dst, got, n - got, n, path, "header");
 }
 }  // namespace
 
@@ -41,7 +45,7 @@ torch::Tensor read_idx(const std::string& path, int64_t expected_dims) {
   std::unique_ptr<gzFile_s, GzCloser> f(gzopen(path.c_str(), "rb"));
   if (!f) throw DataError(fmt::format("cannot open '{}'", path));
   unsigned char magic[4];
-  read_exact(f.get(), magic, 4, path, "header");
+  read_header(f.get(), magic, 4, path);
   if (magic[0] != 0 || magic[1] != 0 || magic[2] != 0x08)
     throw DataError(fmt::format("{}: not an unsigned-byte IDX file (bad magic number)", path));
   if (magic[3] != expected_dims)
@@ -51,16 +55,24 @@ torch::Tensor read_idx(const std::string& path, int64_t expected_dims) {
   int64_t count = 1;
   for (auto& d : dims) {
     unsigned char b[4];
-    read_exact(f.get(), b, 4, path, "header");
+    read_header(f.get(), b, 4, path);
     d = (int64_t(b[0]) << 24) | (int64_t(b[1]) << 16) | (int64_t(b[2]) << 8) | int64_t(b[3]);
     if (d <= 0 || d > (1 << 28))
       throw DataError(fmt::format("{}: implausible dimension {} in the header", path, d));
+    if (count > (int64_t(1) << 34) / d)  // checked before multiplying: no overflow
+      throw DataError(fmt::format("{}: the header claims more than 16 GiB of data", path));
     count *= d;
   }
-  if (count > (int64_t(1) << 34))
-    throw DataError(fmt::format("{}: header claims {} bytes of data", path, count));
+  // The buffer grows with the bytes actually read: a header may promise gigabytes that a
+  // short file never holds, and nothing that size is allocated before the bytes are there.
+  std::vector<uint8_t> data(std::min<size_t>(size_t(count), size_t(64) << 20));
+  size_t got = 0;
+  while (got < size_t(count)) {
+    if (got == data.size()) data.resize(std::min<size_t>(size_t(count), 2 * data.size()));
+    read_some(f.get(), data.data(), got, data.size() - got, size_t(count), path, "data");
+  }
   auto t = torch::empty(dims, torch::kUInt8);
-  read_exact(f.get(), t.data_ptr<uint8_t>(), static_cast<size_t>(count), path, "data");
+  std::memcpy(t.data_ptr<uint8_t>(), data.data(), got);
   unsigned char extra;
   const int more = gzread(f.get(), &extra, 1);
   int errnum = Z_OK;

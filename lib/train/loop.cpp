@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "data/loader.hpp"
+#include "launch/requeue.hpp"
 #include "optim/schedule.hpp"
 #include "train/context.hpp"
 #include "train/evaluator.hpp"
@@ -119,8 +120,16 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
         const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
         auto summary = summary_line(c, "stopped", step_ms, data_wait_ms);
         summary["signal"] = sig;
-        if (c.root()) c.metrics->write(summary);
         c.say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, st.step));
+        // SLURM's warning signal: put the job back in the queue; it resumes from here.
+        if (c.root() && sig == SIGUSR1 && !c.opts.requeue_job.empty()) {
+          const auto why_not = requeue_slurm_job(c.opts.requeue_job, std::chrono::seconds(60));
+          summary["requeued"] = why_not.empty();
+          c.say(why_not.empty() ? fmt::format("requeued SLURM job {}; it resumes from step {}",
+                                              c.opts.requeue_job, st.step)
+                                : "warning: not requeued: " + why_not);
+        }
+        if (c.root()) c.metrics->write(summary);
         return {exit_code_for_signal(sig), summary};
       }
     }

@@ -104,28 +104,50 @@ std::optional<std::string> open_run_dir(Context& c) {
   return (fs::path(c.cfg.run_dir) / "checkpoints" / fmt::format("step-{:08d}", step)).string();
 }
 
+SavedTrainer read_trainer_state(const nlohmann::json& t, const std::string& folder) {
+  const std::string file = folder + "/trainer.json";
+  SavedTrainer out;
+  try {
+    out.step = t.at("step").get<int64_t>();
+    out.best_step = t.at("best_step").get<int64_t>();
+    out.global_batch = t.at("global_batch").get<int64_t>();
+    out.train_samples = t.at("train_samples").get<int64_t>();
+    out.best_metric = number_or_nan(t.at("best_metric"));
+    out.last_loss = number_or_nan(t.at("last_loss"));
+    const auto rng = t.at("rng_torch_cpu").get<std::string>();
+    fail_if<CheckpointError>(rng.size() % 2 != 0 || rng.find_first_not_of("0123456789abcdef") !=
+                                                         std::string::npos,
+                             "{}: rng_torch_cpu is not a hex string", file);
+    out.rng_cpu = from_hex(rng);
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: {}", file, e.what()));
+  }
+  fail_if<CheckpointError>(out.step < 0 || out.best_step < 0 || out.best_step > out.step,
+                           "{}: step {} and best_step {} are out of range", file, out.step,
+                           out.best_step);
+  fail_if<CheckpointError>(out.global_batch < 1 || out.train_samples < 1,
+                           "{}: global_batch {} and train_samples {} must be positive", file,
+                           out.global_batch, out.train_samples);
+  return out;
+}
+
 void restore(Context& c, const std::string& folder) {
   auto saved = load_checkpoint(folder);
-  const auto& t = saved.trainer;
+  const SavedTrainer t = read_trainer_state(saved.trainer, folder);
+  fail_if<ConfigError>(t.global_batch != c.cfg.data.batch_size,
+                       "data.batch_size: {} differs from the checkpoint's {} ({}); an exact "
+                       "resume needs the same global batch", c.cfg.data.batch_size,
+                       t.global_batch, folder);
+  fail_if<ConfigError>(t.train_samples != c.data.train->size(),
+                       "data: the checkpoint {} was trained on {} samples, this job has {}",
+                       folder, t.train_samples, c.data.train->size());
+  auto& st = c.state;
+  st.step = t.step;
+  st.best_metric = t.best_metric;
+  st.best_step = t.best_step;
+  st.last_loss = t.last_loss;
+  st.last_saved = st.step;
   try {
-    fail_if<ConfigError>(t.at("global_batch").get<int64_t>() != c.cfg.data.batch_size,
-                         "data.batch_size: {} differs from the checkpoint's {} ({}); an exact "
-                         "resume needs the same global batch", c.cfg.data.batch_size,
-                         t["global_batch"].get<int64_t>(), folder);
-    fail_if<ConfigError>(t.at("train_samples").get<int64_t>() != c.data.train->size(),
-                         "data: the checkpoint {} was trained on {} samples, this job has {}",
-                         folder, t["train_samples"].get<int64_t>(), c.data.train->size());
-    const int64_t step = t.at("step").get<int64_t>(), best = t.at("best_step").get<int64_t>();
-    fail_if<CheckpointError>(step < 0 || best < 0 || best > step,
-                             "{}/trainer.json: step {} and best_step {} are out of range", folder,
-                             step, best);
-    auto& st = c.state;
-    st.step = step;
-    st.best_metric = number_or_nan(t.at("best_metric"));
-    st.best_step = t.at("best_step").get<int64_t>();
-    st.last_loss = number_or_nan(t.at("last_loss"));
-    st.last_saved = st.step;
-
     const SavedTensors model(saved.model, folder);
     const int64_t tensor_rank = c.mesh.coord().tensor;
     c.params->scatter_full(c.params->data(), "", model, tensor_rank);
@@ -135,9 +157,7 @@ void restore(Context& c, const std::string& folder) {
     load_optimizer_state(*c.optimizer, *c.params, saved.optimizer, tensor_rank, folder);
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(from_hex(t.at("rng_torch_cpu").get<std::string>()));
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError(fmt::format("{}/trainer.json: {}", folder, e.what()));
+    gen.set_state(t.rng_cpu);
   } catch (const c10::Error& e) {  // e.g. a random state of the wrong size
     throw CheckpointError(fmt::format("{}: cannot restore: {}", folder,
                                       first_line(e.what_without_backtrace())));

@@ -12,6 +12,14 @@ namespace dtrain {
 // Collective. Rank 0 creates and locks the run directory and decides which checkpoint (if
 // any) the job resumes from; the others follow, or fail together with rank 0's exit code.
 std::optional<std::string> open_run_dir(Context& c);
+// What trainer.json holds, read and range-checked; CheckpointError names the file.
+struct SavedTrainer {
+  int64_t step = 0, best_step = 0, global_batch = 0, train_samples = 0;
+  double best_metric = 0, last_loss = 0;  // NaN when not yet known
+  torch::Tensor rng_cpu;                  // LibTorch's CPU generator state
+};
+SavedTrainer read_trainer_state(const nlohmann::json& trainer, const std::string& folder);
+
 // Every rank reads the checkpoint and takes its part.
 void restore(Context& c, const std::string& folder);
 // Collective over the world: rank 0 writes, nobody moves on before it is complete.

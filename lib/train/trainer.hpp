@@ -21,6 +21,9 @@ namespace dtrain {
 
 struct RunOptions {
   std::string resume;  // "" = fresh, "auto" = newest valid checkpoint if any, else a folder
+  // The SLURM job to requeue after a SIGUSR1 checkpoint ("" = none: not under SLURM, or
+  // dist.requeue / --no-requeue turned it off).
+  std::string requeue_job;
 };
 
 struct RunResult {

@@ -21,4 +21,34 @@ cat "$work/job.out"
 [ $rc -eq 0 ] || { echo "FAIL: sbatch --wait exited $rc" >&2; exit 1; }
 grep -q "launcher slurm" "$work/job.out" || { echo "FAIL: ranks not taken from SLURM" >&2; exit 1; }
 check_run "$work/run" || exit 1
-echo "PASS"
+echo "PASS: sbatch --wait"
+
+# Preemption end to end: SLURM's warning signal (what --signal=USR1@120 sends before the
+# time limit; sent at once here with scancel) makes both ranks checkpoint, rank 0 requeues
+# the job, and the requeued job resumes from that checkpoint and completes.
+job_state() { scontrol show job "$1" -o | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+wait_until() {  # wait_until SECONDS COMMAND...: polls every 0.2 s
+  local until=$((SECONDS + $1)); shift
+  while ! "$@"; do [ $SECONDS -lt $until ] || return 1; sleep 0.2; done
+}
+logged_steps() { [ -f "$work/rq/metrics.jsonl" ] && [ "$(grep -c '"kind":"train"' "$work/rq/metrics.jsonl")" -ge 3 ]; }
+requeued() { grep -q 'Restarts=1' <(scontrol show job "$id" -o) && [ "$(job_state "$id")" = PENDING ]; }
+completed() { [ "$(job_state "$id")" = COMPLETED ]; }
+id=$(DTRAIN=$dtrain sbatch --parsable --ntasks 2 --open-mode=append --output "$work/rq.out" \
+  "$root/scripts/dtrain.sbatch" "$here/job.yaml" --run-dir "$work/rq" \
+  --set train.max_steps=2000 --set train.log_every=10) || { echo "FAIL: sbatch" >&2; exit 1; }
+fail() { cat "$work/rq.out"; scancel "$id" 2>/dev/null; echo "FAIL: $1" >&2; exit 1; }
+wait_until 120 logged_steps || fail "the job did not start training"
+scancel --signal=USR1 "$id"
+wait_until 60 requeued || fail "the job was not requeued after SIGUSR1"
+# SLURM holds a requeued job for about two minutes; a test need not wait for that.
+scontrol update JobId="$id" StartTime=now
+wait_until 240 completed || fail "the requeued job did not complete"
+cat "$work/rq.out"
+stopped=$(grep -o 'stopped by signal 10 after step [0-9]*' "$work/rq.out" | head -1 | awk '{print $NF}')
+[ -n "$stopped" ] || fail "no checkpoint on SIGUSR1"
+grep -q "requeued SLURM job $id; it resumes from step $stopped" "$work/rq.out" || fail "no requeue line"
+grep -q "resumed at step $stopped from" "$work/rq.out" || fail "the requeued job did not resume at step $stopped"
+last=$(tail -n 1 "$work/rq/metrics.jsonl")
+grep -q '"status":"completed"' <<<"$last" && grep -q '"steps":2000' <<<"$last" || fail "not completed: $last"
+echo "PASS: SIGUSR1 checkpoint, requeue, resume"

@@ -1,6 +1,7 @@
 // Launcher environment discovery and the SLURM hostlist parser.
 #include <doctest/doctest.h>
 
+#include "launch/requeue.hpp"
 #include "launch/world.hpp"
 #include "util/error.hpp"
 
@@ -106,4 +107,11 @@ TEST_CASE("torchrun's agent store and restart count") {
   CHECK_THROWS_AS(discover_world(map_env({{"RANK", "0"}, {"WORLD_SIZE", "2"},
                                           {"TORCHELASTIC_RESTART_COUNT", "x"}}), 0, first_of),
                   ConfigError);
+}
+
+TEST_CASE("slurm_job_to_requeue: the job id, or ARRAYJOB_TASK for an array task") {
+  CHECK(slurm_job_to_requeue(map_env({})) == "");
+  CHECK(slurm_job_to_requeue(map_env({{"SLURM_JOB_ID", "812"}})) == "812");
+  CHECK(slurm_job_to_requeue(map_env({{"SLURM_JOB_ID", "815"}, {"SLURM_ARRAY_JOB_ID", "812"},
+                                      {"SLURM_ARRAY_TASK_ID", "3"}})) == "812_3");
 }

@@ -1,0 +1,421 @@
+#include "comm/tcp_store.hpp"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace dtrain {
+namespace {
+
+// The wire format: a message is a u32 length then its bytes. A request's bytes are an op
+// then its arguments, each a u32 length then bytes; a reply's bytes depend on the op.
+enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet };
+constexpr uint32_t kMaxMessage = 256u << 20;  // nothing a rendezvous sends comes near
+
+using Bytes = std::vector<uint8_t>;
+
+void put_u32(Bytes& b, uint32_t v) {
+  for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i)));
+}
+void put_blob(Bytes& b, const void* p, size_t n) {
+  put_u32(b, uint32_t(n));
+  b.insert(b.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+}
+void put_blob(Bytes& b, const std::string& s) { put_blob(b, s.data(), s.size()); }
+void put_blob(Bytes& b, const Bytes& v) { put_blob(b, v.data(), v.size()); }
+Bytes i64_bytes(int64_t v) {
+  Bytes b(8);
+  for (int i = 0; i < 8; ++i) b[size_t(i)] = uint8_t(uint64_t(v) >> (8 * i));
+  return b;
+}
+int64_t i64_of(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return int64_t(v);
+}
+uint32_t u32_of(const uint8_t* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24; }
+
+// Reads the arguments of a request; false when it is malformed.
+bool parse_args(const uint8_t* p, size_t n, std::vector<Bytes>& args) {
+  size_t at = 0;
+  while (at < n) {
+    if (n - at < 4) return false;
+    const uint32_t len = u32_of(p + at);
+    at += 4;
+    if (len > n - at) return false;
+    args.emplace_back(p + at, p + at + len);
+    at += len;
+  }
+  return true;
+}
+
+std::string as_key(const Bytes& b) { return std::string(b.begin(), b.end()); }
+
+void send_all(int fd, const Bytes& b) {
+  size_t done = 0;
+  while (done < b.size()) {
+    ssize_t n = ::send(fd, b.data() + done, b.size() - done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw std::runtime_error(fmt::format("store: send failed: {}", std::strerror(errno)));
+    done += size_t(n);
+  }
+}
+
+void recv_all(int fd, uint8_t* p, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::recv(fd, p + done, n - done, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+      throw std::runtime_error("store: timed out waiting for rank 0's store to answer");
+    if (r <= 0) throw std::runtime_error("store: connection to rank 0's store closed");
+    done += size_t(r);
+  }
+}
+
+struct AddrInfo {
+  addrinfo* list = nullptr;
+  ~AddrInfo() {
+    if (list) ::freeaddrinfo(list);
+  }
+};
+
+void resolve(const std::string& host, int port, bool passive, AddrInfo& out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  const std::string service = std::to_string(port);
+  if (int err = ::getaddrinfo(passive && host.empty() ? nullptr : host.c_str(), service.c_str(),
+                              &hints, &out.list))
+    throw std::runtime_error(fmt::format("cannot resolve '{}': {}", host, ::gai_strerror(err)));
+}
+
+std::string address_str(const sockaddr* a) {
+  char host[NI_MAXHOST] = {};
+  ::getnameinfo(a, a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host,
+                sizeof host, nullptr, 0, NI_NUMERICHOST);
+  return host;
+}
+
+}  // namespace
+
+// Rank 0's side: one thread, poll() over the listening socket and every client; each
+// complete request is answered at once.
+class StoreServer {
+ public:
+  StoreServer(const std::string& host, int port, bool everywhere) {
+    AddrInfo ai;
+    resolve(everywhere ? "" : host, port, /*passive=*/true, ai);
+    std::string tried;
+    for (auto* a = ai.list; a && listen_fd_ < 0; a = a->ai_next) {
+      int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      int one = 1;
+      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (a->ai_family == AF_INET6 && everywhere) {
+        int zero = 0;  // both IPv4 and IPv6
+        ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      }
+      if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
+        listen_fd_ = fd;
+        address_ = address_str(a->ai_addr);
+      } else {
+        tried += fmt::format(" {}: {};", address_str(a->ai_addr), std::strerror(errno));
+        ::close(fd);
+      }
+    }
+    if (listen_fd_ < 0)
+      throw std::runtime_error(fmt::format("cannot listen on {}:{}:{}", everywhere ? "*" : host,
+                                           port, tried));
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len);
+    port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    if (::pipe2(wake_, O_CLOEXEC) != 0) throw std::runtime_error("store: cannot create a pipe");
+    thread_ = std::thread([this] { serve(); });
+  }
+
+  ~StoreServer() {
+    const char stop = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_[1], &stop, 1);
+    thread_.join();
+    for (auto& [fd, buf] : clients_) ::close(fd);
+    ::close(listen_fd_);
+    ::close(wake_[0]);
+    ::close(wake_[1]);
+  }
+
+  int port() const { return port_; }
+  const std::string& address() const { return address_; }
+
+ private:
+  void serve() {
+    while (true) {
+      std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+      for (const auto& [fd, buf] : clients_) fds.push_back({fd, POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (fds[0].revents) return;
+      if (fds[1].revents & POLLIN) {
+        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) {
+          int one = 1;
+          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          clients_[fd];
+        }
+      }
+      for (size_t i = 2; i < fds.size(); ++i)
+        if (fds[i].revents && !read_from(fds[i].fd)) {
+          ::close(fds[i].fd);
+          clients_.erase(fds[i].fd);
+        }
+    }
+  }
+
+  // Reads what the client sent and answers every complete request; false to drop it.
+  bool read_from(int fd) {
+    uint8_t chunk[65536];
+    ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
+    if (n <= 0) return n < 0 && errno == EINTR;
+    auto& buf = clients_[fd];
+    buf.insert(buf.end(), chunk, chunk + n);
+    while (buf.size() >= 4) {
+      const uint32_t len = u32_of(buf.data());
+      if (len == 0 || len > kMaxMessage) return false;  // not a client of ours
+      if (buf.size() < 4 + size_t(len)) break;
+      Bytes reply;
+      try {
+        if (!handle(buf.data() + 4, len, reply)) return false;
+      } catch (const std::exception&) {  // e.g. add() on a key that holds no number
+        return false;
+      }
+      Bytes framed;
+      put_blob(framed, reply);
+      try {
+        send_all(fd, framed);
+      } catch (const std::exception&) {
+        return false;
+      }
+      buf.erase(buf.begin(), buf.begin() + 4 + len);
+    }
+    return true;
+  }
+
+  bool handle(const uint8_t* p, size_t n, Bytes& reply) {
+    std::vector<Bytes> a;
+    if (!parse_args(p + 1, n - 1, a)) return false;
+    switch (p[0]) {
+      case kSet:
+        if (a.size() != 2) return false;
+        data_[as_key(a[0])] = a[1];
+        return true;
+      case kTryGet: {
+        if (a.size() != 1) return false;
+        auto it = data_.find(as_key(a[0]));
+        reply.push_back(it != data_.end());
+        if (it != data_.end()) reply.insert(reply.end(), it->second.begin(), it->second.end());
+        return true;
+      }
+      case kAdd: {
+        if (a.size() != 2 || a[1].size() != 8) return false;
+        auto& v = data_[as_key(a[0])];  // stored as decimal text, as c10d's TCPStore does
+        const int64_t now = (v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end()))) +
+                            i64_of(a[1].data());
+        const auto text = std::to_string(now);
+        v.assign(text.begin(), text.end());
+        reply = i64_bytes(now);
+        return true;
+      }
+      case kCheck:
+        reply.push_back(std::all_of(a.begin(), a.end(),
+                                    [&](const Bytes& k) { return data_.count(as_key(k)) > 0; }));
+        return true;
+      case kDelete:
+        if (a.size() != 1) return false;
+        reply.push_back(data_.erase(as_key(a[0])) > 0);
+        return true;
+      case kNumKeys:
+        reply = i64_bytes(int64_t(data_.size()));
+        return true;
+      case kCompareSet: {
+        if (a.size() != 3) return false;
+        auto it = data_.find(as_key(a[0]));
+        if (it == data_.end()) {
+          if (a[1].empty()) data_[as_key(a[0])] = a[2], reply = a[2];
+          else reply = a[1];
+        } else {
+          if (it->second == a[1]) it->second = a[2];
+          reply = it->second;
+        }
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  int listen_fd_ = -1, port_ = 0;
+  int wake_[2] = {-1, -1};
+  std::string address_;
+  std::map<int, Bytes> clients_;  // fd -> bytes received, not yet a whole request
+  std::map<std::string, Bytes> data_;
+  std::thread thread_;
+};
+
+TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout) {
+  port_ = o.port;
+  if (o.server) {
+    server_ = std::make_unique<StoreServer>(o.host, o.port, o.listen_everywhere);
+    port_ = server_->port();
+    const auto& at = server_->address();
+    const bool loopback = at.rfind("127.", 0) == 0 || at == "::1";
+    if (loopback && o.other_machines && !o.listen_everywhere)
+      throw std::runtime_error(fmt::format(
+          "MASTER_ADDR '{}' is a loopback address ({}) on rank 0, but ranks on other machines "
+          "must reach it: set MASTER_ADDR to an address they can reach, or dist.store_bind: "
+          "all", o.host, at));
+  }
+  // Rank 0 may not be listening yet: try again until the timeout.
+  const auto deadline = std::chrono::steady_clock::now() + o.timeout;
+  std::string last_error;
+  while (fd_ < 0) {
+    AddrInfo ai;
+    resolve(o.host, port_, /*passive=*/false, ai);
+    for (auto* a = ai.list; a && fd_ < 0; a = a->ai_next) {
+      int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        fd_ = fd;
+      } else {
+        last_error = std::strerror(errno);
+        ::close(fd);
+      }
+    }
+    if (fd_ >= 0) break;
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error(fmt::format("store: timed out connecting to {}:{} ({})", o.host,
+                                           port_, last_error));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  int one = 1;
+  ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  // A reply never takes long (nothing blocks on the server): bound every read.
+  timeval tv{};
+  tv.tv_sec = std::max<long>(1, long(o.timeout.count() / 1000));
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+TcpStore::~TcpStore() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Bytes TcpStore::request(const Bytes& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Bytes framed;
+  put_blob(framed, message);
+  send_all(fd_, framed);
+  uint8_t len[4];
+  recv_all(fd_, len, 4);
+  const uint32_t n = u32_of(len);
+  if (n > kMaxMessage) throw std::runtime_error("store: malformed reply");
+  Bytes reply(n);
+  recv_all(fd_, reply.data(), n);
+  return reply;
+}
+
+namespace {
+Bytes op_message(Op op, std::initializer_list<const Bytes*> args) {
+  Bytes m{uint8_t(op)};
+  for (const auto* a : args) put_blob(m, *a);
+  return m;
+}
+Bytes key_bytes(const std::string& k) { return Bytes(k.begin(), k.end()); }
+}  // namespace
+
+void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
+  const auto k = key_bytes(key);
+  request(op_message(kSet, {&k, &value}));
+}
+
+std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
+                                          const std::vector<uint8_t>& expected,
+                                          const std::vector<uint8_t>& desired) {
+  const auto k = key_bytes(key);
+  return request(op_message(kCompareSet, {&k, &expected, &desired}));
+}
+
+std::vector<uint8_t> TcpStore::get(const std::string& key) {
+  const auto k = key_bytes(key);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto pause = std::chrono::microseconds(200);
+  while (true) {
+    auto reply = request(op_message(kTryGet, {&k}));
+    if (!reply.empty() && reply[0]) return Bytes(reply.begin() + 1, reply.end());
+    if (timeout_ != kNoTimeout && std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error(fmt::format("store: timed out after {} ms waiting for key '{}'",
+                                           timeout_.count(), key));
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(10));
+  }
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t value) {
+  const auto k = key_bytes(key), v = i64_bytes(value);
+  const auto reply = request(op_message(kAdd, {&k, &v}));
+  if (reply.size() != 8) throw std::runtime_error("store: malformed reply to add");
+  return i64_of(reply.data());
+}
+
+bool TcpStore::deleteKey(const std::string& key) {
+  const auto k = key_bytes(key);
+  const auto reply = request(op_message(kDelete, {&k}));
+  return !reply.empty() && reply[0];
+}
+
+bool TcpStore::check(const std::vector<std::string>& keys) {
+  Bytes m{uint8_t(kCheck)};
+  for (const auto& k : keys) put_blob(m, k);
+  const auto reply = request(m);
+  return !reply.empty() && reply[0];
+}
+
+int64_t TcpStore::getNumKeys() {
+  const auto reply = request(op_message(kNumKeys, {}));
+  if (reply.size() != 8) throw std::runtime_error("store: malformed reply to getNumKeys");
+  return i64_of(reply.data());
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+
+void TcpStore::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(200);
+  while (!check(keys)) {
+    if (timeout != kNoTimeout && std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error(fmt::format("store: timed out after {} ms waiting for {} key(s)",
+                                           timeout.count(), keys.size()));
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace dtrain

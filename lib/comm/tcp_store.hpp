@@ -1,0 +1,59 @@
+// The rendezvous store the ranks of a job meet through (a c10d::Store, so Gloo and NCCL
+// use it as they would c10d's TCPStore). dtrain hosts its own because c10d's TCPStore
+// server listens on every interface with no way to choose (LibTorch 1.13 has no bind
+// address; LibTorch >= 2.4 also wants a libuv that distribution builds lack): this one
+// listens on the address MASTER_ADDR resolves to, unless the job asks for all of them.
+//
+// Rank 0 runs the server on a thread; every rank, rank 0 included, is a client over one
+// TCP connection. Each request is answered at once, so blocking reads (get, wait) poll
+// until the key exists or the timeout passes: no request ever holds the server.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace dtrain {
+
+class StoreServer;
+
+class TcpStore : public c10d::Store {
+ public:
+  struct Options {
+    std::string host;             // MASTER_ADDR: where the server is, and where it listens
+    int port = 0;
+    bool server = false;          // rank 0
+    bool listen_everywhere = false;  // dist.store_bind: all
+    bool other_machines = false;     // some ranks run elsewhere: a loopback host is an error
+    std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  };
+  explicit TcpStore(const Options& o);
+  ~TcpStore() override;
+
+  // The port the server listens on (useful with port 0 in tests).
+  int port() const { return port_; }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override;
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t value) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  int64_t getNumKeys() override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+
+ private:
+  std::vector<uint8_t> request(const std::vector<uint8_t>& message);
+
+  std::unique_ptr<StoreServer> server_;
+  std::mutex mu_;  // one request at a time on the connection
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,121 @@
+// dtrain's rendezvous store: the c10d::Store operations Gloo relies on, bounded waits, and
+// where the server listens.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "comm/tcp_store.hpp"
+
+using namespace dtrain;
+
+namespace {
+TcpStore::Options opts(int port, bool server, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  TcpStore::Options o;
+  o.host = "127.0.0.1";
+  o.port = port;
+  o.server = server;
+  o.timeout = timeout;
+  return o;
+}
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// The local addresses listening on `port`, as /proc/net/tcp{,6} write them (hex).
+std::vector<std::string> listeners(int port) {
+  std::vector<std::string> out;
+  char want[8];
+  std::snprintf(want, sizeof want, ":%04X", port);
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state;
+      f >> slot >> local >> remote >> state;
+      if (state == "0A" && local.size() > 5 && local.substr(local.size() - 5) == want)
+        out.push_back(local.substr(0, local.size() - 5));
+    }
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("TcpStore: set, get, add, check, wait, compareSet, delete across clients") {
+  TcpStore server(opts(0, true));
+  const int port = server.port();
+  REQUIRE(port > 0);
+  TcpStore client(opts(port, false));
+
+  server.set("a", bytes("one"));
+  CHECK(client.get("a") == bytes("one"));
+  CHECK(client.add("n", 5) == 5);
+  CHECK(server.add("n", -2) == 3);
+  CHECK(client.get("n") == bytes("3"));  // counters read back as decimal text, as in c10d
+  CHECK(client.check({"a", "n"}));
+  CHECK_FALSE(client.check({"a", "missing"}));
+  CHECK(client.getNumKeys() == 2);
+  CHECK(client.compareSet("c", {}, bytes("x")) == bytes("x"));       // absent, expected empty: set
+  CHECK(client.compareSet("c", bytes("y"), bytes("z")) == bytes("x"));  // mismatch: unchanged
+  CHECK(client.compareSet("c", bytes("x"), bytes("z")) == bytes("z"));  // match: swapped
+  CHECK(server.deleteKey("c"));
+  CHECK_FALSE(server.deleteKey("c"));
+
+  // get and wait block until another rank sets the key.
+  std::thread later([port] {
+    TcpStore other(opts(port, false));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    other.set("late", bytes("here"));
+  });
+  client.wait({"late"});
+  CHECK(client.get("late") == bytes("here"));
+  later.join();
+
+  // Bounded: a key that never comes times out with an error that says so.
+  TcpStore impatient(opts(port, false, std::chrono::milliseconds(300)));
+  CHECK_THROWS_WITH(impatient.get("never"), doctest::Contains("timed out"));
+  CHECK_THROWS_WITH(impatient.wait({"never"}, std::chrono::milliseconds(200)),
+                    doctest::Contains("timed out"));
+}
+
+TEST_CASE("TcpStore: many clients add at once and every increment counts") {
+  TcpStore server(opts(0, true));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 8; ++r)
+    ranks.emplace_back([port = server.port()] {
+      TcpStore s(opts(port, false));
+      for (int i = 0; i < 50; ++i) s.add("count", 1);
+    });
+  for (auto& t : ranks) t.join();
+  CHECK(server.add("count", 0) == 400);
+}
+
+TEST_CASE("TcpStore: the server listens on MASTER_ADDR's interface only, unless told otherwise") {
+  {
+    TcpStore server(opts(0, true));
+    const auto at = listeners(server.port());
+    CHECK(at == std::vector<std::string>{"0100007F"});  // 127.0.0.1, not 0.0.0.0 or ::
+  }
+  {
+    auto o = opts(0, true);
+    o.listen_everywhere = true;
+    TcpStore server(o);
+    const auto at = listeners(server.port());
+    REQUIRE(at.size() == 1);
+    CHECK(at[0].find_first_not_of('0') == std::string::npos);  // the wildcard address
+    TcpStore client(opts(server.port(), false));  // still reachable through loopback
+    client.set("k", bytes("v"));
+    CHECK(server.get("k") == bytes("v"));
+  }
+  // Ranks on other machines could never reach a loopback address: said at once.
+  auto o = opts(0, true);
+  o.other_machines = true;
+  CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("is a loopback address"));
+}
+
+TEST_CASE("TcpStore: a client gives up on an absent server after its timeout") {
+  TcpStore::Options o = opts(1, false, std::chrono::milliseconds(300));  // port 1: nobody
+  CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("timed out connecting to 127.0.0.1:1"));
+}
