@@ -14,6 +14,7 @@
 #endif
 
 #include <algorithm>
+#include <cctype>
 #include <thread>
 
 #include <sys/resource.h>
@@ -250,16 +251,20 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
 
   DistError failure(const char* op, const std::string& why) const {
     const std::string group = name_ == "world" ? "" : fmt::format(" ({} group)", name_);
-    // Say which it was: waiting out dist.timeout_s means a stalled peer; a closed or reset
-    // connection means a peer that died.
-    std::string lower = why;
-    std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-    const bool timed_out = lower.find("timed out") != std::string::npos ||
-                           lower.find("timeout") != std::string::npos;
+    // Say which it was when the error says so: waiting out dist.timeout_s means a stalled
+    // peer; a closed or reset connection means a peer that died.
+    std::string lower;
+    for (unsigned char ch : why) lower += char(std::tolower(ch));
+    auto has = [&](const char* w) { return lower.find(w) != std::string::npos; };
     const std::string cause =
-        timed_out ? fmt::format("no answer within dist.timeout_s = {} s; a peer rank stalled",
-                                ctx_->opts.timeout.count())
-                  : std::string("a peer rank closed its connection; it may have died");
+        has("timed out") || has("timeout")
+            ? fmt::format("no answer within dist.timeout_s = {} s; a peer rank stalled",
+                          ctx_->opts.timeout.count())
+        : has("closed") || has("reset") || has("broken pipe") || has("end of file") ||
+                has("connection refused")
+            ? std::string("a peer rank closed its connection; it may have died")
+            : fmt::format("a peer rank may have died or stalled; timeout {} s",
+                          ctx_->opts.timeout.count());
     return DistError(fmt::format("rank {}: {}{} failed ({}): {}", ctx_->world_rank, op, group,
                                  cause, why));
   }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -24,7 +25,7 @@ namespace {
 // The wire format: a message is a u32 length then its bytes. A request's bytes are an op
 // then its arguments, each a u32 length then bytes; a reply's bytes depend on the op.
 enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet };
-constexpr uint32_t kMaxMessage = 256u << 20;  // nothing a rendezvous sends comes near
+constexpr uint32_t kMaxMessage = 64u << 20;  // nothing a rendezvous sends comes near
 
 using Bytes = std::vector<uint8_t>;
 
@@ -135,7 +136,8 @@ class StoreServer {
         listen_fd_ = fd;
         address_ = address_str(a->ai_addr);
       } else {
-        tried += fmt::format(" {}: {};", address_str(a->ai_addr), std::strerror(errno));
+        const int err = errno;
+        tried += fmt::format(" {}: {};", address_str(a->ai_addr), std::strerror(err));
         ::close(fd);
       }
     }
@@ -179,14 +181,24 @@ class StoreServer {
         if (fd >= 0) {
           int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          // A client that stops reading its replies is dropped, not waited for: the one
+          // server thread serves every rank.
+          timeval tv{5, 0};
+          ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
           clients_[fd];
         }
       }
-      for (size_t i = 2; i < fds.size(); ++i)
-        if (fds[i].revents && !read_from(fds[i].fd)) {
+      for (size_t i = 2; i < fds.size(); ++i) {
+        bool keep = false;
+        try {
+          keep = !fds[i].revents || read_from(fds[i].fd);
+        } catch (const std::exception&) {  // out of memory for one client's request
+        }
+        if (!keep) {
           ::close(fds[i].fd);
           clients_.erase(fds[i].fd);
         }
+      }
     }
   }
 
@@ -201,19 +213,11 @@ class StoreServer {
       const uint32_t len = u32_of(buf.data());
       if (len == 0 || len > kMaxMessage) return false;  // not a client of ours
       if (buf.size() < 4 + size_t(len)) break;
-      Bytes reply;
-      try {
-        if (!handle(buf.data() + 4, len, reply)) return false;
-      } catch (const std::exception&) {  // e.g. add() on a key that holds no number
-        return false;
-      }
+      Bytes reply;  // an exception (add() on a key that holds no number) drops the client
+      if (!handle(buf.data() + 4, len, reply)) return false;
       Bytes framed;
       put_blob(framed, reply);
-      try {
-        send_all(fd, framed);
-      } catch (const std::exception&) {
-        return false;
-      }
+      send_all(fd, framed);
       buf.erase(buf.begin(), buf.begin() + 4 + len);
     }
     return true;
@@ -237,8 +241,10 @@ class StoreServer {
       case kAdd: {
         if (a.size() != 2 || a[1].size() != 8) return false;
         auto& v = data_[as_key(a[0])];  // stored as decimal text, as c10d's TCPStore does
-        const int64_t now = (v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end()))) +
-                            i64_of(a[1].data());
+        int64_t now = 0;
+        if (__builtin_add_overflow(v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end())),
+                                   i64_of(a[1].data()), &now))
+          return false;
         const auto text = std::to_string(now);
         v.assign(text.begin(), text.end());
         reply = i64_bytes(now);
@@ -287,11 +293,17 @@ TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout) {
     port_ = server_->port();
     const auto& at = server_->address();
     const bool loopback = at.rfind("127.", 0) == 0 || at == "::1";
-    if (loopback && o.other_machines && !o.listen_everywhere)
-      throw std::runtime_error(fmt::format(
-          "MASTER_ADDR '{}' is a loopback address ({}) on rank 0, but ranks on other machines "
-          "must reach it: set MASTER_ADDR to an address they can reach, or dist.store_bind: "
-          "all", o.host, at));
+    if (loopback && o.other_machines && !o.listen_everywhere) {
+      // Ranks on other machines could never reach it (a hostname that /etc/hosts maps to
+      // 127.0.1.1, as Debian does): listen everywhere, as c10d's TCPStore would, and say so.
+      std::fprintf(stderr, "dtrain: warning: MASTER_ADDR '%s' is a loopback address (%s) on rank "
+                           "0 while ranks run on other machines; the store listens on every "
+                           "interface (set MASTER_ADDR to this host's address to avoid that)\n",
+                   o.host.c_str(), at.c_str());
+      server_.reset();
+      server_ = std::make_unique<StoreServer>(o.host, o.port, /*everywhere=*/true);
+      port_ = server_->port();
+    }
   }
   // Rank 0 may not be listening yet: try again until the timeout.
   const auto deadline = std::chrono::steady_clock::now() + o.timeout;
@@ -330,16 +342,25 @@ TcpStore::~TcpStore() {
 
 Bytes TcpStore::request(const Bytes& message) {
   std::lock_guard<std::mutex> lock(mu_);
-  Bytes framed;
-  put_blob(framed, message);
-  send_all(fd_, framed);
-  uint8_t len[4];
-  recv_all(fd_, len, 4);
-  const uint32_t n = u32_of(len);
-  if (n > kMaxMessage) throw std::runtime_error("store: malformed reply");
-  Bytes reply(n);
-  recv_all(fd_, reply.data(), n);
-  return reply;
+  if (fd_ < 0) throw std::runtime_error("store: the connection to rank 0's store was lost");
+  try {
+    Bytes framed;
+    put_blob(framed, message);
+    send_all(fd_, framed);
+    uint8_t len[4];
+    recv_all(fd_, len, 4);
+    const uint32_t n = u32_of(len);
+    if (n > kMaxMessage) throw std::runtime_error("store: malformed reply");
+    Bytes reply(n);
+    recv_all(fd_, reply.data(), n);
+    return reply;
+  } catch (...) {
+    // Half a request or half a reply may be in flight: the next one would read it as its
+    // own. The connection is done.
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
 }
 
 namespace {

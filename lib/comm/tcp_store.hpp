@@ -27,7 +27,7 @@ class TcpStore : public c10d::Store {
     int port = 0;
     bool server = false;          // rank 0
     bool listen_everywhere = false;  // dist.store_bind: all
-    bool other_machines = false;     // some ranks run elsewhere: a loopback host is an error
+    bool other_machines = false;     // some ranks run elsewhere: a loopback host cannot do
     std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   };
   explicit TcpStore(const Options& o);

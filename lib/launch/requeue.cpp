@@ -31,7 +31,11 @@ std::string requeue_slurm_job(const std::string& job, std::chrono::seconds timeo
     return fmt::format("cannot run scontrol: {}", std::strerror(err));
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
+  while (true) {
+    const pid_t done = ::waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR)
+      return fmt::format("cannot wait for scontrol: {}", std::strerror(errno));
     if (std::chrono::steady_clock::now() > deadline) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);

@@ -114,27 +114,41 @@ char proc_state(pid_t pid) {
   return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
 }
 
-// Why the job failed, blaming the rank that caused it rather than the first to notice: a
-// rank that died of a signal we did not send; else one that is stopped, or still running
-// after a peer gave up on it (exit 4: a collective failed), i.e. stalled; else the first
-// rank to fail. `running` holds the state letters of the ranks still alive when the
-// first failure was seen.
+// Why the job failed, blaming the rank that caused it rather than the first to notice:
+// a rank that died of a signal we did not send; else one that failed on its own (an exit
+// code other than 4, which means "a peer failed"); else, when every failure is a peer
+// giving up, the one rank that is stopped or, failing that, the one still running then
+// (it stalled); else the first rank to fail. `running` holds the state letters of the
+// ranks still alive when the first failure was seen (0 for the others).
 std::pair<size_t, std::string> blame(const std::vector<Worker>& ws, size_t first,
                                      const std::vector<char>& running) {
   for (size_t i = 0; i < ws.size(); ++i)
     if (ws[i].status && WIFSIGNALED(*ws[i].status) && !ws[i].stopped_by_us)
       return {i, describe(int(i), *ws[i].status)};
+  auto exited = [&](size_t i, int code) {
+    return ws[i].status && WIFEXITED(*ws[i].status) && WEXITSTATUS(*ws[i].status) == code;
+  };
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (ws[i].status && !ws[i].stopped_by_us && !exited(i, 0) && !exited(i, kExitPeerFailed))
+      return {i, describe(int(i), *ws[i].status)};
   const int first_status = *ws[first].status;
-  const bool peer_gave_up = WIFEXITED(first_status) && WEXITSTATUS(first_status) == kExitPeerFailed;
-  for (char wanted : {'T', 'R'})
-    for (size_t i = 0; peer_gave_up && i < ws.size(); ++i) {
-      const char st = running[i];
-      if (wanted == 'T' ? (st == 'T' || st == 't') : (st != 0 && st != 'T' && st != 't'))
-        return {i, fmt::format("rank {} {} and rank {} gave up waiting for it ({})", i,
-                               wanted == 'T' ? "was stopped (SIGSTOP or a debugger)"
-                                             : "stopped responding",
-                               first, describe(int(first), first_status))};
-    }
+  if (exited(first, kExitPeerFailed)) {
+    auto only = [&](auto pred) -> std::optional<size_t> {
+      std::optional<size_t> found;
+      for (size_t i = 0; i < ws.size(); ++i)
+        if (pred(running[i])) {
+          if (found) return std::nullopt;  // two candidates: no telling which
+          found = i;
+        }
+      return found;
+    };
+    if (auto i = only([](char st) { return st == 'T' || st == 't'; }))
+      return {*i, fmt::format("rank {} was stopped (SIGSTOP or a debugger) and rank {} gave up "
+                              "waiting for it ({})", *i, first, describe(int(first), first_status))};
+    if (auto i = only([](char st) { return st != 0 && st != 'Z' && st != 'X'; }))
+      return {*i, fmt::format("rank {} stopped responding and rank {} gave up waiting for it "
+                              "({})", *i, first, describe(int(first), first_status))};
+  }
   return {first, describe(int(first), first_status)};
 }
 

@@ -60,7 +60,7 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   auto& st = c.state;
   if (c.finished) {
     c.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
-                      "(train.max_steps, or train.epochs x {} steps); run directory unchanged",
+                      "(train.max_steps, or train.epochs x {} steps); checkpoints and logs unchanged",
                       st.step, c.total_steps, c.steps_per_epoch()));
     return {0, nlohmann::json()};
   }

@@ -70,17 +70,13 @@ void setup(Context& c) {
   }
   broadcast_state(c);
   c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum);
-  if (c.root()) {
-    try {
-      write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
-      c.metrics = std::make_unique<MetricsLog>(
-          (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
-          resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt);
-    } catch (const std::exception& e) {
-      throw RunDirError(fmt::format("cannot write in run directory '{}': {}", cfg.run_dir,
-                                    first_line(e.what())));
-    }
-  }
+  root_does(c, fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
+    write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
+    c.metrics = std::make_unique<MetricsLog>(
+        (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
+        resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt);
+    return int64_t(0);
+  });
   int64_t local = 0, full = 0;
   for (const auto& e : c.params->entries()) {
     local += e.numel;

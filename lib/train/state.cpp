@@ -1,6 +1,7 @@
 #include "train/state.hpp"
 
 #include <filesystem>
+#include <functional>
 #include <iostream>
 
 #include <fmt/format.h>
@@ -81,24 +82,29 @@ int64_t claim_and_choose(Context& c) {
 
 }  // namespace
 
-std::optional<std::string> open_run_dir(Context& c) {
-  // [step, exit code]: rank 0 decides, everyone acts on the same answer, so a refusal
-  // ends every rank at once with rank 0's exit code instead of a timeout.
-  auto decision = torch::tensor({int64_t(-1), int64_t(0)}, torch::kInt64);
+int64_t root_does(Context& c, const std::string& what, const std::function<int64_t()>& part) {
+  auto outcome = torch::tensor({int64_t(0), int64_t(0)}, torch::kInt64);  // [value, exit code]
   std::string why;
   if (c.root()) {
     try {
-      decision[0] = claim_and_choose(c);
+      outcome[0] = part();
     } catch (const Error& e) {
-      decision[1] = int64_t(e.code);
+      outcome[1] = int64_t(e.code);
       why = e.what();
+    } catch (const std::exception& e) {  // the file system's or a JSON reader's own errors
+      outcome[1] = int64_t(kExitBadData);
+      why = fmt::format("cannot {}: {}", what, first_line(e.what()));
     }
   }
-  c.mesh.world()->broadcast(decision, 0);
-  const int64_t step = decision[0].item<int64_t>();
-  if (const auto code = decision[1].item<int64_t>())
-    throw Error(ExitCode(code), c.root() ? why : fmt::format("rank 0 could not use run directory "
-                                                             "'{}' (see rank 0)", c.cfg.run_dir));
+  c.mesh.world()->broadcast(outcome, 0);
+  if (const auto code = outcome[1].item<int64_t>())
+    throw Error(ExitCode(code), c.root() ? why : fmt::format("rank 0 could not {} (see rank 0)", what));
+  return outcome[0].item<int64_t>();
+}
+
+std::optional<std::string> open_run_dir(Context& c) {
+  const int64_t step = root_does(c, fmt::format("use run directory '{}'", c.cfg.run_dir),
+                                 [&] { return claim_and_choose(c); });
   if (!c.opts.resume.empty() && c.opts.resume != "auto") return resolve_checkpoint(c.opts.resume);
   if (step < 0) return std::nullopt;
   return (fs::path(c.cfg.run_dir) / "checkpoints" / fmt::format("step-{:08d}", step)).string();
@@ -175,46 +181,35 @@ void broadcast_state(Context& c) {
 
 void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   // The first data-parallel replica gathers the split tensors; rank 0 (one of its members)
-  // writes them.
-  std::string failure;
+  // writes them. No rank moves on (or exits) before the checkpoint is complete, and if it
+  // could not be written every rank stops with rank 0's reason.
+  CheckpointState state;
   if (c.mesh.coord().data == 0) {
     auto& tensor = *c.mesh.tensor();
-    CheckpointState state;
     state.model = c.params->gather_full(c.params->data(), "", tensor);
     for (const auto& b : c.model->named_buffers()) state.model.emplace_back(b.key(), b.value());
     state.optimizer = optimizer_state(*c.optimizer, *c.params, tensor);
-    if (c.root()) {
-      const auto& st = c.state;
-      const int64_t spe = c.steps_per_epoch();
-      state.trainer = {{"step", st.step},
-                       {"epoch", st.step / spe},
-                       {"step_in_epoch", st.step % spe},
-                       {"global_batch", c.cfg.data.batch_size},
-                       {"train_samples", c.data.train->size()},
-                       {"best_metric", finite_or_null(st.best_metric)},
-                       {"best_step", st.best_step},
-                       {"last_loss", finite_or_null(st.last_loss)},
-                       {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
-      state.config_yaml = to_yaml(c.cfg);
-      std::optional<Metric> metric;
-      if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};
-      try {
-        auto folder = c.checkpoints->save(state, st.step, st.step / spe,
-                                          layout_json(c.mesh.dims()), metric);
-        c.say(fmt::format("checkpoint {}", folder));
-      } catch (const CheckpointError& e) {
-        failure = e.what();
-      }
-    }
   }
-  // No rank moves on (or exits) before the checkpoint is complete, and if it could not be
-  // written every rank stops with rank 0's reason.
-  auto failed = torch::tensor({int64_t(!failure.empty())}, torch::kInt64);
-  c.mesh.world()->broadcast(failed, 0);
-  if (failed.item<int64_t>())
-    throw CheckpointError(c.root() ? failure
-                                   : fmt::format("rank 0 could not write the checkpoint of step "
-                                                 "{} (see rank 0)", c.state.step));
+  root_does(c, fmt::format("write the checkpoint of step {}", c.state.step), [&] {
+    const auto& st = c.state;
+    const int64_t spe = c.steps_per_epoch();
+    state.trainer = {{"step", st.step},
+                     {"epoch", st.step / spe},
+                     {"step_in_epoch", st.step % spe},
+                     {"global_batch", c.cfg.data.batch_size},
+                     {"train_samples", c.data.train->size()},
+                     {"best_metric", finite_or_null(st.best_metric)},
+                     {"best_step", st.best_step},
+                     {"last_loss", finite_or_null(st.last_loss)},
+                     {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
+    state.config_yaml = to_yaml(c.cfg);
+    std::optional<Metric> metric;
+    if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};
+    auto folder = c.checkpoints->save(state, st.step, st.step / spe, layout_json(c.mesh.dims()),
+                                      metric);
+    c.say(fmt::format("checkpoint {}", folder));
+    return int64_t(0);
+  });
   c.state.last_saved = c.state.step;
 }
 

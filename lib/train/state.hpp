@@ -2,12 +2,19 @@
 // saved at their full logical shapes (split ones gathered over the tensor group), so a
 // checkpoint resumes on any layout.
 #pragma once
+#include <functional>
 #include <optional>
 #include <string>
 
 #include "train/context.hpp"
 
 namespace dtrain {
+
+// Collective over the world: rank 0 runs `part` (which may throw) and every rank learns how
+// it went: the value it returned, or its failure, which every rank then throws with rank
+// 0's exit code (rank 0 with its message, the others pointing at rank 0; `what` completes
+// "could not ..."). No rank is left waiting in a collective rank 0 will never enter.
+int64_t root_does(Context& c, const std::string& what, const std::function<int64_t()>& part);
 
 // Collective. Rank 0 creates and locks the run directory and decides which checkpoint (if
 // any) the job resumes from; the others follow, or fail together with rank 0's exit code.

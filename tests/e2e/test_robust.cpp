@@ -161,6 +161,18 @@ TEST_SUITE("robust") {
     CHECK(summary["status"] == "failed");
     CHECK(summary["reason"].get<std::string>().find("No space left on device") != std::string::npos);
     ::umount2(disk.c_str(), MNT_DETACH);
+
+    // Two ranks: rank 0 cannot write, and both stop together with its exit code (not 4).
+    REQUIRE(mount_tmpfs(disk, 3));
+    r = dtrain("run " + job + " --run-dir " + run + " --nproc 2 --set model.hidden=[2048] " + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("[rank 0] dtrain: error: cannot write the checkpoint of step 20") !=
+          std::string::npos);
+    CHECK(r.err.find("[rank 1] dtrain: error: rank 0 could not write the checkpoint of step 20 "
+                     "(see rank 0)") != std::string::npos);
+    CHECK(metrics(run).back()["status"] == "failed");
+    ::umount2(disk.c_str(), MNT_DETACH);
   }
 
   TEST_CASE("resuming a finished run says there is nothing to train and changes nothing") {

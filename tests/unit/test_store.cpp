@@ -2,6 +2,11 @@
 // where the server listens.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -109,10 +114,39 @@ TEST_CASE("TcpStore: the server listens on MASTER_ADDR's interface only, unless 
     client.set("k", bytes("v"));
     CHECK(server.get("k") == bytes("v"));
   }
-  // Ranks on other machines could never reach a loopback address: said at once.
+  // Ranks on other machines could never reach a loopback address: then it listens on
+  // every interface (with a warning), as c10d's store would.
   auto o = opts(0, true);
   o.other_machines = true;
-  CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("is a loopback address"));
+  TcpStore server(o);
+  const auto at = listeners(server.port());
+  REQUIRE(at.size() == 1);
+  CHECK(at[0].find_first_not_of('0') == std::string::npos);
+}
+
+TEST_CASE("TcpStore: a client that breaks the protocol is dropped; the others go on") {
+  TcpStore server(opts(0, true));
+  TcpStore client(opts(server.port(), false));
+  // A raw connection that sends a frame claiming 4 GiB: the server drops it.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(server.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const uint8_t junk[] = {0xff, 0xff, 0xff, 0xff, 1, 2, 3};
+  CHECK(::send(fd, junk, sizeof junk, 0) == ssize_t(sizeof junk));
+  char byte;
+  CHECK(::recv(fd, &byte, 1, 0) == 0);  // closed by the server
+  ::close(fd);
+  client.set("still", bytes("works"));
+  CHECK(client.get("still") == bytes("works"));
+  // add() on a key that holds text: that client is dropped, and says so from then on.
+  client.set("text", bytes("abc"));
+  CHECK_THROWS(client.add("text", 1));
+  CHECK_THROWS_WITH(client.get("still"), doctest::Contains("connection to rank 0's store was lost"));
+  TcpStore other(opts(server.port(), false));
+  CHECK(other.get("still") == bytes("works"));
 }
 
 TEST_CASE("TcpStore: a client gives up on an absent server after its timeout") {
