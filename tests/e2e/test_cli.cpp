@@ -78,6 +78,10 @@ TEST_SUITE("cli") {
         {kMinimal, "--set name=a\\ b", "name: must be"},
         {std::string(kMinimal) + "name: \"a\\0b\"\n", "", "(got 'a\\x00b')"},
         {kMinimal, "--set name=" + std::string(129, 'n'), "name: must be 1 to 128"},
+        // Hostile sizes: an error, never a stack overflow or an endless parse.
+        {std::string(kMinimal) + "x: " + std::string(100000, '[') + std::string(100000, ']'), "",
+         "nested too deeply"},
+        {std::string(kMinimal) + "# " + std::string(2 << 20, 'x') + "\n", "", "a job spec is at most"},
     };
     for (const auto& c : cases) {
       auto job = write_job(dir, c.yaml);
