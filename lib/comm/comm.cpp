@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/tcp_store.hpp"
+#include "util/compat.hpp"
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -326,6 +327,7 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
       so.port = static_cast<std::uint16_t>(world.master_port);
       so.isServer = false;
       so.timeout = timeout;
+      compat::store_without_libuv(so);
       store = c10::make_intrusive<c10d::PrefixStore>(
           fmt::format("dtrain/attempt_{}", world.restart_count),
           c10::make_intrusive<c10d::TCPStore>(world.master_addr, so));

@@ -5,3 +5,21 @@
 
 // at::scaled_dot_product_attention (fused attention) exists from 2.0 on.
 #define DTRAIN_HAS_FUSED_ATTENTION (TORCH_VERSION_MAJOR >= 2)
+
+// LibTorch >= 2.4 hosts and joins c10d's TCPStore through libuv by default, which
+// distribution builds (Debian 13's 2.6) lack: "use_libuv was requested but PyTorch was
+// build without libuv support". dtrain only joins a c10d store as a client (torchrun's
+// agent's); the classic socket client works with either server. Where the option exists,
+// turn it off; where it does not (1.13), there is nothing to turn off.
+namespace dtrain::compat {
+template <class StoreOptions>
+auto without_libuv(StoreOptions& o, int) -> decltype(o.useLibUV = false, void()) {
+  o.useLibUV = false;
+}
+template <class StoreOptions>
+void without_libuv(StoreOptions&, long) {}
+template <class StoreOptions>
+void store_without_libuv(StoreOptions& o) {
+  without_libuv(o, 0);
+}
+}  // namespace dtrain::compat
