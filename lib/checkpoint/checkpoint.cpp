@@ -52,7 +52,7 @@ CheckpointStore::CheckpointStore(std::string run_dir, const CheckpointConfig& cf
 void CheckpointStore::discard_partial() {
   // A crash mid-save leaves a temporary folder that never became a checkpoint.
   for (const auto& e : fs::directory_iterator(dir_))
-    if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
+    if (e.path().filename().string().rfind(".tmp-", 0) == 0) remove_tree(e.path().string());
 }
 
 std::string CheckpointStore::save(const CheckpointState& state, int64_t step, int64_t epoch,
@@ -61,8 +61,10 @@ std::string CheckpointStore::save(const CheckpointState& state, int64_t step, in
   try {
     return write(state, step, epoch, layout, metric);
   } catch (const std::exception& e) {
-    std::error_code ec;  // never leave a partial folder filling the disk
-    fs::remove_all(fs::path(dir_) / (".tmp-" + folder_name(step)), ec);
+    try {  // never leave a partial folder filling the disk
+      remove_tree((fs::path(dir_) / (".tmp-" + folder_name(step))).string());
+    } catch (const std::exception&) {  // the first error is the one to report
+    }
     throw CheckpointError(fmt::format("cannot write the checkpoint of step {} in '{}': {}", step,
                                       dir_, first_line(e.what())));
   }
@@ -73,7 +75,7 @@ std::string CheckpointStore::write(const CheckpointState& state, int64_t step, i
                                    const std::optional<Metric>& metric) {
   const std::string name = folder_name(step);
   const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
-  fs::remove_all(tmp);
+  remove_tree(tmp.string());
   fs::create_directories(tmp);
   write_safetensors((tmp / kFiles[0]).string(), state.model, {{"format", "dtrain-model"}});
   write_safetensors((tmp / kFiles[1]).string(), state.optimizer, {{"format", "dtrain-optimizer"}});
@@ -95,7 +97,7 @@ std::string CheckpointStore::write(const CheckpointState& state, int64_t step, i
   write_file_synced((tmp / "manifest.json").string(), manifest.dump(1) + "\n");
   fsync_dir(tmp.string());
 
-  fs::remove_all(final_path);  // a re-save of the same step (e.g. after a restart)
+  remove_tree(final_path.string());  // a re-save of the same step (e.g. after a restart)
   fs::rename(tmp, final_path);
   fsync_dir(dir_);
   write_file_atomic((fs::path(dir_) / "latest").string(), name + "\n");
@@ -127,7 +129,7 @@ void CheckpointStore::prune() {
   auto keep_best = cfg_.keep_best ? best() : std::nullopt;
   const size_t keep = static_cast<size_t>(cfg_.keep_last);
   for (size_t i = 0; i + keep < names.size(); ++i)
-    if (!keep_best || names[i] != *keep_best) fs::remove_all(fs::path(dir_) / names[i]);
+    if (!keep_best || names[i] != *keep_best) remove_tree((fs::path(dir_) / names[i]).string());
 }
 
 CheckpointScan CheckpointStore::scan() const {

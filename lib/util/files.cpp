@@ -1,7 +1,9 @@
 #include "util/files.hpp"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -84,6 +86,26 @@ uint32_t crc32_of_file(const std::string& path) {
     crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(in.gcount()));
   }
   return static_cast<uint32_t>(crc);
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    throw sys_error("remove", path);
+  }
+  // Children first (FTW_DEPTH), without following symlinks (FTW_PHYS).
+  static thread_local std::string failed;
+  failed.clear();
+  auto remove_one = [](const char* p, const struct stat*, int, FTW*) -> int {
+    if (::remove(p) != 0 && errno != ENOENT) {
+      failed = p;
+      return 1;
+    }
+    return 0;
+  };
+  const int rc = ::nftw(path.c_str(), remove_one, 64, FTW_DEPTH | FTW_PHYS);
+  if (rc != 0) throw sys_error("remove", failed.empty() ? path : failed);
 }
 
 std::optional<DirLock> DirLock::try_lock(const std::string& dir, std::string& holder) {

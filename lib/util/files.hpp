@@ -18,6 +18,14 @@ std::string read_file(const std::string& path);
 // zlib CRC-32 of a file's bytes.
 uint32_t crc32_of_file(const std::string& path);
 
+// Removes `path` and everything under it (symlinks themselves, never what they point to);
+// nothing when it does not exist. Throws std::runtime_error naming what could not be
+// removed. dtrain's own, not std::filesystem::remove_all: the CUDA LibTorch 2.x inside
+// Python's torch exports a copy of that function that the dynamic linker binds dtrain's
+// calls to, and it crashes (../shared/notes/gpu-device.md). tests/check_symbols.sh keeps
+// the binaries free of it.
+void remove_tree(const std::string& path);
+
 // An advisory lock on a folder (flock on DIR/.lock) that the kernel releases when the
 // process dies, however it dies: one job per run directory. The file holds the holder's
 // pid and host so that a refused job can say who has it.

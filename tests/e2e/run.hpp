@@ -29,7 +29,8 @@ inline std::string slurp(const std::string& path) {
 inline std::string temp_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
              ("dtrain-e2e-" + name + "-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
+  // rm, not std::filesystem::remove_all (see util/files.hpp remove_tree).
+  std::system(("rm -rf '" + dir.string() + "'").c_str());
   std::filesystem::create_directories(dir);
   return dir.string();
 }

@@ -9,6 +9,8 @@
 #include <string>
 #include <system_error>
 
+#include "util/files.hpp"
+
 namespace dtrain::test {
 
 class TempDir {
@@ -17,12 +19,14 @@ class TempDir {
     static std::atomic<int> counter{0};
     path_ = std::filesystem::temp_directory_path() /
             (tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    std::filesystem::remove_all(path_);
+    dtrain::remove_tree(path_.string());
     std::filesystem::create_directories(path_);
   }
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
+    try {
+      dtrain::remove_tree(path_.string());
+    } catch (const std::exception&) {  // a destructor must not throw
+    }
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

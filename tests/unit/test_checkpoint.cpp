@@ -385,3 +385,20 @@ TEST_CASE("DirLock: one holder at a time, named; free again once released") {
   first.reset();
   CHECK(DirLock::try_lock(dir.path().string(), holder).has_value());
 }
+
+TEST_CASE("remove_tree: a whole tree, symlinks themselves but never their targets") {
+  TempDir dir;
+  const fs::path outside = dir.path() / "outside", tree = dir.path() / "tree";
+  fs::create_directories(outside);
+  test::write_bytes((outside / "keep.txt").string(), "keep");
+  fs::create_directories(tree / "a" / "b");
+  test::write_bytes((tree / "a" / "b" / "f.bin").string(), "x");
+  test::write_bytes((tree / "top.txt").string(), "y");
+  fs::create_directory_symlink(outside, tree / "a" / "link");
+  remove_tree(tree.string());
+  CHECK_FALSE(fs::exists(tree));
+  CHECK(fs::exists(outside / "keep.txt"));
+  CHECK_NOTHROW(remove_tree(tree.string()));  // absent: nothing to do
+  remove_tree((outside / "keep.txt").string());  // a single file
+  CHECK_FALSE(fs::exists(outside / "keep.txt"));
+}
