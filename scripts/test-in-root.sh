@@ -14,6 +14,7 @@ command -v debootstrap >/dev/null || {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
 }
 root=$(mktemp -d "${DTRAIN_ROOTS:-/tmp}/dtrain-$release.XXXXXX")
+chmod 755 "$root"  # it becomes /: its users (munge's postinst runs as munge) must enter it
 cleanup() {
   umount "$root/proc" 2>/dev/null || true
   umount "$root/dev" 2>/dev/null || true
