@@ -8,7 +8,10 @@
 set -euo pipefail
 release=${1:-trixie}
 cd "$(dirname "$0")/.."
-[ "$(id -u)" -eq 0 ] || { echo "test-in-root.sh: needs root (debootstrap, chroot, mounts)" >&2; exit 2; }
+if [ "$(id -u)" -ne 0 ]; then  # debootstrap, chroot and mounts need root
+  command -v sudo >/dev/null || { echo "test-in-root.sh: needs root or sudo" >&2; exit 2; }
+  exec sudo --preserve-env=DTRAIN_ROOTS "$0" "$release"
+fi
 command -v debootstrap >/dev/null || {
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
