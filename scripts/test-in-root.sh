@@ -10,7 +10,7 @@ release=${1:-trixie}
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ]; then  # debootstrap, chroot and mounts need root
   command -v sudo >/dev/null || { echo "test-in-root.sh: needs root or sudo" >&2; exit 2; }
-  exec sudo --preserve-env=DTRAIN_ROOTS "$0" "$release"
+  exec sudo --preserve-env=DTRAIN_ROOTS "$PWD/scripts/test-in-root.sh" "$release"
 fi
 command -v debootstrap >/dev/null || {
   apt-get update -qq
