@@ -4,13 +4,15 @@
 #pragma once
 #include <ATen/autocast_mode.h>
 
+#include "util/compat.hpp"
+
 namespace dtrain {
 
 class AutocastGuard {
  public:
-  explicit AutocastGuard(bool bf16) : on_(bf16) { at::autocast::set_cpu_enabled(on_); }
+  explicit AutocastGuard(bool bf16) : on_(bf16) { compat::set_cpu_autocast(on_); }
   ~AutocastGuard() {
-    at::autocast::set_cpu_enabled(false);
+    compat::set_cpu_autocast(false);
     if (on_) at::autocast::clear_cache();  // casts of the weights are per step
   }
   AutocastGuard(const AutocastGuard&) = delete;

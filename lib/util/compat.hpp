@@ -1,6 +1,7 @@
 // What differs between the LibTorch versions dtrain builds against (Debian's 1.13, the
 // CUDA 2.x inside a Python torch). Code asks these, never the version numbers.
 #pragma once
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
 // at::scaled_dot_product_attention (fused attention) exists from 2.0 on.
@@ -21,5 +22,18 @@ void without_libuv(StoreOptions&, long) {}
 template <class StoreOptions>
 void store_without_libuv(StoreOptions& o) {
   without_libuv(o, 0);
+}
+}  // namespace dtrain::compat
+
+// CPU autocast on or off. LibTorch 2.4 brought at::autocast::set_autocast_enabled(device,
+// on) and deprecated set_cpu_enabled(on) in the same change, through the macro tested here
+// (its spelling is LibTorch's); before it, set_cpu_enabled is the only way.
+namespace dtrain::compat {
+inline void set_cpu_autocast(bool on) {
+#ifdef AT_FORALL_DEPRECATED_AUTOCAST_BAKCNEDS
+  at::autocast::set_autocast_enabled(at::kCPU, on);
+#else
+  at::autocast::set_cpu_enabled(on);
+#endif
 }
 }  // namespace dtrain::compat
