@@ -139,7 +139,7 @@ CheckpointScan CheckpointStore::scan() const {
   for (auto it = names.rbegin(); it != names.rend(); ++it) {
     auto path = (fs::path(dir_) / *it).string();
     try {
-      verify_checkpoint(path);
+      out.newest_manifest = verify_checkpoint(path);
       out.newest_valid = path;
       break;
     } catch (const CheckpointError& e) {  // damaged: fall back to an older one, and say so

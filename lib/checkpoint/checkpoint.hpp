@@ -36,6 +36,7 @@ struct CheckpointScan {
     std::string folder, why;
   };
   std::optional<std::string> newest_valid;
+  nlohmann::json newest_manifest;  // its manifest, as verified (null when none verifies)
   std::vector<Damaged> skipped;  // newer than newest_valid (or all, when none verifies)
   size_t folders = 0;            // step-* folders found, valid or not
 };

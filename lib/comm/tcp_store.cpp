@@ -370,6 +370,21 @@ Bytes op_message(Op op, std::initializer_list<const Bytes*> args) {
   return m;
 }
 Bytes key_bytes(const std::string& k) { return Bytes(k.begin(), k.end()); }
+
+// Asks `ready` again, backing off from 0.2 to 10 ms, until it says yes or `timeout` (none
+// when kNoTimeout) has passed: how get and wait block without holding the server.
+template <class Ready>
+void poll_until(std::chrono::milliseconds timeout, const std::string& waiting_for, Ready ready) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(200);
+  while (!ready()) {
+    if (timeout != c10d::Store::kNoTimeout && std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error(fmt::format("store: timed out after {} ms waiting for {}",
+                                           timeout.count(), waiting_for));
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(10));
+  }
+}
 }  // namespace
 
 void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
@@ -386,17 +401,14 @@ std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
 
 std::vector<uint8_t> TcpStore::get(const std::string& key) {
   const auto k = key_bytes(key);
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  auto pause = std::chrono::microseconds(200);
-  while (true) {
+  Bytes value;
+  poll_until(timeout_, fmt::format("key '{}'", key), [&] {
     auto reply = request(op_message(kTryGet, {&k}));
-    if (!reply.empty() && reply[0]) return Bytes(reply.begin() + 1, reply.end());
-    if (timeout_ != kNoTimeout && std::chrono::steady_clock::now() > deadline)
-      throw std::runtime_error(fmt::format("store: timed out after {} ms waiting for key '{}'",
-                                           timeout_.count(), key));
-    std::this_thread::sleep_for(pause);
-    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(10));
-  }
+    if (reply.empty() || !reply[0]) return false;
+    value.assign(reply.begin() + 1, reply.end());
+    return true;
+  });
+  return value;
 }
 
 int64_t TcpStore::add(const std::string& key, int64_t value) {
@@ -428,15 +440,7 @@ int64_t TcpStore::getNumKeys() {
 void TcpStore::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
 
 void TcpStore::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto pause = std::chrono::microseconds(200);
-  while (!check(keys)) {
-    if (timeout != kNoTimeout && std::chrono::steady_clock::now() > deadline)
-      throw std::runtime_error(fmt::format("store: timed out after {} ms waiting for {} key(s)",
-                                           timeout.count(), keys.size()));
-    std::this_thread::sleep_for(pause);
-    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(10));
-  }
+  poll_until(timeout, fmt::format("{} key(s)", keys.size()), [&] { return check(keys); });
 }
 
 }  // namespace dtrain

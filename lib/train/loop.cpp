@@ -20,6 +20,13 @@
 namespace dtrain {
 namespace {
 
+// The run's last line: the progress display ends first, so the two never interleave.
+void write_summary(const Context& c, const nlohmann::json& summary) {
+  if (!c.root()) return;
+  c.progress->finish();
+  c.metrics->write(summary);
+}
+
 // A step with a non-finite loss or gradient made no update. train.on_nonfinite: stop ends
 // the run at once; skip goes on unless train.max_skipped steps in a row were skipped.
 // Either way nothing non-finite is checkpointed: the last good checkpoint stays the newest.
@@ -43,10 +50,7 @@ void handle_nonfinite(Context& c, const StepStats& s, const std::vector<double>&
   summary["diverged_step"] = st.step;
   summary["diverged_rank"] = s.nonfinite_rank;
   summary["reason"] = why;
-  if (c.root()) {
-    c.progress->finish();
-    c.metrics->write(summary);
-  }
+  write_summary(c, summary);
   throw DivergedError("training diverged: " + why);
 }
 
@@ -139,17 +143,11 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
     // A checkpoint that could not be written, a peer that failed: the record says so.
     auto summary = summary_line(c, "failed", step_ms, data_wait_ms);
     summary["reason"] = first_line(e.what());
-    if (c.root()) {
-      c.progress->finish();
-      c.metrics->write(summary);
-    }
+    write_summary(c, summary);
     throw;
   }
   auto summary = summary_line(c, "completed", step_ms, data_wait_ms);
-  if (c.root()) {
-    c.progress->finish();
-    c.metrics->write(summary);
-  }
+  write_summary(c, summary);
   c.say(fmt::format("done: {} steps, final loss {:.4f}, {:.0f} samples/s{}{}", st.step,
                     st.last_loss, summary["samples_per_s"].get<double>(),
                     c.items_per_sample() > 1

@@ -48,18 +48,14 @@ namespace {
 int64_t claim_and_choose(Context& c) {
   const auto& dir = c.cfg.run_dir;
   const auto& resume = c.opts.resume;
-  try {
-    fs::create_directories(dir);
-    std::string holder;
-    c.run_dir_lock = DirLock::try_lock(dir, holder);
-    fail_if<ConfigError>(!c.run_dir_lock, "run directory '{}' is in use by {} (lock {}/.lock): "
-                         "wait for that job, or choose another --run-dir", dir, holder, dir);
-    c.checkpoints = std::make_unique<CheckpointStore>(dir, c.cfg.checkpoint);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {  // read-only, a file in the way, a full disk
-    throw RunDirError(fmt::format("cannot use run directory '{}': {}", dir, first_line(e.what())));
-  }
+  // A read-only folder, a file in the way, a full disk: the file system's errors become
+  // root_does' "cannot use run directory ...", exit 3.
+  fs::create_directories(dir);
+  std::string holder;
+  c.run_dir_lock = DirLock::try_lock(dir, holder);
+  fail_if<ConfigError>(!c.run_dir_lock, "run directory '{}' is in use by {} (lock {}/.lock): "
+                       "wait for that job, or choose another --run-dir", dir, holder, dir);
+  c.checkpoints = std::make_unique<CheckpointStore>(dir, c.cfg.checkpoint);
   int64_t step = -1;
   if (resume == "auto" || resume.empty()) {
     const auto scan = c.checkpoints->scan();
@@ -74,7 +70,7 @@ int64_t claim_and_choose(Context& c) {
     for (const auto& d : scan.skipped)
       std::cerr << fmt::format("dtrain: warning: resume: skipping {}\n",
                                first_line(d.why));
-    if (scan.newest_valid) step = verify_checkpoint(*scan.newest_valid)["step"].get<int64_t>();
+    if (scan.newest_valid) step = scan.newest_manifest.at("step").get<int64_t>();
   }
   c.checkpoints->discard_partial();  // the folder is this run's now
   return step;
