@@ -286,7 +286,14 @@ class StoreServer {
   std::thread thread_;
 };
 
-TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout) {
+c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
+  Options o = opts_;
+  o.server = false;
+  o.port = port_;
+  return c10::make_intrusive<TcpStore>(o);
+}
+
+TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout), opts_(o) {
   port_ = o.port;
   if (o.server) {
     server_ = std::make_unique<StoreServer>(o.host, o.port, o.listen_everywhere);

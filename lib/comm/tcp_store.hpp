@@ -46,10 +46,14 @@ class TcpStore : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  // A second connection to the same server. LibTorch 2.7+ asks stores for one (pure
+  // virtual in c10d::Store there, absent before: hence no `override`).
+  c10::intrusive_ptr<c10d::Store> clone();
 
  private:
   std::vector<uint8_t> request(const std::vector<uint8_t>& message);
 
+  Options opts_;
   std::unique_ptr<StoreServer> server_;
   std::mutex mu_;  // one request at a time on the connection
   int fd_ = -1;
