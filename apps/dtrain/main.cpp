@@ -11,6 +11,7 @@
 #include "config/schema.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
+#include "launch/device.hpp"
 #include "launch/error_file.hpp"
 #include "launch/requeue.hpp"
 #include "launch/supervisor.hpp"
@@ -87,15 +88,14 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   const ParallelDims dims = validate(cfg, world.world);
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
-  RunOptions opts{resume_from, ""};
+  const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world);
+  RunOptions opts{resume_from, "", plan.device};
   if (world.launcher == "slurm" && cfg.dist.requeue && requeue) opts.requeue_job = slurm_job_to_requeue(env);
-  // dist.backend auto means Gloo while tensors live on the CPU (validation refuses nccl
-  // until CUDA training exists).
   std::shared_ptr<Comm> comm =
       world.world == 1 ? make_local_comm()
-                       : make_c10d_comm(world, {"gloo", std::chrono::seconds(cfg.dist.timeout_s),
+                       : make_c10d_comm(world, {plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
                                                 cfg.dist.gloo_threads,
-                                                cfg.dist.store_bind == "all"});
+                                                cfg.dist.store_bind == "all", plan.device});
   return run_training(cfg, dims, opts, world, comm).exit_code;
 }
 

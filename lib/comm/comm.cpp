@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include <sys/resource.h>
@@ -122,45 +124,60 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   C10dComm(c10::intrusive_ptr<PG> pg, std::shared_ptr<GroupContext> ctx, std::string name,
            int64_t rank, int64_t size)
       : pg_(std::move(pg)), ctx_(std::move(ctx)), name_(std::move(name)), rank_(rank),
-        size_(size) {}
+        size_(size) {
+    if (ctx_->opts.backend == "nccl") stage_ = ctx_->opts.device;
+  }
 
   int64_t rank() const override { return rank_; }
   int64_t size() const override { return size_; }
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override {
-    std::vector<torch::Tensor> ts{t};
+    const auto st = staged(t);
+    const torch::Tensor &dev = st.first, &back = st.second;
+    std::vector<torch::Tensor> ts{dev};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
     const double divide = op == ReduceOp::kAvg ? double(size_) : 1.0;
     return guard("all_reduce", [&] {
-      return pending("all_reduce", pg_->allreduce(ts, o), ts, divide);
+      return pending("all_reduce", pg_->allreduce(ts, o), ts, divide, back);
     });
   }
   void broadcast(torch::Tensor t, int64_t root) override {
-    std::vector<torch::Tensor> ts{std::move(t)};
+    const auto st = staged(t);
+    const torch::Tensor &dev = st.first, &back = st.second;
+    std::vector<torch::Tensor> ts{dev};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    guard("broadcast", [&] { return pending("broadcast", pg_->broadcast(ts, o), ts); })->wait();
+    guard("broadcast", [&] { return pending("broadcast", pg_->broadcast(ts, o), ts, 1.0, back); })
+        ->wait();
   }
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override {
+    const auto st = staged(t);
+    const torch::Tensor &dev = st.first, &back = st.second;
     std::vector<std::vector<torch::Tensor>> out(1);
-    for (int64_t i = 0; i < size_; ++i) out[0].push_back(torch::empty_like(t));
-    std::vector<torch::Tensor> in{t};
+    for (int64_t i = 0; i < size_; ++i) out[0].push_back(torch::empty_like(dev));
+    std::vector<torch::Tensor> in{dev};
     guard("all_gather", [&] { return pending("all_gather", pg_->allgather(out, in), in); })->wait();
+    if (back.defined())
+      for (auto& part : out[0]) part = part.to(t.device());
     return out[0];
   }
   void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
-    auto flat_in = in.reshape(-1).contiguous();
+    auto flat_in = staged(in).first.reshape(-1).contiguous();
     const int64_t n = flat_in.numel();
     TORCH_CHECK(out.numel() == n * size_, "all_gather_into: output holds ", out.numel(),
                 " elements, expected ", n * size_);
-    // The outputs are views of `out`: Gloo writes each rank's part in place.
+    const auto st = staged(out);
+    const torch::Tensor &dev_out = st.first, &back = st.second;
+    // The outputs are views of `out`: the backend writes each rank's part in place.
     std::vector<std::vector<torch::Tensor>> outs(1);
-    auto flat_out = out.view(-1);
+    auto flat_out = dev_out.view(-1);
     for (int64_t r = 0; r < size_; ++r) outs[0].push_back(flat_out.narrow(0, r * n, n));
     std::vector<torch::Tensor> ins{flat_in};
-    guard("all_gather", [&] { return pending("all_gather", pg_->allgather(outs, ins), ins); })
-        ->wait();
+    guard("all_gather", [&] {
+      return pending("all_gather", pg_->allgather(outs, ins), {flat_out}, 1.0,
+                     back.defined() ? back.view(-1) : back);
+    })->wait();
   }
   void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp op) override {
     // Gloo in LibTorch 1.13 has no reduce-scatter: reduce everything, keep this rank's
@@ -174,17 +191,20 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   }
   void barrier() override {
     // A barrier is an all-reduce of one number: the same timeout path as everything else.
-    std::vector<torch::Tensor> ts{torch::zeros({1})};
+    std::vector<torch::Tensor> ts{staged(torch::zeros({1})).first};
     guard("barrier", [&] { return pending("barrier", pg_->allreduce(ts), ts); })->wait();
   }
   std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int tag) override {
     return guard("send/recv", [&] {
       auto all = std::make_unique<PendingAll>();
       for (auto& op : ops) {
-        std::vector<torch::Tensor> ts{op.tensor};
-        auto work = op.kind == P2POp::kSend ? pg_->send(ts, int(op.peer), tag)
-                                            : pg_->recv(ts, int(op.peer), tag);
-        all->parts.push_back(pending(op.kind == P2POp::kSend ? "send" : "recv", work, ts));
+        const auto st = staged(op.tensor);
+        const torch::Tensor &dev = st.first, &back = st.second;
+        std::vector<torch::Tensor> ts{dev};
+        const bool send = op.kind == P2POp::kSend;
+        auto work = send ? pg_->send(ts, int(op.peer), tag) : pg_->recv(ts, int(op.peer), tag);
+        all->parts.push_back(pending(send ? "send" : "recv", work, ts, 1.0,
+                                     send ? torch::Tensor() : back));
       }
       return std::unique_ptr<Pending>(std::move(all));
     });
@@ -204,9 +224,9 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   class WorkPending : public Pending {
    public:
     WorkPending(const C10dComm* comm, const char* op, c10::intrusive_ptr<c10d::Work> work,
-                std::vector<torch::Tensor> keep, double divide)
+                std::vector<torch::Tensor> keep, double divide, torch::Tensor back)
         : comm_(comm), op_(op), work_(std::move(work)), keep_(std::move(keep)),
-          divide_(divide) {}
+          divide_(divide), back_(std::move(back)) {}
     void wait() override {
       bool done = false;
       try {
@@ -218,6 +238,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
       if (!done) throw comm_->failure(op_, "did not complete");
       if (divide_ != 1.0)
         for (auto& t : keep_) t.div_(divide_);
+      if (back_.defined()) back_.copy_(keep_[0]);  // a staged CPU tensor gets the result
     }
 
    private:
@@ -226,6 +247,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     c10::intrusive_ptr<c10d::Work> work_;
     std::vector<torch::Tensor> keep_;  // the buffers must outlive the operation
     double divide_;
+    torch::Tensor back_;
   };
   struct PendingAll : Pending {
     std::vector<std::unique_ptr<Pending>> parts;
@@ -235,8 +257,17 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   };
 
   std::unique_ptr<Pending> pending(const char* op, c10::intrusive_ptr<c10d::Work> w,
-                                   std::vector<torch::Tensor> keep, double divide = 1.0) const {
-    return std::make_unique<WorkPending>(this, op, std::move(w), std::move(keep), divide);
+                                   std::vector<torch::Tensor> keep, double divide = 1.0,
+                                   torch::Tensor back = {}) const {
+    return std::make_unique<WorkPending>(this, op, std::move(w), std::move(keep), divide,
+                                         std::move(back));
+  }
+
+  // The tensor the backend operates on, and the one its result is copied back to: for
+  // NCCL, a CPU tensor's copy on this rank's GPU, and the CPU tensor itself.
+  std::pair<torch::Tensor, torch::Tensor> staged(const torch::Tensor& t) const {
+    if (!stage_ || t.device() == *stage_) return {t, torch::Tensor()};
+    return {t.to(*stage_), t};
   }
 
   template <class F>
@@ -272,6 +303,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
 
   c10::intrusive_ptr<PG> pg_;
   std::shared_ptr<GroupContext> ctx_;
+  std::optional<c10::Device> stage_;
   std::string name_;
   int64_t rank_, size_;
 };
@@ -286,6 +318,9 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
   try {
     if (ctx->opts.backend == "nccl") {
 #ifdef USE_C10D_NCCL
+      // Blocking wait: a collective that outlives dist.timeout_s throws on this thread
+      // (exit 4, the peer named) instead of NCCL's watchdog aborting the process.
+      ::setenv(compat::kNcclBlockingWait, "1", /*overwrite=*/0);
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, int(rank), int(size), o);
@@ -363,7 +398,9 @@ void run_ranks_as_threads(int64_t n, const std::function<void(std::shared_ptr<Co
     threads.emplace_back([&, r] {
       try {
         auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, r, true});
-        body(n == 1 ? make_local_comm() : make_group(ctx, "world", r, n));
+        // NCCL: a group even of one, so a test on one GPU runs NCCL's code path.
+        body(n == 1 && opts.backend != "nccl" ? make_local_comm()
+                                              : make_group(ctx, "world", r, n));
       } catch (...) {
         errors[size_t(r)] = std::current_exception();
       }

@@ -86,6 +86,9 @@ struct CommOptions {
   std::chrono::seconds timeout{120};
   int64_t gloo_threads = 2;              // Gloo's worker threads per process group
   bool store_everywhere = false;         // dist.store_bind: all (else MASTER_ADDR's interface)
+  // This rank's device. NCCL moves CUDA tensors only: CPU tensors given to an NCCL group
+  // (a few numbers: the step's agreement, evaluation sums) go through this device.
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 // Rendezvous through a store at world.master_addr:master_port (rank 0 hosts dtrain's

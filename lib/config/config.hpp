@@ -125,6 +125,9 @@ struct TrainConfig {
   bool pin_threads = true;      // pin each intra-op thread to its own CPU (see util/affinity.hpp)
   std::string on_nonfinite = "stop";  // a non-finite loss or gradient: stop (exit 3) | skip the step
   int64_t max_skipped = 10;     // skip: steps skipped in a row before the run counts as diverged
+  // Where the model, its buffers and the optimizer state live: auto (CUDA when a GPU is
+  // visible) | cpu | cuda (the local rank's own GPU) | cuda:N.
+  std::string device = "auto";
 
   template <class V> void visit(V&& v) {
     v("epochs", epochs);
@@ -137,6 +140,7 @@ struct TrainConfig {
     v("pin_threads", pin_threads);
     v("on_nonfinite", on_nonfinite, Choices{"stop", "skip"});
     v("max_skipped", max_skipped);
+    v("device", device);
   }
 };
 
@@ -178,10 +182,14 @@ struct ParallelConfig {
 struct PrecisionConfig {
   std::string dtype = "fp32";        // fp32 | bf16 | fp16
   std::string loss_scale = "dynamic";// dynamic | a fixed number (fp16)
+  // On CUDA, fp32 matrix products and convolutions may use TF32 tensor cores (10-bit
+  // mantissa inputs, fp32 accumulation): PyTorch's allow_tf32, set by most GPU recipes.
+  bool tf32 = true;
 
   template <class V> void visit(V&& v) {
     v("dtype", dtype, Choices{"fp32", "bf16", "fp16"});
     v("loss_scale", loss_scale);
+    v("tf32", tf32);
   }
 };
 

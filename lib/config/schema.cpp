@@ -15,6 +15,7 @@
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
+#include "launch/device.hpp"
 #include "models/model.hpp"
 #include "util/error.hpp"
 
@@ -475,9 +476,6 @@ void check_supported(const JobConfig& c, const ParallelDims& layout) {
   refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
   refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
   refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
-  refuse(c.precision.dtype == "fp16", "precision.dtype",
-         "fp16 (it needs a CUDA device; use bf16 on CPU)");
-  refuse(c.dist.backend == "nccl", "dist.backend", "nccl on this CPU-only build");
 }
 
 }  // namespace
@@ -486,6 +484,7 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   check_ranges(cfg);
   const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
   check_supported(cfg, layout);
+  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   const int64_t per_step = layout.data * cfg.train.grad_accum;
   fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,

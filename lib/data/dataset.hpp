@@ -15,6 +15,14 @@ struct Batch {
   torch::Tensor y;  // [n] int64 class labels, or [n, seq] int64 next tokens
 };
 
+// The batch on `device`. From pinned memory (the loader pins for a GPU) the copy does not
+// block the caller: it is queued on the device's stream ahead of the step's kernels.
+inline Batch to_device(const Batch& b, const c10::Device& device) {
+  if (b.x.device() == device) return b;
+  const auto on = torch::TensorOptions().device(device);
+  return {b.x.to(on, /*non_blocking=*/true), b.y.to(on, /*non_blocking=*/true)};
+}
+
 // A split a batch is gathered from by sample index (the sampler's indices).
 class Dataset {
  public:

@@ -18,9 +18,10 @@ namespace dtrain {
 
 class Loader {
  public:
-  // Streams global steps [first, end); workers == 0 loads on the caller's thread.
+  // Streams global steps [first, end); workers == 0 loads on the caller's thread. `pin`:
+  // batches in page-locked memory, which a GPU copies from without blocking (CUDA only).
   Loader(const Dataset& data, ShardedSampler sampler, int64_t first, int64_t end,
-         int64_t workers, int64_t prefetch);
+         int64_t workers, int64_t prefetch, bool pin = false);
   ~Loader();
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
@@ -36,6 +37,7 @@ class Loader {
   const Dataset& data_;
   ShardedSampler sampler_;
   int64_t next_take_, end_, prefetch_;
+  bool pin_;
 
   std::mutex mu_;
   std::condition_variable can_work_, ready_cv_;

@@ -5,7 +5,12 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "util/compat.hpp"
 #include "util/error.hpp"
+
+#if DTRAIN_HAS_FUSED_ADAMW
+#include <ATen/ops/_fused_adamw.h>
+#endif
 
 namespace dtrain {
 namespace {
@@ -91,16 +96,24 @@ class Sgd : public FlatOptimizer {
 
 // torch.optim.AdamW: p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
 // p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+// On CUDA (LibTorch 2.x) the same update runs as LibTorch's fused kernel (torch.optim's
+// fused=True): one pass over the parameters, gradients and both moments instead of ~10.
 class AdamW : public FlatOptimizer {
  public:
   AdamW(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard, {"exp_avg", "exp_avg_sq"}) {}
+      : FlatOptimizer(cfg, params, shard, {"exp_avg", "exp_avg_sq"}) {
+#if DTRAIN_HAS_FUSED_ADAMW
+    if (p().is_cuda() && shard_.offset == 0 && shard_.numel == params.data().numel())
+      group_for_fused();
+#endif
+  }
 
   void step(double lr) override {
     torch::NoGradGuard no_grad;
+    ++steps_;
+    if (!groups_.empty()) return fused_step(lr);
     auto& w = p();
     const auto& grad = g();
-    ++steps_;
     if (decay_ == Decay::kAll) w.mul_(1 - lr * cfg_.weight_decay);
     if (decay_ == Decay::kMasked) w.addcmul_(w, mask_, -lr * cfg_.weight_decay);
     auto& m = slot(0);
@@ -112,6 +125,41 @@ class AdamW : public FlatOptimizer {
     auto denom = (v.sqrt() / std::sqrt(bc2)).add_(cfg_.eps);
     w.addcdiv_(m, denom, -lr / bc1);
   }
+
+ private:
+  // The fused kernel takes lists of tensors and one weight decay: each entry's slice of
+  // the flat buffers, in a group that decays and one that does not.
+  struct Group {
+    std::vector<torch::Tensor> p, g, m, v, steps;
+    double weight_decay;
+  };
+  void group_for_fused() {
+    step_ = torch::zeros({}, p().options());
+    Group decayed{{}, {}, {}, {}, {}, cfg_.weight_decay}, plain{{}, {}, {}, {}, {}, 0.0};
+    for (const auto& e : params_.entries()) {
+      auto& grp = decays(cfg_, e.full_shape) ? decayed : plain;
+      auto part = [&](const torch::Tensor& flat) { return flat.narrow(0, e.offset, e.numel); };
+      grp.p.push_back(part(p())), grp.g.push_back(part(g()));
+      grp.m.push_back(part(slot(0))), grp.v.push_back(part(slot(1)));
+      grp.steps.push_back(step_);
+    }
+    for (auto* grp : {&decayed, &plain})
+      if (!grp->p.empty()) groups_.push_back(std::move(*grp));
+  }
+  void fused_step(double lr) {
+#if DTRAIN_HAS_FUSED_ADAMW
+    step_.fill_(double(steps_));
+    for (auto& grp : groups_)
+      at::_fused_adamw_(grp.p, grp.g, grp.m, grp.v, /*max_exp_avg_sqs=*/at::TensorList(), grp.steps,
+                        lr, cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps,
+                        /*amsgrad=*/false, /*maximize=*/false);
+#else
+    (void)lr;
+#endif
+  }
+
+  std::vector<Group> groups_;  // empty: the unfused update
+  torch::Tensor step_;         // the step count the kernel reads (a float on the device)
 };
 
 }  // namespace

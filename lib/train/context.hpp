@@ -17,6 +17,7 @@
 #include "parallel/flat_params.hpp"
 #include "parallel/grad_sync.hpp"
 #include "parallel/mesh.hpp"
+#include "precision/loss_scaler.hpp"
 #include "train/trainer.hpp"
 #include "util/files.hpp"
 
@@ -56,6 +57,7 @@ struct Context {
   std::unique_ptr<FlatParams> params;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<GradSync> sync;
+  std::unique_ptr<LossScaler> scaler;  // fp16 only
   std::optional<ShardedSampler> sampler;
   int64_t total_steps = 0;
   bool finished = false;  // resumed at or past total_steps: nothing to train
@@ -66,6 +68,7 @@ struct Context {
   RunState state;
 
   bool root() const { return mesh.is_root(); }
+  const c10::Device& device() const { return opts.device; }
   torch::MemoryFormat format() const { return spec->format; }
   int64_t steps_per_epoch() const { return sampler->steps_per_epoch(); }
   // Items per sample: 1, or the tokens of a window (for tokens/s).

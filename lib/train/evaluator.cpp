@@ -12,15 +12,14 @@ EvalResult evaluate(Context& c) {
   const auto& test = *c.data.test;
   const int64_t ranks = c.mesh.dims().data, r = c.mesh.coord().data;
   const int64_t lo = test.size() * r / ranks, hi = test.size() * (r + 1) / ranks;
-  const bool bf16 = c.cfg.precision.dtype == "bf16";
   EvalSums sums;
   for (int64_t start = lo; start < hi; start += c.cfg.train.eval_batch_size) {
     const int64_t n = std::min(c.cfg.train.eval_batch_size, hi - start);
-    Batch b = test.gather(torch::arange(start, start + n, torch::kInt64));
+    Batch b = to_device(test.gather(torch::arange(start, start + n, torch::kInt64)), c.device());
     if (b.x.dim() == 4) b.x = b.x.contiguous(c.format());
     torch::Tensor out;
     {
-      AutocastGuard guard(bf16);
+      AutocastGuard guard(c.cfg.precision.dtype, c.device().type());
       out = c.model->forward(b.x);
     }
     c.task->accumulate(out, b, sums, *c.mesh.tensor());

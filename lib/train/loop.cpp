@@ -69,7 +69,7 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
     return {0, nlohmann::json()};
   }
   Loader loader(*c.data.train, *c.sampler, st.step, c.total_steps, cfg.data.workers,
-                cfg.data.prefetch);
+                cfg.data.prefetch, /*pin=*/c.device().is_cuda());
   const int64_t spe = c.steps_per_epoch();
   std::vector<double> step_ms;  // this process's steps, for the steady-state rate
   double data_wait_ms = 0;

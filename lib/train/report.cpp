@@ -31,6 +31,10 @@ nlohmann::json train_line(const Context& c, const StepStats& last, const Window&
                       {"optim_ms", w.optim_ms / n},
                       {"time", unix_time()}};
   if (c.items_per_sample() > 1) line["tokens_per_s"] = samples_per_s * double(c.items_per_sample());
+  if (c.scaler) {
+    line["loss_scale"] = c.scaler->scale();
+    line["overflow_steps"] = c.scaler->overflows();
+  }
   if (c.mesh.world()->size() > 1) {
     line["comm_ms"] = w.comm_ms / n;
     line["comm_bytes"] = c.sync->bytes_per_step();
@@ -74,7 +78,12 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"layout", {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}}},
       {"task", c.task->name()},
       {"skipped_steps", st.skipped},
+      {"device", c.device().str()},
       {"time", unix_time()}};
+  if (c.scaler) {
+    s["loss_scale"] = c.scaler->scale();
+    s["overflow_steps"] = c.scaler->overflows();
+  }
   if (c.items_per_sample() > 1) s["tokens_per_s"] = steady * double(c.items_per_sample());
   const std::string metric = c.task->metric();
   if (std::isfinite(st.best_metric)) {

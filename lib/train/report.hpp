@@ -20,6 +20,7 @@ struct StepStats {
   bool stop = false;           // some rank was asked to stop: all stop after this step
   bool nonfinite = false;      // some rank saw a non-finite loss or gradient: no update made
   int64_t nonfinite_rank = -1; // the lowest world rank that saw it
+  bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
 };
 
 // Sums over one logging window of steps.

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "config/schema.hpp"
+#include "launch/device.hpp"
 #include "train/context.hpp"
 #include "train/state.hpp"
 #include "util/affinity.hpp"
@@ -34,7 +35,8 @@ void setup(Context& c) {
   const std::string pinning = cfg.train.pin_threads
                                   ? pin_compute_threads(threads, c.world.local_rank, c.world.local_world)
                                   : "not pinned";
-  torch::manual_seed(static_cast<uint64_t>(cfg.seed));
+  torch::manual_seed(static_cast<uint64_t>(cfg.seed));  // the CPU's and every GPU's generator
+  use_device(c.device(), cfg);
 
   auto blas = loaded_blas();
   if (c.root() && is_reference_blas(blas))
@@ -50,11 +52,17 @@ void setup(Context& c) {
   mc.vocab = c.data.vocab;
   if (cfg.parallel.sync_batchnorm && dims.data > 1) mc.sync_batchnorm = c.mesh.data();
   mc.tensor = c.mesh.tensor();
+  // Built and initialised on the CPU, from the CPU generator: the same weights whatever
+  // the device. Then the parameters, buffers, flat buffers and optimizer state move there.
   c.model = c.spec->build(cfg.model, mc);
+  c.model->to(c.device());
   FlatOptions flat;
   flat.format = c.spec->format;
+  flat.device = c.device();
   c.params = std::make_unique<FlatParams>(*c.model, flat);
   c.optimizer = make_optimizer(cfg.optimizer, *c.params);
+  if (cfg.precision.dtype == "fp16")
+    c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
   c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
                     static_cast<uint64_t>(cfg.seed), /*rank=*/c.mesh.coord().data,
                     /*ranks=*/dims.data);
@@ -86,12 +94,12 @@ void setup(Context& c) {
   }
   c.say(fmt::format(
       "dtrain {}: job '{}', {} ({} parameters{}), {} ({} train / {} test), batch {}, {} steps "
-      "({} per epoch), world {} ({}, launcher {}), {} thread(s) per rank ({}), BLAS {}{}; "
+      "({} per epoch), {} {}, world {} ({}, launcher {}), {} thread(s) per rank ({}), BLAS {}{}; "
       "logs in {}",
       DTRAIN_VERSION, cfg.name, cfg.model.arch, full,
       local != full ? fmt::format(", {} on each tensor rank", local) : "", cfg.data.dataset,
       c.data.train->size(), c.data.test->size(), cfg.data.batch_size, c.total_steps,
-      c.steps_per_epoch(), c.mesh.world()->size(), dims.str(), c.world.launcher, threads, pinning,
+      c.steps_per_epoch(), c.device().str(), cfg.precision.dtype, c.mesh.world()->size(), dims.str(), c.world.launcher, threads, pinning,
       blas.empty() ? "unknown" : blas,
       resume_from ? fmt::format(", resumed at step {} from {}", c.state.step, *resume_from) : "",
       cfg.run_dir));

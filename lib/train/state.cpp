@@ -33,6 +33,11 @@ torch::Tensor from_hex(const std::string& s) {
   return t;
 }
 
+void set_generator_state(at::Generator gen, const torch::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
 double number_or_nan(const nlohmann::json& j) { return j.is_number() ? j.get<double>() : std::nan(""); }
 
 nlohmann::json layout_json(const ParallelDims& d) {
@@ -116,11 +121,16 @@ SavedTrainer read_trainer_state(const nlohmann::json& t, const std::string& fold
     out.train_samples = t.at("train_samples").get<int64_t>();
     out.best_metric = number_or_nan(t.at("best_metric"));
     out.last_loss = number_or_nan(t.at("last_loss"));
-    const auto rng = t.at("rng_torch_cpu").get<std::string>();
-    fail_if<CheckpointError>(rng.size() % 2 != 0 || rng.find_first_not_of("0123456789abcdef") !=
-                                                         std::string::npos,
-                             "{}: rng_torch_cpu is not a hex string", file);
-    out.rng_cpu = from_hex(rng);
+    auto hex = [&](const char* key) {
+      const auto rng = t.at(key).get<std::string>();
+      fail_if<CheckpointError>(rng.size() % 2 != 0 ||
+                                   rng.find_first_not_of("0123456789abcdef") != std::string::npos,
+                               "{}: {} is not a hex string", file, key);
+      return from_hex(rng);
+    };
+    out.rng_cpu = hex("rng_torch_cpu");
+    if (t.contains("rng_torch_cuda")) out.rng_cuda = hex("rng_torch_cuda");
+    if (t.contains("loss_scaler")) out.loss_scaler = t.at("loss_scaler");
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}: {}", file, e.what()));
   }
@@ -157,9 +167,12 @@ void restore(Context& c, const std::string& folder) {
     for (const auto& b : c.model->named_buffers())  // replicated: every rank takes all of it
       b.value().copy_(model.at(b.key(), b.value().sizes().vec()));
     load_optimizer_state(*c.optimizer, *c.params, saved.optimizer, tensor_rank, folder);
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(t.rng_cpu);
+    set_generator_state(at::detail::getDefaultCPUGenerator(), t.rng_cpu);
+    // A run on a GPU resumes its generator (dropout) where it was; a checkpoint from
+    // another device leaves this device's generator at the job's seed.
+    if (c.device().is_cuda() && t.rng_cuda.defined())
+      set_generator_state(at::globalContext().defaultGenerator(c.device()), t.rng_cuda);
+    if (c.scaler && !t.loss_scaler.is_null()) c.scaler->load(t.loss_scaler, folder + "/trainer.json");
   } catch (const c10::Error& e) {  // e.g. a random state of the wrong size
     throw CheckpointError(fmt::format("{}: cannot restore: {}", folder,
                                       first_line(e.what_without_backtrace())));
@@ -198,6 +211,10 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
                      {"best_step", st.best_step},
                      {"last_loss", finite_or_null(st.last_loss)},
                      {"rng_torch_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
+    if (c.device().is_cuda())
+      state.trainer["rng_torch_cuda"] =
+          to_hex(at::globalContext().defaultGenerator(c.device()).get_state());
+    if (c.scaler) state.trainer["loss_scaler"] = c.scaler->state();
     state.config_yaml = to_yaml(c.cfg);
     std::optional<Metric> metric;
     if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};

@@ -24,6 +24,8 @@ struct SavedTrainer {
   int64_t step = 0, best_step = 0, global_batch = 0, train_samples = 0;
   double best_metric = 0, last_loss = 0;  // NaN when not yet known
   torch::Tensor rng_cpu;                  // LibTorch's CPU generator state
+  torch::Tensor rng_cuda;                 // the GPU's generator state: a run on CUDA
+  nlohmann::json loss_scaler;             // fp16: the scaler's state (null otherwise)
 };
 SavedTrainer read_trainer_state(const nlohmann::json& trainer, const std::string& folder);
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include <c10/core/Device.h>
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.hpp"
@@ -24,6 +25,8 @@ struct RunOptions {
   // The SLURM job to requeue after a SIGUSR1 checkpoint ("" = none: not under SLURM, or
   // dist.requeue / --no-requeue turned it off).
   std::string requeue_job;
+  // Where this rank computes (plan_device's choice for it).
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 struct RunResult {

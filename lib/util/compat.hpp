@@ -25,15 +25,38 @@ void store_without_libuv(StoreOptions& o) {
 }
 }  // namespace dtrain::compat
 
-// CPU autocast on or off. LibTorch 2.4 brought at::autocast::set_autocast_enabled(device,
-// on) and deprecated set_cpu_enabled(on) in the same change, through the macro tested here
-// (its spelling is LibTorch's); before it, set_cpu_enabled is the only way.
+// Autocast on or off for a device type, in a dtype. LibTorch 2.4 brought the
+// device-generic at::autocast::set_autocast_enabled / set_autocast_dtype and deprecated the
+// per-device functions (set_cpu_enabled, set_enabled for CUDA, ...), which later releases
+// may drop; before 2.4 those are the only way.
+#define DTRAIN_HAS_GENERIC_AUTOCAST \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+
 namespace dtrain::compat {
-inline void set_cpu_autocast(bool on) {
-#ifdef AT_FORALL_DEPRECATED_AUTOCAST_BAKCNEDS
-  at::autocast::set_autocast_enabled(at::kCPU, on);
+inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype) {
+#if DTRAIN_HAS_GENERIC_AUTOCAST
+  if (on) at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::set_autocast_enabled(device, on);
 #else
-  at::autocast::set_cpu_enabled(on);
+  if (device == c10::kCUDA) {
+    if (on) at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(on);
+  } else {
+    if (on) at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(on);
+  }
 #endif
 }
+}  // namespace dtrain::compat
+
+// at::_fused_adamw_ (AdamW over lists of tensors in one CUDA kernel) exists from 2.0 on.
+#define DTRAIN_HAS_FUSED_ADAMW (TORCH_VERSION_MAJOR >= 2)
+
+// The environment variable that makes NCCL's work.wait() block the caller with a timeout.
+namespace dtrain::compat {
+#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 2 || TORCH_VERSION_MAJOR > 2
+inline constexpr const char* kNcclBlockingWait = "TORCH_NCCL_BLOCKING_WAIT";
+#else
+inline constexpr const char* kNcclBlockingWait = "NCCL_BLOCKING_WAIT";
+#endif
 }  // namespace dtrain::compat

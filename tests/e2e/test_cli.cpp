@@ -65,6 +65,12 @@ TEST_SUITE("cli") {
         {kMinimal, "--set optimizer.lr", "expected KEY=VALUE"},
         {kMinimal, "--set parallel.tensor=2", "parallel.tensor"},
         {kMinimal, "--set checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1"},
+        // Devices: what cannot run on this machine is refused before anything starts.
+        {kMinimal, "--set train.device=gpu", "train.device: expected auto, cpu, cuda or cuda:N"},
+        {kMinimal, "--set train.device=cuda:99", "train.device: cuda:99"},
+        {kMinimal, "--set train.device=cpu --set precision.dtype=fp16",
+         "precision.dtype: fp16 needs a CUDA device"},
+        {kMinimal, "--set train.device=cpu --set dist.backend=nccl", "dist.backend: nccl"},
         // The job file itself.
         {"", "", "job file '" + dir + "/job.yaml' is empty"},
         {"# only a comment\n", "", "is empty"},

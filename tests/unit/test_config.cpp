@@ -290,8 +290,10 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"unsupported: zero", "parallel:\n  zero: 1\n", {"parallel.zero"}},
       {"unsupported: compression", "parallel:\n  compression: sign\n", {"parallel.compression"}},
       {"unsupported: async", "parallel:\n  mode: async_ps\n", {"parallel.mode"}},
-      {"unsupported: fp16 on CPU", "precision:\n  dtype: fp16\n", {"precision.dtype"}},
-      {"unsupported: nccl", "dist:\n  backend: nccl\n", {"dist.backend"}},
+      {"unsupported: fp16 on CPU", "train: {device: cpu}\nprecision:\n  dtype: fp16\n",
+       {"precision.dtype", "bf16"}},
+      {"unsupported: nccl on CPU", "train: {device: cpu}\ndist:\n  backend: nccl\n", {"dist.backend"}},
+      {"device spelled wrong", "train: {device: gpu0}\n", {"train.device", "'gpu0'"}},
   };
   for (const auto& c : cases) {
     CAPTURE(c.what);

@@ -1,0 +1,89 @@
+#include "launch/device.hpp"
+
+#include <algorithm>
+#include <cctype>
+
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
+#include <torch/cuda.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+
+c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t local_world,
+                        int64_t visible) {
+  if (spec == "cpu" || (spec == "auto" && visible == 0)) return c10::Device(c10::kCPU);
+  int64_t index = -1;  // -1: the local rank's own
+  if (spec.rfind("cuda:", 0) == 0) {
+    const std::string n = spec.substr(5);
+    const bool digits = !n.empty() && n.size() <= 4 &&
+                        std::all_of(n.begin(), n.end(), [](unsigned char ch) { return std::isdigit(ch); });
+    fail_if<ConfigError>(!digits, "train.device: expected auto, cpu, cuda or cuda:N (got '{}')",
+                         spec);
+    index = std::stoll(n);
+  } else {
+    fail_if<ConfigError>(spec != "cuda" && spec != "auto",
+                         "train.device: expected auto, cpu, cuda or cuda:N (got '{}')", spec);
+  }
+  fail_if<ConfigError>(visible == 0,
+                       "train.device: {}, but no CUDA device is visible to this process (use auto "
+                       "or cpu)", spec);
+  if (index >= 0) {
+    fail_if<ConfigError>(index >= visible, "train.device: {}, but only {} CUDA device(s) are "
+                                           "visible (cuda:0 to cuda:{})", spec, visible, visible - 1);
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  if (visible == 1) return c10::Device(c10::kCUDA, 0);  // each process sees its own GPU
+  fail_if<ConfigError>(local_rank >= visible,
+                       "train.device: {}: local rank {} of {} has no GPU of its own ({} visible); "
+                       "start at most {} processes per machine, or give each process its GPU "
+                       "with CUDA_VISIBLE_DEVICES", spec, local_rank, local_world, visible, visible);
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl) {
+  const bool cuda = type == c10::kCUDA;
+  if (backend == "auto") return cuda && nccl ? "nccl" : "gloo";
+  if (backend == "nccl") {
+    fail_if<ConfigError>(!cuda, "dist.backend: nccl moves CUDA tensors, but train.device is the "
+                                "CPU; use gloo or auto");
+    fail_if<ConfigError>(!nccl, "dist.backend: nccl, but this build of dtrain has no NCCL "
+                                "(LibTorch without CUDA); use gloo or auto");
+  }
+  return backend;
+}
+
+DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world) {
+  DevicePlan plan;
+  plan.device = pick_device(cfg.train.device, local_rank, local_world, visible_gpus());
+  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built());
+  fail_if<ConfigError>(cfg.precision.dtype == "fp16" && !plan.device.is_cuda(),
+                       "precision.dtype: fp16 needs a CUDA device (train.device is the CPU "
+                       "here); use bf16 for mixed precision on the CPU");
+  return plan;
+}
+
+int64_t visible_gpus() {
+  return torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+}
+
+bool nccl_built() {
+#ifdef USE_C10D_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+void use_device(const c10::Device& device, const JobConfig& cfg) {
+  if (!device.is_cuda()) return;
+  // The current device of this thread: where LibTorch allocates, and NCCL's GPU.
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
+  // PyTorch's allow_tf32 for matmul and cuDNN ("high" float32 matmul precision).
+  at::globalContext().setFloat32MatmulPrecision(cfg.precision.tf32 ? "high" : "highest");
+  at::globalContext().setAllowTF32CuDNN(cfg.precision.tf32);
+}
+
+}  // namespace dtrain

@@ -1,0 +1,45 @@
+// Where a rank computes and how it talks: decided once, from train.device, dist.backend,
+// the launcher's local rank and the GPUs this process sees. The pure choices take what
+// they depend on as arguments (tested on any machine); plan_device asks LibTorch.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <c10/core/Device.h>
+
+#include "config/config.hpp"
+#include "launch/world.hpp"
+
+namespace dtrain {
+
+// train.device for local rank `local_rank` of `local_world` processes on a machine where
+// this process sees `visible` GPUs:
+//   cpu     the CPU
+//   auto    cuda when a GPU is visible, else cpu
+//   cuda    the local rank's own GPU: cuda:local_rank; or cuda:0 when each process sees
+//           exactly one (SLURM's --gpus-per-task, CUDA_VISIBLE_DEVICES per rank)
+//   cuda:N  that GPU
+// Throws ConfigError naming train.device when the GPU is not there.
+c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t local_world,
+                        int64_t visible);
+
+// dist.backend for tensors on `type`: auto is NCCL for CUDA (where LibTorch has it), Gloo
+// otherwise. Throws ConfigError naming dist.backend for NCCL without CUDA or without NCCL.
+std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl_built);
+
+// The job's device and backend on this machine; throws ConfigError (train.device,
+// dist.backend, precision.dtype) for what cannot run here, e.g. fp16 on the CPU.
+struct DevicePlan {
+  c10::Device device = c10::Device(c10::kCPU);
+  std::string backend = "gloo";
+};
+DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world);
+
+int64_t visible_gpus();
+bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group
+
+// Makes `device` this thread's current CUDA device and applies the job's CUDA settings
+// (TF32). Nothing for the CPU.
+void use_device(const c10::Device& device, const JobConfig& cfg);
+
+}  // namespace dtrain

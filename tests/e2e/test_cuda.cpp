@@ -1,0 +1,172 @@
+// Training on a GPU through the binary: accuracy and agreement with the CPU, exact resume
+// (the GPU's generator included), data parallelism of two processes on one GPU, bf16 and
+// fp16 with its loss scaler. Exits with ctest's skip code where no GPU is visible (CI).
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+
+#include <torch/cuda.h>
+
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+void require_gpu() {
+  if (torch::cuda::is_available() && torch::cuda::device_count() > 0) return;
+  MESSAGE("no CUDA device visible: skipping the cuda suite");
+  std::exit(77);
+}
+
+std::string mlp_job(const std::string& dir, double dropout) {
+  auto path = dir + "/mlp.yaml";
+  std::ofstream(path) << "name: cuda-mlp\nseed: 5\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                         "model: {arch: mlp, hidden: [64, 32], dropout: "
+                      << dropout
+                      << "}\noptimizer: {name: adamw, lr: 0.003, weight_decay: 0.01, grad_clip: 1.0}\n"
+                         // step decay: the same learning rates whatever max_steps is, so
+                         // 24 steps then 24 more follow 48 straight
+                         "schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}\n"
+                         "train: {log_every: 1, eval_every: 12, device: cuda}\n"
+                         "checkpoint: {every_steps: 12}\n"
+                         "dist: {timeout_s: 60}\n";
+  return path;
+}
+
+// A byte-level GPT on a small, repetitive text (written here): enough structure for the
+// loss to fall well within 60 steps, whatever the machine has installed.
+std::string gpt_job(const std::string& dir) {
+  const auto corpus = dir + "/corpus.txt";
+  {
+    std::ofstream text(corpus);
+    for (int i = 0; i < 600; ++i)
+      text << "line " << i % 9 << ": the quick brown fox jumps over the lazy dog.\n";
+  }
+  auto path = dir + "/gpt.yaml";
+  std::ofstream(path) << "name: cuda-gpt\nseed: 9\n"
+                         "data: {dataset: text, path: " << corpus << ", batch_size: 16, workers: 1}\n"
+                         "model: {arch: gpt, layers: 2, heads: 4, dim: 128, vocab: 256, seq_len: 64}\n"
+                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}\n"
+                         "schedule: {warmup_steps: 5, decay: constant}\n"
+                         "train: {max_steps: 60, log_every: 1, eval_every: 30, device: cuda}\n"
+                         "checkpoint: {every_steps: 30}\n";
+  return path;
+}
+
+double mean_loss(const std::vector<nlohmann::json>& train, size_t from, size_t n) {
+  double s = 0;
+  for (size_t i = from; i < from + n; ++i) s += train.at(i)["loss"].get<double>();
+  return s / double(n);
+}
+}  // namespace
+
+TEST_SUITE("cuda") {
+  TEST_CASE("cuda: the README's MLP learns Fashion-MNIST on the GPU, on the CPU's trajectory") {
+    require_gpu();
+    REQUIRE_MESSAGE(std::filesystem::exists(kFashion), "the Fashion-MNIST files");
+    auto dir = temp_dir("cuda-mlp");
+    // The same 300 steps on both (the cosine schedule depends on the run's length).
+    const std::string common = " --set train.max_steps=300 --set precision.tf32=false" + std::string(kQuiet);
+    auto gpu = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir + "/gpu" +
+                      common + " --set train.device=cuda");
+    INFO(gpu.err);
+    REQUIRE(gpu.code == 0);
+    auto cpu = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir + "/cpu" +
+                      common + " --set train.device=cpu");
+    REQUIRE(cpu.code == 0);
+    auto summary = metrics(dir + "/gpu").back();
+    CHECK(summary["device"] == "cuda:0");
+    CHECK(summary["final_accuracy"].get<double>() > 0.78);
+    // fp32 without TF32: the GPU's sums differ from the CPU's in order only, which SGD
+    // amplifies slowly; the first 100 steps stay within 0.2%.
+    auto g = train_losses(dir + "/gpu"), c = train_losses(dir + "/cpu");
+    check_losses_close({{50, c.at(50)}, {100, c.at(100)}}, g, 2e-3, "cuda vs cpu");
+  }
+
+  TEST_CASE("cuda: N steps then --resume auto gives bit-identical losses, dropout included") {
+    require_gpu();
+    auto dir = temp_dir("cuda-resume");
+    auto job = mlp_job(dir, 0.3);
+    auto full = dtrain("run " + job + " --run-dir " + dir + "/full --set train.max_steps=48" + kQuiet);
+    INFO(full.err);
+    REQUIRE(full.code == 0);
+    REQUIRE(dtrain("run " + job + " --run-dir " + dir + "/split --set train.max_steps=24" + kQuiet).code == 0);
+    auto trainer = nlohmann::json::parse(slurp(dir + "/split/checkpoints/step-00000024/trainer.json"));
+    CHECK(trainer.contains("rng_torch_cuda"));
+    auto second = dtrain("run " + job + " --run-dir " + dir + "/split --resume auto --set train.max_steps=48" + kQuiet);
+    INFO(second.err);
+    REQUIRE(second.code == 0);
+    auto a = train_losses(dir + "/full"), b = train_losses(dir + "/split");
+    for (int64_t s = 25; s <= 48; ++s) {
+      INFO("step " << s);
+      REQUIRE(b.count(s));
+      CHECK(a.at(s) == b.at(s));
+    }
+  }
+
+  TEST_CASE("cuda: two processes on one GPU (Gloo) follow one process's losses") {
+    require_gpu();
+    auto dir = temp_dir("cuda-dp");
+    auto job = mlp_job(dir, 0.0);
+    const std::string steps = " --set train.max_steps=36 --set dist.backend=gloo" + std::string(kQuiet);
+    auto one = dtrain("run " + job + " --run-dir " + dir + "/n1" + steps);
+    REQUIRE(one.code == 0);
+    auto two = dtrain("run " + job + " --nproc 2 --run-dir " + dir + "/n2" + steps);
+    INFO(two.err);
+    REQUIRE(two.code == 0);
+    CHECK(metrics(dir + "/n2").back()["world_size"] == 2);
+    check_losses_close(train_losses(dir + "/n1"), train_losses(dir + "/n2"), 1e-4, "nproc 2");
+  }
+
+  TEST_CASE("cuda: bf16 and fp16 train a GPT; fp16 logs and checkpoints its loss scale") {
+    require_gpu();
+    auto dir = temp_dir("cuda-amp");
+    auto job = gpt_job(dir);
+    for (const char* dtype : {"bf16", "fp16"}) {
+      CAPTURE(dtype);
+      auto r = dtrain("run " + job + " --run-dir " + dir + "/" + dtype +
+                      " --set precision.dtype=" + dtype + kQuiet);
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      auto lines = metrics(dir + "/" + dtype);
+      auto train = of_kind(lines, "train");
+      REQUIRE(train.size() == 60);
+      CHECK(mean_loss(train, 50, 10) < mean_loss(train, 0, 10) - 0.05);  // it learns
+      CHECK(train[0].contains("loss_scale") == (std::string(dtype) == "fp16"));
+      auto ins = dtrain("inspect " + dir + "/" + dtype);
+      CHECK(ins.out.find("Half") == std::string::npos);  // master weights stay fp32
+      CHECK(ins.out.find("BFloat16") == std::string::npos);
+    }
+    auto summary = metrics(dir + "/fp16").back();
+    const double scale = summary["loss_scale"];
+    CHECK(scale >= 1.0);
+    CHECK(scale <= 65536.0);
+    auto trainer = nlohmann::json::parse(slurp(dir + "/fp16/checkpoints/step-00000060/trainer.json"));
+    CHECK(trainer["loss_scaler"]["scale"].get<double>() == scale);
+    // A fixed scale is used as given.
+    auto fixed = dtrain("run " + job + " --run-dir " + dir + "/fixed --set precision.dtype=fp16"
+                        " --set precision.loss_scale=128 --set train.max_steps=5" + kQuiet);
+    INFO(fixed.err);
+    REQUIRE(fixed.code == 0);
+    CHECK(of_kind(metrics(dir + "/fixed"), "train")[0]["loss_scale"] == 128.0);
+    // The resumed fp16 run goes on from the saved scale.
+    auto more = dtrain("run " + job + " --run-dir " + dir + "/fp16 --resume auto --set precision.dtype=fp16"
+                       " --set train.max_steps=62" + kQuiet);
+    INFO(more.err);
+    REQUIRE(more.code == 0);
+    auto resumed = of_kind(metrics(dir + "/fp16"), "train");
+    CHECK(resumed.back()["step"] == 62);
+    CHECK(resumed.back()["loss_scale"].get<double>() == scale);
+  }
+
+  TEST_CASE("cuda: a GPU index that is not there exits 2 naming train.device") {
+    require_gpu();
+    auto r = dtrain("validate " + config("fashion_mnist_mlp.yaml") + " --set train.device=cuda:99");
+    CHECK(r.code == 2);
+    CHECK(r.err.find("train.device") != std::string::npos);
+  }
+}

@@ -1,0 +1,90 @@
+// What only a GPU can check, at the unit level: the flat buffers and the fused AdamW on
+// CUDA against the CPU's update, autocast on CUDA, and NCCL behind the Comm interface (a
+// group of one: one GPU holds one NCCL rank). Skipped where no GPU is visible (CI).
+#include <doctest/doctest.h>
+
+#include <torch/torch.h>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "launch/device.hpp"
+#include "optim/optimizer.hpp"
+#include "parallel/flat_params.hpp"
+#include "precision/autocast.hpp"
+
+using namespace dtrain;
+
+namespace {
+bool no_gpu() { return visible_gpus() == 0; }
+}  // namespace
+
+TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
+  TEST_CASE("cuda: flat AdamW on the GPU (fused where LibTorch has it) matches the CPU update") {
+    OptimizerConfig cfg;
+    cfg.name = "adamw";
+    cfg.lr = 0.01;
+    cfg.weight_decay = 0.1;  // the 2-D weights decay, the biases do not: two fused groups
+    auto make = [](const c10::Device& d) {
+      torch::manual_seed(5);
+      torch::nn::Sequential m(torch::nn::Linear(64, 32), torch::nn::Linear(32, 8));
+      m->to(d);
+      FlatOptions o;
+      o.device = d;
+      return std::make_pair(m, std::make_unique<FlatParams>(*m, o));
+    };
+    auto [cpu_model, cpu] = make(c10::Device(c10::kCPU));
+    auto [gpu_model, gpu] = make(c10::Device(c10::kCUDA, 0));
+    REQUIRE(gpu->data().is_cuda());
+    REQUIRE(torch::equal(cpu->data(), gpu->data().cpu()));
+    auto cpu_opt = make_optimizer(cfg, *cpu);
+    auto gpu_opt = make_optimizer(cfg, *gpu);
+    for (int step = 1; step <= 6; ++step) {
+      auto g = torch::randn({cpu->grad().numel()});
+      cpu->grad().copy_(g);
+      gpu->grad().copy_(g);
+      cpu_opt->step(0.01);
+      gpu_opt->step(0.01);
+    }
+    CHECK(torch::allclose(cpu->data(), gpu->data().cpu(), 1e-5, 1e-6));
+    CHECK(torch::allclose(cpu_opt->slots()[1].second, gpu_opt->slots()[1].second.cpu(), 1e-5, 1e-7));
+  }
+
+  TEST_CASE("cuda: autocast runs matrix products in bf16 and fp16, and only inside the guard") {
+    auto a = torch::randn({16, 16}, torch::Device(torch::kCUDA, 0));
+    {
+      AutocastGuard guard("bf16", c10::kCUDA);
+      CHECK((torch::matmul(a, a).scalar_type() == torch::kBFloat16));
+    }
+    {
+      AutocastGuard guard("fp16", c10::kCUDA);
+      CHECK((torch::matmul(a, a).scalar_type() == torch::kHalf));
+    }
+    CHECK((torch::matmul(a, a).scalar_type() == torch::kFloat));
+  }
+
+  TEST_CASE("cuda: NCCL collectives behind Comm, CUDA tensors in place and CPU ones staged") {
+    if (!nccl_built()) return;  // a LibTorch without NCCL
+    CommOptions o;
+    o.backend = "nccl";
+    o.device = c10::Device(c10::kCUDA, 0);
+    o.timeout = std::chrono::seconds(60);
+    run_ranks_as_threads(1, [&](std::shared_ptr<Comm> comm) {
+      REQUIRE(comm->size() == 1);
+      auto dev = torch::arange(8, torch::dtype(torch::kFloat32).device(o.device));
+      comm->all_reduce(dev, ReduceOp::kAvg);
+      CHECK(torch::equal(dev.cpu(), torch::arange(8, torch::kFloat32)));
+      double agree[3] = {1.5, 0.0, 2.0};  // the step's agreement: a CPU tensor
+      comm->all_reduce(torch::from_blob(agree, {3}, torch::kFloat64), ReduceOp::kMax);
+      CHECK(agree[0] == 1.5);
+      CHECK(agree[2] == 2.0);
+      auto cpu = torch::tensor({3.0, 4.0});
+      comm->broadcast(cpu, 0);
+      CHECK(cpu[1].item<double>() == 4.0);
+      auto parts = comm->all_gather(torch::tensor({7}, torch::kInt64));
+      REQUIRE(parts.size() == 1);
+      CHECK(parts[0].device().is_cpu());
+      CHECK(parts[0].item<int64_t>() == 7);
+      comm->barrier();
+    }, o);
+  }
+}
