@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# dtrain against PyTorch (../shared/bench/gpu_baseline.py) on one GPU, side by side in one
+# run: the MLP and the CNN on Fashion-MNIST at batch 64 (SGD, fp32 with TF32, as the
+# baseline), and GPT-2 small's shape at batch 16 x 1024 tokens (bf16 autocast, AdamW,
+# clipping at 1.0). Prints one JSON line per run and a table of ratios; MFU as the
+# baseline counts it (6 N per token + attention, against --peak-tflops 989).
+#   scripts/bench_gpu.sh BUILD_DIR [DATA_DIR]
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+BUILD=${1:?usage: scripts/bench_gpu.sh BUILD_DIR [DATA_DIR]}
+DATA=${2:-/usr/share/datasets/fashion-mnist}
+BASELINE=${BASELINE:-$ROOT/../shared/bench/gpu_baseline.py}
+[ -f "$BASELINE" ] || BASELINE=$ROOT/.devdata/gpu_baseline.py
+OUT_DIR=${OUT_DIR:-/tmp/dtrain-bench-gpu}
+mkdir -p "$OUT_DIR"
+rows=$OUT_DIR/bench_gpu.jsonl
+: > "$rows"
+export PYTHONUNBUFFERED=1
+
+dtrain_run() {  # model, config, extra args...
+  local model=$1 cfg=$2; shift 2
+  rm -rf "$OUT_DIR/run"
+  "$BUILD/dtrain" run "$ROOT/configs/$cfg" --run-dir "$OUT_DIR/run" --set train.device=cuda \
+    --set logging.progress=off --set train.eval_every=100000 "$@" > "$OUT_DIR/$model.log" 2>&1 ||
+    { cat "$OUT_DIR/$model.log" >&2; return 1; }
+  python3 - "$model" "$OUT_DIR/run/metrics.jsonl" >> "$rows" <<'PYEOF'
+import json, sys
+s = [json.loads(l) for l in open(sys.argv[2])][-1]
+row = {"who": "dtrain", "model": sys.argv[1], "samples_per_s": s["samples_per_s"],
+       "step_ms": s["step_ms_median"], "device": s["device"]}
+if "tokens_per_s" in s:
+    row["tokens_per_s"] = s["tokens_per_s"]
+print(json.dumps(row))
+PYEOF
+}
+
+for model in mlp cnn; do
+  python3 "$BASELINE" --model $model --batch 64 --steps 300 --data-dir "$DATA" |
+    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["who"]="pytorch"; print(json.dumps(r))' >> "$rows"
+  dtrain_run $model fashion_mnist_$model.yaml --set data.path="$DATA" --set train.max_steps=900 \
+    --set data.batch_size=64 --set train.log_every=100
+done
+python3 "$BASELINE" --model gpt --batch 16 --steps 30 |
+  python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["who"]="pytorch"; print(json.dumps(r))' >> "$rows"
+dtrain_run gpt gpt2_small.yaml --set precision.dtype=bf16 --set train.max_steps=40 \
+  --set train.log_every=10
+
+python3 - "$rows" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("\n".join(json.dumps(r) for r in rows))
+by = {(r["who"], r["model"]): r for r in rows}
+print(f"{'model':6} {'pytorch':>14} {'dtrain':>14} {'dtrain/pytorch':>15}")
+for m in ("mlp", "cnn", "gpt"):
+    key = "tokens_per_s" if m == "gpt" else "samples_per_s"
+    p, d = by.get(("pytorch", m)), by.get(("dtrain", m))
+    if not p or not d:
+        continue
+    print(f"{m:6} {p[key]:14.0f} {d[key]:14.0f} {d[key] / p[key]:15.2f}   ({key})")
+    if m == "gpt":
+        n, seq = p["params"], p["seq"]
+        flops_per_token = 6 * n + 12 * 12 * 768 * seq
+        print(f"   MFU: pytorch {p['mfu']:.1%}, dtrain {d[key] * flops_per_token / 1e12 / 989:.1%}")
+PYEOF

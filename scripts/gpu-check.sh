@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On a GPU machine whose LibTorch is the one inside Python's torch (2.x with CUDA): builds
+# dtrain against it, runs the CUDA tests, the GPU benchmark against PyTorch
+# (scripts/bench_gpu.sh) and the whole CPU suite with the GPU hidden, in that order, each
+# bounded, logs under $OUT (default /tmp/dtrain-gpu-check). About 8 minutes on 16 cores.
+#   scripts/gpu-check.sh
+# Brings along (a machine without a package manager or network): third_party/debs
+# (third_party/fetch.sh, run on a Debian 13 machine) and .devdata/ holding the
+# Fashion-MNIST .gz files, gpu_baseline.py and fortunes/ (Debian's /usr/share/games/fortunes,
+# the GPT tests' corpus).
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+OUT=${OUT:-/tmp/dtrain-gpu-check}
+mkdir -p "$OUT"
+JOBS=$(nproc)
+BUDGET=${BUDGET:-560}  # seconds for everything; the CPU suite gets what is left
+START=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+step() { echo "== $(date +%T) (+$(($(date +%s) - START)) s) $*"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+TP=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exit 1
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+
+step "small dependencies"
+if [ ! -d third_party/prefix/usr ]; then
+  for deb in third_party/debs/*.deb; do dpkg-deb -x "$deb" third_party/prefix; done
+fi
+DATA=/usr/share/datasets/fashion-mnist  # where the tests look
+if [ ! -f $DATA/train-images-idx3-ubyte.gz ] && [ -d .devdata ]; then
+  mkdir -p $DATA && cp .devdata/*-ubyte.gz $DATA/
+fi
+if [ ! -e /usr/share/games/fortunes ] && [ -d .devdata/fortunes ]; then
+  mkdir -p /usr/share/games && cp -r .devdata/fortunes /usr/share/games/
+fi
+
+step "build"
+build() {
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TP" "$@" > "$OUT/cmake.log" 2>&1 &&
+    cmake --build build-gpu -j"$JOBS" > "$OUT/build.log" 2>&1
+}
+if ! build; then
+  grep -E 'error|Error' "$OUT/build.log" "$OUT/cmake.log" | head -30
+  step "build failed; again without the NCCL backend"
+  build -DDTRAIN_NCCL=OFF || { grep -E 'error|Error' "$OUT/build.log" | head -30; exit 1; }
+fi
+grep 'dtrain:' "$OUT/cmake.log"
+
+step "CUDA tests"
+timeout 120 build-gpu/tests/unit_tests --test-suite=cuda 2>&1 | tail -15
+timeout 200 ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest-cuda.log" 2>&1
+grep -E 'tests passed|ERROR|FAILED|Skipped' "$OUT/ctest-cuda.log" | head -30
+
+step "benchmark"
+OUT_DIR=$OUT/bench timeout 200 scripts/bench_gpu.sh build-gpu $DATA 2>&1 | tail -15
+cp $OUT/bench/bench_gpu.jsonl $OUT/ 2>/dev/null
+
+step "the whole suite on the CPU (GPU hidden)"
+CUDA_VISIBLE_DEVICES= timeout $(($(left) - 5)) ctest --test-dir build-gpu -j6 -LE cuda --output-on-failure \
+  > "$OUT/ctest-cpu.log" 2>&1
+grep -E 'tests passed|Failed|\*\*\*|Not Run|Skipped' "$OUT/ctest-cpu.log" | head -30
+step "done"
