@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -319,8 +320,10 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
     if (ctx->opts.backend == "nccl") {
 #ifdef USE_C10D_NCCL
       // Blocking wait: a collective that outlives dist.timeout_s throws on this thread
-      // (exit 4, the peer named) instead of NCCL's watchdog aborting the process.
-      ::setenv(compat::kNcclBlockingWait, "1", /*overwrite=*/0);
+      // (exit 4, the peer named) instead of NCCL's watchdog aborting the process. Once per
+      // process, before any group reads it (ranks as threads create groups side by side).
+      static std::once_flag env_once;
+      std::call_once(env_once, [] { ::setenv(compat::kNcclBlockingWait, "1", /*overwrite=*/0); });
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, int(rank), int(size), o);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 
 #include <ATen/Context.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -43,22 +44,31 @@ c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t loc
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }
 
-std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl) {
+std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl,
+                         bool gpu_shared) {
   const bool cuda = type == c10::kCUDA;
-  if (backend == "auto") return cuda && nccl ? "nccl" : "gloo";
+  if (backend == "auto") return cuda && nccl && !gpu_shared ? "nccl" : "gloo";
   if (backend == "nccl") {
     fail_if<ConfigError>(!cuda, "dist.backend: nccl moves CUDA tensors, but train.device is the "
                                 "CPU; use gloo or auto");
     fail_if<ConfigError>(!nccl, "dist.backend: nccl, but this build of dtrain has no NCCL "
                                 "(LibTorch without CUDA); use gloo or auto");
+    fail_if<ConfigError>(gpu_shared, "dist.backend: nccl cannot place two processes on one GPU, "
+                                     "and this machine's processes share its only one; use gloo "
+                                     "or auto, or start one process per GPU");
   }
   return backend;
 }
 
 DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world) {
   DevicePlan plan;
-  plan.device = pick_device(cfg.train.device, local_rank, local_world, visible_gpus());
-  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built());
+  const int64_t visible = visible_gpus();
+  plan.device = pick_device(cfg.train.device, local_rank, local_world, visible);
+  // Several local processes that each see the same single GPU, with nothing (SLURM's GPU
+  // binding, the user) giving each its own through CUDA_VISIBLE_DEVICES: they share it.
+  const bool shared = plan.device.is_cuda() && visible == 1 && local_world > 1 &&
+                      std::getenv("CUDA_VISIBLE_DEVICES") == nullptr;
+  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared);
   fail_if<ConfigError>(cfg.precision.dtype == "fp16" && !plan.device.is_cuda(),
                        "precision.dtype: fp16 needs a CUDA device (train.device is the CPU "
                        "here); use bf16 for mixed precision on the CPU");

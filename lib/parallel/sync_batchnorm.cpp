@@ -84,8 +84,11 @@ torch::Tensor SyncBatchNorm2dImpl::forward(const torch::Tensor& x) {
   if (!is_training())
     return torch::batch_norm(x, weight, bias, running_mean, running_var, /*training=*/false,
                              momentum_, eps_, /*cudnn_enabled=*/false);
-  auto stats = torch::empty({2 * channels_ + 1}, x.options().requires_grad(false));
-  auto y = SyncBNFunction::apply(x, weight, bias, eps_, comm_.get(), stats);
+  // The statistics in fp32 whatever autocast made of the input: in fp16 a count of 100k
+  // elements or a sum of squares overflows, and bf16 rounds the count.
+  auto xf = x.to(torch::kFloat);
+  auto stats = torch::empty({2 * channels_ + 1}, xf.options().requires_grad(false));
+  auto y = SyncBNFunction::apply(xf, weight, bias, eps_, comm_.get(), stats);
   torch::NoGradGuard no_grad;
   const double count = stats[2 * channels_].item<double>();
   auto unbiased = stats.narrow(0, channels_, channels_) * (count / std::max(1.0, count - 1));

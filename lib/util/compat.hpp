@@ -49,8 +49,9 @@ inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype)
 }
 }  // namespace dtrain::compat
 
-// at::_fused_adamw_ (AdamW over lists of tensors in one CUDA kernel) exists from 2.0 on.
-#define DTRAIN_HAS_FUSED_ADAMW (TORCH_VERSION_MAJOR >= 2)
+// at::_fused_adamw_ (AdamW over lists of tensors in one CUDA kernel): 2.1 on for certain.
+#define DTRAIN_HAS_FUSED_ADAMW \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
 
 // The environment variable that makes NCCL's work.wait() block the caller with a timeout.
 namespace dtrain::compat {
