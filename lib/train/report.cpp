@@ -16,6 +16,11 @@ void Window::add(const StepStats& s) {
 nlohmann::json train_line(const Context& c, const StepStats& last, const Window& w, double lr) {
   const double n = double(w.steps);
   const double samples_per_s = n * double(c.cfg.data.batch_size) / (w.step_ms / 1000);
+  // The phases: the window's means, or on a GPU the logged step's own (only it waited for
+  // the device; the others' phase times are the host's launch times).
+  auto phase = [&](double window_sum, double last_step) {
+    return last.device_timed ? last_step : window_sum / n;
+  };
   const int64_t step = c.state.step;
   nlohmann::json line{{"kind", "train"},
                       {"step", step},
@@ -26,9 +31,9 @@ nlohmann::json train_line(const Context& c, const StepStats& last, const Window&
                       {"samples_per_s", samples_per_s},
                       {"step_ms", w.step_ms / n},
                       {"data_wait_ms", w.data_wait_ms / n},
-                      {"forward_ms", w.forward_ms / n},
-                      {"backward_ms", w.backward_ms / n},
-                      {"optim_ms", w.optim_ms / n},
+                      {"forward_ms", phase(w.forward_ms, last.forward_ms)},
+                      {"backward_ms", phase(w.backward_ms, last.backward_ms)},
+                      {"optim_ms", phase(w.optim_ms, last.optim_ms)},
                       {"time", unix_time()}};
   if (c.items_per_sample() > 1) line["tokens_per_s"] = samples_per_s * double(c.items_per_sample());
   if (c.scaler) {
@@ -36,7 +41,7 @@ nlohmann::json train_line(const Context& c, const StepStats& last, const Window&
     line["overflow_steps"] = c.scaler->overflows();
   }
   if (c.mesh.world()->size() > 1) {
-    line["comm_ms"] = w.comm_ms / n;
+    line["comm_ms"] = phase(w.comm_ms, last.comm_ms);
     line["comm_bytes"] = c.sync->bytes_per_step();
   }
   return line;

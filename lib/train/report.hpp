@@ -21,6 +21,7 @@ struct StepStats {
   bool nonfinite = false;      // some rank saw a non-finite loss or gradient: no update made
   int64_t nonfinite_rank = -1; // the lowest world rank that saw it
   bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
+  bool device_timed = false;   // a GPU step that waited for the device at each phase's end
 };
 
 // Sums over one logging window of steps.

@@ -13,6 +13,7 @@
 
 #include <chrono>
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "optim/clip.hpp"
@@ -32,7 +33,15 @@ double ms_since(Clock::time_point t) {
 
 StepStats train_step(Context& c, Loader& loader, bool want_norm) {
   StepStats s;
+  // On a GPU the phases run asynchronously to the host. A logged step waits for the device
+  // at the start and at each phase's end, so that its phase times are the GPU's (report.cpp
+  // logs that step's); the other steps never wait there.
+  s.device_timed = want_norm && c.device().is_cuda();
+  auto settle = [&] {
+    if (s.device_timed) torch::cuda::synchronize();
+  };
   const auto t_step = Clock::now();
+  settle();  // the previous step's last kernels: in this step's total, as without the wait
   // 1. next batch (prepared ahead by the loader's threads), queued to the device
   Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
   const int64_t accum = c.cfg.train.grad_accum;
@@ -54,12 +63,14 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
     // What makes the gradient a global mean, and fp16's loss scale.
     const double factor = c.sync->loss_factor() * scale;
     if (factor != 1.0) loss = loss * factor;
+    settle();
     s.forward_ms += ms_since(t0);
     // 3. backward: gradients accumulate into the flat buffer; the sync strategy starts
     //    communicating from backward's hooks on the last micro-batch
     t0 = Clock::now();
     c.sync->begin_micro_batch(a == accum - 1);
     loss.backward();
+    settle();
     s.backward_ms += ms_since(t0);
   }
   auto t0 = Clock::now();
@@ -118,6 +129,7 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
   }
   c.params->zero_grad();
   ++c.state.step;
+  settle();
   s.optim_ms = ms_since(t_opt);
   s.step_ms = ms_since(t_step);
   return s;
