@@ -27,3 +27,12 @@ apt-get download "${packages[@]}" "${runtime[@]}"
 for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$prefix"; done
 # Debian puts libraries and CMake files under usr/lib/<triplet>: one prefix for CMake.
 echo "third_party: unpacked ${#packages[@]} packages (+ ${#runtime[@]} runtime) into $prefix/usr"
+# Gloo's store interface grew in December 2023 (multi_get, append, ...), and LibTorch 2.1+
+# overrides those methods: older headers do not compile with it.
+for deb in "$debs"/libgloo-dev_*.deb; do
+  gloo=$(dpkg-deb -f "$deb" Version 2>/dev/null | sed -n 's/.*git\([0-9]\{8\}\).*/\1/p')
+  if [ -n "$gloo" ] && [ "$gloo" -lt 20231201 ]; then
+    echo "third_party: warning: $(basename "$deb") holds Gloo headers from $gloo, too old for" \
+         "LibTorch 2.1+; fetch on Debian 13 or newer for such a LibTorch" >&2
+  fi
+done
