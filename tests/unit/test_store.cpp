@@ -153,3 +153,14 @@ TEST_CASE("TcpStore: a client gives up on an absent server after its timeout") {
   TcpStore::Options o = opts(1, false, std::chrono::milliseconds(300));  // port 1: nobody
   CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("timed out connecting to 127.0.0.1:1"));
 }
+
+TEST_CASE("store: a clone is a second client of the same server (LibTorch 2.7+ asks for one)") {
+  TcpStore server(opts(0, true));
+  auto clone = server.clone();
+  clone->set("from-clone", bytes("a"));
+  CHECK(server.get("from-clone") == bytes("a"));
+  server.set("from-server", bytes("b"));
+  CHECK(clone->get("from-server") == bytes("b"));
+  CHECK(clone->add("n", 2) == 2);
+  CHECK(server.add("n", 3) == 5);
+}
