@@ -208,8 +208,10 @@ int run_cli(int argc, char** argv) {
   if (*validate_cmd) {
     auto checked = load(job, "", world_for_check(check_nproc));
     load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed));  // as run would read it
-    std::cout << fmt::format("{}: ok ({} process(es): {})\n", job.path, checked.dims.world(),
-                             checked.dims.str());
+    const DevicePlan plan = plan_device(checked.cfg, 0, 1);  // what rank 0 would get here
+    std::cout << fmt::format("{}: ok ({} process(es): {}; {}{})\n", job.path, checked.dims.world(),
+                             checked.dims.str(), plan.device.str(),
+                             checked.dims.world() > 1 ? ", " + plan.backend : "");
     return 0;
   }
   if (*config_cmd) {
