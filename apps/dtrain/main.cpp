@@ -90,12 +90,11 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
   const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world);
   RunOptions opts{resume_from, "", plan.device};
-  if (world.launcher == "slurm" && cfg.dist.requeue && requeue) opts.requeue_job = slurm_job_to_requeue(env);
-  std::shared_ptr<Comm> comm =
-      world.world == 1 ? make_local_comm()
-                       : make_c10d_comm(world, {plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
-                                                cfg.dist.gloo_threads,
-                                                cfg.dist.store_bind == "all", plan.device});
+  if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
+    opts.requeue_job = slurm_job_to_requeue(env);
+  const CommOptions comm_opts{plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
+                              cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device};
+  std::shared_ptr<Comm> comm = world.world == 1 ? make_local_comm() : make_c10d_comm(world, comm_opts);
   return run_training(cfg, dims, opts, world, comm).exit_code;
 }
 

@@ -24,12 +24,9 @@ double global_grad_norm(const FlatParams& params, Comm& tensor) {
   return std::sqrt(total.item<double>());
 }
 
-double clip_factor(double norm, double max_norm) {
-  return max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
-}
-
-void clip_grad(FlatParams& params, double norm, double max_norm) {
-  const double f = clip_factor(norm, max_norm);
+void clip_grad(FlatParams& params, double norm, double max_norm, double loss_scale) {
+  const double clip = max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+  const double f = clip / loss_scale;
   if (f != 1.0) params.grad().mul_(f);
 }
 

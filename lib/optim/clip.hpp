@@ -11,10 +11,10 @@ class FlatParams;
 // A collective over `tensor` when it has more than one rank.
 double global_grad_norm(const FlatParams& params, Comm& tensor);
 
-// The factor that brings a gradient of global norm `norm` to at most `max_norm` (torch's
-// clip_grad_norm_: max_norm / (norm + 1e-6)); 1 when it is within, or max_norm is 0 (off).
-double clip_factor(double norm, double max_norm);
-// Scales the gradient by clip_factor(norm, max_norm).
-void clip_grad(FlatParams& params, double norm, double max_norm);
+// Divides the gradient by `loss_scale` (fp16's; 1 otherwise) and scales it so that its
+// global norm, `norm` (already divided by the loss scale), is at most `max_norm` (torch's
+// clip_grad_norm_: factor max_norm / (norm + 1e-6); max_norm 0 is off). One multiply of the
+// flat gradient, none when there is nothing to do.
+void clip_grad(FlatParams& params, double norm, double max_norm, double loss_scale = 1.0);
 
 }  // namespace dtrain

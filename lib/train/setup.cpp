@@ -99,7 +99,8 @@ void setup(Context& c) {
       DTRAIN_VERSION, cfg.name, cfg.model.arch, full,
       local != full ? fmt::format(", {} on each tensor rank", local) : "", cfg.data.dataset,
       c.data.train->size(), c.data.test->size(), cfg.data.batch_size, c.total_steps,
-      c.steps_per_epoch(), c.device().str(), cfg.precision.dtype, c.mesh.world()->size(), dims.str(), c.world.launcher, threads, pinning,
+      c.steps_per_epoch(), c.device().str(), cfg.precision.dtype, c.mesh.world()->size(),
+      dims.str(), c.world.launcher, threads, pinning,
       blas.empty() ? "unknown" : blas,
       resume_from ? fmt::format(", resumed at step {} from {}", c.state.step, *resume_from) : "",
       cfg.run_dir));

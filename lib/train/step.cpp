@@ -121,9 +121,7 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
     c.mesh.world()->all_reduce(torch::from_blob(seen, {1}, torch::kFloat64), ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
   } else if (update) {
-    // fp16's unscaling and the clipping are one multiply of the flat gradient.
-    const double f = clip_factor(s.grad_norm, clip) / scale;
-    if (f != 1.0) c.params->grad().mul_(f);
+    clip_grad(*c.params, s.grad_norm, clip, scale);  // and fp16's unscaling, in one multiply
     // 5. optimizer update
     c.optimizer->step(lr_at(c.cfg.schedule, c.cfg.optimizer.lr, c.state.step + 1, c.total_steps));
   }

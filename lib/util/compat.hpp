@@ -55,7 +55,7 @@ inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype)
 
 // The environment variable that makes NCCL's work.wait() block the caller with a timeout.
 namespace dtrain::compat {
-#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 2 || TORCH_VERSION_MAJOR > 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
 inline constexpr const char* kNcclBlockingWait = "TORCH_NCCL_BLOCKING_WAIT";
 #else
 inline constexpr const char* kNcclBlockingWait = "NCCL_BLOCKING_WAIT";

@@ -214,7 +214,7 @@ TEST_CASE("loss scaler: injected inf and nan gradients overflow; finite ones uns
   const double norm = global_grad_norm(flat, *local) / scale;
   CHECK(norm == doctest::Approx(true_norm).epsilon(1e-6));
   CHECK(scaler.after_backward(std::isfinite(norm)) == LossScaler::Verdict::kUpdate);
-  flat.grad().mul_(clip_factor(norm, 0.0) / scale);  // the step's unscaling
+  clip_grad(flat, norm, /*max_norm=*/0.0, scale);  // the step's unscaling
   CHECK(torch::allclose(flat.grad(), g, 1e-6, 1e-7));
 
   for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
