@@ -1,5 +1,6 @@
 // The global gradient norm, over every shard of every parameter, each counted once.
 #pragma once
+#include <torch/types.h>
 
 namespace dtrain {
 
@@ -8,13 +9,16 @@ class FlatParams;
 
 // The L2 norm of the whole model's gradient. Parameters split over `tensor` contribute
 // their squares from every rank; replicated ones (identical on every tensor rank) once.
+// A 0-dim tensor on the gradient's device, not read here: the host need not wait for it.
 // A collective over `tensor` when it has more than one rank.
-double global_grad_norm(const FlatParams& params, Comm& tensor);
+torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor);
 
 // Divides the gradient by `loss_scale` (fp16's; 1 otherwise) and scales it so that its
 // global norm, `norm` (already divided by the loss scale), is at most `max_norm` (torch's
-// clip_grad_norm_: factor max_norm / (norm + 1e-6); max_norm 0 is off). One multiply of the
-// flat gradient, none when there is nothing to do.
-void clip_grad(FlatParams& params, double norm, double max_norm, double loss_scale = 1.0);
+// clip_grad_norm_: factor min(1, max_norm / (norm + 1e-6)), on the device; max_norm 0 is
+// off and `norm` may then be undefined). One multiply of the flat gradient, none when
+// there is nothing to do.
+void clip_grad(FlatParams& params, const torch::Tensor& norm, double max_norm,
+               double loss_scale = 1.0);
 
 }  // namespace dtrain

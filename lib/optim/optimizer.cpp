@@ -1,5 +1,6 @@
 #include "optim/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -11,6 +12,9 @@
 #if DTRAIN_HAS_FUSED_ADAMW
 #include <ATen/ops/_fused_adamw.h>
 #endif
+#if DTRAIN_HAS_FUSED_SGD
+#include <ATen/ops/_fused_sgd.h>
+#endif
 
 namespace dtrain {
 namespace {
@@ -21,8 +25,14 @@ torch::Tensor scalar_named(const NamedTensors& state, const std::string& name) {
   throw CheckpointError(fmt::format("optimizer state has no '{}'", name));
 }
 
+// Whether this LibTorch has the optimizer's fused kernel for the parameters' device.
+bool has_fused_kernel(const std::string& name, const c10::Device& device) {
+  if (device.is_cuda()) return name == "adamw" ? DTRAIN_HAS_FUSED_ADAMW : DTRAIN_HAS_FUSED_SGD;
+  return device.is_cpu() && DTRAIN_HAS_FUSED_CPU;
+}
+
 // What both optimizers share: the shard's views of the parameters and gradients, the
-// weight-decay groups, and named slot buffers.
+// weight-decay groups, named slot buffers, and the lists the fused kernels take.
 class FlatOptimizer : public Optimizer {
  public:
   FlatOptimizer(const OptimizerConfig& cfg, FlatParams& params, Shard shard,
@@ -34,6 +44,10 @@ class FlatOptimizer : public Optimizer {
     p_ = params.data().narrow(0, shard_.offset, shard_.numel);
     g_ = params.grad().narrow(0, shard_.offset, shard_.numel);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
+    if (has_fused_kernel(cfg.name, p_.device())) {
+      group_for_fused();
+      return;  // the groups carry the decay
+    }
     // Decay groups as a 0/1 mask over the shard, only when they differ.
     if (cfg.weight_decay != 0) {
       auto mask = torch::zeros({total}, params.data().options());
@@ -49,10 +63,13 @@ class FlatOptimizer : public Optimizer {
   }
   NamedTensors slots() const override { return slots_; }
   NamedTensors scalars() const override {
-    return {{"steps", torch::tensor({steps_}, torch::kInt64)}};
+    // The fused step counts on the device (a skipped step does not count): read it here.
+    const int64_t steps = groups_.empty() ? steps_ : int64_t(fused_steps_.item<double>());
+    return {{"steps", torch::tensor({steps}, torch::kInt64)}};
   }
   void load_scalars(const NamedTensors& s) override {
     steps_ = scalar_named(s, "steps").item<int64_t>();
+    if (!groups_.empty()) fused_steps_.fill_(double(steps_));
   }
 
  protected:
@@ -60,6 +77,25 @@ class FlatOptimizer : public Optimizer {
   torch::Tensor& p() { return p_; }
   torch::Tensor& g() { return g_; }
   torch::Tensor& slot(size_t i) { return slots_[i].second; }
+  // The unfused update reads `skip` on the host (on the CPU that costs nothing).
+  static bool skipped(const torch::Tensor& skip) {
+    return skip.defined() && skip.item<float>() != 0;
+  }
+
+  // The fused kernels take lists of tensors and one weight decay: each entry's part of the
+  // shard, in a group that decays and one that does not.
+  struct Group {
+    std::vector<torch::Tensor> p, g;
+    std::vector<std::vector<torch::Tensor>> slots;  // per slot, the same parts
+    std::vector<torch::Tensor> steps;               // AdamW: the count, once per part
+    double weight_decay;
+  };
+  bool fused() const { return !groups_.empty(); }
+  // The fused step count: one more, unless `skip` is 1 (on the device, unread).
+  void count_fused(const torch::Tensor& skip) {
+    fused_steps_.add_(1);
+    if (skip.defined()) fused_steps_.sub_(skip);
+  }
 
   OptimizerConfig cfg_;
   FlatParams& params_;
@@ -68,7 +104,29 @@ class FlatOptimizer : public Optimizer {
   NamedTensors slots_;
   Decay decay_ = Decay::kNone;
   torch::Tensor mask_;  // 1 where weight decay applies (kMasked only)
-  int64_t steps_ = 0;
+  int64_t steps_ = 0;   // updates made (unfused)
+  std::vector<Group> groups_;  // empty: the unfused update
+  torch::Tensor fused_steps_;  // updates made (fused), a float where the kernels read it
+
+ private:
+  void group_for_fused() {
+    fused_steps_ = torch::zeros({}, p().options());
+    const size_t n_slots = slots_.size();
+    Group decayed{{}, {}, std::vector<std::vector<torch::Tensor>>(n_slots), {}, cfg_.weight_decay};
+    Group plain{{}, {}, std::vector<std::vector<torch::Tensor>>(n_slots), {}, 0.0};
+    const int64_t lo = shard_.offset, hi = shard_.offset + shard_.numel;
+    for (const auto& e : params_.entries()) {
+      const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
+      if (from >= to) continue;  // not in this shard
+      auto& grp = decays(cfg_, e.full_shape) ? decayed : plain;
+      auto part = [&](const torch::Tensor& t) { return t.narrow(0, from - lo, to - from); };
+      grp.p.push_back(part(p())), grp.g.push_back(part(g()));
+      for (size_t i = 0; i < n_slots; ++i) grp.slots[i].push_back(part(slot(i)));
+      grp.steps.push_back(fused_steps_);
+    }
+    for (auto* grp : {&decayed, &plain})
+      if (!grp->p.empty()) groups_.push_back(std::move(*grp));
+  }
 };
 
 // torch.optim.SGD: d = g + wd*p; buf = m*buf + d (buf = d on the first step);
@@ -78,8 +136,10 @@ class Sgd : public FlatOptimizer {
   Sgd(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
       : FlatOptimizer(cfg, params, shard, {"momentum_buffer"}) {}
 
-  void step(double lr) override {
+  void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
+    if (fused()) return fused_step(lr, skip);
+    if (skipped(skip)) return;
     auto& w = p();
     torch::Tensor d = g();
     if (decay_ == Decay::kAll) d = d.add(w, cfg_.weight_decay);
@@ -92,26 +152,44 @@ class Sgd : public FlatOptimizer {
     w.add_(d, -lr);
     ++steps_;
   }
+
+ private:
+  // The buffer starts at zero, so m*buf + d is d on the first step: the kernel's
+  // is_first_step copy is not needed, and the first step may be a skipped one.
+  void fused_step(double lr, const torch::Tensor& skip) {
+    count_fused(skip);
+#if DTRAIN_HAS_FUSED_SGD
+    for (auto& grp : groups_) {
+      const auto& buf = cfg_.momentum != 0 ? grp.slots[0] : std::vector<torch::Tensor>{};
+      if (skip.defined())
+        at::_fused_sgd_(grp.p, grp.g, buf, grp.weight_decay, cfg_.momentum, lr, /*dampening=*/0,
+                        cfg_.nesterov, /*maximize=*/false, /*is_first_step=*/false,
+                        /*grad_scale=*/{}, /*found_inf=*/skip);
+      else
+        at::_fused_sgd_(grp.p, grp.g, buf, grp.weight_decay, cfg_.momentum, lr, 0, cfg_.nesterov,
+                        false, false);
+    }
+#else
+    (void)lr;
+#endif
+  }
 };
 
 // torch.optim.AdamW: p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
 // p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
-// On CUDA (LibTorch 2.x) the same update runs as LibTorch's fused kernel (torch.optim's
-// fused=True): one pass over the parameters, gradients and both moments instead of ~10.
+// Where LibTorch has it (CUDA from 2.1, CPU from 2.4) the same update runs as its fused
+// kernel (torch.optim's fused=True): one pass over the parameters, gradients and both
+// moments instead of ~10.
 class AdamW : public FlatOptimizer {
  public:
   AdamW(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard, {"exp_avg", "exp_avg_sq"}) {
-#if DTRAIN_HAS_FUSED_ADAMW
-    if (p().is_cuda() && shard_.offset == 0 && shard_.numel == params.data().numel())
-      group_for_fused();
-#endif
-  }
+      : FlatOptimizer(cfg, params, shard, {"exp_avg", "exp_avg_sq"}) {}
 
-  void step(double lr) override {
+  void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
+    if (fused()) return fused_step(lr, skip);
+    if (skipped(skip)) return;
     ++steps_;
-    if (!groups_.empty()) return fused_step(lr);
     auto& w = p();
     const auto& grad = g();
     if (decay_ == Decay::kAll) w.mul_(1 - lr * cfg_.weight_decay);
@@ -127,39 +205,23 @@ class AdamW : public FlatOptimizer {
   }
 
  private:
-  // The fused kernel takes lists of tensors and one weight decay: each entry's slice of
-  // the flat buffers, in a group that decays and one that does not.
-  struct Group {
-    std::vector<torch::Tensor> p, g, m, v, steps;
-    double weight_decay;
-  };
-  void group_for_fused() {
-    step_ = torch::zeros({}, p().options());
-    Group decayed{{}, {}, {}, {}, {}, cfg_.weight_decay}, plain{{}, {}, {}, {}, {}, 0.0};
-    for (const auto& e : params_.entries()) {
-      auto& grp = decays(cfg_, e.full_shape) ? decayed : plain;
-      auto part = [&](const torch::Tensor& flat) { return flat.narrow(0, e.offset, e.numel); };
-      grp.p.push_back(part(p())), grp.g.push_back(part(g()));
-      grp.m.push_back(part(slot(0))), grp.v.push_back(part(slot(1)));
-      grp.steps.push_back(step_);
-    }
-    for (auto* grp : {&decayed, &plain})
-      if (!grp->p.empty()) groups_.push_back(std::move(*grp));
-  }
-  void fused_step(double lr) {
+  void fused_step(double lr, const torch::Tensor& skip) {
+    count_fused(skip);  // the kernel reads the count the step makes
 #if DTRAIN_HAS_FUSED_ADAMW
-    step_.fill_(double(steps_));
-    for (auto& grp : groups_)
-      at::_fused_adamw_(grp.p, grp.g, grp.m, grp.v, /*max_exp_avg_sqs=*/at::TensorList(), grp.steps,
-                        lr, cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps,
-                        /*amsgrad=*/false, /*maximize=*/false);
+    for (auto& grp : groups_) {
+      if (skip.defined())
+        at::_fused_adamw_(grp.p, grp.g, grp.slots[0], grp.slots[1], /*max_exp_avg_sqs=*/{},
+                          grp.steps, lr, cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps,
+                          /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/{},
+                          /*found_inf=*/skip);
+      else
+        at::_fused_adamw_(grp.p, grp.g, grp.slots[0], grp.slots[1], {}, grp.steps, lr,
+                          cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps, false, false);
+    }
 #else
     (void)lr;
 #endif
   }
-
-  std::vector<Group> groups_;  // empty: the unfused update
-  torch::Tensor step_;         // the step count the kernel reads (a float on the device)
 };
 
 }  // namespace

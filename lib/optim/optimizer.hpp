@@ -27,7 +27,10 @@ class Optimizer {
  public:
   virtual ~Optimizer() = default;
   // One update of the shard of params.data() from params.grad() at learning rate `lr`.
-  virtual void step(double lr) = 0;
+  // `skip`, when given, is a one-element float tensor on the parameters' device: 1 makes
+  // the step no update at all (no moment, decay or count changes). A fused kernel reads it
+  // on the device, so a GPU step need not wait for it; the unfused update reads it here.
+  virtual void step(double lr, const torch::Tensor& skip = {}) = 0;
   // The state: per-parameter slots as flat buffers over the shard ("exp_avg" -> buffer),
   // and scalars ("steps").
   virtual NamedTensors slots() const = 0;

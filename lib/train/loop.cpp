@@ -2,6 +2,7 @@
 // inside a step is step.cpp's; what a line holds is report.cpp's.
 #include <chrono>
 #include <csignal>
+#include <deque>
 
 #include <fmt/format.h>
 
@@ -27,32 +28,38 @@ void write_summary(const Context& c, const nlohmann::json& summary) {
   c.metrics->write(summary);
 }
 
-// A step with a non-finite loss or gradient made no update. train.on_nonfinite: stop ends
-// the run at once; skip goes on unless train.max_skipped steps in a row were skipped.
-// Either way nothing non-finite is checkpointed: the last good checkpoint stays the newest.
-void handle_nonfinite(Context& c, const StepStats& s, const std::vector<double>& step_ms,
-                      double data_wait_ms) {
+// A step with a non-finite loss or gradient. train.on_nonfinite: stop ends the run;
+// skip goes on (the step made no update) unless train.max_skipped steps in a row were
+// skipped. Either way nothing non-finite is checkpointed: the last good checkpoint stays
+// the newest.
+void handle_nonfinite(Context& c, const StepStats& s, int64_t step,
+                      const std::vector<double>& step_ms, double data_wait_ms) {
   auto& st = c.state;
   const bool skip = c.cfg.train.on_nonfinite == "skip";
   if (skip) {
     ++st.skipped, ++st.skipped_in_a_row;
     c.say(fmt::format("warning: step {} skipped: non-finite loss or gradient (rank {}); {} in a "
-                      "row", st.step, s.nonfinite_rank, st.skipped_in_a_row));
+                      "row", step, s.nonfinite_rank, st.skipped_in_a_row));
     if (st.skipped_in_a_row < c.cfg.train.max_skipped) return;
   }
   const std::string why =
       skip ? fmt::format("{} steps in a row had a non-finite loss or gradient (train.max_skipped), "
-                         "the last at step {} (rank {})", st.skipped_in_a_row, st.step,
+                         "the last at step {} (rank {})", st.skipped_in_a_row, step,
                          s.nonfinite_rank)
-           : fmt::format("non-finite loss or gradient at step {} (rank {}); no update was made "
-                         "and nothing was checkpointed", st.step, s.nonfinite_rank);
+           : fmt::format("non-finite loss or gradient at step {} (rank {}); nothing from it on "
+                         "was checkpointed", step, s.nonfinite_rank);
   auto summary = summary_line(c, "diverged", step_ms, data_wait_ms);
-  summary["diverged_step"] = st.step;
+  summary["diverged_step"] = step;
   summary["diverged_rank"] = s.nonfinite_rank;
   summary["reason"] = why;
   write_summary(c, summary);
   throw DivergedError("training diverged: " + why);
 }
+
+// Steps are read this many steps after they were queued (train/step.hpp): on a GPU their
+// figures have reached the host by then, so reading them never empties the device's queue.
+// Two, not one, leaves room for a step that the host queues faster than the one before.
+constexpr size_t kReadLag = 2;
 
 }  // namespace
 
@@ -75,31 +82,53 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   double data_wait_ms = 0;
   Window window;
   double rate = 0;
+  bool stop = false;  // a read step says some rank was asked to stop
+  std::deque<PendingStep> pending;  // queued, not read yet: oldest first
+  auto is_log_step = [&](int64_t step) {
+    return step % cfg.train.log_every == 0 || step == c.total_steps;
+  };
+  // Reads the oldest pending step: what a non-finite step means, its line and progress.
+  auto read_oldest = [&] {
+    PendingStep p = std::move(pending.front());
+    pending.pop_front();
+    const StepStats s = read_step(c, p);
+    if (s.nonfinite) {
+      handle_nonfinite(c, s, p.step, step_ms, data_wait_ms);
+    } else {
+      st.skipped_in_a_row = 0;
+      st.last_loss = s.loss;
+    }
+    stop = stop || s.stop;
+    window.add(s);
+    step_ms.push_back(s.step_ms);
+    data_wait_ms += s.data_wait_ms;
+    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, p.step, c.total_steps);  // it used
+    const bool log_now = is_log_step(p.step);
+    if (log_now) {
+      auto line = train_line(c, p.step, s, window, lr);
+      rate = line["samples_per_s"].get<double>();
+      if (c.root()) c.metrics->write(line);
+      window = Window{};
+    }
+    if (c.root()) c.progress->step(p.step, st.last_loss, lr, rate, log_now);
+  };
+  auto read_all = [&] {
+    while (!pending.empty()) read_oldest();
+  };
   try {
     while (st.step < c.total_steps) {
-      const bool log_now = (st.step + 1) % cfg.train.log_every == 0 || st.step + 1 == c.total_steps;
-      const StepStats s = train_step(c, loader, log_now);
-      if (s.nonfinite) {
-        handle_nonfinite(c, s, step_ms, data_wait_ms);
-      } else {
-        st.skipped_in_a_row = 0;
-        st.last_loss = s.loss;
-      }
-      window.add(s);
-      step_ms.push_back(s.step_ms);
-      data_wait_ms += s.data_wait_ms;
-      const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, st.step, c.total_steps);  // just used
-      if (log_now) {
-        auto line = train_line(c, s, window, lr);
-        rate = line["samples_per_s"].get<double>();
-        if (c.root()) c.metrics->write(line);
-        window = Window{};
-      }
-      if (c.root()) c.progress->step(st.step, st.last_loss, lr, rate, log_now);
+      pending.push_back(train_step(c, loader, is_log_step(st.step + 1)));
+      while (pending.size() > kReadLag) read_oldest();
 
       const bool epoch_end = st.step % spe == 0, last = st.step == c.total_steps;
       const bool eval_now =
           (cfg.train.eval_every > 0 ? st.step % cfg.train.eval_every == 0 : epoch_end) || last;
+      const bool save_now =
+          (cfg.checkpoint.every_steps > 0 ? st.step % cfg.checkpoint.every_steps == 0 : epoch_end) ||
+          last;
+      // Every step is read before anything that must not see a non-finite one: an
+      // evaluation, a checkpoint, the end.
+      if (eval_now || save_now || stop) read_all();
       std::optional<EvalResult> eval;
       if (eval_now) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -114,12 +143,9 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
         c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval->loss,
                           c.task->metric(), eval->metric));
       }
-      const bool save_now =
-          (cfg.checkpoint.every_steps > 0 ? st.step % cfg.checkpoint.every_steps == 0 : epoch_end) ||
-          last;
       if (save_now) save_checkpoint(c, eval);
 
-      if (s.stop) {
+      if (stop) {
         if (st.last_saved != st.step) save_checkpoint(c, std::nullopt);
         const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
         auto summary = summary_line(c, "stopped", step_ms, data_wait_ms);

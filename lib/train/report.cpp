@@ -13,7 +13,8 @@ void Window::add(const StepStats& s) {
   step_ms += s.step_ms;
 }
 
-nlohmann::json train_line(const Context& c, const StepStats& last, const Window& w, double lr) {
+nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last, const Window& w,
+                          double lr) {
   const double n = double(w.steps);
   const double samples_per_s = n * double(c.cfg.data.batch_size) / (w.step_ms / 1000);
   // The phases: the window's means, or on a GPU the logged step's own (only it waited for
@@ -21,7 +22,6 @@ nlohmann::json train_line(const Context& c, const StepStats& last, const Window&
   auto phase = [&](double window_sum, double last_step) {
     return last.device_timed ? last_step : window_sum / n;
   };
-  const int64_t step = c.state.step;
   nlohmann::json line{{"kind", "train"},
                       {"step", step},
                       {"epoch", (step - 1) / c.steps_per_epoch()},
@@ -37,8 +37,8 @@ nlohmann::json train_line(const Context& c, const StepStats& last, const Window&
                       {"time", unix_time()}};
   if (c.items_per_sample() > 1) line["tokens_per_s"] = samples_per_s * double(c.items_per_sample());
   if (c.scaler) {
-    line["loss_scale"] = c.scaler->scale();
-    line["overflow_steps"] = c.scaler->overflows();
+    line["loss_scale"] = last.loss_scale;
+    line["overflow_steps"] = last.overflow_steps;
   }
   if (c.mesh.world()->size() > 1) {
     line["comm_ms"] = phase(w.comm_ms, last.comm_ms);

@@ -21,6 +21,8 @@ struct StepStats {
   bool nonfinite = false;      // some rank saw a non-finite loss or gradient: no update made
   int64_t nonfinite_rank = -1; // the lowest world rank that saw it
   bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
+  double loss_scale = 0;       // fp16: the scale after this step, and the overflows so far
+  int64_t overflow_steps = 0;
   bool device_timed = false;   // a GPU step that waited for the device at each phase's end
 };
 
@@ -32,7 +34,9 @@ struct Window {
   void add(const StepStats& s);
 };
 
-nlohmann::json train_line(const Context& c, const StepStats& last, const Window& w, double lr);
+// The line of step `step`, the last of window `w`, trained at learning rate `lr`.
+nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last, const Window& w,
+                          double lr);
 nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms);
 // `step_ms`: this process's step times, for the steady-state rate.
 nlohmann::json summary_line(const Context& c, const std::string& status,

@@ -1,18 +1,28 @@
 // One optimizer step, read top to bottom:
 //   1. this data rank's shard of the global batch, on the device
 //   2. forward, per micro-batch (autocast keeps fp32 master weights)
-//   3. backward of the (fp16: scaled) loss, the gradient sync overlapped; then agreement
-//      over the world
-//   4. the gradient's global norm: clipping, and the finiteness check
-//   5. optimizer update, unless some rank saw a non-finite loss or gradient (fp16: unless
-//      the scaled gradient overflowed, which lowers the scale instead)
+//   3. backward of the (fp16: scaled) loss, the gradient sync overlapped
+//   4. the figures the host reads later: the global batch's loss and the stop votes (one
+//      small all-reduce over the world), and the gradient's global norm
+//   5. clipping and the optimizer update
 //
-// On a GPU the host waits for the device once per step, in 3: the step's loss and the
-// agreement are read there (every rank must know before the update whether to make it).
+// Nothing here waits for the device, with two exceptions: fp16 reads the step's figures
+// at once, because whether the update is made and how the loss scale moves decide the next
+// step (DeepSpeed does the same); and a logged step on a GPU waits at each phase's end, so
+// that its phase times are the GPU's.
+//
+// A non-finite loss or gradient. Under train.on_nonfinite: skip the update is gated on the
+// device (the optimizer's `skip`), so the run goes on from unchanged weights. Under stop it
+// is not gated: the run ends when the step is read, a few steps on, and nothing computed
+// after it is kept, because the loop reads every pending step before it evaluates,
+// checkpoints or ends.
 #include "train/step.hpp"
 
 #include <chrono>
+#include <cmath>
+#include <thread>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -29,10 +39,41 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
+// On a GPU: the figures go to pinned host memory without blocking, and an event marks
+// their arrival. On the CPU they are already where the host reads them.
+void send_to_host(const torch::Tensor& figures, PendingStep& p) {
+  if (!figures.is_cuda()) {
+    p.figures = figures;
+    return;
+  }
+  p.figures = torch::empty(figures.sizes(), figures.options().device(torch::kCPU).pinned_memory(true));
+  p.figures.copy_(figures, /*non_blocking=*/true);
+  p.ready.emplace(c10::DeviceType::CUDA);
+  p.ready->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(figures.device()));
+}
+
+// Waits for the figures and puts them into the step's stats.
+void take_figures(const Context& c, PendingStep& p) {
+  if (p.ready) {
+    while (!p.ready->query()) std::this_thread::yield();
+    p.ready.reset();
+  }
+  const auto f = p.figures.accessor<double, 1>();
+  p.stats.loss = f[0] / double(c.mesh.dims().data);  // each data replica's loss counts once
+  p.stats.stop = f[1] > 0;
+  p.stats.grad_norm = p.norm_taken ? f[2] : std::nan("");
+}
+
+bool grads_finite(const PendingStep& p) {
+  return !p.norm_taken || std::isfinite(p.stats.grad_norm);
+}
+
 }  // namespace
 
-StepStats train_step(Context& c, Loader& loader, bool want_norm) {
-  StepStats s;
+PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
+  PendingStep p;
+  p.step = c.state.step + 1;
+  StepStats& s = p.stats;
   // On a GPU the phases run asynchronously to the host. A logged step waits for the device
   // at the start and at each phase's end, so that its phase times are the GPU's (report.cpp
   // logs that step's); the other steps never wait there.
@@ -47,7 +88,7 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
   const int64_t accum = c.cfg.train.grad_accum;
   const int64_t micro = batch.y.size(0) / accum;
   const double scale = c.scaler ? c.scaler->scale() : 1.0;
-  std::vector<torch::Tensor> losses;  // per micro-batch, read once all are queued
+  torch::Tensor loss_sum;  // this rank's loss, the mean over its micro-batches, in fp64
   for (int64_t a = 0; a < accum; ++a) {
     Batch mb = accum == 1 ? batch : Batch{batch.x.narrow(0, a * micro, micro),
                                           batch.y.narrow(0, a * micro, micro)};
@@ -59,7 +100,9 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
       AutocastGuard guard(c.cfg.precision.dtype, c.device().type());
       loss = c.task->loss(c.model->forward(mb.x), mb, *c.mesh.tensor());
     }
-    losses.push_back(loss.detach());
+    auto part = loss.detach().to(torch::kFloat64);
+    if (accum > 1) part = part / double(accum);
+    loss_sum = loss_sum.defined() ? loss_sum + part : part;
     // What makes the gradient a global mean, and fp16's loss scale.
     const double factor = c.sync->loss_factor() * scale;
     if (factor != 1.0) loss = loss * factor;
@@ -75,61 +118,80 @@ StepStats train_step(Context& c, Loader& loader, bool want_norm) {
   }
   auto t0 = Clock::now();
   c.sync->finish();
-  double loss_sum = 0;
-  for (const auto& l : losses) loss_sum += l.item<double>() / double(accum);
-  // The global batch's loss and whether any rank was asked to stop, in one small reduce
-  // over the world: every rank stops after the same step whatever the layout. Each data
-  // replica's loss counts once (tensor ranks hold the same value).
-  const bool counts = c.mesh.coord().tensor == 0;
-  double agree[3] = {counts ? loss_sum : 0.0, stop_signal() ? 1.0 : 0.0,
-                     std::isfinite(loss_sum) ? 0.0 : 1.0};
-  c.mesh.world()->all_reduce(torch::from_blob(agree, {3}, torch::kFloat64));
-  s.loss = agree[0] / double(c.mesh.dims().data);
-  s.stop = agree[1] > 0;
-  s.comm_ms = ms_since(t0);
-
-  const auto t_opt = Clock::now();
-  // 4. clip by the global norm over every shard. The norm is also the gradient's check:
-  //    taken when clipping or logging, and on every step when non-finite steps are skipped
-  //    or fp16 gradients are checked for overflow (otherwise a non-finite gradient shows
-  //    in the next step's loss). It is the norm of the scaled gradient, divided back.
+  // 4. The figures. The norm is taken when clipping or logging, on every step when
+  //    non-finite steps are skipped, and under fp16 (its overflow check); otherwise a
+  //    non-finite gradient shows in the next step's loss. It is the norm over every shard,
+  //    the same on every rank after the sync, of the gradient with fp16's scale divided out.
   const double clip = c.cfg.optimizer.grad_clip;
   const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
-  const bool norm_taken = want_norm || clip > 0 || skip_mode || c.scaler;
-  s.grad_norm =
-      norm_taken ? global_grad_norm(*c.params, *c.mesh.tensor()) / scale : std::nan("");
-  // The norm is the same on every rank (after the gradient sync), so these verdicts need
-  // no further agreement.
-  const bool loss_finite = agree[2] == 0;
-  const bool grad_finite = !norm_taken || std::isfinite(s.grad_norm);
-  bool update = loss_finite && grad_finite;
-  if (c.scaler && loss_finite) {
+  p.norm_taken = want_norm || clip > 0 || skip_mode || c.scaler;
+  p.local_loss = loss_sum;
+  auto f64 = loss_sum.options();
+  torch::Tensor norm;
+  if (p.norm_taken) {
+    norm = global_grad_norm(*c.params, *c.mesh.tensor());
+    if (scale != 1.0) norm = norm / scale;
+  }
+  // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
+  // to stop votes so: every rank stops after the same step, whatever the layout.
+  const bool counts = c.mesh.coord().tensor == 0;
+  auto figures = torch::stack({counts ? loss_sum : torch::zeros_like(loss_sum),
+                               torch::full({}, stop_signal() ? 1.0 : 0.0, f64),
+                               p.norm_taken ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64)});
+  if (c.mesh.world()->size() > 1) c.mesh.world()->all_reduce(figures.narrow(0, 0, 2));
+  send_to_host(figures, p);
+  s.comm_ms = ms_since(t0);
+
+  // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
+  const auto t_opt = Clock::now();
+  const double lr = lr_at(c.cfg.schedule, c.cfg.optimizer.lr, p.step, c.total_steps);
+  if (c.scaler) {
+    take_figures(c, p);
+    p.decided = true;
+    const bool loss_finite = std::isfinite(s.loss), grad_finite = grads_finite(p);
+    bool update = loss_finite && grad_finite;
     // A finite loss with an overflowing gradient is fp16's range, not a divergence: lower
     // the scale and skip, until the floor.
-    switch (c.scaler->after_backward(grad_finite)) {
-      case LossScaler::Verdict::kUpdate: break;
-      case LossScaler::Verdict::kSkip: s.overflow = true; break;
-      case LossScaler::Verdict::kNonFinite: break;  // update is false: handled below
+    if (loss_finite && c.scaler->after_backward(grad_finite) == LossScaler::Verdict::kSkip)
+      s.overflow = true;
+    s.nonfinite = !update && !s.overflow;
+    s.loss_scale = c.scaler->scale();
+    s.overflow_steps = c.scaler->overflows();
+    if (update) {
+      clip_grad(*c.params, norm, clip, scale);
+      c.optimizer->step(lr);
     }
-  }
-  const bool seen_here = !std::isfinite(loss_sum) || !grad_finite;
-  s.nonfinite = !update && !s.overflow;
-  if (s.nonfinite) {
-    // Name the lowest rank that saw it: one more reduction, on this rare path only.
-    const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
-    double seen[1] = {seen_here ? double(world - rank) : 0.0};
-    c.mesh.world()->all_reduce(torch::from_blob(seen, {1}, torch::kFloat64), ReduceOp::kMax);
-    s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
-  } else if (update) {
-    clip_grad(*c.params, s.grad_norm, clip, scale);  // and fp16's unscaling, in one multiply
-    // 5. optimizer update
-    c.optimizer->step(lr_at(c.cfg.schedule, c.cfg.optimizer.lr, c.state.step + 1, c.total_steps));
+  } else {
+    // skip: the update waits on the global loss and norm being finite, on the device.
+    torch::Tensor skip;
+    if (skip_mode)
+      skip = figures.select(0, 0).add(figures.select(0, 2)).isfinite().logical_not().to(torch::kFloat32);
+    clip_grad(*c.params, norm, clip);
+    c.optimizer->step(lr, skip);
   }
   c.params->zero_grad();
   ++c.state.step;
   settle();
   s.optim_ms = ms_since(t_opt);
   s.step_ms = ms_since(t_step);
+  return p;
+}
+
+StepStats read_step(Context& c, PendingStep& p) {
+  StepStats& s = p.stats;
+  if (!p.decided) {
+    take_figures(c, p);
+    s.nonfinite = !std::isfinite(s.loss) || !grads_finite(p);
+  }
+  if (s.nonfinite) {
+    // Name the lowest rank that saw it: one more reduction, on this rare path only.
+    const bool seen_here = !std::isfinite(p.local_loss.item<double>()) || !grads_finite(p);
+    const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
+    double seen[1] = {seen_here ? double(world - rank) : 0.0};
+    c.mesh.world()->all_reduce(torch::from_blob(seen, {1}, torch::kFloat64), ReduceOp::kMax);
+    s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
+  }
+  p.local_loss = torch::Tensor();
   return s;
 }
 

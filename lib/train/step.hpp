@@ -1,11 +1,36 @@
-// One optimizer step, whatever the layout.
+// One optimizer step, whatever the layout, and the reading of what it computed.
+//
+// The host does not wait for the device between steps. What a step computes for the host
+// (the global batch's loss, the gradient norm, whether some rank was asked to stop) stays
+// on the device and is copied back as the device gets there; the loop reads it a few steps
+// later (read_step), by which time it has usually arrived. On the CPU the copy is
+// immediate, but the reading is the same, so both devices behave alike.
 #pragma once
+#include <optional>
+
+#include <c10/core/Event.h>
+
 #include "data/loader.hpp"
 #include "train/report.hpp"
 
 namespace dtrain {
 
+struct PendingStep {
+  int64_t step = 0;          // the step's number, from 1
+  StepStats stats;           // the host's timings now; read_step() adds the device's figures
+  torch::Tensor figures;     // [loss sum over data replicas, stop votes, gradient norm]
+  torch::Tensor local_loss;  // this rank's loss: read only to name a rank that saw a NaN
+  bool norm_taken = false;   // whether figures[2] is the norm (else NaN)
+  bool decided = false;      // fp16: the step read its figures itself to decide its update
+  std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
+};
+
 // `want_norm`: compute the global gradient norm even without clipping (a logged step).
-StepStats train_step(Context& c, Loader& loader, bool want_norm);
+PendingStep train_step(Context& c, Loader& loader, bool want_norm);
+
+// The step's stats, complete: waits for its figures (on a GPU: for that step's work, not
+// for the steps queued after it). Every rank must read the same steps in the same order:
+// naming the rank that saw a non-finite loss is a collective.
+StepStats read_step(Context& c, PendingStep& p);
 
 }  // namespace dtrain

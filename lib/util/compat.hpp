@@ -4,8 +4,13 @@
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
+// Whether the LibTorch being built against is at least major.minor.
+#define DTRAIN_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||         \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
 // at::scaled_dot_product_attention (fused attention) exists from 2.0 on.
-#define DTRAIN_HAS_FUSED_ATTENTION (TORCH_VERSION_MAJOR >= 2)
+#define DTRAIN_HAS_FUSED_ATTENTION DTRAIN_TORCH_AT_LEAST(2, 0)
 
 // LibTorch >= 2.4 hosts and joins c10d's TCPStore through libuv by default, which
 // distribution builds (Debian 13's 2.6) lack: "use_libuv was requested but PyTorch was
@@ -29,8 +34,7 @@ void store_without_libuv(StoreOptions& o) {
 // device-generic at::autocast::set_autocast_enabled / set_autocast_dtype and deprecated the
 // per-device functions (set_cpu_enabled, set_enabled for CUDA, ...), which later releases
 // may drop; before 2.4 those are the only way.
-#define DTRAIN_HAS_GENERIC_AUTOCAST \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+#define DTRAIN_HAS_GENERIC_AUTOCAST DTRAIN_TORCH_AT_LEAST(2, 4)
 
 namespace dtrain::compat {
 inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype) {
@@ -49,13 +53,16 @@ inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype)
 }
 }  // namespace dtrain::compat
 
-// at::_fused_adamw_ (AdamW over lists of tensors in one CUDA kernel): 2.1 on for certain.
-#define DTRAIN_HAS_FUSED_ADAMW \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
+// The fused optimizer kernels (at::_fused_adamw_, at::_fused_sgd_: one pass over lists of
+// tensors, and a found_inf tensor that makes the step no update without the host reading
+// it): AdamW on CUDA from 2.1, SGD on CUDA from 2.3, both on the CPU from 2.4.
+#define DTRAIN_HAS_FUSED_ADAMW DTRAIN_TORCH_AT_LEAST(2, 1)
+#define DTRAIN_HAS_FUSED_SGD DTRAIN_TORCH_AT_LEAST(2, 3)
+#define DTRAIN_HAS_FUSED_CPU DTRAIN_TORCH_AT_LEAST(2, 4)
 
 // The environment variable that makes NCCL's work.wait() block the caller with a timeout.
 namespace dtrain::compat {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+#if DTRAIN_TORCH_AT_LEAST(2, 2)
 inline constexpr const char* kNcclBlockingWait = "TORCH_NCCL_BLOCKING_WAIT";
 #else
 inline constexpr const char* kNcclBlockingWait = "NCCL_BLOCKING_WAIT";

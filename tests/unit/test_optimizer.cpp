@@ -2,6 +2,7 @@
 // torch::optim::SGD and torch::optim::AdamW on a cloned model.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "config/config.hpp"
 #include "parallel/flat_params.hpp"
 #include "comm/comm.hpp"
+#include "optim/clip.hpp"
 #include "optim/optimizer.hpp"
 #include "util/error.hpp"
 
@@ -425,4 +427,88 @@ TEST_CASE("flat params: a parameter registered twice (tied weights) is one entry
   CHECK(torch::allclose(flat.data(), before - 0.5 * flat.grad()));
   CHECK(torch::equal(m->emb->weight, m->head->weight));
   CHECK(m->emb->weight.data_ptr() == flat.data().data_ptr());
+}
+
+TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradient") {
+  // What train.on_nonfinite: skip needs from the device: the step that `skip` names leaves
+  // weights, moments and the step count as they were, and the run goes on as if that
+  // gradient had never been seen. (Fused kernels read `skip` on the device, the unfused
+  // update on the host; whichever this LibTorch has runs here.)
+  const struct {
+    const char* name;
+    double momentum;
+    bool nesterov;
+  } kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"sgd", 0.0, false}, {"adamw", 0, false}};
+  for (const auto& kind : kinds) {
+    CAPTURE(kind.name);
+    CAPTURE(kind.momentum);
+    CAPTURE(kind.nesterov);
+    OptimizerConfig cfg;
+    cfg.name = kind.name;
+    cfg.momentum = kind.momentum;
+    cfg.nesterov = kind.nesterov;
+    cfg.weight_decay = 0.01;  // two decay groups: biases are spared
+    auto seen = small_model(1);
+    auto never = clone_of(seen);
+    FlatParams fs(*seen), fn(*never);
+    auto skipping = make_optimizer(cfg, fs), plain = make_optimizer(cfg, fn);
+    const auto no = torch::zeros({}, torch::kFloat32), yes = torch::ones({}, torch::kFloat32);
+    auto data = make_data(4);
+    for (int s = 0; s < 4; ++s) {
+      CAPTURE(s);
+      fs.zero_grad();
+      loss_of(seen, data.x[s], data.t[s]).backward();
+      if (s == 1) {  // the bad step: a NaN in the gradient, and skip = 1
+        fs.grad()[3] = std::nan("");
+        const auto before = fs.data().clone();
+        std::vector<torch::Tensor> slots_before;
+        for (const auto& [n, t] : skipping->slots()) slots_before.push_back(t.clone());
+        skipping->step(kLrs[s], yes);
+        CHECK(torch::equal(fs.data(), before));
+        for (size_t i = 0; i < slots_before.size(); ++i)
+          CHECK(torch::equal(skipping->slots()[i].second, slots_before[i]));
+        continue;
+      }
+      skipping->step(kLrs[s], no);  // skip = 0 is an ordinary step
+      fn.zero_grad();
+      loss_of(never, data.x[s], data.t[s]).backward();
+      plain->step(kLrs[s]);
+      CHECK((fs.data() - fn.data()).abs().max().item<double>() < 1e-7);
+    }
+    auto steps = [](const Optimizer& o) {
+      for (const auto& [n, t] : o.scalars())
+        if (n == "steps") return t.item<int64_t>();
+      return int64_t(-1);
+    };
+    CHECK(steps(*skipping) == 3);
+    CHECK(steps(*plain) == 3);
+    CHECK(fs.data().isfinite().all().item<bool>());
+  }
+}
+
+TEST_CASE("clip_grad: torch's clip_grad_norm_ factor, and fp16's unscaling, in one multiply") {
+  auto model = small_model(1);
+  FlatParams flat(*model);
+  auto local = make_local_comm();
+  auto data = make_data(1);
+  loss_of(model, data.x[0], data.t[0]).backward();
+  const auto g = flat.grad().clone();
+  const double n = g.norm().item<double>();
+  REQUIRE(n > 0.2);
+  // Above the limit: scaled to max_norm / (norm + 1e-6).
+  clip_grad(flat, global_grad_norm(flat, *local), 0.1);
+  CHECK(flat.grad().norm().item<double>() == doctest::Approx(0.1 * n / (n + 1e-6)).epsilon(1e-6));
+  CHECK(torch::allclose(flat.grad(), g * (0.1 / (n + 1e-6)), 1e-6, 1e-9));
+  // Below it: unchanged.
+  flat.grad().copy_(g);
+  clip_grad(flat, global_grad_norm(flat, *local), 10 * n);
+  CHECK(torch::allclose(flat.grad(), g, 1e-6, 1e-9));
+  // fp16: the gradient holds scale x g; the norm passed is already unscaled.
+  flat.grad().copy_(g * 1024);
+  clip_grad(flat, global_grad_norm(flat, *local) / 1024, 0.1, 1024);
+  CHECK(torch::allclose(flat.grad(), g * (0.1 / (n + 1e-6)), 1e-5, 1e-9));
+  // Off, with no norm taken: only the unscaling.
+  flat.grad().copy_(g * 1024);
+  clip_grad(flat, torch::Tensor(), 0.0, 1024);
+  CHECK(torch::allclose(flat.grad(), g, 1e-6, 1e-9));
 }

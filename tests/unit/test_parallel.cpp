@@ -245,7 +245,7 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
       double ref_sq = 0;
       for (auto* p : {&ref_a->weight, &ref_a->bias, &ref_b->weight, &ref_b->bias})
         ref_sq += p->grad().pow(2).sum().item<double>();
-      const double norm = global_grad_norm(flat, *tensor);
+      const double norm = global_grad_norm(flat, *tensor).item<double>();
       if (std::abs(norm - std::sqrt(ref_sq)) > 1e-5 * std::sqrt(ref_sq)) fail("global norm");
       // scatter_full is the inverse: every rank takes back its part.
       auto copy = torch::zeros_like(flat.data());
