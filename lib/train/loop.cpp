@@ -87,11 +87,24 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   auto is_log_step = [&](int64_t step) {
     return step % cfg.train.log_every == 0 || step == c.total_steps;
   };
+  // A step's time is the wall time between readings, evaluations and checkpoints left
+  // out: the host's time inside train_step is only its queueing, and the wait for the
+  // device happens here. Over a run the times add up to the training's wall time.
+  using Clock = std::chrono::steady_clock;
+  auto mark = Clock::now();  // the last reading, moved on past evaluations and checkpoints
+  auto not_training = [&](auto&& what) {
+    const auto t0 = Clock::now();
+    what();
+    mark += Clock::now() - t0;
+  };
   // Reads the oldest pending step: what a non-finite step means, its line and progress.
   auto read_oldest = [&] {
     PendingStep p = std::move(pending.front());
     pending.pop_front();
-    const StepStats s = read_step(c, p);
+    StepStats s = read_step(c, p);
+    const auto now = Clock::now();
+    s.step_ms = std::chrono::duration<double, std::milli>(now - mark).count();
+    mark = now;
     if (s.nonfinite) {
       handle_nonfinite(c, s, p.step, step_ms, data_wait_ms);
     } else {
@@ -130,20 +143,19 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
       // evaluation, a checkpoint, the end.
       if (eval_now || save_now || stop) read_all();
       std::optional<EvalResult> eval;
-      if (eval_now) {
-        const auto t0 = std::chrono::steady_clock::now();
+      if (eval_now) not_training([&] {
+        const auto t0 = Clock::now();
         eval = evaluate(c);
         st.last_eval = eval;
         if (std::isfinite(eval->metric) &&
             (!std::isfinite(st.best_metric) || c.task->better(eval->metric, st.best_metric)))
           st.best_metric = eval->metric, st.best_step = st.step;
-        const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
         if (c.root()) c.metrics->write(eval_line(c, *eval, ms));
         c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval->loss,
                           c.task->metric(), eval->metric));
-      }
-      if (save_now) save_checkpoint(c, eval);
+      });
+      if (save_now) not_training([&] { save_checkpoint(c, eval); });
 
       if (stop) {
         if (st.last_saved != st.step) save_checkpoint(c, std::nullopt);

@@ -15,8 +15,10 @@ namespace dtrain {
 struct StepStats {
   double loss = 0;             // mean over the global batch
   double grad_norm = 0;        // NaN when not computed this step
-  double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
-         step_ms = 0;
+  double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0;
+  // Wall time from the previous step's reading to this one's (evaluations and checkpoints
+  // left out): what the step cost, waits for the device included (train/loop.cpp).
+  double step_ms = 0;
   bool stop = false;           // some rank was asked to stop: all stop after this step
   bool nonfinite = false;      // some rank saw a non-finite loss or gradient: no update made
   int64_t nonfinite_rank = -1; // the lowest world rank that saw it

@@ -81,8 +81,7 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   auto settle = [&] {
     if (s.device_timed) torch::cuda::synchronize();
   };
-  const auto t_step = Clock::now();
-  settle();  // the previous step's last kernels: in this step's total, as without the wait
+  settle();  // the previous step's last kernels, so that this step's phases are its own
   // 1. next batch (prepared ahead by the loader's threads), queued to the device
   Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
   const int64_t accum = c.cfg.train.grad_accum;
@@ -173,8 +172,8 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   ++c.state.step;
   settle();
   s.optim_ms = ms_since(t_opt);
-  s.step_ms = ms_since(t_step);
-  return p;
+  return p;  // its step_ms is the loop's to measure: the host's time here is not the device's
+
 }
 
 StepStats read_step(Context& c, PendingStep& p) {

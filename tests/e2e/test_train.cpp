@@ -286,6 +286,54 @@ TEST_SUITE("divergence") {
     }
   }
 
+  TEST_CASE("a non-finite step read a few steps late: no line, evaluation or checkpoint after it") {
+    // The host reads each step's loss two steps after queueing it (train/step.hpp). The
+    // steps run meanwhile must leave no trace: the run diverges mid-way (SGD at lr 20 on
+    // an MLP; about step 26), between checkpoints every 3 steps and evaluations every 5.
+    auto dir = temp_dir("diverge-late");
+    const auto job = dir + "/job.yaml";
+    std::ofstream(job) << R"(name: late
+seed: 7
+data: {dataset: synthetic, samples: 512, test_samples: 128, input_shape: [1, 8, 8],
+       classes: 4, batch_size: 32, workers: 2}
+model: {arch: mlp, hidden: [16]}
+optimizer: {name: sgd, lr: 20}
+schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}
+train: {log_every: 1, eval_every: 5, max_steps: 60, threads: 1}
+checkpoint: {every_steps: 3, keep_last: 100}
+)";
+    for (const std::string& every : {"3", "100"}) {
+      const auto run = dir + "/run" + every;
+      auto r = dtrain("run " + job + " --run-dir " + run + " --set checkpoint.every_steps=" + every +
+                      kQuiet);
+      INFO(every << ": " << r.err);
+      CHECK(r.code == 3);
+      auto lines = metrics(run);
+      REQUIRE(!lines.empty());
+      const auto& s = lines.back();
+      REQUIRE(s["status"] == "diverged");
+      const int64_t at = s["diverged_step"];
+      CHECK(at > 6);  // mid-run: there are checkpoints and evaluations before it
+      CHECK(at < 60);
+      const int64_t ran = s["steps"];
+      CHECK(ran >= at);
+      CHECK(ran <= at + 2);
+      int64_t trained = 0;
+      for (const auto& l : lines) {
+        if (l["kind"] == "summary") continue;
+        CHECK(l["step"].get<int64_t>() < at);
+        if (l["kind"] != "train") continue;
+        ++trained;
+        CHECK(l["loss"].is_number());
+      }
+      CHECK(trained == at - 1);  // every step before it, once
+      for (const auto& e : std::filesystem::directory_iterator(run + "/checkpoints")) {
+        const auto name = e.path().filename().string();
+        if (name.rfind("step-", 0) == 0) CHECK(std::stoll(name.substr(5)) < at);
+      }
+    }
+  }
+
   TEST_CASE("on_nonfinite: skip drops bad steps and gives up after max_skipped in a row") {
     auto dir = temp_dir("diverge-skip");
     auto r = dtrain("run " + synthetic_job(dir) + " --run-dir " + dir + "/run --set optimizer.lr=1e6"

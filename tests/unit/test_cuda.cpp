@@ -1,7 +1,9 @@
-// What only a GPU can check, at the unit level: the flat buffers and the fused AdamW on
-// CUDA against the CPU's update, autocast on CUDA, and NCCL behind the Comm interface (a
+// What only a GPU can check, at the unit level: the flat buffers and the fused SGD and
+// AdamW on CUDA (with a skipped step) against the CPU's update, autocast on CUDA, and NCCL behind the Comm interface (a
 // group of one: one GPU holds one NCCL rank). Skipped where no GPU is visible (CI).
 #include <doctest/doctest.h>
+
+#include <cmath>
 
 #include <torch/torch.h>
 
@@ -19,34 +21,45 @@ bool no_gpu() { return visible_gpus() == 0; }
 }  // namespace
 
 TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
-  TEST_CASE("cuda: flat AdamW on the GPU (fused where LibTorch has it) matches the CPU update") {
-    OptimizerConfig cfg;
-    cfg.name = "adamw";
-    cfg.lr = 0.01;
-    cfg.weight_decay = 0.1;  // the 2-D weights decay, the biases do not: two fused groups
-    auto make = [](const c10::Device& d) {
-      torch::manual_seed(5);
-      torch::nn::Sequential m(torch::nn::Linear(64, 32), torch::nn::Linear(32, 8));
-      m->to(d);
-      FlatOptions o;
-      o.device = d;
-      return std::make_pair(m, std::make_unique<FlatParams>(*m, o));
-    };
-    auto [cpu_model, cpu] = make(c10::Device(c10::kCPU));
-    auto [gpu_model, gpu] = make(c10::Device(c10::kCUDA, 0));
-    REQUIRE(gpu->data().is_cuda());
-    REQUIRE(torch::equal(cpu->data(), gpu->data().cpu()));
-    auto cpu_opt = make_optimizer(cfg, *cpu);
-    auto gpu_opt = make_optimizer(cfg, *gpu);
-    for (int step = 1; step <= 6; ++step) {
-      auto g = torch::randn({cpu->grad().numel()});
-      cpu->grad().copy_(g);
-      gpu->grad().copy_(g);
-      cpu_opt->step(0.01);
-      gpu_opt->step(0.01);
+  TEST_CASE("cuda: flat SGD and AdamW on the GPU (fused where LibTorch has it) match the CPU") {
+    // Six steps, the third one skipped (a NaN in the gradient, skip = 1 on the device).
+    for (const char* name : {"sgd", "adamw"}) {
+      CAPTURE(name);
+      OptimizerConfig cfg;
+      cfg.name = name;
+      cfg.lr = 0.01;
+      cfg.momentum = 0.9;
+      cfg.nesterov = true;
+      cfg.weight_decay = 0.1;  // the 2-D weights decay, the biases do not: two fused groups
+      auto make = [](const c10::Device& d) {
+        torch::manual_seed(5);
+        torch::nn::Sequential m(torch::nn::Linear(64, 32), torch::nn::Linear(32, 8));
+        m->to(d);
+        FlatOptions o;
+        o.device = d;
+        return std::make_pair(m, std::make_unique<FlatParams>(*m, o));
+      };
+      auto [cpu_model, cpu] = make(c10::Device(c10::kCPU));
+      auto [gpu_model, gpu] = make(c10::Device(c10::kCUDA, 0));
+      REQUIRE(gpu->data().is_cuda());
+      REQUIRE(torch::equal(cpu->data(), gpu->data().cpu()));
+      auto cpu_opt = make_optimizer(cfg, *cpu);
+      auto gpu_opt = make_optimizer(cfg, *gpu);
+      for (int step = 1; step <= 6; ++step) {
+        auto g = torch::randn({cpu->grad().numel()});
+        if (step == 3) g[5] = std::nan("");
+        cpu->grad().copy_(g);
+        gpu->grad().copy_(g);
+        const auto skip = torch::full({}, step == 3 ? 1.0f : 0.0f);
+        cpu_opt->step(0.01, skip);
+        gpu_opt->step(0.01, skip.to(gpu->data().device()));
+      }
+      CHECK(gpu->data().isfinite().all().item<bool>());
+      CHECK(torch::allclose(cpu->data(), gpu->data().cpu(), 1e-5, 1e-6));
+      CHECK(torch::allclose(cpu_opt->slots().back().second, gpu_opt->slots().back().second.cpu(),
+                            1e-5, 1e-7));
+      CHECK(torch::equal(cpu_opt->scalars()[0].second, gpu_opt->scalars()[0].second));
     }
-    CHECK(torch::allclose(cpu->data(), gpu->data().cpu(), 1e-5, 1e-6));
-    CHECK(torch::allclose(cpu_opt->slots()[1].second, gpu_opt->slots()[1].second.cpu(), 1e-5, 1e-7));
   }
 
   TEST_CASE("cuda: autocast runs matrix products in bf16 and fp16, and only inside the guard") {
