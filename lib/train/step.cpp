@@ -3,7 +3,7 @@
 //   2. forward, per micro-batch (autocast keeps fp32 master weights)
 //   3. backward of the (fp16: scaled) loss, the gradient sync overlapped
 //   4. the figures the host reads later: the global batch's loss and the stop votes (one
-//      small all-reduce over the world), and the gradient's global norm
+//      small all-reduce over the world), the gradient's global norm, this rank's loss
 //   5. clipping and the optimizer update
 //
 // Nothing here waits for the device, with two exceptions: fp16 reads the step's figures
@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <thread>
+#include <vector>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
@@ -37,6 +38,29 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// The figures, [loss sum, stop votes, gradient norm (NaN when not taken), this rank's
+// loss], as one fp64 tensor where the values are. On the CPU from the values themselves:
+// reading them costs nothing there, and a handful of tensor ops would cost more than the
+// step's arithmetic. On a GPU by stacking them on the device: reading them would wait.
+torch::Tensor assemble_figures(const std::vector<torch::Tensor>& losses, bool counts, bool stop,
+                               const torch::Tensor& norm) {
+  const double accum = double(losses.size());
+  if (!losses[0].is_cuda()) {
+    double loss = 0;
+    for (const auto& l : losses) loss += l.item<double>() / accum;
+    auto figures = torch::empty({4}, torch::kFloat64);
+    double* f = figures.data_ptr<double>();
+    f[0] = counts ? loss : 0.0, f[1] = stop ? 1.0 : 0.0;
+    f[2] = norm.defined() ? norm.item<double>() : std::nan(""), f[3] = loss;
+    return figures;
+  }
+  auto loss = (losses.size() == 1 ? losses[0] : torch::stack(losses).sum() / accum)
+                  .to(torch::kFloat64);
+  const auto f64 = loss.options();
+  return torch::stack({counts ? loss : torch::zeros_like(loss), torch::full({}, stop ? 1.0 : 0.0, f64),
+                       norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64), loss});
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -61,7 +85,8 @@ void take_figures(const Context& c, PendingStep& p) {
   const auto f = p.figures.accessor<double, 1>();
   p.stats.loss = f[0] / double(c.mesh.dims().data);  // each data replica's loss counts once
   p.stats.stop = f[1] > 0;
-  p.stats.grad_norm = p.norm_taken ? f[2] : std::nan("");
+  p.stats.grad_norm = f[2];
+  p.local_loss = f[3];
 }
 
 bool grads_finite(const PendingStep& p) {
@@ -87,7 +112,7 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   const int64_t accum = c.cfg.train.grad_accum;
   const int64_t micro = batch.y.size(0) / accum;
   const double scale = c.scaler ? c.scaler->scale() : 1.0;
-  torch::Tensor loss_sum;  // this rank's loss, the mean over its micro-batches, in fp64
+  std::vector<torch::Tensor> losses;  // per micro-batch: their mean is this rank's loss
   for (int64_t a = 0; a < accum; ++a) {
     Batch mb = accum == 1 ? batch : Batch{batch.x.narrow(0, a * micro, micro),
                                           batch.y.narrow(0, a * micro, micro)};
@@ -99,9 +124,7 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
       AutocastGuard guard(c.cfg.precision.dtype, c.device().type());
       loss = c.task->loss(c.model->forward(mb.x), mb, *c.mesh.tensor());
     }
-    auto part = loss.detach().to(torch::kFloat64);
-    if (accum > 1) part = part / double(accum);
-    loss_sum = loss_sum.defined() ? loss_sum + part : part;
+    losses.push_back(loss.detach());
     // What makes the gradient a global mean, and fp16's loss scale.
     const double factor = c.sync->loss_factor() * scale;
     if (factor != 1.0) loss = loss * factor;
@@ -124,8 +147,6 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   const double clip = c.cfg.optimizer.grad_clip;
   const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
   p.norm_taken = want_norm || clip > 0 || skip_mode || c.scaler;
-  p.local_loss = loss_sum;
-  auto f64 = loss_sum.options();
   torch::Tensor norm;
   if (p.norm_taken) {
     norm = global_grad_norm(*c.params, *c.mesh.tensor());
@@ -133,10 +154,7 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   }
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
   // to stop votes so: every rank stops after the same step, whatever the layout.
-  const bool counts = c.mesh.coord().tensor == 0;
-  auto figures = torch::stack({counts ? loss_sum : torch::zeros_like(loss_sum),
-                               torch::full({}, stop_signal() ? 1.0 : 0.0, f64),
-                               p.norm_taken ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64)});
+  auto figures = assemble_figures(losses, c.mesh.coord().tensor == 0, stop_signal() != 0, norm);
   if (c.mesh.world()->size() > 1) c.mesh.world()->all_reduce(figures.narrow(0, 0, 2));
   send_to_host(figures, p);
   s.comm_ms = ms_since(t0);
@@ -184,13 +202,12 @@ StepStats read_step(Context& c, PendingStep& p) {
   }
   if (s.nonfinite) {
     // Name the lowest rank that saw it: one more reduction, on this rare path only.
-    const bool seen_here = !std::isfinite(p.local_loss.item<double>()) || !grads_finite(p);
+    const bool seen_here = !std::isfinite(p.local_loss) || !grads_finite(p);
     const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
     double seen[1] = {seen_here ? double(world - rank) : 0.0};
     c.mesh.world()->all_reduce(torch::from_blob(seen, {1}, torch::kFloat64), ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
   }
-  p.local_loss = torch::Tensor();
   return s;
 }
 

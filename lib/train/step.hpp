@@ -18,9 +18,9 @@ namespace dtrain {
 struct PendingStep {
   int64_t step = 0;          // the step's number, from 1
   StepStats stats;           // the host's timings now; read_step() adds the device's figures
-  torch::Tensor figures;     // [loss sum over data replicas, stop votes, gradient norm]
-  torch::Tensor local_loss;  // this rank's loss: read only to name a rank that saw a NaN
-  bool norm_taken = false;   // whether figures[2] is the norm (else NaN)
+  torch::Tensor figures;     // [loss sum over data replicas, stop votes, norm, this rank's loss]
+  double local_loss = 0;     // this rank's, once read: it names a rank that saw a NaN
+  bool norm_taken = false;   // whether the norm was taken (else it reads NaN)
   bool decided = false;      // fp16: the step read its figures itself to decide its update
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
 };
