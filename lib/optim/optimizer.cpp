@@ -106,7 +106,7 @@ class FlatOptimizer : public Optimizer {
   torch::Tensor mask_;  // 1 where weight decay applies (kMasked only)
   int64_t steps_ = 0;   // updates made (unfused)
   std::vector<Group> groups_;  // empty: the unfused update
-  torch::Tensor fused_steps_;  // updates made (fused), a float where the kernels read it
+  torch::Tensor fused_steps_;  // updates made (fused): a float (exact to 2^24) on the device
 
  private:
   void group_for_fused() {
@@ -118,7 +118,7 @@ class FlatOptimizer : public Optimizer {
     for (const auto& e : params_.entries()) {
       const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
       if (from >= to) continue;  // not in this shard
-      auto& grp = decays(cfg_, e.full_shape) ? decayed : plain;
+      auto& grp = cfg_.weight_decay != 0 && decays(cfg_, e.full_shape) ? decayed : plain;
       auto part = [&](const torch::Tensor& t) { return t.narrow(0, from - lo, to - from); };
       grp.p.push_back(part(p())), grp.g.push_back(part(g()));
       for (size_t i = 0; i < n_slots; ++i) grp.slots[i].push_back(part(slot(i)));

@@ -59,8 +59,10 @@ torch::Tensor assemble_figures(const std::vector<torch::Tensor>& losses, bool co
   auto loss = (losses.size() == 1 ? losses[0] : torch::stack(losses).sum() / accum)
                   .to(torch::kFloat64);
   const auto f64 = loss.options();
-  return torch::stack({counts ? loss : torch::zeros_like(loss), torch::full({}, stop ? 1.0 : 0.0, f64),
-                       norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64), loss});
+  return torch::stack({counts ? loss : torch::zeros_like(loss),
+                       torch::full({}, stop ? 1.0 : 0.0, f64),
+                       norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64),
+                       loss});
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -70,10 +72,12 @@ void send_to_host(const torch::Tensor& figures, PendingStep& p) {
     p.figures = figures;
     return;
   }
-  p.figures = torch::empty(figures.sizes(), figures.options().device(torch::kCPU).pinned_memory(true));
+  const auto pinned = figures.options().device(torch::kCPU).pinned_memory(true);
+  p.figures = torch::empty(figures.sizes(), pinned);
   p.figures.copy_(figures, /*non_blocking=*/true);
+  const auto* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   p.ready.emplace(c10::DeviceType::CUDA);
-  p.ready->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(figures.device()));
+  p.ready->record(cuda->getStream(figures.device()));
 }
 
 // Waits for the figures and puts them into the step's stats.
@@ -181,8 +185,10 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   } else {
     // skip: the update waits on the global loss and norm being finite, on the device.
     torch::Tensor skip;
-    if (skip_mode)
-      skip = figures.select(0, 0).add(figures.select(0, 2)).isfinite().logical_not().to(torch::kFloat32);
+    if (skip_mode) {
+      const auto total = figures.select(0, 0).add(figures.select(0, 2));  // NaN if either is
+      skip = total.isfinite().logical_not().to(torch::kFloat32);
+    }
     clip_grad(*c.params, norm, clip);
     c.optimizer->step(lr, skip);
   }
@@ -191,7 +197,6 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   settle();
   s.optim_ms = ms_since(t_opt);
   return p;  // its step_ms is the loop's to measure: the host's time here is not the device's
-
 }
 
 StepStats read_step(Context& c, PendingStep& p) {

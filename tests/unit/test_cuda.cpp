@@ -1,6 +1,7 @@
 // What only a GPU can check, at the unit level: the flat buffers and the fused SGD and
-// AdamW on CUDA (with a skipped step) against the CPU's update, autocast on CUDA, and NCCL behind the Comm interface (a
-// group of one: one GPU holds one NCCL rank). Skipped where no GPU is visible (CI).
+// AdamW on CUDA (with a skipped step) against the CPU's update, autocast on CUDA, and NCCL
+// behind the Comm interface (a group of one: one GPU holds one NCCL rank). Skipped where
+// no GPU is visible (CI).
 #include <doctest/doctest.h>
 
 #include <cmath>
