@@ -3,7 +3,9 @@
 # run: the MLP and the CNN on Fashion-MNIST at batch 64 (SGD, fp32 with TF32, as the
 # baseline), and GPT-2 small's shape at batch 16 x 1024 tokens (bf16 autocast, AdamW,
 # clipping at 1.0). Prints one JSON line per run and a table of ratios; MFU as the
-# baseline counts it (6 N per token + attention, against --peak-tflops 989).
+# baseline counts it (6 N per token + attention, against --peak-tflops 989); and the GPT
+# step's phases with the GPU synchronised at each end, the baseline's (scripts/gpt_phases.py)
+# beside dtrain's logged steps, to show where a gap is.
 #   scripts/bench_gpu.sh BUILD_DIR [DATA_DIR]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,12 +26,18 @@ dtrain_run() {  # model, config, extra args...
     --set logging.progress=off --set train.eval_every=100000 "$@" > "$OUT_DIR/$model.log" 2>&1 ||
     { cat "$OUT_DIR/$model.log" >&2; return 1; }
   python3 - "$model" "$OUT_DIR/run/metrics.jsonl" >> "$rows" <<'PYEOF'
-import json, sys
-s = [json.loads(l) for l in open(sys.argv[2])][-1]
+import json, statistics, sys
+lines = [json.loads(l) for l in open(sys.argv[2])]
+s = lines[-1]
 row = {"who": "dtrain", "model": sys.argv[1], "samples_per_s": s["samples_per_s"],
        "step_ms": s["step_ms_median"], "device": s["device"]}
 if "tokens_per_s" in s:
     row["tokens_per_s"] = s["tokens_per_s"]
+# A logged step's phases are the GPU's (it waits at each phase's end): the later ones.
+train = [l for l in lines if l["kind"] == "train"][1:]
+for k in ("forward_ms", "backward_ms", "optim_ms"):
+    if train:
+        row[k] = statistics.median(l[k] for l in train)
 print(json.dumps(row))
 PYEOF
 }
@@ -44,6 +52,9 @@ python3 "$BASELINE" --model gpt --batch 16 --steps 30 |
   python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["who"]="pytorch"; print(json.dumps(r))' >> "$rows"
 dtrain_run gpt gpt2_small.yaml --set precision.dtype=bf16 --set train.max_steps=40 \
   --set train.log_every=10
+# The baseline's GPT step phase by phase, to set beside dtrain's logged steps.
+python3 "$ROOT/scripts/gpt_phases.py" "$BASELINE" --batch 16 --steps 20 >> "$rows" ||
+  echo "bench_gpu: gpt_phases.py failed" >&2
 
 python3 - "$rows" <<'PYEOF'
 import json, sys
@@ -61,4 +72,11 @@ for m in ("mlp", "cnn", "gpt"):
         n, seq = p["params"], p["seq"]
         flops_per_token = 6 * n + 12 * 12 * 768 * seq
         print(f"   MFU: pytorch {p['mfu']:.1%}, dtrain {d[key] * flops_per_token / 1e12 / 989:.1%}")
+        # Phases with the GPU synchronised at each end (pytorch: gpt_phases.py; dtrain: its
+        # logged steps). The baseline's norm belongs to dtrain's optim phase.
+        ph = by.get(("pytorch", "gpt-phases"))
+        if ph and "forward_ms" in d:
+            print("   phases ms (pytorch / dtrain): forward %.2f / %.2f, backward %.2f / %.2f, "
+                  "norm+clip+update %.2f / %.2f" % (ph["forward_ms"], d["forward_ms"],
+                  ph["backward_ms"], d["backward_ms"], ph["norm_ms"] + ph["optim_ms"], d["optim_ms"]))
 PYEOF

@@ -54,7 +54,7 @@ timeout 200 ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest
 grep -E 'tests passed|ERROR|FAILED|Skipped' "$OUT/ctest-cuda.log" | head -30
 
 step "benchmark"
-OUT_DIR=$OUT/bench timeout 200 scripts/bench_gpu.sh build-gpu $DATA 2>&1 | tail -15
+OUT_DIR=$OUT/bench timeout 200 scripts/bench_gpu.sh build-gpu $DATA 2>&1 | tail -20
 cp $OUT/bench/bench_gpu.jsonl $OUT/ 2>/dev/null
 
 step "the whole suite on the CPU (GPU hidden)"

@@ -144,6 +144,9 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   }
   auto t0 = Clock::now();
   c.sync->finish();
+  settle();
+  s.comm_ms = ms_since(t0);
+  const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
   // 4. The figures. The norm is taken when clipping or logging, on every step when
   //    non-finite steps are skipped, and under fp16 (its overflow check); otherwise a
   //    non-finite gradient shows in the next step's loss. It is the norm over every shard,
@@ -161,10 +164,8 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   auto figures = assemble_figures(losses, c.mesh.coord().tensor == 0, stop_signal() != 0, norm);
   if (c.mesh.world()->size() > 1) c.mesh.world()->all_reduce(figures.narrow(0, 0, 2));
   send_to_host(figures, p);
-  s.comm_ms = ms_since(t0);
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
-  const auto t_opt = Clock::now();
   const double lr = lr_at(c.cfg.schedule, c.cfg.optimizer.lr, p.step, c.total_steps);
   if (c.scaler) {
     take_figures(c, p);

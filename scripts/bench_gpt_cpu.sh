@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# dtrain's GPT against PyTorch eager's on this machine's CPU, side by side in one run,
+# interleaved: the baseline's own model (../shared/bench/gpu_baseline.py, through
+# scripts/gpt_phases.py) and dtrain's gpt at one small shape (4 layers, 256 wide, 4 heads,
+# 128 tokens, GPT-2's vocabulary of 50304), batch 8, fp32, AdamW (decay on every
+# parameter, as torch.optim's single group), clipping at 1.0, 2 threads. Medians of the
+# step and of its phases. It checks that the two do the same work per step: on a GPU the
+# kernels are the same, so a gap there is elsewhere (see scripts/bench_gpu.sh's phases).
+#   scripts/bench_gpt_cpu.sh [REPEATS]          (needs scripts/setup.sh --bench)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+REPEATS=${1:-3}
+BASELINE=${BASELINE:-$ROOT/../shared/bench/gpu_baseline.py}
+[ -f "$BASELINE" ] || BASELINE=$ROOT/.devdata/gpu_baseline.py
+PY=/usr/bin/python3
+$PY -c 'import torch' 2>/dev/null || { echo "bench_gpt_cpu: run scripts/setup.sh --bench first" >&2; exit 2; }
+DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
+OUT_DIR=${OUT_DIR:-/tmp/dtrain-bench-gpt-cpu}
+mkdir -p "$OUT_DIR"
+rows=$OUT_DIR/bench_gpt_cpu.jsonl
+: > "$rows"
+cat > "$OUT_DIR/job.yaml" <<'EOF'
+name: gpt-cpu-bench
+seed: 1
+data: {dataset: synthetic_tokens, samples: 512, test_samples: 8, batch_size: 8, workers: 1,
+       seq_len: 128, vocab: 50304}
+model: {arch: gpt, layers: 4, heads: 4, dim: 256, vocab: 50304, seq_len: 128}
+optimizer: {name: adamw, lr: 0.0006, beta2: 0.95, weight_decay: 0.1, grad_clip: 1.0,
+            decay_1d: true}
+schedule: {decay: constant}
+train: {max_steps: 23, eval_every: 100000, log_every: 1, threads: 2}
+checkpoint: {every_steps: 100000}
+logging: {progress: off}
+EOF
+for r in $(seq "$REPEATS"); do
+  echo "== repeat $r/$REPEATS: pytorch" >&2
+  $PY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
+    --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20 >> "$rows"
+  echo "== repeat $r/$REPEATS: dtrain" >&2
+  rm -rf "$OUT_DIR/run"
+  "$DTRAIN" run "$OUT_DIR/job.yaml" --run-dir "$OUT_DIR/run" > /dev/null 2>&1
+  $PY - "$OUT_DIR/run/metrics.jsonl" >> "$rows" <<'PYEOF'
+import json, statistics, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+train = [l for l in lines if l["kind"] == "train"][3:]  # as the baseline: 3 warm-up steps
+row = {"who": "dtrain", "model": "gpt-phases", "step_ms": lines[-1]["step_ms_median"]}
+for k in ("forward_ms", "backward_ms", "optim_ms"):
+    row[k] = statistics.median(l[k] for l in train)
+print(json.dumps(row))
+PYEOF
+done
+$PY - "$rows" <<'PYEOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+med = lambda who, k: statistics.median(r[k] for r in rows if r["who"] == who)
+p, d = {}, {}
+for k in ("step_ms", "forward_ms", "backward_ms"):
+    p[k], d[k] = med("pytorch", k), med("dtrain", k)
+p["norm+update"] = statistics.median(r["norm_ms"] + r["optim_ms"] for r in rows if r["who"] == "pytorch")
+d["norm+update"] = med("dtrain", "optim_ms")
+print(f"{'ms (median)':14} {'pytorch':>9} {'dtrain':>9}")
+for k in p:
+    print(f"{k:14} {p[k]:9.1f} {d[k]:9.1f}")
+print(json.dumps({"kind": "ratio", "model": "gpt-cpu", "pytorch_step_ms": p["step_ms"],
+                  "dtrain_step_ms": d["step_ms"], "ratio": p["step_ms"] / d["step_ms"]}))
+PYEOF
