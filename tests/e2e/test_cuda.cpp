@@ -163,6 +163,36 @@ TEST_SUITE("cuda") {
     CHECK(resumed.back()["loss_scale"].get<double>() == scale);
   }
 
+  TEST_CASE("cuda: non-finite steps: skip gates the update on the GPU; stop keeps nothing after") {
+    // The step never waits for the GPU: skip's gate is the fused AdamW's found_inf, and a
+    // stop is noticed when the step is read, up to two steps later.
+    require_gpu();
+    auto dir = temp_dir("cuda-nonfinite");
+    const auto job = mlp_job(dir, 0.0);
+    auto skip = dtrain("run " + job + " --run-dir " + dir + "/skip --set optimizer.lr=1e6"
+                       " --set train.on_nonfinite=skip --set train.max_skipped=3"
+                       " --set train.max_steps=48" + kQuiet);
+    INFO(skip.err);
+    CHECK(skip.code == 3);
+    CHECK(skip.err.find("3 steps in a row") != std::string::npos);
+    CHECK(metrics(dir + "/skip").back()["skipped_steps"] == 3);
+
+    auto stop = dtrain("run " + job + " --run-dir " + dir + "/stop --set optimizer.lr=1e6"
+                       " --set checkpoint.every_steps=2 --set train.max_steps=48" + kQuiet);
+    INFO(stop.err);
+    CHECK(stop.code == 3);
+    auto lines = metrics(dir + "/stop");
+    REQUIRE(lines.back()["status"] == "diverged");
+    const int64_t at = lines.back()["diverged_step"];
+    CHECK(lines.back()["steps"].get<int64_t>() <= at + 2);
+    for (const auto& l : lines)
+      if (l["kind"] != "summary") CHECK(l["step"].get<int64_t>() < at);
+    for (const auto& e : std::filesystem::directory_iterator(dir + "/stop/checkpoints")) {
+      const auto name = e.path().filename().string();
+      if (name.rfind("step-", 0) == 0) CHECK(std::stoll(name.substr(5)) < at);
+    }
+  }
+
   TEST_CASE("cuda: a GPU index that is not there exits 2 naming train.device") {
     require_gpu();
     auto r = dtrain("validate " + config("fashion_mnist_mlp.yaml") + " --set train.device=cuda:99");
