@@ -6,6 +6,8 @@
 # parameter, as torch.optim's single group), clipping at 1.0, 2 threads. Medians of the
 # step and of its phases. It checks that the two do the same work per step: on a GPU the
 # kernels are the same, so a gap there is elsewhere (see scripts/bench_gpu.sh's phases).
+# (scripts/bench_gpt.sh measures configs/gpt_text.yaml's byte-level GPT against its own
+# Python copy; this one is the GPU benchmark's model, whose LM head dominates as GPT-2's.)
 #   scripts/bench_gpt_cpu.sh [REPEATS]          (needs scripts/setup.sh --bench)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
