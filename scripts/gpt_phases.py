@@ -3,9 +3,9 @@
 
 The baseline's own model and update (../shared/bench/gpu_baseline.py: bf16 autocast, fused
 AdamW, clipping at 1.0), with the device synchronised after each phase, so that the phases
-line up with a logged dtrain step's forward_ms, backward_ms, comm_ms (gradient sync, norm)
-and optim_ms (clip, update, zeroing). scripts/bench_gpu.sh prints the two side by side; a
-phase where dtrain is slower is where to look.
+line up with a logged dtrain step's forward_ms, backward_ms and optim_ms (norm, clip,
+update, zeroing; norm_ms + optim_ms here). scripts/bench_gpu.sh prints the two side by
+side; a phase where dtrain is slower is where to look.
 
     python3 scripts/gpt_phases.py BASELINE_PY [--batch 16] [--steps 20]
 Prints one JSON line of median milliseconds per phase. --device cpu, a smaller shape

@@ -45,8 +45,8 @@ class FlatOptimizer : public Optimizer {
     g_ = params.grad().narrow(0, shard_.offset, shard_.numel);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
     if (has_fused_kernel(cfg.name, p_.device())) {
-      group_for_fused();
-      return;  // the groups carry the decay
+      group_for_fused();  // none when the shard holds nothing: then the (empty) unfused update
+      return;             // the groups carry the decay
     }
     // Decay groups as a 0/1 mask over the shard, only when they differ.
     if (cfg.weight_decay != 0) {

@@ -130,15 +130,15 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   };
   try {
     while (st.step < c.total_steps) {
-      pending.push_back(train_step(c, loader, is_log_step(st.step + 1)));
-      while (pending.size() > kReadLag) read_oldest();
-
-      const bool epoch_end = st.step % spe == 0, last = st.step == c.total_steps;
+      const int64_t n = st.step + 1;  // this step
+      const bool epoch_end = n % spe == 0, last = n == c.total_steps;
       const bool eval_now =
-          (cfg.train.eval_every > 0 ? st.step % cfg.train.eval_every == 0 : epoch_end) || last;
+          (cfg.train.eval_every > 0 ? n % cfg.train.eval_every == 0 : epoch_end) || last;
       const bool save_now =
-          (cfg.checkpoint.every_steps > 0 ? st.step % cfg.checkpoint.every_steps == 0 : epoch_end) ||
+          (cfg.checkpoint.every_steps > 0 ? n % cfg.checkpoint.every_steps == 0 : epoch_end) ||
           last;
+      pending.push_back(train_step(c, loader, is_log_step(n), eval_now || save_now));
+      while (pending.size() > kReadLag) read_oldest();
       // Every step is read before anything that must not see a non-finite one: an
       // evaluation, a checkpoint, the end.
       if (eval_now || save_now || stop) read_all();

@@ -20,7 +20,7 @@ struct StepStats {
   // left out): what the step cost, waits for the device included (train/loop.cpp).
   double step_ms = 0;
   bool stop = false;           // some rank was asked to stop: all stop after this step
-  bool nonfinite = false;      // some rank saw a non-finite loss or gradient: no update made
+  bool nonfinite = false;      // some rank saw a non-finite loss or gradient
   int64_t nonfinite_rank = -1; // the lowest world rank that saw it
   bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
   double loss_scale = 0;       // fp16: the scale after this step, and the overflows so far

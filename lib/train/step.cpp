@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -31,6 +32,7 @@
 #include "optim/schedule.hpp"
 #include "precision/autocast.hpp"
 #include "train/signals.hpp"
+#include "util/error.hpp"
 
 namespace dtrain {
 namespace {
@@ -41,7 +43,9 @@ double ms_since(Clock::time_point t) {
 }
 
 // The figures, [loss sum, stop votes, gradient norm (NaN when not taken), this rank's
-// loss], as one fp64 tensor where the values are. On the CPU from the values themselves:
+// loss], as one fp64 tensor where the values are. A rank whose loss does not count (tensor
+// ranks past the first hold the same value) adds loss x 0: nothing, unless it is not
+// finite, so the sum is non-finite when any rank's loss is. On the CPU from the values themselves:
 // reading them costs nothing there, and a handful of tensor ops would cost more than the
 // step's arithmetic. On a GPU by stacking them on the device: reading them would wait.
 torch::Tensor assemble_figures(const std::vector<torch::Tensor>& losses, bool counts, bool stop,
@@ -52,14 +56,14 @@ torch::Tensor assemble_figures(const std::vector<torch::Tensor>& losses, bool co
     for (const auto& l : losses) loss += l.item<double>() / accum;
     auto figures = torch::empty({4}, torch::kFloat64);
     double* f = figures.data_ptr<double>();
-    f[0] = counts ? loss : 0.0, f[1] = stop ? 1.0 : 0.0;
+    f[0] = counts ? loss : loss * 0.0, f[1] = stop ? 1.0 : 0.0;
     f[2] = norm.defined() ? norm.item<double>() : std::nan(""), f[3] = loss;
     return figures;
   }
   auto loss = (losses.size() == 1 ? losses[0] : torch::stack(losses).sum() / accum)
                   .to(torch::kFloat64);
   const auto f64 = loss.options();
-  return torch::stack({counts ? loss : torch::zeros_like(loss),
+  return torch::stack({counts ? loss : loss * 0.0,
                        torch::full({}, stop ? 1.0 : 0.0, f64),
                        norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64),
                        loss});
@@ -80,10 +84,18 @@ void send_to_host(const torch::Tensor& figures, PendingStep& p) {
   p.ready->record(cuda->getStream(figures.device()));
 }
 
-// Waits for the figures and puts them into the step's stats.
+// Waits for the figures and puts them into the step's stats. Read two steps late, they
+// have usually arrived; otherwise the host sleeps in short naps (a spinning host would take
+// a core from the loader), for at most dist.timeout_s.
 void take_figures(const Context& c, PendingStep& p) {
   if (p.ready) {
-    while (!p.ready->query()) std::this_thread::yield();
+    const auto give_up = Clock::now() + std::chrono::seconds(c.cfg.dist.timeout_s);
+    while (!p.ready->query()) {
+      if (Clock::now() > give_up)
+        throw DistError(fmt::format("the device did not finish step {} within dist.timeout_s = "
+                                    "{} s", p.step, c.cfg.dist.timeout_s));
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     p.ready.reset();
   }
   const auto f = p.figures.accessor<double, 1>();
@@ -99,14 +111,14 @@ bool grads_finite(const PendingStep& p) {
 
 }  // namespace
 
-PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
+PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   PendingStep p;
   p.step = c.state.step + 1;
   StepStats& s = p.stats;
   // On a GPU the phases run asynchronously to the host. A logged step waits for the device
   // at the start and at each phase's end, so that its phase times are the GPU's (report.cpp
   // logs that step's); the other steps never wait there.
-  s.device_timed = want_norm && c.device().is_cuda();
+  s.device_timed = logged && c.device().is_cuda();
   auto settle = [&] {
     if (s.device_timed) torch::cuda::synchronize();
   };
@@ -147,13 +159,14 @@ PendingStep train_step(Context& c, Loader& loader, bool want_norm) {
   settle();
   s.comm_ms = ms_since(t0);
   const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
-  // 4. The figures. The norm is taken when clipping or logging, on every step when
-  //    non-finite steps are skipped, and under fp16 (its overflow check); otherwise a
-  //    non-finite gradient shows in the next step's loss. It is the norm over every shard,
-  //    the same on every rank after the sync, of the gradient with fp16's scale divided out.
+  // 4. The figures. The norm is taken when clipping, logging, before an evaluation or a
+  //    checkpoint, on every step when non-finite steps are skipped, and under fp16 (its
+  //    overflow check); otherwise a non-finite gradient shows in the next step's loss. It
+  //    is the norm over every shard, the same on every rank after the sync, of the gradient
+  //    with fp16's scale divided out.
   const double clip = c.cfg.optimizer.grad_clip;
   const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
-  p.norm_taken = want_norm || clip > 0 || skip_mode || c.scaler;
+  p.norm_taken = logged || kept || clip > 0 || skip_mode || c.scaler;
   torch::Tensor norm;
   if (p.norm_taken) {
     norm = global_grad_norm(*c.params, *c.mesh.tensor());

@@ -25,8 +25,10 @@ struct PendingStep {
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
 };
 
-// `want_norm`: compute the global gradient norm even without clipping (a logged step).
-PendingStep train_step(Context& c, Loader& loader, bool want_norm);
+// `logged`: a step whose line is written (its norm is taken; on a GPU its phases are
+// timed on the device). `kept`: an evaluation or a checkpoint follows it, so its norm is
+// taken too: a non-finite gradient there is caught before either sees the weights.
+PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept);
 
 // The step's stats, complete: waits for its figures (on a GPU: for that step's work, not
 // for the steps queued after it). Every rank must read the same steps in the same order:

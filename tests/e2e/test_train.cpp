@@ -302,8 +302,10 @@ schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}
 train: {log_every: 1, eval_every: 5, max_steps: 60, threads: 1}
 checkpoint: {every_steps: 3, keep_last: 100}
 )";
-    for (const std::string& every : {"3", "100"}) {
-      const auto run = dir + "/run" + every;
+    // Checkpoints every 3 steps, or none before the end; one process, or two (the rank
+    // that saw it is named by a collective, two steps late, on both).
+    for (const std::string& every : {"3", "100", "3 --nproc 2"}) {
+      const auto run = dir + "/run" + std::to_string(every.size());
       auto r = dtrain("run " + job + " --run-dir " + run + " --set checkpoint.every_steps=" + every +
                       kQuiet);
       INFO(every << ": " << r.err);

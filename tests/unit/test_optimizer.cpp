@@ -458,7 +458,7 @@ TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradie
       CAPTURE(s);
       fs.zero_grad();
       loss_of(seen, data.x[s], data.t[s]).backward();
-      if (s == 1) {  // the bad step: a NaN in the gradient, and skip = 1
+      if (s == 0 || s == 2) {  // bad steps (the first too): a NaN in the gradient, skip = 1
         fs.grad()[3] = std::nan("");
         const auto before = fs.data().clone();
         std::vector<torch::Tensor> slots_before;
@@ -480,8 +480,8 @@ TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradie
         if (n == "steps") return t.item<int64_t>();
       return int64_t(-1);
     };
-    CHECK(steps(*skipping) == 3);
-    CHECK(steps(*plain) == 3);
+    CHECK(steps(*skipping) == 2);
+    CHECK(steps(*plain) == 2);
     CHECK(fs.data().isfinite().all().item<bool>());
   }
 }
