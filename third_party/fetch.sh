@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The small libraries dtrain builds against (yaml-cpp, fmt, CLI11, nlohmann-json, doctest,
 # zlib's headers, and Gloo's headers, which c10d's ProcessGroupGloo.hpp includes but a
-# Python torch package does not ship), for a machine whose system lacks them but whose package manager is
-# Debian's or Ubuntu's apt (e.g. a GPU machine with LibTorch inside Python's torch): fetches
-# the distribution's own packages with `apt-get download` (no root needed) and unpacks them
-# into third_party/prefix/, which CMakeLists.txt searches when it exists. No third-party
-# source is copied into this repository, and nothing is installed system-wide. Gloo's
-# headers must be as new as LibTorch's own Gloo (its store interface grew in 2023): for a
-# LibTorch >= 2.1 run this on Debian 13 or newer (Debian 12's Gloo is from 2022).
+# Python torch package does not ship), for a machine whose system lacks them but whose
+# package manager is Debian's or Ubuntu's apt (e.g. a GPU machine with LibTorch inside
+# Python's torch): fetches the distribution's own packages with `apt-get download` (no root
+# needed) and unpacks them into third_party/prefix/, which CMakeLists.txt searches when it
+# exists. No third-party source is copied into this repository, and nothing is installed
+# system-wide. For a LibTorch >= 2.1 run this on Debian 13 or newer (see the check below).
 #   third_party/fetch.sh          then: cmake -S . -B build -DCMAKE_PREFIX_PATH=<libtorch>
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

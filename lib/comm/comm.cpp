@@ -133,51 +133,48 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   int64_t size() const override { return size_; }
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override {
-    const auto st = staged(t);
-    const torch::Tensor &dev = st.first, &back = st.second;
-    std::vector<torch::Tensor> ts{dev};
+    const Staged st = staged(t);
+    std::vector<torch::Tensor> ts{st.dev};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
     const double divide = op == ReduceOp::kAvg ? double(size_) : 1.0;
     return guard("all_reduce", [&] {
-      return pending("all_reduce", pg_->allreduce(ts, o), ts, divide, back);
+      return pending("all_reduce", pg_->allreduce(ts, o), ts, divide, st.back);
     });
   }
   void broadcast(torch::Tensor t, int64_t root) override {
-    const auto st = staged(t);
-    const torch::Tensor &dev = st.first, &back = st.second;
-    std::vector<torch::Tensor> ts{dev};
+    const Staged st = staged(t);
+    std::vector<torch::Tensor> ts{st.dev};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    guard("broadcast", [&] { return pending("broadcast", pg_->broadcast(ts, o), ts, 1.0, back); })
-        ->wait();
+    guard("broadcast", [&] {
+      return pending("broadcast", pg_->broadcast(ts, o), ts, 1.0, st.back);
+    })->wait();
   }
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override {
-    const auto st = staged(t);
-    const torch::Tensor &dev = st.first, &back = st.second;
+    const Staged st = staged(t);
     std::vector<std::vector<torch::Tensor>> out(1);
-    for (int64_t i = 0; i < size_; ++i) out[0].push_back(torch::empty_like(dev));
-    std::vector<torch::Tensor> in{dev};
+    for (int64_t i = 0; i < size_; ++i) out[0].push_back(torch::empty_like(st.dev));
+    std::vector<torch::Tensor> in{st.dev};
     guard("all_gather", [&] { return pending("all_gather", pg_->allgather(out, in), in); })->wait();
-    if (back.defined())
+    if (st.back.defined())
       for (auto& part : out[0]) part = part.to(t.device());
     return out[0];
   }
   void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
-    auto flat_in = staged(in).first.reshape(-1).contiguous();
+    auto flat_in = staged(in).dev.reshape(-1).contiguous();
     const int64_t n = flat_in.numel();
     TORCH_CHECK(out.numel() == n * size_, "all_gather_into: output holds ", out.numel(),
                 " elements, expected ", n * size_);
-    const auto st = staged(out);
-    const torch::Tensor &dev_out = st.first, &back = st.second;
+    const Staged st = staged(out);
     // The outputs are views of `out`: the backend writes each rank's part in place.
     std::vector<std::vector<torch::Tensor>> outs(1);
-    auto flat_out = dev_out.view(-1);
+    auto flat_out = st.dev.view(-1);
     for (int64_t r = 0; r < size_; ++r) outs[0].push_back(flat_out.narrow(0, r * n, n));
     std::vector<torch::Tensor> ins{flat_in};
     guard("all_gather", [&] {
       return pending("all_gather", pg_->allgather(outs, ins), {flat_out}, 1.0,
-                     back.defined() ? back.view(-1) : back);
+                     st.back.defined() ? st.back.view(-1) : st.back);
     })->wait();
   }
   void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp op) override {
@@ -192,20 +189,19 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   }
   void barrier() override {
     // A barrier is an all-reduce of one number: the same timeout path as everything else.
-    std::vector<torch::Tensor> ts{staged(torch::zeros({1})).first};
+    std::vector<torch::Tensor> ts{staged(torch::zeros({1})).dev};
     guard("barrier", [&] { return pending("barrier", pg_->allreduce(ts), ts); })->wait();
   }
   std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int tag) override {
     return guard("send/recv", [&] {
       auto all = std::make_unique<PendingAll>();
       for (auto& op : ops) {
-        const auto st = staged(op.tensor);
-        const torch::Tensor &dev = st.first, &back = st.second;
-        std::vector<torch::Tensor> ts{dev};
+        const Staged st = staged(op.tensor);
+        std::vector<torch::Tensor> ts{st.dev};
         const bool send = op.kind == P2POp::kSend;
         auto work = send ? pg_->send(ts, int(op.peer), tag) : pg_->recv(ts, int(op.peer), tag);
         all->parts.push_back(pending(send ? "send" : "recv", work, ts, 1.0,
-                                     send ? torch::Tensor() : back));
+                                     send ? torch::Tensor() : st.back));
       }
       return std::unique_ptr<Pending>(std::move(all));
     });
@@ -266,7 +262,11 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
 
   // The tensor the backend operates on, and the one its result is copied back to: for
   // NCCL, a CPU tensor's copy on this rank's GPU, and the CPU tensor itself.
-  std::pair<torch::Tensor, torch::Tensor> staged(const torch::Tensor& t) const {
+  struct Staged {
+    torch::Tensor dev;   // what the backend gets
+    torch::Tensor back;  // undefined: `dev` is the caller's tensor itself
+  };
+  Staged staged(const torch::Tensor& t) const {
     if (!stage_ || t.device() == *stage_) return {t, torch::Tensor()};
     return {t.to(*stage_), t};
   }

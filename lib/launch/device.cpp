@@ -16,18 +16,13 @@ namespace dtrain {
 c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t local_world,
                         int64_t visible) {
   if (spec == "cpu" || (spec == "auto" && visible == 0)) return c10::Device(c10::kCPU);
-  int64_t index = -1;  // -1: the local rank's own
-  if (spec.rfind("cuda:", 0) == 0) {
-    const std::string n = spec.substr(5);
-    const bool digits = !n.empty() && n.size() <= 4 &&
-                        std::all_of(n.begin(), n.end(), [](unsigned char ch) { return std::isdigit(ch); });
-    fail_if<ConfigError>(!digits, "train.device: expected auto, cpu, cuda or cuda:N (got '{}')",
-                         spec);
-    index = std::stoll(n);
-  } else {
-    fail_if<ConfigError>(spec != "cuda" && spec != "auto",
-                         "train.device: expected auto, cpu, cuda or cuda:N (got '{}')", spec);
-  }
+  const bool indexed = spec.rfind("cuda:", 0) == 0;
+  const std::string n = indexed ? spec.substr(5) : "";
+  const bool digits = !n.empty() && n.size() <= 4 &&
+                      std::all_of(n.begin(), n.end(), [](unsigned char ch) { return std::isdigit(ch); });
+  fail_if<ConfigError>(indexed ? !digits : spec != "cuda" && spec != "auto",
+                       "train.device: expected auto, cpu, cuda or cuda:N (got '{}')", spec);
+  const int64_t index = indexed ? std::stoll(n) : -1;  // -1: the local rank's own
   fail_if<ConfigError>(visible == 0,
                        "train.device: {}, but no CUDA device is visible to this process (use auto "
                        "or cpu)", spec);

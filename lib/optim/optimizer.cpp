@@ -64,12 +64,12 @@ class FlatOptimizer : public Optimizer {
   NamedTensors slots() const override { return slots_; }
   NamedTensors scalars() const override {
     // The fused step counts on the device (a skipped step does not count): read it here.
-    const int64_t steps = groups_.empty() ? steps_ : int64_t(fused_steps_.item<double>());
+    const int64_t steps = fused() ? int64_t(fused_steps_.item<double>()) : steps_;
     return {{"steps", torch::tensor({steps}, torch::kInt64)}};
   }
   void load_scalars(const NamedTensors& s) override {
     steps_ = scalar_named(s, "steps").item<int64_t>();
-    if (!groups_.empty()) fused_steps_.fill_(double(steps_));
+    if (fused()) fused_steps_.fill_(double(steps_));
   }
 
  protected:
