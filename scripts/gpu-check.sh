@@ -53,11 +53,28 @@ timeout 120 build-gpu/tests/unit_tests --test-suite=cuda 2>&1 | tail -15
 timeout 200 ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest-cuda.log" 2>&1
 grep -E 'tests passed|ERROR|FAILED|Skipped' "$OUT/ctest-cuda.log" | head -30
 
+step "does a steady step wait for the GPU? (DTRAIN_SYNC_DEBUG=warn, GPT-2 small's shape, 4 layers)"
+# Each operation LibTorch sees making the host wait warns; where there are any, cuda-gdb
+# shows who asks for the first ones.
+SYNC_ARGS="run configs/gpt2_small.yaml --run-dir $OUT/sync-run --set train.device=cuda
+  --set model.layers=4 --set train.max_steps=8 --set train.log_every=100 --set train.eval_every=100000
+  --set logging.progress=off --set precision.dtype=bf16"
+rm -rf "$OUT/sync-run"
+DTRAIN_SYNC_DEBUG=warn timeout 120 build-gpu/dtrain $SYNC_ARGS > "$OUT/sync.log" 2>&1
+echo "exit $?; $(grep -c 'synchroniz' "$OUT/sync.log") warning(s) of a synchronizing operation"
+if grep -q 'synchroniz' "$OUT/sync.log" && command -v cuda-gdb > /dev/null; then
+  rm -rf "$OUT/sync-run"
+  DTRAIN_SYNC_DEBUG=warn timeout 100 cuda-gdb -batch -ex 'set pagination off' -ex 'set breakpoint pending on' \
+    -ex 'break c10::cuda::warn_or_error_on_sync' -ex run -ex 'bt 14' -ex continue -ex 'bt 14' \
+    -ex continue -ex 'bt 14' --args build-gpu/dtrain $SYNC_ARGS 2>&1 | grep -E '^#' | head -45
+fi
+
 step "benchmark"
 OUT_DIR=$OUT/bench timeout 200 scripts/bench_gpu.sh build-gpu $DATA 2>&1 | tail -20
 cp $OUT/bench/bench_gpu.jsonl $OUT/ 2>/dev/null
 
-step "the whole suite on the CPU (GPU hidden)"
+step "the whole suite on the CPU (GPU hidden), in what is left of BUDGET"
+[ "$(left)" -gt 60 ] || { step "no time left for it"; exit 0; }
 CUDA_VISIBLE_DEVICES= timeout $(($(left) - 5)) ctest --test-dir build-gpu -j6 -LE cuda --output-on-failure \
   > "$OUT/ctest-cpu.log" 2>&1
 grep -E 'tests passed|Failed|\*\*\*|Not Run|Skipped' "$OUT/ctest-cpu.log" | head -30

@@ -11,6 +11,10 @@
 
 #include "util/error.hpp"
 
+#ifdef DTRAIN_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace dtrain {
 
 c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t local_world,
@@ -84,11 +88,40 @@ bool nccl_built() {
 
 void use_device(const c10::Device& device, const JobConfig& cfg) {
   if (!device.is_cuda()) return;
+  sync_debug_mode();  // a bad DTRAIN_SYNC_DEBUG fails here, before training
   // The current device of this thread: where LibTorch allocates, and NCCL's GPU.
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
   // PyTorch's allow_tf32 for matmul and cuDNN ("high" float32 matmul precision).
   at::globalContext().setFloat32MatmulPrecision(cfg.precision.tf32 ? "high" : "highest");
   at::globalContext().setAllowTF32CuDNN(cfg.precision.tf32);
+}
+
+SyncDebugScope::SyncDebugScope(const std::string& mode) {
+  if (mode != "warn" && mode != "error") return;
+#ifdef DTRAIN_CUDA
+  auto& state = c10::cuda::warning_state();
+  previous_ = static_cast<int>(state.get_sync_debug_mode());
+  state.set_sync_debug_mode(mode == "warn" ? c10::cuda::SyncDebugMode::L_WARN
+                                           : c10::cuda::SyncDebugMode::L_ERROR);
+#endif
+}
+
+SyncDebugScope::~SyncDebugScope() {
+#ifdef DTRAIN_CUDA
+  if (previous_ >= 0)
+    c10::cuda::warning_state().set_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
+#endif
+}
+
+const std::string& sync_debug_mode() {
+  static const std::string mode = [] {
+    const char* v = std::getenv("DTRAIN_SYNC_DEBUG");
+    std::string m = v && *v ? v : "off";
+    fail_if<ConfigError>(m != "warn" && m != "error" && m != "off",
+                         "DTRAIN_SYNC_DEBUG: expected warn, error or off (got '{}')", m);
+    return m;
+  }();
+  return mode;
 }
 
 }  // namespace dtrain

@@ -44,4 +44,25 @@ bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group
 // (TF32). Nothing for the CPU.
 void use_device(const c10::Device& device, const JobConfig& cfg);
 
+// PyTorch's CUDA sync debug mode (torch.cuda.set_sync_debug_mode) over a scope: "warn"
+// warns at each operation that makes the host wait for the GPU, "error" throws there;
+// anything else changes nothing, and so does a build without CUDA. The step puts the steps that
+// never wait by design under DTRAIN_SYNC_DEBUG's mode (sync_debug_mode()), so that a GPU
+// run checks the claim; tests/e2e/test_cuda.cpp does. PyTorch's check covers its own
+// waits (a read of a value, a blocking copy, a stream or device synchronize), not
+// c10d's.
+class SyncDebugScope {
+ public:
+  explicit SyncDebugScope(const std::string& mode);
+  ~SyncDebugScope();
+  SyncDebugScope(const SyncDebugScope&) = delete;
+  SyncDebugScope& operator=(const SyncDebugScope&) = delete;
+
+ private:
+  int previous_ = -1;  // the mode to restore; -1: nothing was changed
+};
+// DTRAIN_SYNC_DEBUG (warn | error | off, the default), read once; throws ConfigError for
+// another value.
+const std::string& sync_debug_mode();
+
 }  // namespace dtrain

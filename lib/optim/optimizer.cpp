@@ -61,6 +61,7 @@ class FlatOptimizer : public Optimizer {
       if (decay_ == Decay::kMasked) mask_ = mask.narrow(0, shard_.offset, shard_.numel);
     }
   }
+  bool fused() const override { return !groups_.empty(); }
   NamedTensors slots() const override { return slots_; }
   NamedTensors scalars() const override {
     // The fused step counts on the device (a skipped step does not count): read it here.
@@ -90,7 +91,6 @@ class FlatOptimizer : public Optimizer {
     std::vector<torch::Tensor> steps;               // AdamW: the count, once per part
     double weight_decay;
   };
-  bool fused() const { return !groups_.empty(); }
   // The fused step count: one more, unless `skip` is 1 (on the device, unread).
   void count_fused(const torch::Tensor& skip) {
     fused_steps_.add_(1);

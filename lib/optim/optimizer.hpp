@@ -31,6 +31,8 @@ class Optimizer {
   // the step no update at all (no moment, decay or count changes). A fused kernel reads it
   // on the device, so a GPU step need not wait for it; the unfused update reads it here.
   virtual void step(double lr, const torch::Tensor& skip = {}) = 0;
+  // Whether the update runs as LibTorch's fused kernel (then `skip` is never read here).
+  virtual bool fused() const = 0;
   // The state: per-parameter slots as flat buffers over the shard ("exp_avg" -> buffer),
   // and scalars ("steps").
   virtual NamedTensors slots() const = 0;

@@ -28,6 +28,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "launch/device.hpp"
 #include "optim/clip.hpp"
 #include "optim/schedule.hpp"
 #include "precision/autocast.hpp"
@@ -123,6 +124,12 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     if (s.device_timed) torch::cuda::synchronize();
   };
   settle();  // the previous step's last kernels, so that this step's phases are its own
+  // The steps that wait for the device by design (see the top; with several ranks, every
+  // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
+  const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
+  const bool waits = s.device_timed || c.scaler || c.mesh.world()->size() > 1 ||
+                     (skip_mode && !c.optimizer->fused());
+  SyncDebugScope sync_check(c.device().is_cuda() && !waits ? sync_debug_mode() : "off");
   // 1. next batch (prepared ahead by the loader's threads), queued to the device
   Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
   const int64_t accum = c.cfg.train.grad_accum;
@@ -165,7 +172,6 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   //    is the norm over every shard, the same on every rank after the sync, of the gradient
   //    with fp16's scale divided out.
   const double clip = c.cfg.optimizer.grad_clip;
-  const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
   p.norm_taken = logged || kept || clip > 0 || skip_mode || c.scaler;
   torch::Tensor norm;
   if (p.norm_taken) {

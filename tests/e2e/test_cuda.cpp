@@ -196,6 +196,32 @@ TEST_SUITE("cuda") {
     }
   }
 
+  TEST_CASE("cuda: a steady step never makes the host wait for the GPU") {
+    // Under DTRAIN_SYNC_DEBUG=error every step that does not wait by design (not logged,
+    // not fp16, one rank) throws at the first read, blocking copy or synchronize that
+    // LibTorch sees: a GPT with clipping, an evaluation and a checkpoint, and skip's gate.
+    require_gpu();
+    auto dir = temp_dir("cuda-nosync");
+    const auto job = gpt_job(dir);
+    for (const char* mode : {"stop", "skip"}) {
+      CAPTURE(mode);
+      auto r = dtrain("run " + job + " --run-dir " + dir + "/" + mode +
+                          " --set precision.dtype=bf16 --set train.max_steps=24"
+                          " --set train.log_every=12 --set train.eval_every=12"
+                          " --set checkpoint.every_steps=12 --set train.on_nonfinite=" + mode + kQuiet,
+                      "DTRAIN_SYNC_DEBUG=error timeout 300");
+      INFO(r.err);
+      CHECK(r.code == 0);
+      CHECK(of_kind(metrics(dir + "/" + mode), "train").size() == 2);
+    }
+    // (That the check bites is the unit test's: tests/unit/test_cuda.cpp.) A bad mode is
+    // refused before training.
+    auto bad = dtrain("run " + job + " --run-dir " + dir + "/bad --set train.max_steps=2" + kQuiet,
+                      "DTRAIN_SYNC_DEBUG=loud timeout 300");
+    CHECK(bad.code == 2);
+    CHECK(bad.err.find("DTRAIN_SYNC_DEBUG") != std::string::npos);
+  }
+
   TEST_CASE("cuda: a GPU index that is not there exits 2 naming train.device") {
     require_gpu();
     auto r = dtrain("validate " + config("fashion_mnist_mlp.yaml") + " --set train.device=cuda:99");

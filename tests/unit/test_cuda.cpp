@@ -1,6 +1,7 @@
 // What only a GPU can check, at the unit level: the flat buffers and the fused SGD and
 // AdamW on CUDA (with a skipped step) against the CPU's update, autocast on CUDA, and NCCL
-// behind the Comm interface (a group of one: one GPU holds one NCCL rank). Skipped where
+// behind the Comm interface (a group of one: one GPU holds one NCCL rank), and the sync
+// check that holds a steady step to never waiting. Skipped where
 // no GPU is visible (CI).
 #include <doctest/doctest.h>
 
@@ -74,6 +75,22 @@ TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
       CHECK((torch::matmul(a, a).scalar_type() == torch::kHalf));
     }
     CHECK((torch::matmul(a, a).scalar_type() == torch::kFloat));
+  }
+
+  TEST_CASE("cuda: SyncDebugScope makes a read of the GPU an error, and only inside it") {
+    // What tests/e2e/test_cuda.cpp relies on to show that a steady step never waits: the
+    // mode reaches LibTorch's own check (the same global state), and is restored.
+    auto t = torch::ones({4}, torch::Device(torch::kCUDA, 0));
+    {
+      SyncDebugScope check("error");
+      auto u = t * 2;  // queued, no wait
+      CHECK_THROWS_AS(u.sum().item<float>(), c10::Error);
+      auto host = torch::empty({4}, torch::dtype(torch::kFloat32).pinned_memory(true));
+      CHECK_NOTHROW(host.copy_(u, /*non_blocking=*/true));  // the figures' path: no wait
+    }
+    CHECK(t.sum().item<float>() == 4.0f);
+    SyncDebugScope off("off");
+    CHECK(t.sum().item<float>() == 4.0f);
   }
 
   TEST_CASE("cuda: NCCL collectives behind Comm, CUDA tensors in place and CPU ones staged") {
