@@ -70,7 +70,8 @@ TEST_SUITE("cuda") {
     REQUIRE_MESSAGE(std::filesystem::exists(kFashion), "the Fashion-MNIST files");
     auto dir = temp_dir("cuda-mlp");
     // The same 300 steps on both (the cosine schedule depends on the run's length).
-    const std::string common = " --set train.max_steps=300 --set precision.tf32=false" + std::string(kQuiet);
+    const std::string common = " --set train.max_steps=300 --set precision.tf32=false"
+                               " --set train.log_every=10" + std::string(kQuiet);
     auto gpu = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir + "/gpu" +
                       common + " --set train.device=cuda");
     INFO(gpu.err);
@@ -81,10 +82,21 @@ TEST_SUITE("cuda") {
     auto summary = metrics(dir + "/gpu").back();
     CHECK(summary["device"] == "cuda:0");
     CHECK(summary["final_accuracy"].get<double>() > 0.78);
-    // fp32 without TF32: the GPU's sums differ from the CPU's in order only, which SGD
-    // amplifies slowly; the first 100 steps stay within 0.2%.
+    // fp32 without TF32: the GPU's sums differ from the CPU's in order only, which SGD with
+    // momentum amplifies: the first 50 steps stay within 0.2% (a wrong update on either
+    // side is off by far more at once), and later single-batch losses drift apart (2.5% at
+    // step 100 on an H100), so the rest is held to the same learning on average.
     auto g = train_losses(dir + "/gpu"), c = train_losses(dir + "/cpu");
-    check_losses_close({{50, c.at(50)}, {100, c.at(100)}}, g, 2e-3, "cuda vs cpu");
+    check_losses_close({{10, c.at(10)}, {20, c.at(20)}, {30, c.at(30)}, {40, c.at(40)},
+                        {50, c.at(50)}}, g, 2e-3, "cuda vs cpu");
+    auto late_mean = [](const std::map<int64_t, double>& losses) {
+      double sum = 0;
+      for (int64_t s = 210; s <= 300; s += 10) sum += losses.at(s);
+      return sum / 10;
+    };
+    CHECK(std::abs(late_mean(g) - late_mean(c)) < 0.05 * late_mean(c));
+    const double cpu_accuracy = metrics(dir + "/cpu").back()["final_accuracy"];
+    CHECK(std::abs(summary["final_accuracy"].get<double>() - cpu_accuracy) < 0.02);
   }
 
   TEST_CASE("cuda: N steps then --resume auto gives bit-identical losses, dropout included") {
