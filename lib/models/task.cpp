@@ -45,8 +45,7 @@ class LanguageModel : public Task {
 
  private:
   static torch::Tensor per_token(const torch::Tensor& out, const Batch& b, Comm& tensor) {
-    return vocab_parallel_cross_entropy(out.to(torch::kFloat32).reshape({-1, out.size(-1)}),
-                                        b.y.reshape(-1), tensor);
+    return vocab_parallel_cross_entropy(out.reshape({-1, out.size(-1)}), b.y.reshape(-1), tensor);
   }
 };
 

@@ -34,7 +34,7 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::logits(const torch::Tensor& x) {
-  return F::linear(copy_to_tensor_region(x, tensor_), weight);
+  return torch::linear(copy_to_tensor_region(x, tensor_), weight);
 }
 
 namespace {
@@ -76,9 +76,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits,
                                            const torch::Tensor& targets, Comm& tensor) {
+  // In fp32 whatever the logits' precision (as Megatron-LM and torchtitan take it; PyTorch's
+  // autocast leaves it in bf16). With one rank, fp16 logits on CUDA go straight into
+  // LibTorch's half-to-float log-softmax, with no fp32 copy of the [tokens, vocabulary]
+  // logits; bf16 ones (LibTorch has no such kernel for them) are cast first.
   if (tensor.size() == 1)
-    return F::cross_entropy(local_logits, targets, F::CrossEntropyFuncOptions().reduction(torch::kNone));
-  return VocabParallelCrossEntropy::apply(local_logits, targets, &tensor);
+    return F::nll_loss(torch::log_softmax(local_logits, 1, torch::kFloat32), targets,
+                       F::NLLLossFuncOptions().reduction(torch::kNone));
+  return VocabParallelCrossEntropy::apply(local_logits.to(torch::kFloat32), targets, &tensor);
 }
 
 }  // namespace dtrain

@@ -32,9 +32,9 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public PlacedModule
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
-// Per-item cross-entropy [n] from logits split over the vocabulary (this rank's [n, V / T]
-// in fp32, covering ids [rank * V/T, (rank + 1) * V/T)) and targets [n]; every rank gets the
-// full result. With one rank, torch's cross_entropy.
+// Per-item cross-entropy [n], in fp32, from logits split over the vocabulary (this rank's
+// [n, V / T] in any floating type, covering ids [rank * V/T, (rank + 1) * V/T)) and
+// targets [n]; every rank gets the full result. With one rank, torch's log-softmax and NLL.
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits,
                                            const torch::Tensor& targets, Comm& tensor);
 
