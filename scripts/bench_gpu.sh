@@ -50,8 +50,9 @@ for model in mlp cnn; do
 done
 python3 "$BASELINE" --model gpt --batch 16 --steps 30 |
   python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["who"]="pytorch"; print(json.dumps(r))' >> "$rows"
-dtrain_run gpt gpt2_small.yaml --set precision.dtype=bf16 --set train.max_steps=40 \
-  --set train.log_every=10
+# 80 steps, the first 16 left out of the rate; two logged (they wait at each phase).
+dtrain_run gpt gpt2_small.yaml --set precision.dtype=bf16 --set train.max_steps=80 \
+  --set train.log_every=40
 # The baseline's GPT step phase by phase, to set beside dtrain's logged steps.
 python3 "$ROOT/scripts/gpt_phases.py" "$BASELINE" --batch 16 --steps 20 >> "$rows" ||
   echo "bench_gpu: gpt_phases.py failed" >&2
@@ -68,6 +69,9 @@ for m in ("mlp", "cnn", "gpt"):
     if not p or not d:
         continue
     print(f"{m:6} {p[key]:14.0f} {d[key]:14.0f} {d[key] / p[key]:15.2f}   ({key})")
+    # The baseline times its median step; dtrain's rate is the mean over its steady steps.
+    print(f"{'':6} median step ms: pytorch {p['step_ms']:.2f}, dtrain {d['step_ms']:.2f}"
+          f" (dtrain/pytorch by medians {p['step_ms'] / d['step_ms']:.2f})")
     if m == "gpt":
         n, seq = p["params"], p["seq"]
         flops_per_token = 6 * n + 12 * 12 * 768 * seq
