@@ -9,6 +9,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/schema.hpp"
+#include "train/validate.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/device.hpp"

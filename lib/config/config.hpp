@@ -149,7 +149,6 @@ struct ParallelConfig {
   int64_t tensor = 1;
   int64_t pipeline = 1;
   std::string schedule = "1f1b";     // gpipe | 1f1b
-  int64_t micro_batches = 4;
   int64_t zero = 0;                  // 0 | 1
   bool sync_batchnorm = false;
   // Gradient all-reduce granularity. 1 MiB, not DDP's 25: with Gloo over TCP, large
@@ -167,7 +166,6 @@ struct ParallelConfig {
     v("tensor", tensor);
     v("pipeline", pipeline);
     v("schedule", schedule, Choices{"gpipe", "1f1b"});
-    v("micro_batches", micro_batches);
     v("zero", zero);
     v("sync_batchnorm", sync_batchnorm);
     v("bucket_mb", bucket_mb);

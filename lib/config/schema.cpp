@@ -15,8 +15,6 @@
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
-#include "launch/device.hpp"
-#include "models/model.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -72,9 +70,24 @@ std::string leaf(const std::string& key) {
   return dot == std::string::npos ? key : key.substr(dot + 1);
 }
 
+// Keys an earlier version accepted, and what replaces each.
+const char* replaced_by(const std::string& key) {
+  if (key == "parallel.micro_batches")
+    return "train.grad_accum is the number of micro-batches per optimizer step, and a pipeline "
+           "schedule runs them all: set that instead";
+  return nullptr;
+}
+
 std::string did_you_mean(const std::string& key) {
   auto near = nearest_key(key);
   return near.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", near);
+}
+
+// The error for a key the schema does not have, at `at` (a file position or --set).
+ConfigError unknown_key(const std::string& at, const std::string& key) {
+  if (const char* instead = replaced_by(key))
+    return ConfigError(fmt::format("{}: '{}' was removed; {}", at, key, instead));
+  return ConfigError(fmt::format("{}: unknown key '{}'{}", at, key, did_you_mean(key)));
 }
 
 std::string where(const YAML::Mark& m, const std::string& origin) {
@@ -156,7 +169,7 @@ void load_map(std::vector<Field>& fields, const YAML::Node& map, const std::stri
       continue;
     }
     Field* f = find_field(fields, key);
-    if (!f) throw ConfigError(fmt::format("{}: unknown key '{}'{}", at, key, did_you_mean(key)));
+    if (!f) throw unknown_key(at, key);
     set_field(*f, it->second, where(it->second.Mark(), origin));
   }
 }
@@ -236,7 +249,7 @@ void apply_override(JobConfig& cfg, const std::string& assignment) {
   std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
   auto fields = fields_of(cfg);
   Field* f = find_field(fields, key);
-  if (!f) throw ConfigError(fmt::format("{}: unknown key '{}'{}", at, key, did_you_mean(key)));
+  if (!f) throw unknown_key(at, key);
   // Strings are taken verbatim; everything else is read as YAML so lists work: [128, 64].
   YAML::Node node;
   if (std::holds_alternative<std::string*>(f->value)) {
@@ -367,6 +380,8 @@ std::string printable(const std::string& s) {
   return out;
 }
 
+}  // namespace
+
 // Range checks in one table-like function: each line names its key and the valid range.
 void check_ranges(const JobConfig& c) {
   auto need = [](bool ok, const std::string& key, const std::string& rule, const auto& value) {
@@ -435,7 +450,6 @@ void check_ranges(const JobConfig& c) {
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
   need(p.tensor >= 1, "parallel.tensor", ">= 1", p.tensor);
   need(p.pipeline >= 1, "parallel.pipeline", ">= 1", p.pipeline);
-  need(p.micro_batches >= 1, "parallel.micro_batches", ">= 1", p.micro_batches);
   need(p.zero == 0 || p.zero == 1, "parallel.zero", "0 or 1", p.zero);
   need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
@@ -462,41 +476,6 @@ void check_ranges(const JobConfig& c) {
   need(c.checkpoint.every_steps >= 0, "checkpoint.every_steps", ">= 0 (0 = each epoch)",
        c.checkpoint.every_steps);
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
-}
-
-// What this build of dtrain can run; a value outside it is refused up front rather than
-// half-run. Each line names the key so the user knows what to change.
-void check_supported(const JobConfig& c, const ParallelDims& layout) {
-  auto refuse = [](bool bad, const std::string& key, const std::string& value) {
-    if (bad)
-      throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
-                                    value));
-  };
-  refuse(layout.pipeline != 1, "parallel.pipeline", "pipeline parallelism");
-  refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
-  refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
-  refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
-}
-
-}  // namespace
-
-ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
-  check_ranges(cfg);
-  const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
-  check_supported(cfg, layout);
-  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
-  model_spec(cfg.model.arch).validate(cfg.model, layout);
-  const int64_t per_step = layout.data * cfg.train.grad_accum;
-  fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
-                       "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
-                       "train.grad_accum {}; use a multiple of {}",
-                       cfg.data.batch_size, layout.data, cfg.train.grad_accum, per_step);
-  const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "synthetic_tokens";
-  fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
-                       "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,
-                       cfg.data.dataset, tokens ? "token windows need a language model: gpt"
-                                                : "a language model needs text or synthetic_tokens");
-  return layout;
 }
 
 }  // namespace dtrain

@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "config/config.hpp"
-#include "parallel/dims.hpp"
 
 namespace dtrain {
 
@@ -38,9 +37,9 @@ std::string to_yaml(const JobConfig& cfg);
 // synthetic vocabulary from the model's).
 void resolve(JobConfig& cfg);
 
-// Every range, enum and divisibility check, for a job run on `world_size` processes, and
-// the layout it resolves to. Throws ConfigError with a message that names the key and what
-// would be valid.
-ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1);
+// Every range and enum check that needs the job spec alone. Throws ConfigError with a
+// message that names the key and what would be valid. (validate() in train/validate.hpp
+// adds what needs the models, the devices and the world size.)
+void check_ranges(const JobConfig& cfg);
 
 }  // namespace dtrain

@@ -11,6 +11,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "checkpoint/safetensors.hpp"
 #include "config/schema.hpp"
+#include "train/validate.hpp"
 #include "data/dataset.hpp"
 #include "train/state.hpp"
 #include "util/error.hpp"

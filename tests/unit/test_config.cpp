@@ -10,6 +10,7 @@
 
 #include "config/config.hpp"
 #include "config/schema.hpp"
+#include "train/validate.hpp"
 #include "util/error.hpp"
 
 using namespace dtrain;
@@ -238,6 +239,8 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"unknown key, suggested", "data:\n  batchsize: 32\n",
        {"bad.yaml:2:3", "unknown key 'data.batchsize'", "did you mean 'data.batch_size'"}},
       {"top-level misplaced key", "lr: 0.1\n", {"unknown key 'lr'", "did you mean 'optimizer.lr'"}},
+      {"removed key, its replacement named", "parallel:\n  micro_batches: 8\n",
+       {"bad.yaml:2:3", "'parallel.micro_batches' was removed", "train.grad_accum"}},
       {"duplicate key", "optimizer:\n  lr: 0.1\n  lr: 0.2\n",
        {"bad.yaml:3:3", "duplicate key 'optimizer.lr'"}},
       {"misspelt leaf in a section", "optimizer:\n  momentun: 0.5\n",

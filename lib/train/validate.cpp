@@ -1,0 +1,51 @@
+#include "train/validate.hpp"
+
+#include <string>
+
+#include <fmt/format.h>
+
+#include "config/schema.hpp"
+#include "launch/device.hpp"
+#include "models/model.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+// What this build of dtrain can run; a value outside it is refused up front rather than
+// half-run. Each line names the key so the user knows what to change.
+void check_supported(const JobConfig& c, const ParallelDims& layout) {
+  auto refuse = [](bool bad, const std::string& key, const std::string& value) {
+    if (bad)
+      throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
+                                    value));
+  };
+  refuse(layout.pipeline != 1, "parallel.pipeline", "pipeline parallelism");
+  refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
+  refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
+  refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
+}
+
+}  // namespace
+
+ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
+  check_ranges(cfg);
+  const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
+  check_supported(cfg, layout);
+  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
+  model_spec(cfg.model.arch).validate(cfg.model, layout);
+  const int64_t per_step = layout.data * cfg.train.grad_accum;
+  fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
+                       "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
+                       "train.grad_accum {}; use a multiple of {}",
+                       cfg.data.batch_size, layout.data, cfg.train.grad_accum, per_step);
+  const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "synthetic_tokens";
+  fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
+                       "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,
+                       cfg.data.dataset, tokens ? "token windows need a language model: gpt"
+                                                : "a language model needs text or synthetic_tokens");
+  return layout;
+}
+
+
+}  // namespace dtrain
