@@ -61,6 +61,135 @@ void handle_nonfinite(Context& c, const StepStats& s, int64_t step,
 // Two, not one, leaves room for a step that the host queues faster than the one before.
 constexpr size_t kReadLag = 2;
 
+// What happens after step n (from 1): the cadence of the job, decided here only.
+struct Cadence {
+  const JobConfig& cfg;
+  int64_t steps_per_epoch, total_steps;
+
+  bool last(int64_t n) const { return n == total_steps; }
+  bool epoch_end(int64_t n) const { return n % steps_per_epoch == 0; }
+  bool should_log(int64_t n) const { return n % cfg.train.log_every == 0 || last(n); }
+  bool should_eval(int64_t n) const {
+    const int64_t every = cfg.train.eval_every;
+    return (every > 0 ? n % every == 0 : epoch_end(n)) || last(n);
+  }
+  bool should_save(int64_t n) const {
+    const int64_t every = cfg.checkpoint.every_steps;
+    return (every > 0 ? n % every == 0 : epoch_end(n)) || last(n);
+  }
+};
+
+using Clock = std::chrono::steady_clock;
+
+// The queued steps and what reading them adds up to: the train lines, progress, the step
+// times for the summary, and whether some rank asked to stop. A step's time is the wall
+// time between readings, evaluations and checkpoints left out: the host's time inside
+// train_step is only its queueing, and the wait for the device happens here, so over a
+// run the times add up to the training's wall time.
+class StepReader {
+ public:
+  StepReader(Context& c, const Cadence& cadence) : c_(c), cadence_(cadence) {}
+
+  void queue(PendingStep p) {
+    pending_.push_back(std::move(p));
+    while (pending_.size() > kReadLag) read_oldest();
+  }
+  // Every step is read before anything that must not see a non-finite one: an
+  // evaluation, a checkpoint, the end.
+  void read_all() {
+    while (!pending_.empty()) read_oldest();
+  }
+  // Runs `what` (an evaluation, a checkpoint) outside every step's time.
+  template <class F>
+  void not_training(F&& what) {
+    const auto t0 = Clock::now();
+    what();
+    mark_ += Clock::now() - t0;
+  }
+  bool stop() const { return stop_; }
+  nlohmann::json summary(const std::string& status) const {
+    return summary_line(c_, status, step_ms_, data_wait_ms_);
+  }
+
+ private:
+  // The oldest pending step: what a non-finite step means, its line and progress.
+  void read_oldest() {
+    PendingStep p = std::move(pending_.front());
+    pending_.pop_front();
+    StepStats s = read_step(c_, p);
+    const auto now = Clock::now();
+    s.step_ms = std::chrono::duration<double, std::milli>(now - mark_).count();
+    mark_ = now;
+    auto& st = c_.state;
+    if (s.nonfinite) {
+      handle_nonfinite(c_, s, p.step, step_ms_, data_wait_ms_);
+    } else {
+      st.skipped_in_a_row = 0;
+      st.last_loss = s.loss;
+    }
+    stop_ = stop_ || s.stop;
+    window_.add(s);
+    step_ms_.push_back(s.step_ms);
+    data_wait_ms_ += s.data_wait_ms;
+    const auto& cfg = c_.cfg;
+    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, p.step, c_.total_steps);  // it used
+    const bool log_now = cadence_.should_log(p.step);
+    if (log_now) {
+      auto line = train_line(c_, p.step, s, window_, lr);
+      rate_ = line["samples_per_s"].get<double>();
+      if (c_.root()) c_.metrics->write(line);
+      window_ = Window{};
+    }
+    if (c_.root()) c_.progress->step(p.step, st.last_loss, lr, rate_, log_now);
+  }
+
+  Context& c_;
+  const Cadence& cadence_;
+  std::deque<PendingStep> pending_;  // queued, not read yet: oldest first
+  std::vector<double> step_ms_;      // this process's steps, for the steady-state rate
+  double data_wait_ms_ = 0;
+  Window window_;
+  double rate_ = 0;
+  bool stop_ = false;                // a read step says some rank was asked to stop
+  Clock::time_point mark_ = Clock::now();  // the last reading, moved on past the rest
+};
+
+// An evaluation after step st.step: its line, and the best metric so far.
+void run_evaluation(Context& c) {
+  auto& st = c.state;
+  const auto t0 = Clock::now();
+  const EvalResult eval = evaluate(c);
+  st.last_eval = eval;
+  if (std::isfinite(eval.metric) &&
+      (!std::isfinite(st.best_metric) || c.task->better(eval.metric, st.best_metric)))
+    st.best_metric = eval.metric, st.best_step = st.step;
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (c.root()) c.metrics->write(eval_line(c, eval, ms));
+  c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval.loss,
+                    c.task->metric(), eval.metric));
+}
+
+// A stop signal (here or on a peer), acted on at a step boundary: a checkpoint, the
+// summary, and under SLURM's warning signal a requeue. Returns the run's result.
+RunResult stop_run(Context& c, const StepReader& reader) {
+  auto& st = c.state;
+  if (st.last_saved != st.step) save_checkpoint(c, std::nullopt);
+  const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
+  auto summary = reader.summary("stopped");
+  summary["signal"] = sig;
+  c.say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, st.step));
+  // SLURM's warning signal: put the job back in the queue; it resumes from here.
+  if (c.root() && sig == SIGUSR1 && !c.opts.requeue_job.empty()) {
+    const auto why_not = requeue_slurm_job(c.opts.requeue_job, std::chrono::seconds(60));
+    summary["requeued"] = why_not.empty();
+    c.say(why_not.empty() ? fmt::format("requeued SLURM job {}; it resumes from step {}",
+                                        c.opts.requeue_job, st.step)
+                          : "warning: not requeued: " + why_not);
+  }
+  if (c.root()) c.metrics->write(summary);
+  return {exit_code_for_signal(sig), summary};
+}
+
 }  // namespace
 
 RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
@@ -77,114 +206,29 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   }
   Loader loader(*c.data.train, *c.sampler, st.step, c.total_steps, cfg.data.workers,
                 cfg.data.prefetch, /*pin=*/c.device().is_cuda());
-  const int64_t spe = c.steps_per_epoch();
-  std::vector<double> step_ms;  // this process's steps, for the steady-state rate
-  double data_wait_ms = 0;
-  Window window;
-  double rate = 0;
-  bool stop = false;  // a read step says some rank was asked to stop
-  std::deque<PendingStep> pending;  // queued, not read yet: oldest first
-  auto is_log_step = [&](int64_t step) {
-    return step % cfg.train.log_every == 0 || step == c.total_steps;
-  };
-  // A step's time is the wall time between readings, evaluations and checkpoints left
-  // out: the host's time inside train_step is only its queueing, and the wait for the
-  // device happens here. Over a run the times add up to the training's wall time.
-  using Clock = std::chrono::steady_clock;
-  auto mark = Clock::now();  // the last reading, moved on past evaluations and checkpoints
-  auto not_training = [&](auto&& what) {
-    const auto t0 = Clock::now();
-    what();
-    mark += Clock::now() - t0;
-  };
-  // Reads the oldest pending step: what a non-finite step means, its line and progress.
-  auto read_oldest = [&] {
-    PendingStep p = std::move(pending.front());
-    pending.pop_front();
-    StepStats s = read_step(c, p);
-    const auto now = Clock::now();
-    s.step_ms = std::chrono::duration<double, std::milli>(now - mark).count();
-    mark = now;
-    if (s.nonfinite) {
-      handle_nonfinite(c, s, p.step, step_ms, data_wait_ms);
-    } else {
-      st.skipped_in_a_row = 0;
-      st.last_loss = s.loss;
-    }
-    stop = stop || s.stop;
-    window.add(s);
-    step_ms.push_back(s.step_ms);
-    data_wait_ms += s.data_wait_ms;
-    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, p.step, c.total_steps);  // it used
-    const bool log_now = is_log_step(p.step);
-    if (log_now) {
-      auto line = train_line(c, p.step, s, window, lr);
-      rate = line["samples_per_s"].get<double>();
-      if (c.root()) c.metrics->write(line);
-      window = Window{};
-    }
-    if (c.root()) c.progress->step(p.step, st.last_loss, lr, rate, log_now);
-  };
-  auto read_all = [&] {
-    while (!pending.empty()) read_oldest();
-  };
+  const Cadence cadence{cfg, c.steps_per_epoch(), c.total_steps};
+  StepReader reader(c, cadence);
   try {
     while (st.step < c.total_steps) {
       const int64_t n = st.step + 1;  // this step
-      const bool epoch_end = n % spe == 0, last = n == c.total_steps;
-      const bool eval_now =
-          (cfg.train.eval_every > 0 ? n % cfg.train.eval_every == 0 : epoch_end) || last;
-      const bool save_now =
-          (cfg.checkpoint.every_steps > 0 ? n % cfg.checkpoint.every_steps == 0 : epoch_end) ||
-          last;
-      pending.push_back(train_step(c, loader, is_log_step(n), eval_now || save_now));
-      while (pending.size() > kReadLag) read_oldest();
-      // Every step is read before anything that must not see a non-finite one: an
-      // evaluation, a checkpoint, the end.
-      if (eval_now || save_now || stop) read_all();
-      std::optional<EvalResult> eval;
-      if (eval_now) not_training([&] {
-        const auto t0 = Clock::now();
-        eval = evaluate(c);
-        st.last_eval = eval;
-        if (std::isfinite(eval->metric) &&
-            (!std::isfinite(st.best_metric) || c.task->better(eval->metric, st.best_metric)))
-          st.best_metric = eval->metric, st.best_step = st.step;
-        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-        if (c.root()) c.metrics->write(eval_line(c, *eval, ms));
-        c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval->loss,
-                          c.task->metric(), eval->metric));
-      });
-      if (save_now) not_training([&] { save_checkpoint(c, eval); });
-
-      if (stop) {
-        if (st.last_saved != st.step) save_checkpoint(c, std::nullopt);
-        const int sig = stop_signal() ? stop_signal() : SIGTERM;  // a peer's signal
-        auto summary = summary_line(c, "stopped", step_ms, data_wait_ms);
-        summary["signal"] = sig;
-        c.say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, st.step));
-        // SLURM's warning signal: put the job back in the queue; it resumes from here.
-        if (c.root() && sig == SIGUSR1 && !c.opts.requeue_job.empty()) {
-          const auto why_not = requeue_slurm_job(c.opts.requeue_job, std::chrono::seconds(60));
-          summary["requeued"] = why_not.empty();
-          c.say(why_not.empty() ? fmt::format("requeued SLURM job {}; it resumes from step {}",
-                                              c.opts.requeue_job, st.step)
-                                : "warning: not requeued: " + why_not);
-        }
-        if (c.root()) c.metrics->write(summary);
-        return {exit_code_for_signal(sig), summary};
-      }
+      const bool eval_now = cadence.should_eval(n), save_now = cadence.should_save(n);
+      reader.queue(train_step(c, loader, cadence.should_log(n), eval_now || save_now));
+      if (eval_now || save_now || reader.stop()) reader.read_all();
+      if (eval_now) reader.not_training([&] { run_evaluation(c); });
+      if (save_now)
+        reader.not_training([&] { save_checkpoint(c, eval_now ? st.last_eval : std::nullopt); });
+      if (reader.stop()) return stop_run(c, reader);
     }
   } catch (const DivergedError&) {
     throw;  // its summary is written
   } catch (const Error& e) {
     // A checkpoint that could not be written, a peer that failed: the record says so.
-    auto summary = summary_line(c, "failed", step_ms, data_wait_ms);
+    auto summary = reader.summary("failed");
     summary["reason"] = first_line(e.what());
     write_summary(c, summary);
     throw;
   }
-  auto summary = summary_line(c, "completed", step_ms, data_wait_ms);
+  auto summary = reader.summary("completed");
   write_summary(c, summary);
   c.say(fmt::format("done: {} steps, final loss {:.4f}, {:.0f} samples/s{}{}", st.step,
                     st.last_loss, summary["samples_per_s"].get<double>(),

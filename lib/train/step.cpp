@@ -43,31 +43,37 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-// The figures, [loss sum, stop votes, gradient norm (NaN when not taken), this rank's
-// loss], as one fp64 tensor where the values are. A rank whose loss does not count (tensor
-// ranks past the first hold the same value) adds loss x 0: nothing, unless it is not
-// finite, so the sum is non-finite when any rank's loss is. On the CPU from the values themselves:
-// reading them costs nothing there, and a handful of tensor ops would cost more than the
-// step's arithmetic. On a GPU by stacking them on the device: reading them would wait.
+// The figures (step.hpp's figure::) as one fp64 tensor on `device`. A rank whose loss does
+// not count (tensor ranks past the first hold the same value) adds loss x 0: nothing,
+// unless it is not finite, so the sum is non-finite when any rank's loss is. On the CPU
+// from the values themselves: reading them costs nothing there, and a handful of tensor
+// ops would cost more than the step's arithmetic. On a GPU by stacking them on the device:
+// reading them would wait.
 torch::Tensor assemble_figures(const std::vector<torch::Tensor>& losses, bool counts, bool stop,
-                               const torch::Tensor& norm) {
+                               const torch::Tensor& norm, const c10::Device& device) {
+  using namespace figure;
   const double accum = double(losses.size());
-  if (!losses[0].is_cuda()) {
+  if (!device.is_cuda()) {
     double loss = 0;
     for (const auto& l : losses) loss += l.item<double>() / accum;
-    auto figures = torch::empty({4}, torch::kFloat64);
+    auto figures = torch::empty({kCount}, torch::kFloat64);
     double* f = figures.data_ptr<double>();
-    f[0] = counts ? loss : loss * 0.0, f[1] = stop ? 1.0 : 0.0;
-    f[2] = norm.defined() ? norm.item<double>() : std::nan(""), f[3] = loss;
+    f[kLossSum] = counts ? loss : loss * 0.0;
+    f[kStopVotes] = stop ? 1.0 : 0.0;
+    f[kGradNorm] = norm.defined() ? norm.item<double>() : std::nan("");
+    f[kLocalLoss] = loss;
     return figures;
   }
-  auto loss = (losses.size() == 1 ? losses[0] : torch::stack(losses).sum() / accum)
-                  .to(torch::kFloat64);
-  const auto f64 = loss.options();
-  return torch::stack({counts ? loss : loss * 0.0,
-                       torch::full({}, stop ? 1.0 : 0.0, f64),
-                       norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64),
-                       loss});
+  const auto f64 = torch::dtype(torch::kFloat64).device(device);
+  auto loss = losses.empty()      ? torch::zeros({}, f64)
+              : losses.size() == 1 ? losses[0].to(torch::kFloat64)
+                                   : (torch::stack(losses).sum() / accum).to(torch::kFloat64);
+  std::vector<torch::Tensor> f(kCount);
+  f[kLossSum] = counts ? loss : loss * 0.0;
+  f[kStopVotes] = torch::full({}, stop ? 1.0 : 0.0, f64);
+  f[kGradNorm] = norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64);
+  f[kLocalLoss] = loss;
+  return torch::stack(f);
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -99,11 +105,12 @@ void take_figures(const Context& c, PendingStep& p) {
     }
     p.ready.reset();
   }
+  using namespace figure;
   const auto f = p.figures.accessor<double, 1>();
-  p.stats.loss = f[0] / double(c.mesh.dims().data);  // each data replica's loss counts once
-  p.stats.stop = f[1] > 0;
-  p.stats.grad_norm = f[2];
-  p.local_loss = f[3];
+  p.stats.loss = f[kLossSum] / double(c.mesh.dims().data);  // each data replica's counts once
+  p.stats.stop = f[kStopVotes] > 0;
+  p.stats.grad_norm = f[kGradNorm];
+  p.local_loss = f[kLocalLoss];
 }
 
 bool grads_finite(const PendingStep& p) {
@@ -180,8 +187,10 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   }
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
   // to stop votes so: every rank stops after the same step, whatever the layout.
-  auto figures = assemble_figures(losses, c.mesh.coord().tensor == 0, stop_signal() != 0, norm);
-  if (c.mesh.world()->size() > 1) c.mesh.world()->all_reduce(figures.narrow(0, 0, 2));
+  auto figures = assemble_figures(losses, c.mesh.coord().tensor == 0, stop_signal() != 0, norm,
+                                  c.device());
+  if (c.mesh.world()->size() > 1)
+    c.mesh.world()->all_reduce(figures.narrow(0, 0, figure::kSummed));
   send_to_host(figures, p);
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
@@ -206,7 +215,8 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     // skip: the update waits on the global loss and norm being finite, on the device.
     torch::Tensor skip;
     if (skip_mode) {
-      const auto total = figures.select(0, 0).add(figures.select(0, 2));  // NaN if either is
+      const auto total = figures.select(0, figure::kLossSum)
+                             .add(figures.select(0, figure::kGradNorm));  // NaN if either is
       skip = total.isfinite().logical_not().to(torch::kFloat32);
     }
     clip_grad(*c.params, norm, clip);
