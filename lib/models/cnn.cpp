@@ -21,6 +21,12 @@ void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims) {
                        "(got {})", cfg.dropout);
 }
 
+// Parts: each conv stage (conv, norm, ReLU, pool), each hidden dense layer, the
+// classifier; the first dense part also flattens.
+int64_t cnn_parts(const ModelConfig& cfg) {
+  return int64_t(cfg.channels.size() + cfg.fc.size()) + 1;
+}
+
 NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   const auto& shape = ctx.sample_shape;
   fail_if<ConfigError>(shape.size() != 3,
@@ -33,7 +39,8 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
                          "model.channels: {} conv+pool stages shrink the {}x{} input below 1x1",
                          cfg.channels.size(), shape[1], shape[2]);
     // With BatchNorm right after, the conv bias would be cancelled by the mean: leave it out.
-    m->add(nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)));
+    m->add(nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)),
+           /*new_part=*/true);
     if (cfg.batch_norm && ctx.sync_batchnorm)
       m->add(SyncBatchNorm2d(out, ctx.sync_batchnorm));
     else if (cfg.batch_norm)
@@ -42,15 +49,16 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
     m->add(nn::MaxPool2d(nn::MaxPool2dOptions(2)));
     c = out, h /= 2, w /= 2;
   }
-  m->add(nn::Flatten());
+  m->add(nn::Flatten(), /*new_part=*/true);  // joins the first dense layer's part
   int64_t in = c * h * w;
+  bool first_dense = true;
   for (auto width : cfg.fc) {
-    m->add(nn::Linear(in, width));
+    m->add(nn::Linear(in, width), !first_dense);
     m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
     if (cfg.dropout > 0) m->add(nn::Dropout(cfg.dropout));
-    in = width;
+    in = width, first_dense = false;
   }
-  m->add(nn::Linear(in, ctx.classes));
+  m->add(nn::Linear(in, ctx.classes), !first_dense);
   return m;
 }
 

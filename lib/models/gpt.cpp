@@ -136,38 +136,80 @@ class BlockImpl : public nn::Module {
 };
 TORCH_MODULE(Block);
 
+// Parts: 0 the embeddings (token and position, and their dropout), 1..layers the blocks,
+// layers + 1 the final LayerNorm with the head. The head is the token embedding's weight:
+// a stage that holds the head but not the embeddings keeps its own copy of wte.
 class Gpt : public Network {
  public:
-  Gpt(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) : dropout_(cfg.dropout) {
+  Gpt(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor)
+      : dropout_(cfg.dropout), layers_(cfg.layers) {
     torch::NoGradGuard no_grad;
     wte = register_module("wte", VocabParallelEmbedding(cfg.vocab, cfg.dim, 0.02, tensor));
     wpe = register_module("wpe", nn::Embedding(cfg.seq_len, cfg.dim));
     nn::init::normal_(wpe->weight, 0.0, 0.02);
-    h = register_module("h", nn::ModuleList());
-    for (int64_t i = 0; i < cfg.layers; ++i) h->push_back(Block(cfg, tensor));
+    h = register_module("h", std::make_shared<nn::Module>());
+    for (int64_t i = 0; i < cfg.layers; ++i)
+      blocks_.push_back(h->register_module(std::to_string(i), Block(cfg, tensor)));
     ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
   }
 
-  // Token ids [batch, seq] -> next-token logits [batch, seq, vocab / T]: this tensor rank's
-  // part of the vocabulary.
-  torch::Tensor forward(const torch::Tensor& idx) override {
-    auto pos = torch::arange(idx.size(1), torch::dtype(torch::kInt64).device(idx.device()));
-    auto x = wte->forward(idx) + wpe->forward(pos);
-    if (dropout_ > 0) x = F::dropout(x, F::DropoutFuncOptions().p(dropout_).training(is_training()));
-    for (const auto& block : *h) x = block->as<Block>()->forward(x);
-    return wte->logits(ln_f->forward(x));  // the head is the embedding, tied
+  // Token ids [batch, seq] (or, past the first stage, hidden states [batch, seq, dim]) ->
+  // next-token logits [batch, seq, vocab / T], this tensor rank's part of the vocabulary
+  // (or, before the last stage, hidden states).
+  torch::Tensor forward(const torch::Tensor& in) override {
+    torch::Tensor x = in;
+    if (embeddings_) {
+      auto pos = torch::arange(in.size(1), torch::dtype(torch::kInt64).device(in.device()));
+      x = wte->forward(in) + wpe->forward(pos);
+      if (dropout_ > 0)
+        x = F::dropout(x, F::DropoutFuncOptions().p(dropout_).training(is_training()));
+    }
+    for (auto& block : blocks_) x = block->forward(x);
+    return head_ ? wte->logits(ln_f->forward(x)) : x;  // the head is the embedding, tied
   }
+
+  std::vector<int64_t> part_params() const override {
+    auto count = [](const nn::Module& m) {
+      int64_t n = 0;
+      for (const auto& p : m.parameters()) n += p.numel();
+      return n;
+    };
+    std::vector<int64_t> sizes{count(*wte) + count(*wpe)};
+    for (const auto& block : blocks_) sizes.push_back(count(*block));
+    sizes.push_back(count(*ln_f));  // the head's weight is counted with the embeddings
+    return sizes;
+  }
+
+  void keep_parts(int64_t first, int64_t last) override {
+    embeddings_ = first == 0, head_ = last == layers_ + 2;
+    std::vector<Block> kept;
+    for (int64_t i = 0; i < layers_; ++i) {
+      if (i + 1 >= first && i + 1 < last) kept.push_back(blocks_[size_t(i)]);
+      else h->unregister_module(std::to_string(i));
+    }
+    blocks_ = std::move(kept);
+    if (!embeddings_) unregister_module("wpe"), wpe = nullptr;
+    if (!embeddings_ && !head_) unregister_module("wte"), wte = nullptr;
+    if (!head_) unregister_module("ln_f"), ln_f = nullptr;
+  }
+
+  std::vector<std::string> tied_parameters() const override { return {"wte.weight"}; }
 
   VocabParallelEmbedding wte{nullptr};
   nn::Embedding wpe{nullptr};
-  nn::ModuleList h{nullptr};
+  std::shared_ptr<nn::Module> h;
   nn::LayerNorm ln_f{nullptr};
 
  private:
   double dropout_;
+  int64_t layers_;
+  std::vector<Block> blocks_;  // the held ones, in order
+  bool embeddings_ = true, head_ = true;
 };
 
 }  // namespace
+
+int64_t gpt_parts(const ModelConfig& cfg) { return cfg.layers + 2; }
 
 void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
   auto need = [](bool ok, const char* key, const std::string& rule) {

@@ -37,24 +37,31 @@ void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
                        "(got {})", cfg.dropout);
 }
 
+// Parts: each hidden layer (with its ReLU and dropout), then the classifier; the first
+// part also flattens.
+int64_t mlp_parts(const ModelConfig& cfg) { return int64_t(cfg.hidden.size()) + 1; }
+
 NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
   auto m = std::make_shared<LayerStack>();
   m->add(nn::Flatten());
   int64_t in = product(ctx.sample_shape);
   for (size_t i = 0; i < cfg.hidden.size(); ++i) {
     const int64_t w = cfg.hidden[i];
+    const bool new_part = i > 0;
     if (column_parallel(i))
-      m->add(ColumnParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor));
+      m->add(ColumnParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor), new_part);
     else
-      m->add(RowParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor));
+      m->add(RowParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor), new_part);
     m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
     if (cfg.dropout > 0) m->add(nn::Dropout(cfg.dropout));
     in = w;
   }
+  const bool new_part = !cfg.hidden.empty();
   if (!cfg.hidden.empty() && column_parallel(cfg.hidden.size() - 1))
-    m->add(RowParallelLinear(ParallelLinearOptions{in, ctx.classes}, ctx.tensor));
+    m->add(RowParallelLinear(ParallelLinearOptions{in, ctx.classes}, ctx.tensor), new_part);
   else
-    m->add(ColumnParallelLinear(ParallelLinearOptions{in, ctx.classes}, make_local_comm()));
+    m->add(ColumnParallelLinear(ParallelLinearOptions{in, ctx.classes}, make_local_comm()),
+           new_part);
   return m;
 }
 

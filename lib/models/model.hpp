@@ -15,10 +15,27 @@
 
 namespace dtrain {
 
-// A trainable network: a batch of inputs to outputs (class logits, or next-token logits).
+// A trainable network, run as an ordered list of parts (GPT: the embeddings, each block,
+// the final norm with the head; mlp and cnn: their layers) so that a pipeline stage can
+// hold a contiguous run of them. Parameter names are the whole model's
+// ("h.7.attn.c_attn.weight") whichever parts a process holds, so checkpoints and exports
+// do not depend on the layout.
 class Network : public torch::nn::Module {
  public:
+  // Runs the parts held, in order: the whole model on a batch of inputs (class logits, or
+  // next-token logits), or a pipeline stage's share on the previous stage's output.
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+  // The parameters of each part of the whole model, in order (a tied weight counted with
+  // its first part): what stages are balanced by. Valid before keep_parts().
+  virtual std::vector<int64_t> part_params() const = 0;
+  // Keeps parts [first, last) and drops the others, their parameters and buffers with
+  // them. Called once, right after the model is built: every process builds and
+  // initialises the whole model alike, so a stage's weights are the unsplit model's.
+  virtual void keep_parts(int64_t first, int64_t last) = 0;
+  // Parameters that more than one part uses (GPT's token embedding, the head's weight
+  // too). Where those parts sit on different stages each holds a copy; the pipeline keeps
+  // the copies equal by summing their gradients.
+  virtual std::vector<std::string> tied_parameters() const { return {}; }
 };
 using NetworkPtr = std::shared_ptr<Network>;
 
@@ -41,6 +58,8 @@ struct ModelSpec {
   std::function<void(const ModelConfig&, const ParallelDims&)> validate;
   // Builds the network; throws ConfigError when it does not fit the data.
   std::function<NetworkPtr(const ModelConfig&, const ModelContext&)> build;
+  // How many parts (Network::part_params) the network has: what a pipeline splits.
+  std::function<int64_t(const ModelConfig&)> parts;
   // The memory format the model's kernels run fastest on: ChannelsLast for convolutional
   // models (oneDNN on CPU: the CNN's step 1.4x faster), Contiguous otherwise.
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
@@ -57,20 +76,31 @@ NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx);
 void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims);
 void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims);
 void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims);
+int64_t mlp_parts(const ModelConfig& cfg);
+int64_t cnn_parts(const ModelConfig& cfg);
+int64_t gpt_parts(const ModelConfig& cfg);
 
 // A network that runs its child modules in order (mlp, cnn). Children are registered as
-// "0", "1", ..., the names torch::nn::Sequential gives them.
+// "0", "1", ..., the names torch::nn::Sequential gives them, and keep those names when a
+// stage holds some of them. A part is a run of children: add(m, /*new_part=*/true) starts
+// one.
 class LayerStack : public Network {
  public:
   template <class M>
-  void add(M module) {
+  void add(M module, bool new_part = false) {
     register_module(std::to_string(layers_.size()), module.ptr());
+    if (new_part || part_of_.empty()) ++parts_;
+    part_of_.push_back(parts_ - 1);
     layers_.emplace_back(std::move(module));
   }
   torch::Tensor forward(const torch::Tensor& x) override;
+  std::vector<int64_t> part_params() const override;
+  void keep_parts(int64_t first, int64_t last) override;
 
  private:
-  std::vector<torch::nn::AnyModule> layers_;
+  std::vector<torch::nn::AnyModule> layers_;  // the held ones (all, until keep_parts)
+  std::vector<int64_t> part_of_;              // each held child's part
+  int64_t parts_ = 0;
 };
 
 }  // namespace dtrain

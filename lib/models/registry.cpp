@@ -11,9 +11,10 @@ namespace {
 
 const std::map<std::string, ModelSpec>& registry() {
   static const std::map<std::string, ModelSpec> specs{
-      {"mlp", {&classification_task(), validate_mlp, build_mlp}},
-      {"cnn", {&classification_task(), validate_cnn, build_cnn, torch::MemoryFormat::ChannelsLast}},
-      {"gpt", {&language_model_task(), validate_gpt, build_gpt}},
+      {"mlp", {&classification_task(), validate_mlp, build_mlp, mlp_parts}},
+      {"cnn", {&classification_task(), validate_cnn, build_cnn, cnn_parts,
+               torch::MemoryFormat::ChannelsLast}},
+      {"gpt", {&language_model_task(), validate_gpt, build_gpt, gpt_parts}},
   };
   return specs;
 }
@@ -38,5 +39,28 @@ torch::Tensor LayerStack::forward(const torch::Tensor& x) {
   for (auto& layer : layers_) y = layer.forward(y);
   return y;
 }
+
+std::vector<int64_t> LayerStack::part_params() const {
+  std::vector<int64_t> sizes(size_t(parts_), 0);
+  for (size_t i = 0; i < layers_.size(); ++i)
+    for (const auto& p : layers_[i].ptr()->parameters()) sizes[size_t(part_of_[i])] += p.numel();
+  return sizes;
+}
+
+void LayerStack::keep_parts(int64_t first, int64_t last) {
+  std::vector<torch::nn::AnyModule> kept;
+  std::vector<int64_t> kept_part;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (part_of_[i] >= first && part_of_[i] < last) {
+      kept.push_back(layers_[i]);
+      kept_part.push_back(part_of_[i]);
+    } else {
+      unregister_module(std::to_string(i));
+    }
+  }
+  layers_ = std::move(kept);
+  part_of_ = std::move(kept_part);
+}
+
 
 }  // namespace dtrain

@@ -229,3 +229,60 @@ TEST_CASE("attention: the causal attention equals an explicit loop over position
   MESSAGE("fused attention compared with the plain one");
 #endif
 }
+
+TEST_CASE("models: split into parts, stages run in turn give the whole model's output") {
+  // Each arch, cut at every part boundary: the first stage's output fed to the second
+  // equals the unsplit model's, names stay the whole model's, and every parameter of the
+  // whole model is held by exactly one stage (GPT's tied head weight by both ends).
+  struct Arch {
+    ModelConfig cfg;
+    Shape shape;
+    torch::Tensor input;
+  };
+  auto mlp = arch("mlp");
+  mlp.hidden = {12, 8};
+  auto cnn = arch("cnn");
+  cnn.channels = {4, 6};
+  cnn.fc = {10};
+  cnn.batch_norm = true;
+  std::vector<Arch> archs = {{mlp, {{1, 4, 4}, 3}, torch::randn({5, 1, 4, 4})},
+                             {cnn, {{1, 8, 8}, 3}, torch::randn({5, 1, 8, 8})},
+                             {small_gpt(), {{12}, 0}, torch::randint(50, {3, 12}, torch::kInt64)}};
+  for (auto& a : archs) {
+    CAPTURE(a.cfg.arch);
+    auto build = [&] {
+      torch::manual_seed(11);
+      if (a.cfg.arch == "gpt") return build_gpt_for(a.cfg, 12, 50);
+      return build_model(a.cfg, a.shape);
+    };
+    auto whole = build();
+    whole->eval();
+    const auto sizes = whole->part_params();
+    const int64_t parts = model_spec(a.cfg.arch).parts(a.cfg);
+    REQUIRE(int64_t(sizes.size()) == parts);
+    int64_t total = 0;
+    for (auto n : sizes) total += n;
+    CHECK(total == count_params(whole));
+    torch::NoGradGuard no_grad;
+    const auto expected = whole->forward(a.input);
+    const auto names = whole->named_parameters();
+    for (int64_t cut = 1; cut < parts; ++cut) {
+      CAPTURE(cut);
+      auto first = build(), second = build();
+      first->keep_parts(0, cut);
+      second->keep_parts(cut, parts);
+      first->eval(), second->eval();
+      CHECK(torch::equal(second->forward(first->forward(a.input)), expected));
+      int64_t held = 0;
+      for (auto* stage : {&first, &second})
+        for (const auto& p : (*stage)->named_parameters()) {
+          REQUIRE_MESSAGE(names.contains(p.key()), p.key());
+          const auto tied = (*stage)->tied_parameters();
+          const bool counted_elsewhere = stage == &second && first->named_parameters().contains(p.key());
+          CHECK((!counted_elsewhere || std::count(tied.begin(), tied.end(), p.key()) == 1));
+          if (!counted_elsewhere) held += p.value().numel();
+        }
+      CHECK(held == count_params(whole));
+    }
+  }
+}
