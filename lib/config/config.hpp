@@ -117,7 +117,7 @@ struct ScheduleConfig {
 struct TrainConfig {
   int64_t epochs = 1;           // used when max_steps is 0
   int64_t max_steps = 0;        // > 0 wins over epochs
-  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  int64_t grad_accum = 1;       // micro-batches per optimizer step (a pipeline runs them all)
   int64_t eval_every = 0;       // steps; 0 = at the end of each epoch
   int64_t eval_batch_size = 1000;
   int64_t log_every = 10;       // steps between train lines in metrics.jsonl
@@ -148,7 +148,12 @@ struct ParallelConfig {
   int64_t data = 0;                  // 0 = world / (tensor * pipeline)
   int64_t tensor = 1;
   int64_t pipeline = 1;
-  std::string schedule = "1f1b";     // gpipe | 1f1b
+  // Pipeline parallelism: the model's parts (GPT: embeddings, each block, the head; mlp
+  // and cnn: their layers) split into pipeline x virtual_stages stages, balanced by
+  // parameter count unless `stages` gives each stage's number of parts.
+  Ints stages = {};
+  std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved_1f1b
+  int64_t virtual_stages = 1;        // interleaved_1f1b: model chunks per pipeline rank
   int64_t zero = 0;                  // 0 | 1
   bool sync_batchnorm = false;
   // Gradient all-reduce granularity. 1 MiB, not DDP's 25: with Gloo over TCP, large
@@ -165,7 +170,9 @@ struct ParallelConfig {
     v("data", data);
     v("tensor", tensor);
     v("pipeline", pipeline);
-    v("schedule", schedule, Choices{"gpipe", "1f1b"});
+    v("stages", stages);
+    v("schedule", schedule, Choices{"gpipe", "1f1b", "interleaved_1f1b"});
+    v("virtual_stages", virtual_stages);
     v("zero", zero);
     v("sync_batchnorm", sync_batchnorm);
     v("bucket_mb", bucket_mb);

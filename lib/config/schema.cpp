@@ -450,6 +450,12 @@ void check_ranges(const JobConfig& c) {
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
   need(p.tensor >= 1, "parallel.tensor", ">= 1", p.tensor);
   need(p.pipeline >= 1, "parallel.pipeline", ">= 1", p.pipeline);
+  need(p.virtual_stages >= 1, "parallel.virtual_stages", ">= 1", p.virtual_stages);
+  need(p.virtual_stages == 1 || p.schedule == "interleaved_1f1b", "parallel.virtual_stages",
+       "1 unless parallel.schedule is interleaved_1f1b", p.virtual_stages);
+  need(std::all_of(p.stages.begin(), p.stages.end(), [](int64_t n) { return n >= 1; }),
+       "parallel.stages", "a list of positive part counts, one per stage",
+       fmt::format("{}", p.stages));
   need(p.zero == 0 || p.zero == 1, "parallel.zero", "0 or 1", p.zero);
   need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);

@@ -1,0 +1,56 @@
+// Pipeline parallelism, the pure part: which of the model's parts each stage holds, and the
+// order in which each pipeline rank runs a step's micro-batches (a schedule). A schedule is
+// a list of actions per rank that one executor runs (train/pipeline.cpp), so a new schedule
+// is a new list, not a new loop.
+//
+// Stages: the model's parts (models/model.hpp) cut into pipeline x virtual_stages
+// contiguous runs. Global stage g sits on pipeline rank g % pipeline as its chunk
+// g / pipeline: with one chunk per rank, rank r is stage r; interleaved, rank r holds
+// stages r, r + p, r + 2p, ... (Megatron-LM's virtual pipeline).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+struct PartRange {
+  int64_t first = 0, last = 0;  // parts [first, last)
+  bool operator==(const PartRange& o) const { return first == o.first && last == o.last; }
+};
+
+// The parts of each global stage. `explicit_split` (parallel.stages) gives each stage's
+// number of parts; empty, the split is the contiguous one whose largest stage has the
+// fewest parameters (`part_params`: each part's count), ties going to earlier cuts.
+// The caller has checked that every stage gets at least one part (validation).
+std::vector<PartRange> split_stages(const std::vector<int64_t>& part_params, int64_t stages,
+                                    const std::vector<int64_t>& explicit_split = {});
+
+struct Action {
+  enum Kind { kForward, kBackward };
+  Kind kind;
+  int64_t micro;      // the micro-batch, from 0
+  int64_t chunk = 0;  // which of this rank's chunks (0 unless interleaved)
+  bool operator==(const Action& o) const {
+    return kind == o.kind && micro == o.micro && chunk == o.chunk;
+  }
+};
+
+// What pipeline rank `rank` of `ranks` does in one step of `micro` micro-batches, for
+// parallel.schedule `name` with `chunks` chunks per rank:
+//   gpipe             every forward, then every backward (the last forward's first):
+//                     all `micro` micro-batches' activations are held at once
+//   1f1b              PipeDream-flush / Megatron-LM: ranks - rank - 1 forwards to fill
+//                     the pipeline, then one forward and one backward in turn, then the
+//                     remaining backwards: at most `ranks` micro-batches held
+//   interleaved_1f1b  Megatron-LM's interleaved schedule over `chunks` chunks per rank,
+//                     forwards in groups of `ranks` micro-batches per chunk; needs `micro`
+//                     a multiple of `ranks`. The bubble shrinks by a factor of `chunks`.
+std::vector<Action> pipeline_schedule(const std::string& name, int64_t rank, int64_t ranks,
+                                      int64_t micro, int64_t chunks = 1);
+
+// "F0 F1 B0 ..." (with chunks, "F0.0 F1.0 F0.1 ..."): a schedule as the papers' tables
+// write it.
+std::string schedule_str(const std::vector<Action>& actions);
+
+}  // namespace dtrain

@@ -1,0 +1,179 @@
+// Pipeline schedules and stage splits. The 1F1B and GPipe lists are checked against the
+// published tables (Narayanan et al., "Efficient Large-Scale Language Model Training on
+// GPU Clusters Using Megatron-LM", SC'21, figure 4; Huang et al., "GPipe", figure 2), the
+// interleaved ones against hand-worked lists of Megatron-LM's rule; every schedule is then
+// run in a small simulation of the whole pipeline (each action waits for the one it needs
+// on the neighbouring stage), which must finish without deadlock, hold no more micro-batches
+// than the schedule promises and leave the bubble the papers derive.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <ostream>
+
+#include "parallel/schedule.hpp"
+
+using namespace dtrain;
+
+namespace dtrain {
+std::ostream& operator<<(std::ostream& os, const PartRange& r) {
+  return os << "[" << r.first << ", " << r.last << ")";
+}
+}  // namespace dtrain
+
+namespace {
+
+std::string table(const std::string& name, int64_t rank, int64_t ranks, int64_t micro,
+                  int64_t chunks = 1) {
+  return schedule_str(pipeline_schedule(name, rank, ranks, micro, chunks));
+}
+
+struct Simulated {
+  double bubble = 0;            // idle share of the ranks' time
+  int64_t most_in_flight = 0;   // the most micro-batches any rank held activations for
+  bool finished = false;
+};
+
+// Runs every rank's list with forward taking 1 unit and backward 2 (their usual ratio), no
+// time for communication. A forward of micro-batch m at global stage g needs the forward of
+// m at g - 1; a backward needs the backward at g + 1 (the last stage: its own forward).
+Simulated simulate(const std::string& name, int64_t ranks, int64_t micro, int64_t chunks) {
+  const int64_t stages = ranks * chunks;
+  std::vector<std::vector<Action>> lists;
+  for (int64_t r = 0; r < ranks; ++r) lists.push_back(pipeline_schedule(name, r, ranks, micro, chunks));
+  std::map<std::tuple<int, int64_t, int64_t>, double> done;  // (kind, micro, stage) -> end time
+  std::vector<size_t> next(size_t(ranks), 0);
+  std::vector<double> free_at(size_t(ranks), 0);
+  std::vector<int64_t> held(size_t(ranks), 0);
+  Simulated out;
+  double busy = 0;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t r = 0; r < ranks; ++r) {
+      if (next[size_t(r)] == lists[size_t(r)].size()) continue;
+      const Action a = lists[size_t(r)][next[size_t(r)]];
+      const int64_t g = a.chunk * ranks + r;
+      std::tuple<int, int64_t, int64_t> need;
+      bool has_need = true;
+      if (a.kind == Action::kForward) {
+        has_need = g > 0;
+        need = {Action::kForward, a.micro, g - 1};
+      } else {
+        need = g == stages - 1 ? std::make_tuple(int(Action::kForward), a.micro, g)
+                               : std::make_tuple(int(Action::kBackward), a.micro, g + 1);
+      }
+      if (has_need && !done.count(need)) continue;
+      const double start = std::max(free_at[size_t(r)], has_need ? done[need] : 0.0);
+      const double cost = a.kind == Action::kForward ? 1 : 2;
+      free_at[size_t(r)] = start + cost;
+      busy += cost;
+      done[{a.kind, a.micro, g}] = start + cost;
+      held[size_t(r)] += a.kind == Action::kForward ? 1 : -1;
+      out.most_in_flight = std::max(out.most_in_flight, held[size_t(r)]);
+      ++next[size_t(r)];
+      progress = true;
+    }
+  }
+  out.finished = true;
+  for (int64_t r = 0; r < ranks; ++r)
+    out.finished = out.finished && next[size_t(r)] == lists[size_t(r)].size();
+  const double makespan = *std::max_element(free_at.begin(), free_at.end());
+  out.bubble = 1 - busy / (makespan * double(ranks));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("pipeline: 1F1B and GPipe are the published tables") {
+  // SC'21 figure 4 (top): 4 stages, 8 micro-batches.
+  CHECK(table("1f1b", 0, 4, 8) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7");
+  CHECK(table("1f1b", 1, 4, 8) == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7");
+  CHECK(table("1f1b", 2, 4, 8) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7");
+  CHECK(table("1f1b", 3, 4, 8) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7");
+  CHECK(table("1f1b", 0, 2, 4) == "F0 F1 B0 F2 B1 F3 B2 B3");
+  CHECK(table("1f1b", 1, 2, 4) == "F0 B0 F1 B1 F2 B2 F3 B3");
+  // Fewer micro-batches than stages: the warm-up is cut short.
+  CHECK(table("1f1b", 0, 4, 2) == "F0 F1 B0 B1");
+  // GPipe, figure 2(c): every forward, then the backwards from the last.
+  for (int64_t r = 0; r < 4; ++r)
+    CHECK(table("gpipe", r, 4, 4) == "F0 F1 F2 F3 B3 B2 B1 B0");
+}
+
+TEST_CASE("pipeline: interleaved 1F1B follows Megatron-LM's rule") {
+  // 2 ranks, 2 chunks each (global stages 0 and 2 on rank 0, 1 and 3 on rank 1), 4
+  // micro-batches: forwards in groups of 2 micro-batches per chunk, backwards chunks last
+  // to first; rank 0 warms up with 4 forwards, rank 1 with 2.
+  CHECK(table("interleaved_1f1b", 0, 2, 4, 2) ==
+        "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0");
+  CHECK(table("interleaved_1f1b", 1, 2, 4, 2) ==
+        "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0");
+  // As many micro-batches as ranks: all forwards first.
+  CHECK(table("interleaved_1f1b", 0, 2, 2, 2) == "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0");
+}
+
+TEST_CASE("pipeline: every schedule runs to the end, within its memory, with the bubble of "
+          "theory") {
+  for (int64_t p : {2, 4})
+    for (int64_t m : {4, 8, 16}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      // GPipe and 1F1B idle (p - 1) / (m + p - 1) of the time; GPipe holds all m
+      // micro-batches, 1F1B at most p.
+      const double theory = double(p - 1) / double(m + p - 1);
+      auto gpipe = simulate("gpipe", p, m, 1);
+      REQUIRE(gpipe.finished);
+      CHECK(gpipe.bubble == doctest::Approx(theory));
+      CHECK(gpipe.most_in_flight == m);
+      auto f1b1 = simulate("1f1b", p, m, 1);
+      REQUIRE(f1b1.finished);
+      CHECK(f1b1.bubble == doctest::Approx(theory));
+      CHECK(f1b1.most_in_flight == std::min(p, m));
+      // Interleaved over v chunks: the bubble, in units of one (whole-rank) micro-batch,
+      // shrinks v-fold: (p - 1) / (v m + p - 1) of the time.
+      for (int64_t v : {2, 3}) {
+        CAPTURE(v);
+        auto inter = simulate("interleaved_1f1b", p, m, v);
+        REQUIRE(inter.finished);
+        CHECK(inter.bubble == doctest::Approx(double(p - 1) / double(v * m + p - 1)));
+      }
+    }
+}
+
+TEST_CASE("pipeline: each action appears once, every backward after its forward") {
+  for (const char* name : {"gpipe", "1f1b", "interleaved_1f1b"})
+    for (int64_t p : {2, 4})
+      for (int64_t m : {4, 8}) {
+        const int64_t v = std::string(name) == "interleaved_1f1b" ? 2 : 1;
+        for (int64_t r = 0; r < p; ++r) {
+          CAPTURE(name);
+          CAPTURE(r);
+          auto list = pipeline_schedule(name, r, p, m, v);
+          CHECK(int64_t(list.size()) == 2 * m * v);
+          for (int64_t c = 0; c < v; ++c)
+            for (int64_t mb = 0; mb < m; ++mb) {
+              auto f = std::find(list.begin(), list.end(), Action{Action::kForward, mb, c});
+              auto b = std::find(list.begin(), list.end(), Action{Action::kBackward, mb, c});
+              REQUIRE(f != list.end());
+              REQUIRE(b != list.end());
+              CHECK(f < b);
+            }
+        }
+      }
+}
+
+TEST_CASE("pipeline: stages balanced by parameters, or as parallel.stages says") {
+  // A GPT-like model: a large embedding, equal blocks, a small head.
+  const std::vector<int64_t> gpt = {40, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1};
+  auto two = split_stages(gpt, 2);
+  REQUIRE(two.size() == 2);
+  CHECK(two[0] == PartRange{0, 4});   // 40 + 3 x 7 = 61
+  CHECK(two[1] == PartRange{4, 14});  // 9 x 7 + 1 = 64: no cut does better than 64
+  // Equal parts split evenly; every stage gets at least one part.
+  CHECK(split_stages({5, 5, 5, 5}, 4) == std::vector<PartRange>{{0, 1}, {1, 2}, {2, 3}, {3, 4}});
+  CHECK(split_stages({5, 5, 5, 5, 5, 5}, 3) == std::vector<PartRange>{{0, 2}, {2, 4}, {4, 6}});
+  CHECK(split_stages({100, 1, 1}, 3) == std::vector<PartRange>{{0, 1}, {1, 2}, {2, 3}});
+  CHECK(split_stages({1, 1, 1, 100}, 2) == std::vector<PartRange>{{0, 3}, {3, 4}});
+  // Explicit: parts per stage, in order.
+  CHECK(split_stages(gpt, 3, {2, 10, 2}) == std::vector<PartRange>{{0, 2}, {2, 12}, {12, 14}});
+}
