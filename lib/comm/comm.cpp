@@ -59,6 +59,7 @@ class CommThreadPriority {
 class DonePending : public Pending {
  public:
   void wait() override {}
+  bool done() override { return true; }
 };
 
 class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
@@ -77,7 +78,7 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
     out.view(-1).copy_(in.reshape(-1));
   }
   void barrier() override {}
-  std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int) override {
+  std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops) override {
     if (!ops.empty()) throw std::logic_error("send/recv in a group of one process");
     return std::make_unique<DonePending>();
   }
@@ -192,14 +193,14 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     std::vector<torch::Tensor> ts{staged(torch::zeros({1})).dev};
     guard("barrier", [&] { return pending("barrier", pg_->allreduce(ts), ts); })->wait();
   }
-  std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int tag) override {
+  std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops) override {
     return guard("send/recv", [&] {
       auto all = std::make_unique<PendingAll>();
       for (auto& op : ops) {
         const Staged st = staged(op.tensor);
         std::vector<torch::Tensor> ts{st.dev};
         const bool send = op.kind == P2POp::kSend;
-        auto work = send ? pg_->send(ts, int(op.peer), tag) : pg_->recv(ts, int(op.peer), tag);
+        auto work = send ? pg_->send(ts, int(op.peer), op.tag) : pg_->recv(ts, int(op.peer), op.tag);
         all->parts.push_back(pending(send ? "send" : "recv", work, ts, 1.0,
                                      send ? torch::Tensor() : st.back));
       }
@@ -224,6 +225,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
                 std::vector<torch::Tensor> keep, double divide, torch::Tensor back)
         : comm_(comm), op_(op), work_(std::move(work)), keep_(std::move(keep)),
           divide_(divide), back_(std::move(back)) {}
+    bool done() override { return work_->isCompleted(); }
     void wait() override {
       bool done = false;
       try {
@@ -250,6 +252,11 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     std::vector<std::unique_ptr<Pending>> parts;
     void wait() override {
       for (auto& p : parts) p->wait();
+    }
+    bool done() override {
+      for (auto& p : parts)
+        if (!p->done()) return false;
+      return true;
     }
   };
 

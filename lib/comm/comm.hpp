@@ -23,6 +23,8 @@ class Pending {
  public:
   virtual ~Pending() = default;
   virtual void wait() = 0;
+  // Whether it has finished (or failed; wait() then says how), without waiting.
+  virtual bool done() = 0;
 };
 
 // One point-to-point transfer of a batch (see Comm::exchange_async).
@@ -30,6 +32,9 @@ struct P2POp {
   enum Kind { kSend, kRecv } kind;
   torch::Tensor tensor;  // contiguous; filled in place for kRecv
   int64_t peer;          // group rank
+  // Transfers between two ranks match in the order they are posted, per tag: separate
+  // streams (a pipeline's activations and gradients) take separate tags.
+  int tag = 0;
 };
 
 class Comm {
@@ -56,12 +61,12 @@ class Comm {
   virtual void barrier() = 0;
   // Sends and receives posted together and completed together, so two peers that each send
   // to and receive from the other cannot deadlock on the order they post them in.
-  virtual std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops, int tag = 0) = 0;
+  virtual std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops) = 0;
   void send(torch::Tensor t, int64_t dst, int tag = 0) {
-    exchange_async({{P2POp::kSend, std::move(t), dst}}, tag)->wait();
+    exchange_async({{P2POp::kSend, std::move(t), dst, tag}})->wait();
   }
   void recv(torch::Tensor t, int64_t src, int tag = 0) {
-    exchange_async({{P2POp::kRecv, std::move(t), src}}, tag)->wait();
+    exchange_async({{P2POp::kRecv, std::move(t), src, tag}})->wait();
   }
 
   // The group of the world ranks `members` (in that order; this process among them), named
