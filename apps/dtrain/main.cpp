@@ -125,27 +125,28 @@ int inspect(const std::string& path) {
   return 0;
 }
 
-// Copies the checkpoint's weights to `out` only after reading them as a safetensors file
-// (header, dtypes, shapes, offsets), and reads back what it wrote.
+// Writes the checkpoint's weights (every part's, at full shapes) to `out` as one
+// safetensors file, under a temporary name renamed into place, and reads back what it wrote.
 int export_weights(const std::string& path, const std::string& out) {
   const std::string folder = resolve_checkpoint(path);
-  verify_checkpoint(folder);
-  const auto source = (std::filesystem::path(folder) / "model.safetensors").string();
-  const auto weights = read_safetensors(source);
+  const auto weights = load_checkpoint(folder).model;  // verified, parts merged
   std::error_code ec;
   fail_if<RunDirError>(std::filesystem::is_directory(out, ec),
                        "export: '{}' is a folder; name the file to write, e.g. {}/model.safetensors",
                        out, out);
+  const std::string temp = out + ".tmp-export";
   try {
-    write_file_atomic(out, read_file(source));
+    write_safetensors(temp, weights, {{"format", "dtrain-model"}});
+    std::filesystem::rename(temp, out);
   } catch (const std::exception& e) {
+    std::filesystem::remove(temp, ec);
     throw RunDirError(fmt::format("export: cannot write '{}': {}", out, first_line(e.what())));
   }
   const auto back = read_safetensors(out);
-  bool same = back.tensors.size() == weights.tensors.size();
+  bool same = back.tensors.size() == weights.size();
   for (size_t i = 0; same && i < back.tensors.size(); ++i)
-    same = back.tensors[i].first == weights.tensors[i].first &&
-           back.tensors[i].second.equal(weights.tensors[i].second);
+    same = back.tensors[i].first == weights[i].first &&
+           back.tensors[i].second.equal(weights[i].second);
   fail_if<RunDirError>(!same, "export: '{}' does not read back as the checkpoint's weights", out);
   std::cerr << fmt::format("wrote {} ({} tensors)\n", out, back.tensors.size());
   return 0;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -14,10 +15,13 @@ namespace dtrain {
 namespace fs = std::filesystem;
 
 namespace {
-const char* kFiles[] = {"model.safetensors", "optimizer.safetensors", "trainer.json",
-                        "config.yaml"};
 
 std::string folder_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+
+bool starts_ends(const std::string& s, const std::string& head, const std::string& tail) {
+  return s.size() >= head.size() + tail.size() && s.rfind(head, 0) == 0 &&
+         s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
 
 bool is_checkpoint_name(const std::string& name) {
   return name.size() == 13 && name.rfind("step-", 0) == 0 &&
@@ -59,48 +63,81 @@ std::string CheckpointStore::save(const CheckpointState& state, int64_t step, in
                                   const nlohmann::json& layout,
                                   const std::optional<Metric>& metric) {
   try {
-    return write(state, step, epoch, layout, metric);
+    begin(step);
+    write_part(temp_folder(fs::path(dir_).parent_path().string(), step), "", state.model,
+               state.optimizer);
   } catch (const std::exception& e) {
-    try {  // never leave a partial folder filling the disk
-      remove_tree((fs::path(dir_) / (".tmp-" + folder_name(step))).string());
-    } catch (const std::exception&) {  // the first error is the one to report
-    }
+    abort(step);
     throw CheckpointError(fmt::format("cannot write the checkpoint of step {} in '{}': {}", step,
                                       dir_, first_line(e.what())));
   }
+  return commit(state, step, epoch, layout, metric);
 }
 
-std::string CheckpointStore::write(const CheckpointState& state, int64_t step, int64_t epoch,
-                                   const nlohmann::json& layout,
-                                   const std::optional<Metric>& metric) {
-  const std::string name = folder_name(step);
-  const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
+std::string CheckpointStore::temp_folder(const std::string& run_dir, int64_t step) {
+  return (fs::path(run_dir) / "checkpoints" / (".tmp-" + folder_name(step))).string();
+}
+
+void CheckpointStore::begin(int64_t step) {
+  const auto tmp = fs::path(dir_) / (".tmp-" + folder_name(step));
   remove_tree(tmp.string());
   fs::create_directories(tmp);
-  write_safetensors((tmp / kFiles[0]).string(), state.model, {{"format", "dtrain-model"}});
-  write_safetensors((tmp / kFiles[1]).string(), state.optimizer, {{"format", "dtrain-optimizer"}});
-  write_file_synced((tmp / kFiles[2]).string(), state.trainer.dump(1) + "\n");
-  write_file_synced((tmp / kFiles[3]).string(), state.config_yaml);
+}
 
-  nlohmann::json manifest{{"format", "dtrain-checkpoint"}, {"version", kCheckpointVersion},
-                          {"step", step}, {"epoch", epoch}, {"layout", layout},
-                          {"created_unix", std::chrono::duration<double>(
-                                               std::chrono::system_clock::now().time_since_epoch())
-                                               .count()}};
-  if (metric)
-    manifest["metric"] = {{"name", metric->name}, {"value", metric->value},
-                          {"higher_is_better", metric->higher_is_better}};
-  for (const char* f : kFiles)
-    manifest["files"].push_back({{"name", f},
-                                 {"bytes", fs::file_size(tmp / f)},
-                                 {"crc32", crc32_of_file((tmp / f).string())}});
-  write_file_synced((tmp / "manifest.json").string(), manifest.dump(1) + "\n");
-  fsync_dir(tmp.string());
+void CheckpointStore::write_part(const std::string& temp, const std::string& part,
+                                 const NamedTensors& model, const NamedTensors& optimizer) {
+  const fs::path tmp(temp);
+  write_safetensors((tmp / ("model" + part + ".safetensors")).string(), model,
+                    {{"format", "dtrain-model"}});
+  write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
+                    {{"format", "dtrain-optimizer"}});
+}
 
-  remove_tree(final_path.string());  // a re-save of the same step (e.g. after a restart)
-  fs::rename(tmp, final_path);
-  fsync_dir(dir_);
-  write_file_atomic((fs::path(dir_) / "latest").string(), name + "\n");
+void CheckpointStore::abort(int64_t step) {
+  try {  // never leave a partial folder filling the disk
+    remove_tree((fs::path(dir_) / (".tmp-" + folder_name(step))).string());
+  } catch (const std::exception&) {  // the first error is the one to report
+  }
+}
+
+std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, int64_t epoch,
+                                    const nlohmann::json& layout,
+                                    const std::optional<Metric>& metric) {
+  const std::string name = folder_name(step);
+  const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
+  try {
+    write_file_synced((tmp / "trainer.json").string(), state.trainer.dump(1) + "\n");
+    write_file_synced((tmp / "config.yaml").string(), state.config_yaml);
+    nlohmann::json manifest{{"format", "dtrain-checkpoint"}, {"version", kCheckpointVersion},
+                            {"step", step}, {"epoch", epoch}, {"layout", layout},
+                            {"created_unix", std::chrono::duration<double>(
+                                                 std::chrono::system_clock::now().time_since_epoch())
+                                                 .count()}};
+    if (metric)
+      manifest["metric"] = {{"name", metric->name}, {"value", metric->value},
+                            {"higher_is_better", metric->higher_is_better}};
+    // Every file the writers left, each part included: the manifest is the completion
+    // record, so a part that is missing or damaged later fails verification.
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(tmp))
+      if (e.is_regular_file()) files.push_back(e.path().filename().string());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files)
+      manifest["files"].push_back({{"name", f},
+                                   {"bytes", fs::file_size(tmp / f)},
+                                   {"crc32", crc32_of_file((tmp / f).string())}});
+    write_file_synced((tmp / "manifest.json").string(), manifest.dump(1) + "\n");
+    fsync_dir(tmp.string());
+
+    remove_tree(final_path.string());  // a re-save of the same step (e.g. after a restart)
+    fs::rename(tmp, final_path);
+    fsync_dir(dir_);
+    write_file_atomic((fs::path(dir_) / "latest").string(), name + "\n");
+  } catch (const std::exception& e) {
+    abort(step);
+    throw CheckpointError(fmt::format("cannot write the checkpoint of step {} in '{}': {}", step,
+                                      dir_, first_line(e.what())));
+  }
 
   if (cfg_.keep_best && metric && std::isfinite(metric->value)) {  // NaN is never best
     auto current = best();
@@ -187,17 +224,31 @@ nlohmann::json verify_checkpoint(const std::string& folder) {
 }
 
 CheckpointState load_checkpoint(const std::string& folder) {
-  verify_checkpoint(folder);
   const fs::path dir(folder);
+  const auto manifest = verify_checkpoint(folder);
   CheckpointState s;
-  s.model = read_safetensors((dir / kFiles[0]).string()).tensors;
-  s.optimizer = read_safetensors((dir / kFiles[1]).string()).tensors;
+  // Every writer's part, in the manifest's (name) order; a name two parts hold (the
+  // optimizer's step count) is taken once.
+  auto merge = [&](NamedTensors& into, const std::string& kind) {
+    std::set<std::string> seen;
+    bool any = false;
+    for (const auto& f : manifest.at("files")) {
+      const auto file = f.at("name").get<std::string>();
+      if (!starts_ends(file, kind, ".safetensors")) continue;
+      any = true;
+      for (auto& [name, t] : read_safetensors((dir / file).string()).tensors)
+        if (seen.insert(name).second) into.emplace_back(name, std::move(t));
+    }
+    fail_if<CheckpointError>(!any, "checkpoint '{}' has no {} tensors", folder, kind);
+  };
+  merge(s.model, "model");
+  merge(s.optimizer, "optimizer");
   try {
-    s.trainer = nlohmann::json::parse(read_file((dir / kFiles[2]).string()));
+    s.trainer = nlohmann::json::parse(read_file((dir / "trainer.json").string()));
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}/trainer.json: {}", folder, e.what()));
   }
-  s.config_yaml = read_file((dir / kFiles[3]).string());
+  s.config_yaml = read_file((dir / "config.yaml").string());
   return s;
 }
 

@@ -1,6 +1,11 @@
 // Checkpoints: RUN_DIR/checkpoints/step-XXXXXXXX/, written under a temporary name, every
 // file fsynced, then renamed into place. manifest.json lists each file with its size and
 // CRC-32; a folder whose manifest is missing or does not match does not count as a checkpoint.
+//
+// The tensors may come in parts written by several processes (a pipeline's stages each
+// write model.ppN.safetensors and optimizer.ppN.safetensors; one writer writes
+// model.safetensors and optimizer.safetensors): rank 0 begins the temporary folder, every
+// writer adds its part, and rank 0 commits once all are written, the manifest last.
 #pragma once
 #include <optional>
 #include <string>
@@ -17,7 +22,7 @@ inline constexpr int kCheckpointVersion = 1;
 
 // Everything that affects the next step.
 struct CheckpointState {
-  NamedTensors model;        // parameters and buffers, by module path
+  NamedTensors model;        // parameters and buffers, by module path (loaded: every part's)
   NamedTensors optimizer;    // per-parameter slots and scalars
   nlohmann::json trainer;    // step, epoch, position in the epoch, RNG, counters
   std::string config_yaml;   // the resolved job that wrote it
@@ -52,6 +57,21 @@ class CheckpointStore {
   // CheckpointError says what could not be written.
   std::string save(const CheckpointState& state, int64_t step, int64_t epoch,
                    const nlohmann::json& layout, const std::optional<Metric>& metric);
+
+  // The same in three steps for several writers. The temporary folder of step's checkpoint
+  // (every rank can name it); begin() makes it afresh.
+  static std::string temp_folder(const std::string& run_dir, int64_t step);
+  void begin(int64_t step);
+  // One writer's tensors into the temporary folder: model`part`.safetensors and
+  // optimizer`part`.safetensors (`part` "" for a single writer, ".ppN" for a stage).
+  static void write_part(const std::string& temp, const std::string& part,
+                         const NamedTensors& model, const NamedTensors& optimizer);
+  // Once every part is written: trainer.json, config.yaml and the manifest of every file,
+  // then the rename, `latest`, `best` and pruning, as save(). Returns the folder.
+  std::string commit(const CheckpointState& state, int64_t step, int64_t epoch,
+                     const nlohmann::json& layout, const std::optional<Metric>& metric);
+  // Removes what a failed save left of step's temporary folder.
+  void abort(int64_t step);
   CheckpointScan scan() const;
   // The newest folder that verifies, if any.
   std::optional<std::string> newest_valid() const { return scan().newest_valid; }
@@ -61,8 +81,6 @@ class CheckpointStore {
 
  private:
   std::optional<std::string> best() const;
-  std::string write(const CheckpointState& state, int64_t step, int64_t epoch,
-                    const nlohmann::json& layout, const std::optional<Metric>& metric);
   void prune();
 
   std::string dir_;
@@ -71,7 +89,7 @@ class CheckpointStore {
 
 // Checks the manifest against the files; returns the manifest or throws CheckpointError.
 nlohmann::json verify_checkpoint(const std::string& folder);
-// Verifies, then reads everything.
+// Verifies, then reads everything, every writer's part merged.
 CheckpointState load_checkpoint(const std::string& folder);
 // What a user may name where a checkpoint folder is expected: the folder itself, a run
 // directory or its checkpoints/ folder (their `latest`), or a `latest`/`best` pointer file.
