@@ -1,5 +1,6 @@
 #include "optim/clip.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -10,18 +11,29 @@
 
 namespace dtrain {
 
-torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor) {
-  if (tensor.size() == 1) return params.grad().norm();
-  // Every rank adds its parts of the split entries; rank 0 alone the replicated ones. The
-  // squares stay tensors until one reduction.
-  std::vector<torch::Tensor> squares;
-  for (size_t i = 0; i < params.entries().size(); ++i)
-    if (params.entries()[i].placement.is_split() || tensor.rank() == 0)
-      squares.push_back(params.view(params.grad(), i).pow(2).sum());
+torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pipeline,
+                               const std::vector<size_t>& copies) {
+  if (tensor.size() == 1 && pipeline.size() == 1) return params.grad().norm();
   const auto f64 = params.grad().options().dtype(torch::kFloat64);
-  auto total = squares.empty() ? torch::zeros({1}, f64)
-                               : torch::stack(squares).to(torch::kFloat64).sum().reshape({1});
-  tensor.all_reduce(total);
+  torch::Tensor total;
+  if (tensor.size() == 1) {
+    // The whole buffer's squares, less those of the copies another stage counts.
+    total = params.grad().pow(2).sum().to(torch::kFloat64);
+    for (size_t i : copies) total = total - params.view(params.grad(), i).pow(2).sum().to(torch::kFloat64);
+  } else {
+    // Every rank adds its parts of the split entries; rank 0 alone the replicated ones. The
+    // squares stay tensors until one reduction.
+    std::vector<torch::Tensor> squares;
+    for (size_t i = 0; i < params.entries().size(); ++i) {
+      if (std::find(copies.begin(), copies.end(), i) != copies.end()) continue;
+      if (params.entries()[i].placement.is_split() || tensor.rank() == 0)
+        squares.push_back(params.view(params.grad(), i).pow(2).sum());
+    }
+    total = squares.empty() ? torch::zeros({}, f64) : torch::stack(squares).to(torch::kFloat64).sum();
+  }
+  total = total.reshape({1});
+  if (tensor.size() > 1) tensor.all_reduce(total);
+  if (pipeline.size() > 1) pipeline.all_reduce(total);
   return total.sqrt().squeeze(0);
 }
 

@@ -1,5 +1,7 @@
 // The global gradient norm, over every shard of every parameter, each counted once.
 #pragma once
+#include <vector>
+
 #include <torch/types.h>
 
 namespace dtrain {
@@ -8,10 +10,13 @@ class Comm;
 class FlatParams;
 
 // The L2 norm of the whole model's gradient. Parameters split over `tensor` contribute
-// their squares from every rank; replicated ones (identical on every tensor rank) once.
-// A 0-dim tensor on the gradient's device, not read here: the host need not wait for it.
-// A collective over `tensor` when it has more than one rank.
-torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor);
+// their squares from every rank; replicated ones (identical on every tensor rank) once;
+// each pipeline stage its own parts, except `copies` (entries another stage counts: the
+// head's copy of a tied embedding). A 0-dim tensor on the gradient's device, not read
+// here: the host need not wait for it. A collective over `tensor` and over `pipeline` when
+// they have more than one rank.
+torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pipeline,
+                               const std::vector<size_t>& copies = {});
 
 // Divides the gradient by `loss_scale` (fp16's; 1 otherwise) and scales it so that its
 // global norm, `norm` (already divided by the loss scale), is at most `max_norm` (torch's

@@ -46,24 +46,30 @@ torch::Tensor Placement::assemble(const std::vector<torch::Tensor>& ranks) const
   return torch::cat(pieces, dim);
 }
 
-FlatParams::FlatParams(torch::nn::Module& model, const FlatOptions& opts) : format_(opts.format) {
-  // Placements declared by the modules that split their parameters.
-  std::map<std::string, Placement> placements;
-  for (const auto& m : model.named_modules(/*name_prefix=*/"", /*include_self=*/true))
-    if (auto* placed = dynamic_cast<const PlacedModule*>(m.value().get()))
-      for (const auto& p : m.value()->named_parameters(/*recurse=*/false))
-        placements[m.key().empty() ? p.key() : m.key() + "." + p.key()] = placed->placement_of(p.key());
+FlatParams::FlatParams(torch::nn::Module& model, const FlatOptions& opts)
+    : FlatParams(std::vector<torch::nn::Module*>{&model}, opts) {}
 
+FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts)
+    : format_(opts.format) {
   std::unordered_set<const c10::TensorImpl*> seen;
   int64_t total = 0;
-  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
-    if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;  // a tied parameter
-    auto it = placements.find(p.key());
-    Placement place = it == placements.end() ? Placement::replicated() : it->second;
-    auto shape = p.value().sizes().vec();
-    entries_.push_back({p.key(), total, p.value().numel(), shape, place.full_shape(shape), place});
-    params_.push_back(p.value());
-    total += p.value().numel();
+  for (auto* model : modules) {
+    // Placements declared by the modules that split their parameters.
+    std::map<std::string, Placement> placements;
+    for (const auto& m : model->named_modules(/*name_prefix=*/"", /*include_self=*/true))
+      if (auto* placed = dynamic_cast<const PlacedModule*>(m.value().get()))
+        for (const auto& p : m.value()->named_parameters(/*recurse=*/false))
+          placements[m.key().empty() ? p.key() : m.key() + "." + p.key()] =
+              placed->placement_of(p.key());
+    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
+      if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;  // a tied parameter
+      auto it = placements.find(p.key());
+      Placement place = it == placements.end() ? Placement::replicated() : it->second;
+      auto shape = p.value().sizes().vec();
+      entries_.push_back({p.key(), total, p.value().numel(), shape, place.full_shape(shape), place});
+      params_.push_back(p.value());
+      total += p.value().numel();
+    }
   }
   torch::NoGradGuard no_grad;
   auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);

@@ -81,6 +81,9 @@ class FlatParams {
   };
 
   explicit FlatParams(torch::nn::Module& model, const FlatOptions& opts = {});
+  // The parameters of several modules in order, each named as in its own module: the
+  // chunks of one model a pipeline rank holds (their names never collide).
+  explicit FlatParams(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts = {});
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }

@@ -27,6 +27,13 @@ Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world)
   tensor_ = make(Axis::kTensor);
   data_ = make(Axis::kData);
   pipeline_ = make(Axis::kPipeline);
+  const int64_t last = dims_.pipeline - 1;
+  if (last > 0 && (coord_.pipeline == 0 || coord_.pipeline == last)) {
+    Coord first_end = coord_, last_end = coord_;
+    first_end.pipeline = 0, last_end.pipeline = last;
+    embedding_ = world_->new_group(fmt::format("embedding-d{}-t{}", coord_.data, coord_.tensor),
+                                   {dims_.rank_of(first_end), dims_.rank_of(last_end)});
+  }
 }
 
 const std::shared_ptr<Comm>& Mesh::group(Axis a) const {

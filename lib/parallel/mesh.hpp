@@ -2,7 +2,10 @@
 // Each consumer asks for the group it needs:
 //   data      the sampler's shard, loss averaging, evaluation, gradient sync, SyncBatchNorm
 //   tensor    the tensor-parallel layers' collectives, gathering split tensors for checkpoints
-//   pipeline  activations and gradients between stages (the next issue)
+//   pipeline  activations and gradients between stages, the gradient norm and evaluation
+//             sums across stages
+//   embedding the first and the last pipeline stage of one data and tensor coordinate: the
+//             copies of a weight both ends use (GPT's token embedding and head)
 //   world     agreement on stopping and the step's loss: always, whatever the layout, so no
 //             rank checkpoints or exits while a peer waits in a collective
 #pragma once
@@ -29,11 +32,13 @@ class Mesh {
   const std::shared_ptr<Comm>& data() const { return data_; }
   const std::shared_ptr<Comm>& tensor() const { return tensor_; }
   const std::shared_ptr<Comm>& pipeline() const { return pipeline_; }
+  // Null unless this rank is the first or the last of a pipeline of two or more stages.
+  const std::shared_ptr<Comm>& embedding() const { return embedding_; }
 
  private:
   ParallelDims dims_;
   Coord coord_;
-  std::shared_ptr<Comm> world_, data_, tensor_, pipeline_;
+  std::shared_ptr<Comm> world_, data_, tensor_, pipeline_, embedding_;
 };
 
 }  // namespace dtrain

@@ -18,6 +18,7 @@
 #include "parallel/grad_sync.hpp"
 #include "parallel/mesh.hpp"
 #include "precision/loss_scaler.hpp"
+#include "train/runner.hpp"
 #include "train/trainer.hpp"
 #include "util/files.hpp"
 
@@ -53,7 +54,18 @@ struct Context {
   DataSplits data;
   const ModelSpec* spec = nullptr;
   const Task* task = nullptr;
-  NetworkPtr model;
+  // This rank's share of the model: one network per chunk it holds (several only under
+  // interleaved_1f1b), each the whole model's parts of one stage under their global names.
+  std::vector<NetworkPtr> chunks;
+  std::vector<int64_t> chunk_stage;  // each chunk's global stage: chunk x pipeline + pipeline rank
+  int64_t stages = 1;                // global stages: pipeline x virtual_stages
+  // Entries of `params` that another stage holds a copy of (GPT's token embedding and its
+  // head), kept equal by summing their gradients over the mesh's embedding group;
+  // `tied_copy` when this rank holds the head's copy, which the norm and checkpoints leave
+  // to the embedding's.
+  std::vector<size_t> tied;
+  bool tied_copy = false;
+  std::unique_ptr<MicroBatchRunner> runner;
   std::unique_ptr<FlatParams> params;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<GradSync> sync;
@@ -68,6 +80,11 @@ struct Context {
   RunState state;
 
   bool root() const { return mesh.is_root(); }
+  bool holds_first() const { return chunk_stage.front() == 0; }
+  bool holds_last() const { return chunk_stage.back() == stages - 1; }
+  // The buffers this rank holds (BatchNorm's statistics), by their names in the model.
+  NamedTensors named_buffers() const;
+  void set_training(bool on) const;
   const c10::Device& device() const { return opts.device; }
   torch::MemoryFormat format() const { return spec->format; }
   int64_t steps_per_epoch() const { return sampler->steps_per_epoch(); }

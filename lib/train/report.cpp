@@ -40,6 +40,12 @@ nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last,
     line["loss_scale"] = last.loss_scale;
     line["overflow_steps"] = last.overflow_steps;
   }
+  if (!last.stage_bubble.empty()) {
+    // Each pipeline rank's share of this step spent waiting for its neighbours, and the
+    // most memory its micro-batches in flight held (MiB above the step's start).
+    line["bubble"] = last.stage_bubble;
+    line["activation_mb"] = last.stage_activation_mb;
+  }
   if (c.mesh.world()->size() > 1) {
     line["comm_ms"] = phase(w.comm_ms, last.comm_ms);
     line["comm_bytes"] = c.sync->bytes_per_step();

@@ -26,6 +26,11 @@ struct StepStats {
   double loss_scale = 0;       // fp16: the scale after this step, and the overflows so far
   int64_t overflow_steps = 0;
   bool device_timed = false;   // a GPU step that waited for the device at each phase's end
+  // A pipeline's: this rank's share of the step spent waiting for its neighbours (the
+  // bubble) and the most memory its in-flight micro-batches held, measured by the runner;
+  // then, once read, every pipeline rank's (each the mean over its data and tensor ranks).
+  double bubble = 0, activation_mb = 0;
+  std::vector<double> stage_bubble, stage_activation_mb;
 };
 
 // Sums over one logging window of steps.

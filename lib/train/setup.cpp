@@ -11,6 +11,7 @@
 
 #include "config/schema.hpp"
 #include "launch/device.hpp"
+#include "parallel/schedule.hpp"
 #include "train/context.hpp"
 #include "train/state.hpp"
 #include "util/affinity.hpp"
@@ -21,6 +22,63 @@
 
 namespace dtrain {
 namespace fs = std::filesystem;
+
+namespace {
+
+// This rank's chunks of the model. Every process builds and initialises the whole model on
+// the CPU, from the CPU generator, so each stage starts from the unsplit model's weights
+// whatever the device and layout, and the generator is where one process's would be; each
+// chunk then keeps its stage's parts and moves to the device.
+void build_chunks(Context& c, const ModelContext& mc) {
+  const auto& cfg = c.cfg;
+  const int64_t ranks = c.mesh.dims().pipeline, chunks = cfg.parallel.virtual_stages;
+  c.stages = ranks * chunks;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  auto set_state = [&](const torch::Tensor& state) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  };
+  const auto before = gen.get_state();
+  auto whole = c.spec->build(cfg.model, mc);
+  const auto after = gen.get_state();
+  const auto split = split_stages(whole->part_params(), c.stages, cfg.parallel.stages);
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t stage = chunk * ranks + c.mesh.coord().pipeline;
+    NetworkPtr net = whole;
+    if (chunk > 0) {  // another copy, built alike
+      set_state(before);
+      net = c.spec->build(cfg.model, mc);
+    }
+    if (c.stages > 1) net->keep_parts(split[size_t(stage)].first, split[size_t(stage)].last);
+    net->to(c.device());
+    c.chunks.push_back(net);
+    c.chunk_stage.push_back(stage);
+  }
+  set_state(after);
+}
+
+// The tied parameters' entries, where the two parts that use them sit on different ranks.
+void find_tied(Context& c) {
+  if (!c.mesh.embedding() || c.holds_first() == c.holds_last()) return;
+  const auto names = c.chunks.front()->tied_parameters();
+  const auto& entries = c.params->entries();
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (std::find(names.begin(), names.end(), entries[i].name) != names.end()) c.tied.push_back(i);
+  c.tied_copy = c.holds_last();
+}
+
+}  // namespace
+
+NamedTensors Context::named_buffers() const {
+  NamedTensors out;
+  for (const auto& chunk : chunks)
+    for (const auto& b : chunk->named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+void Context::set_training(bool on) const {
+  for (const auto& chunk : chunks) chunk->train(on);
+}
 
 void setup(Context& c) {
   const auto& cfg = c.cfg;
@@ -52,14 +110,14 @@ void setup(Context& c) {
   mc.vocab = c.data.vocab;
   if (cfg.parallel.sync_batchnorm && dims.data > 1) mc.sync_batchnorm = c.mesh.data();
   mc.tensor = c.mesh.tensor();
-  // Built and initialised on the CPU, from the CPU generator: the same weights whatever
-  // the device. Then the parameters, buffers, flat buffers and optimizer state move there.
-  c.model = c.spec->build(cfg.model, mc);
-  c.model->to(c.device());
+  build_chunks(c, mc);
   FlatOptions flat;
   flat.format = c.spec->format;
   flat.device = c.device();
-  c.params = std::make_unique<FlatParams>(*c.model, flat);
+  std::vector<torch::nn::Module*> modules;
+  for (auto& chunk : c.chunks) modules.push_back(chunk.get());
+  c.params = std::make_unique<FlatParams>(modules, flat);
+  find_tied(c);
   c.optimizer = make_optimizer(cfg.optimizer, *c.params);
   if (cfg.precision.dtype == "fp16")
     c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
@@ -78,6 +136,7 @@ void setup(Context& c) {
   }
   broadcast_state(c);
   c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum);
+  c.runner = make_runner(c);
   root_does(c, fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
     write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
     c.metrics = std::make_unique<MetricsLog>(

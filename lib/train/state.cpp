@@ -1,5 +1,6 @@
 #include "train/state.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -164,8 +165,8 @@ void restore(Context& c, const std::string& folder) {
     const int64_t tensor_rank = c.mesh.coord().tensor;
     c.params->scatter_full(c.params->data(), "", model, tensor_rank);
     torch::NoGradGuard no_grad;
-    for (const auto& b : c.model->named_buffers())  // replicated: every rank takes all of it
-      b.value().copy_(model.at(b.key(), b.value().sizes().vec()));
+    for (const auto& [name, b] : c.named_buffers())  // replicated: every rank takes all of it
+      b.copy_(model.at(name, b.sizes().vec()));
     load_optimizer_state(*c.optimizer, *c.params, saved.optimizer, tensor_rank, folder);
     set_generator_state(at::detail::getDefaultCPUGenerator(), t.rng_cpu);
     // A run on a GPU resumes its generator (dropout) where it was; a checkpoint from
@@ -184,22 +185,86 @@ void broadcast_state(Context& c) {
   if (data.size() == 1) return;
   torch::NoGradGuard no_grad;
   data.broadcast(c.params->data(), 0);
-  for (auto& b : c.model->buffers())
+  for (auto& [name, b] : c.named_buffers())
     if (b.is_floating_point()) data.broadcast(b, 0);
 }
 
+namespace {
+
+// Collective over the world: every rank runs `part` (which may throw) and all learn whether
+// every one succeeded; if one failed, every rank throws (the failed one with its message,
+// the others naming it), rank 0 having first run `undo`.
+void every_rank_does(Context& c, const std::string& what, const std::function<void()>& part,
+                     const std::function<void()>& undo) {
+  auto outcome = torch::tensor({int64_t(0), int64_t(-1)}, torch::kInt64);  // [exit code, rank]
+  std::string why;
+  try {
+    part();
+  } catch (const Error& e) {
+    outcome[0] = int64_t(e.code), outcome[1] = c.mesh.rank(), why = e.what();
+  } catch (const std::exception& e) {  // the file system's own errors
+    outcome[0] = int64_t(kExitBadData), outcome[1] = c.mesh.rank();
+    why = fmt::format("cannot {}: {}", what, first_line(e.what()));
+  }
+  c.mesh.world()->all_reduce(outcome, ReduceOp::kMax);
+  const auto code = outcome[0].item<int64_t>();
+  if (!code) return;
+  if (c.root()) undo();
+  throw Error(ExitCode(code), !why.empty() ? why
+                                           : fmt::format("rank {} could not {} (see rank {})",
+                                                         outcome[1].item<int64_t>(), what,
+                                                         outcome[1].item<int64_t>()));
+}
+
+// `tensors` less the entries of a tied weight's copy (and their optimizer slots): the
+// embedding's stage saves it.
+NamedTensors without_copies(const Context& c, NamedTensors tensors) {
+  if (!c.tied_copy) return tensors;
+  std::vector<std::string> names;
+  for (size_t i : c.tied) names.push_back(c.params->entries()[i].name);
+  auto is_copy = [&](const std::pair<std::string, torch::Tensor>& t) {
+    return std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+      return t.first == n || t.first.rfind(n + ".", 0) == 0;
+    });
+  };
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(), is_copy), tensors.end());
+  return tensors;
+}
+
+}  // namespace
+
 void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
-  // The first data-parallel replica gathers the split tensors; rank 0 (one of its members)
-  // writes them. No rank moves on (or exits) before the checkpoint is complete, and if it
-  // could not be written every rank stops with rank 0's reason.
+  // Rank 0 opens the temporary folder. The first data-parallel replica gathers each
+  // stage's split tensors over its tensor group, whose first rank writes the stage's part
+  // (the only part without a pipeline). Rank 0 commits once every part is written. No rank
+  // moves on (or exits) before the checkpoint is complete, and if a part could not be
+  // written every rank stops with the writer's reason.
+  const int64_t step = c.state.step;
+  const std::string what = fmt::format("write the checkpoint of step {}", step);
+  root_does(c, what, [&] {
+    c.checkpoints->begin(step);
+    return int64_t(0);
+  });
   CheckpointState state;
   if (c.mesh.coord().data == 0) {
     auto& tensor = *c.mesh.tensor();
     state.model = c.params->gather_full(c.params->data(), "", tensor);
-    for (const auto& b : c.model->named_buffers()) state.model.emplace_back(b.key(), b.value());
-    state.optimizer = optimizer_state(*c.optimizer, *c.params, tensor);
+    for (auto& b : c.named_buffers()) state.model.push_back(std::move(b));
+    state.model = without_copies(c, std::move(state.model));
+    state.optimizer = without_copies(c, optimizer_state(*c.optimizer, *c.params, tensor));
   }
-  root_does(c, fmt::format("write the checkpoint of step {}", c.state.step), [&] {
+  const bool writer = c.mesh.coord().data == 0 && c.mesh.coord().tensor == 0;
+  const auto& dims = c.mesh.dims();
+  every_rank_does(
+      c, what,
+      [&] {
+        if (!writer) return;
+        const std::string part = dims.pipeline > 1 ? fmt::format(".pp{}", c.mesh.coord().pipeline) : "";
+        CheckpointStore::write_part(CheckpointStore::temp_folder(c.cfg.run_dir, step), part,
+                                    state.model, state.optimizer);
+      },
+      [&] { c.checkpoints->abort(step); });
+  root_does(c, what, [&] {
     const auto& st = c.state;
     const int64_t spe = c.steps_per_epoch();
     state.trainer = {{"step", st.step},
@@ -218,8 +283,7 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
     state.config_yaml = to_yaml(c.cfg);
     std::optional<Metric> metric;
     if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};
-    auto folder = c.checkpoints->save(state, st.step, st.step / spe, layout_json(c.mesh.dims()),
-                                      metric);
+    auto folder = c.checkpoints->commit(state, st.step, st.step / spe, layout_json(dims), metric);
     c.say(fmt::format("checkpoint {}", folder));
     return int64_t(0);
   });

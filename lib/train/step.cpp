@@ -31,7 +31,6 @@
 #include "launch/device.hpp"
 #include "optim/clip.hpp"
 #include "optim/schedule.hpp"
-#include "precision/autocast.hpp"
 #include "train/signals.hpp"
 #include "util/error.hpp"
 
@@ -43,37 +42,51 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-// The figures (step.hpp's figure::) as one fp64 tensor on `device`. A rank whose loss does
-// not count (tensor ranks past the first hold the same value) adds loss x 0: nothing,
-// unless it is not finite, so the sum is non-finite when any rank's loss is. On the CPU
-// from the values themselves: reading them costs nothing there, and a handful of tensor
-// ops would cost more than the step's arithmetic. On a GPU by stacking them on the device:
-// reading them would wait.
-torch::Tensor assemble_figures(const std::vector<torch::Tensor>& losses, bool counts, bool stop,
-                               const torch::Tensor& norm, const c10::Device& device) {
-  using namespace figure;
+// The figures (step.hpp's Figures) as one fp64 tensor on the step's device. A rank whose
+// loss does not count (tensor ranks past the first hold the same value) adds loss x 0:
+// nothing, unless it is not finite, so the sum is non-finite when any rank's loss is. On
+// the CPU from the values themselves: reading them costs nothing there, and a handful of
+// tensor ops would cost more than the step's arithmetic. On a GPU by stacking them on the
+// device: reading them would wait.
+torch::Tensor assemble_figures(const Context& c, const Figures& layout,
+                               const std::vector<torch::Tensor>& losses, bool counts, bool stop,
+                               const torch::Tensor& norm, const StepStats& s) {
   const double accum = double(losses.size());
-  if (!device.is_cuda()) {
+  const int64_t stage = c.mesh.coord().pipeline;
+  if (!c.device().is_cuda()) {
     double loss = 0;
     for (const auto& l : losses) loss += l.item<double>() / accum;
-    auto figures = torch::empty({kCount}, torch::kFloat64);
+    auto figures = torch::zeros({layout.count()}, torch::kFloat64);
     double* f = figures.data_ptr<double>();
-    f[kLossSum] = counts ? loss : loss * 0.0;
-    f[kStopVotes] = stop ? 1.0 : 0.0;
-    f[kGradNorm] = norm.defined() ? norm.item<double>() : std::nan("");
-    f[kLocalLoss] = loss;
+    f[Figures::kLossSum] = counts ? loss : loss * 0.0;
+    f[Figures::kStopVotes] = stop ? 1.0 : 0.0;
+    if (layout.stages > 0) {
+      f[layout.bubble(stage)] = s.bubble;
+      f[layout.activation_mb(stage)] = s.activation_mb;
+    }
+    f[layout.grad_norm()] = norm.defined() ? norm.item<double>() : std::nan("");
+    f[layout.local_loss()] = loss;
     return figures;
   }
-  const auto f64 = torch::dtype(torch::kFloat64).device(device);
+  const auto f64 = torch::dtype(torch::kFloat64).device(c.device());
   auto loss = losses.empty()      ? torch::zeros({}, f64)
               : losses.size() == 1 ? losses[0].to(torch::kFloat64)
                                    : (torch::stack(losses).sum() / accum).to(torch::kFloat64);
-  std::vector<torch::Tensor> f(kCount);
-  f[kLossSum] = counts ? loss : loss * 0.0;
-  f[kStopVotes] = torch::full({}, stop ? 1.0 : 0.0, f64);
-  f[kGradNorm] = norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64);
-  f[kLocalLoss] = loss;
+  std::vector<torch::Tensor> f(size_t(layout.count()));
+  for (auto& slot : f) slot = torch::zeros({}, f64);
+  f[Figures::kLossSum] = counts ? loss : loss * 0.0;
+  f[Figures::kStopVotes] = torch::full({}, stop ? 1.0 : 0.0, f64);
+  if (layout.stages > 0) {
+    f[size_t(layout.bubble(stage))] = torch::full({}, s.bubble, f64);
+    f[size_t(layout.activation_mb(stage))] = torch::full({}, s.activation_mb, f64);
+  }
+  f[size_t(layout.grad_norm())] = norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64);
+  f[size_t(layout.local_loss())] = loss;
   return torch::stack(f);
+}
+
+Figures figures_of(const Context& c) {
+  return {c.mesh.dims().pipeline > 1 ? c.mesh.dims().pipeline : 0};
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -105,12 +118,24 @@ void take_figures(const Context& c, PendingStep& p) {
     }
     p.ready.reset();
   }
-  using namespace figure;
+  const Figures layout = figures_of(c);
   const auto f = p.figures.accessor<double, 1>();
-  p.stats.loss = f[kLossSum] / double(c.mesh.dims().data);  // each data replica's counts once
-  p.stats.stop = f[kStopVotes] > 0;
-  p.stats.grad_norm = f[kGradNorm];
-  p.local_loss = f[kLocalLoss];
+  const auto& dims = c.mesh.dims();
+  p.stats.loss = f[Figures::kLossSum] / double(dims.data);  // each data replica's counts once
+  p.stats.stop = f[Figures::kStopVotes] > 0;
+  for (int64_t stage = 0; stage < layout.stages; ++stage) {  // each stage's ranks' mean
+    p.stats.stage_bubble.push_back(f[layout.bubble(stage)] / double(dims.data * dims.tensor));
+    p.stats.stage_activation_mb.push_back(f[layout.activation_mb(stage)] /
+                                          double(dims.data * dims.tensor));
+  }
+  p.stats.grad_norm = f[layout.grad_norm()];
+  p.local_loss = f[layout.local_loss()];
+}
+
+// The two copies of a tied weight (the first stage's embedding, the last stage's head)
+// each have their stage's share of its gradient: summed, both make the same update.
+void sum_tied_gradients(Context& c) {
+  for (size_t i : c.tied) c.mesh.embedding()->all_reduce(c.params->view(c.params->grad(), i));
 }
 
 bool grads_finite(const PendingStep& p) {
@@ -139,37 +164,14 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   SyncDebugScope sync_check(c.device().is_cuda() && !waits ? sync_debug_mode() : "off");
   // 1. next batch (prepared ahead by the loader's threads), queued to the device
   Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
-  const int64_t accum = c.cfg.train.grad_accum;
-  const int64_t micro = batch.y.size(0) / accum;
   const double scale = c.scaler ? c.scaler->scale() : 1.0;
-  std::vector<torch::Tensor> losses;  // per micro-batch: their mean is this rank's loss
-  for (int64_t a = 0; a < accum; ++a) {
-    Batch mb = accum == 1 ? batch : Batch{batch.x.narrow(0, a * micro, micro),
-                                          batch.y.narrow(0, a * micro, micro)};
-    if (mb.x.dim() == 4) mb.x = mb.x.contiguous(c.format());
-    // 2. forward; the loss is taken in fp32
-    auto t0 = Clock::now();
-    torch::Tensor loss;
-    {
-      AutocastGuard guard(c.cfg.precision.dtype, c.device().type());
-      loss = c.task->loss(c.model->forward(mb.x), mb, *c.mesh.tensor());
-    }
-    losses.push_back(loss.detach());
-    // What makes the gradient a global mean, and fp16's loss scale.
-    const double factor = c.sync->loss_factor() * scale;
-    if (factor != 1.0) loss = loss * factor;
-    settle();
-    s.forward_ms += ms_since(t0);
-    // 3. backward: gradients accumulate into the flat buffer; the sync strategy starts
-    //    communicating from backward's hooks on the last micro-batch
-    t0 = Clock::now();
-    c.sync->begin_micro_batch(a == accum - 1);
-    loss.backward();
-    settle();
-    s.backward_ms += ms_since(t0);
-  }
+  // 2-3. forward (autocast keeps fp32 master weights) and backward of every micro-batch,
+  //      the loss scaled by what makes the gradient a global mean and by fp16's scale;
+  //      their mean is this rank's loss (on a pipeline, the last stage's)
+  const auto losses = c.runner->train(batch, c.sync->loss_factor() * scale, s, settle);
   auto t0 = Clock::now();
   c.sync->finish();
+  sum_tied_gradients(c);
   settle();
   s.comm_ms = ms_since(t0);
   const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
@@ -182,15 +184,17 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   p.norm_taken = logged || kept || clip > 0 || skip_mode || c.scaler;
   torch::Tensor norm;
   if (p.norm_taken) {
-    norm = global_grad_norm(*c.params, *c.mesh.tensor());
+    norm = global_grad_norm(*c.params, *c.mesh.tensor(), *c.mesh.pipeline(),
+                            c.tied_copy ? c.tied : std::vector<size_t>{});
     if (scale != 1.0) norm = norm / scale;
   }
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
   // to stop votes so: every rank stops after the same step, whatever the layout.
-  auto figures = assemble_figures(losses, c.mesh.coord().tensor == 0, stop_signal() != 0, norm,
-                                  c.device());
+  const bool counts = c.mesh.coord().tensor == 0 && c.holds_last();
+  const Figures layout = figures_of(c);
+  auto figures = assemble_figures(c, layout, losses, counts, stop_signal() != 0, norm, s);
   if (c.mesh.world()->size() > 1)
-    c.mesh.world()->all_reduce(figures.narrow(0, 0, figure::kSummed));
+    c.mesh.world()->all_reduce(figures.narrow(0, 0, layout.summed()));
   send_to_host(figures, p);
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
@@ -215,8 +219,8 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     // skip: the update waits on the global loss and norm being finite, on the device.
     torch::Tensor skip;
     if (skip_mode) {
-      const auto total = figures.select(0, figure::kLossSum)
-                             .add(figures.select(0, figure::kGradNorm));  // NaN if either is
+      const auto total = figures.select(0, Figures::kLossSum)
+                             .add(figures.select(0, layout.grad_norm()));  // NaN if either is
       skip = total.isfinite().logical_not().to(torch::kFloat32);
     }
     clip_grad(*c.params, norm, clip);

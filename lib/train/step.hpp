@@ -16,21 +16,27 @@
 namespace dtrain {
 
 // The step's figures travel as one fp64 tensor: one all-reduce over the world and one copy
-// to the host move them all. These name its slots; the first kSummed are summed over the
-// world.
-namespace figure {
-constexpr int64_t kLossSum = 0;    // the global batch's loss, summed over the ranks that hold it
-constexpr int64_t kStopVotes = 1;  // ranks asked to stop
-constexpr int64_t kSummed = 2;
-constexpr int64_t kGradNorm = 2;   // the global gradient norm; NaN when not taken
-constexpr int64_t kLocalLoss = 3;  // this rank's loss (0 where it has none): names a rank
-constexpr int64_t kCount = 4;
-}  // namespace figure
+// to the host move them all. Its slots, for a pipeline of `stages` ranks (0 without one):
+//   [0, summed())  summed over the world: the global batch's loss (over the ranks that
+//                  hold it), the ranks asked to stop, and per pipeline rank its bubble and
+//                  peak activation memory (each rank adds its own into its stage's slots)
+//   grad_norm()    the global gradient norm; NaN when not taken
+//   local_loss()   this rank's loss (0 where it has none): names a rank that saw a NaN
+struct Figures {
+  int64_t stages = 0;
+  static constexpr int64_t kLossSum = 0, kStopVotes = 1;
+  int64_t bubble(int64_t stage) const { return 2 + stage; }
+  int64_t activation_mb(int64_t stage) const { return 2 + stages + stage; }
+  int64_t summed() const { return 2 + 2 * stages; }
+  int64_t grad_norm() const { return summed(); }
+  int64_t local_loss() const { return summed() + 1; }
+  int64_t count() const { return summed() + 2; }
+};
 
 struct PendingStep {
   int64_t step = 0;          // the step's number, from 1
   StepStats stats;           // the host's timings now; read_step() adds the device's figures
-  torch::Tensor figures;     // figure::kCount values, on the host once `ready`
+  torch::Tensor figures;     // Figures' values, on the host once `ready`
   double local_loss = 0;     // this rank's, once read: it names a rank that saw a NaN
   bool norm_taken = false;   // whether the norm was taken (else it reads NaN)
   bool decided = false;      // fp16: the step read its figures itself to decide its update

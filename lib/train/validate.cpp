@@ -21,7 +21,6 @@ void check_supported(const JobConfig& c, const ParallelDims& layout) {
       throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
                                     value));
   };
-  refuse(layout.pipeline != 1, "parallel.pipeline", "pipeline parallelism");
   refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
   refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
   refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
@@ -49,6 +48,9 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
                          fmt::format("{}", p.stages), p.stages.size(), sum, what, parts, stages,
                          parts);
   }
+  fail_if<ConfigError>(p.virtual_stages > 1 && layout.pipeline == 1,
+                       "parallel.virtual_stages: {} chunks per rank need a pipeline "
+                       "(parallel.pipeline >= 2)", p.virtual_stages);
   if (p.schedule == "interleaved_1f1b" && layout.pipeline > 1)
     fail_if<ConfigError>(cfg.train.grad_accum % layout.pipeline != 0,
                          "train.grad_accum: {} micro-batches, but parallel.schedule "

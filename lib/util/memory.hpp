@@ -2,11 +2,21 @@
 // (128 KiB, raised only when some chunk happens to be freed) is a fresh mmap, so every
 // activation of a step page-faults and is zeroed by the kernel again: the CNN's step ran at
 // 15-17 ms instead of 9-10 ms, varying from run to run with what the process had freed.
+// And how much memory tensors hold, for the peak activation memory a pipeline reports.
 #pragma once
+#include <cstdint>
+
+#include <c10/core/Device.h>
 
 namespace dtrain {
 
 // Keeps freed memory in the process for reuse (mmap threshold 32 MiB, trim at 1 GiB).
 void tune_allocator();
+
+// Bytes allocated now: on a GPU, LibTorch's caching allocator's (tensors alive on that
+// device); on the CPU, glibc's heap in use (mallinfo2: every allocation of the process,
+// tensors being nearly all of it during a step). Differences between two readings are what
+// a stretch of code kept.
+int64_t allocated_bytes(const c10::Device& device);
 
 }  // namespace dtrain

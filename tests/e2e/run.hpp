@@ -163,6 +163,24 @@ inline bool wait_for_step(const std::string& run_dir, int64_t step, std::chrono:
   return false;
 }
 
+// Starts `dtrain ARGS` (a job logging to `run_dir` under --nproc), kills worker `rank` with
+// SIGKILL once the job has logged step `step`, and waits up to `limit` for it to end: its
+// exit code (-1 if it did not end) and what it printed on stderr.
+inline Result kill_worker_at(const std::string& args, const std::string& run_dir, int64_t step,
+                             int rank, std::chrono::seconds limit) {
+  auto bg = start_dtrain(args);
+  Result r;
+  r.code = -1;
+  if (wait_for_step(run_dir, step, std::chrono::seconds(60))) {
+    const pid_t victim = worker_pid(bg.pid, rank);
+    if (victim > 0) ::kill(victim, SIGKILL);
+    r.code = wait_for(bg.pid, limit);
+  }
+  if (r.code == -1) ::kill(bg.pid, SIGKILL), wait_for(bg.pid, std::chrono::seconds(10));
+  r.err = slurp(bg.err);
+  return r;
+}
+
 // Every step of `ref` has a loss within `rtol` relative in `got`.
 inline void check_losses_close(const std::map<int64_t, double>& ref,
                                const std::map<int64_t, double>& got, double rtol,

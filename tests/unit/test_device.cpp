@@ -211,7 +211,7 @@ TEST_CASE("loss scaler: injected inf and nan gradients overflow; finite ones uns
   auto g = torch::randn({flat.grad().numel()});
   flat.grad().copy_(g * scale);
   const double true_norm = g.norm().item<double>();
-  const auto norm = global_grad_norm(flat, *local) / scale;
+  const auto norm = global_grad_norm(flat, *local, *local) / scale;
   CHECK(norm.item<double>() == doctest::Approx(true_norm).epsilon(1e-6));
   CHECK(scaler.after_backward(std::isfinite(norm.item<double>())) == LossScaler::Verdict::kUpdate);
   clip_grad(flat, norm, /*max_norm=*/0.0, scale);  // the step's unscaling
@@ -221,7 +221,7 @@ TEST_CASE("loss scaler: injected inf and nan gradients overflow; finite ones uns
     CAPTURE(bad);
     flat.grad().copy_(g * scaler.scale());
     flat.grad()[7] = bad;  // one element of one parameter
-    const double n = (global_grad_norm(flat, *local) / scaler.scale()).item<double>();
+    const double n = (global_grad_norm(flat, *local, *local) / scaler.scale()).item<double>();
     CHECK(!std::isfinite(n));
     const double before = scaler.scale();
     CHECK(scaler.after_backward(std::isfinite(n)) == LossScaler::Verdict::kSkip);

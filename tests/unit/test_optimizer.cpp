@@ -496,16 +496,16 @@ TEST_CASE("clip_grad: torch's clip_grad_norm_ factor, and fp16's unscaling, in o
   const double n = g.norm().item<double>();
   REQUIRE(n > 0.2);
   // Above the limit: scaled to max_norm / (norm + 1e-6).
-  clip_grad(flat, global_grad_norm(flat, *local), 0.1);
+  clip_grad(flat, global_grad_norm(flat, *local, *local), 0.1);
   CHECK(flat.grad().norm().item<double>() == doctest::Approx(0.1 * n / (n + 1e-6)).epsilon(1e-6));
   CHECK(torch::allclose(flat.grad(), g * (0.1 / (n + 1e-6)), 1e-6, 1e-9));
   // Below it: unchanged.
   flat.grad().copy_(g);
-  clip_grad(flat, global_grad_norm(flat, *local), 10 * n);
+  clip_grad(flat, global_grad_norm(flat, *local, *local), 10 * n);
   CHECK(torch::allclose(flat.grad(), g, 1e-6, 1e-9));
   // fp16: the gradient holds scale x g; the norm passed is already unscaled.
   flat.grad().copy_(g * 1024);
-  clip_grad(flat, global_grad_norm(flat, *local) / 1024, 0.1, 1024);
+  clip_grad(flat, global_grad_norm(flat, *local, *local) / 1024, 0.1, 1024);
   CHECK(torch::allclose(flat.grad(), g * (0.1 / (n + 1e-6)), 1e-5, 1e-9));
   // Off, with no norm taken: only the unscaling.
   flat.grad().copy_(g * 1024);

@@ -245,7 +245,7 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
       double ref_sq = 0;
       for (auto* p : {&ref_a->weight, &ref_a->bias, &ref_b->weight, &ref_b->bias})
         ref_sq += p->grad().pow(2).sum().item<double>();
-      const double norm = global_grad_norm(flat, *tensor).item<double>();
+      const double norm = global_grad_norm(flat, *tensor, *make_local_comm()).item<double>();
       if (std::abs(norm - std::sqrt(ref_sq)) > 1e-5 * std::sqrt(ref_sq)) fail("global norm");
       // scatter_full is the inverse: every rank takes back its part.
       auto copy = torch::zeros_like(flat.data());
@@ -334,7 +334,7 @@ TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical
       auto tokens = at::randint(16, {3, 7}, gen, torch::kInt64);
       Batch b{tokens.narrow(1, 0, 6), tokens.narrow(1, 1, 6)};
       language_model_task().loss(model->forward(b.x), b, *tensor).backward();
-      clip_grad(flat, global_grad_norm(flat, *tensor), 0.5);
+      clip_grad(flat, global_grad_norm(flat, *tensor, *make_local_comm()), 0.5);
       opt->step(0.01);
       flat.zero_grad();
     }

@@ -1,0 +1,267 @@
+// Pipeline parallelism through the dtrain binary: every schedule and the hybrid layouts
+// reproduce one process's per-step losses on the same global batch, checkpoints written by
+// the stages resume on other layouts, 1F1B holds fewer micro-batches than GPipe, a killed
+// stage ends the job like any rank, and jobs the model cannot be split for are refused.
+#include <doctest/doctest.h>
+
+#include <map>
+#include <thread>
+
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+// An MLP of 4 parts (3 hidden layers and the classifier), 4 micro-batches a step.
+std::string mlp_job(const std::string& dir) {
+  auto path = dir + "/mlp.yaml";
+  std::ofstream(path) << "name: pp-mlp\nseed: 11\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                         "model: {arch: mlp, hidden: [32, 32, 16]}\n"
+                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001,"
+                         " grad_clip: 0.5}\n"
+                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
+                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15,"
+                         " grad_accum: 4}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+// A 4-layer GPT (6 parts: embeddings, 4 blocks, head) on synthetic tokens: its tied
+// embedding and head end up on the first and the last stage.
+std::string gpt_job(const std::string& dir) {
+  auto path = dir + "/gpt.yaml";
+  std::ofstream(path) << "name: pp-gpt\nseed: 5\n"
+                         "data: {dataset: synthetic_tokens, samples: 512, test_samples: 32,"
+                         " batch_size: 8, workers: 1}\n"
+                         "model: {arch: gpt, layers: 4, heads: 2, dim: 32, vocab: 64, seq_len: 16}\n"
+                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}\n"
+                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
+                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15,"
+                         " grad_accum: 4}\n"
+                         "checkpoint: {every_steps: 10}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+std::map<std::string, torch::Tensor> weights(const std::string& run_dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08ld", long(step));
+  auto state = dtrain::load_checkpoint(run_dir + "/checkpoints/" + name);  // every part
+  return {state.model.begin(), state.model.end()};
+}
+
+// One process, then each layout: every step's loss within 1e-4 of one process's, the last
+// checkpoint's full tensors alike, and the line's pipeline figures there.
+void check_layouts(const std::string& dir, const std::string& job,
+                   const std::vector<std::pair<int, std::string>>& layouts) {
+  auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one" + kQuiet);
+  INFO(one.err);
+  REQUIRE(one.code == 0);
+  const auto ref = train_losses(dir + "/one");
+  const auto ref_w = weights(dir + "/one", 30);
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const auto& [n, sets] = layouts[i];
+    const auto run = dir + "/layout" + std::to_string(i);
+    auto r = e2e::dtrain("run " + job + " --nproc " + std::to_string(n) + " --run-dir " + run +
+                         sets + kQuiet);
+    INFO(n << " processes" << sets << ": " << r.err);
+    REQUIRE(r.code == 0);
+    check_losses_close(ref, train_losses(run), 1e-4, std::to_string(n) + " processes" + sets);
+    const auto lines = metrics(run);
+    CHECK(lines.back()["world_size"] == n);
+    const auto train = of_kind(lines, "train").back();
+    const int64_t stages = lines.back()["layout"]["pipeline"];
+    REQUIRE(train["bubble"].size() == size_t(stages));
+    for (const auto& b : train["bubble"]) CHECK((b.get<double>() >= 0 && b.get<double>() < 1));
+    CHECK(train["activation_mb"].size() == size_t(stages));
+    CHECK(of_kind(lines, "eval").back()["loss"].get<double>() ==
+          doctest::Approx(of_kind(metrics(dir + "/one"), "eval").back()["loss"].get<double>())
+              .epsilon(1e-4));
+    const auto w = weights(run, 30);
+    REQUIRE(w.size() == ref_w.size());  // the tied weight saved once
+    for (const auto& [name, t] : ref_w) {
+      INFO(name);
+      REQUIRE(w.count(name));
+      auto got = w.at(name), want = t;
+      if (name.find("attn.c_attn.bias") != std::string::npos) {  // see test_tensor.cpp
+        got = torch::cat({got.chunk(3)[0], got.chunk(3)[2]});
+        want = torch::cat({want.chunk(3)[0], want.chunk(3)[2]});
+      }
+      CHECK(torch::allclose(got, want, /*rtol=*/1e-4, /*atol=*/1e-5));
+    }
+  }
+}
+}  // namespace
+
+TEST_SUITE("pipeline") {
+  TEST_CASE("pipeline: every schedule, 2 and 4 stages and data x pipeline match one process") {
+    auto dir = temp_dir("pp-mlp");
+    check_layouts(dir, mlp_job(dir),
+                  {{2, " --set parallel.pipeline=2 --set parallel.schedule=gpipe"},
+                   {2, " --set parallel.pipeline=2 --set parallel.schedule=1f1b"},
+                   {2, " --set parallel.pipeline=2 --set parallel.schedule=interleaved_1f1b"
+                       " --set parallel.virtual_stages=2"},
+                   {4, " --set parallel.pipeline=4"},
+                   {4, " --set parallel.pipeline=2 --set parallel.data=2"}});
+  }
+
+  TEST_CASE("pipeline: a GPT with its tied embedding and head split, in every hybrid layout") {
+    auto dir = temp_dir("pp-gpt");
+    check_layouts(dir, gpt_job(dir),
+                  {{2, " --set parallel.pipeline=2"},
+                   {2, " --set parallel.pipeline=2 --set parallel.schedule=interleaved_1f1b"
+                       " --set parallel.virtual_stages=2"},
+                   {4, " --set parallel.pipeline=2 --set parallel.tensor=2"},
+                   {4, " --set parallel.pipeline=2 --set parallel.data=2"},
+                   {8, " --set parallel.pipeline=2 --set parallel.tensor=2"
+                       " --set parallel.data=2 --set parallel.stages=[2,4]"}});
+  }
+
+  TEST_CASE("pipeline: checkpoints written by the stages resume on other layouts") {
+    auto dir = temp_dir("pp-resume");
+    const auto job = gpt_job(dir);
+    auto full = e2e::dtrain("run " + job + " --run-dir " + dir + "/full --set train.max_steps=14" +
+                            kQuiet);
+    REQUIRE(full.code == 0);
+    const auto ref = train_losses(dir + "/full");
+    // Written at step 10 by each layout, resumed on another for steps 11 to 14.
+    const std::vector<std::tuple<std::string, std::string, std::string>> moves = {
+        {"pipeline 2 -> data 2", "--nproc 2 --set parallel.pipeline=2",
+         "--nproc 2 --set parallel.data=2"},
+        {"pipeline 2 x tensor 2 -> 1 process",
+         "--nproc 4 --set parallel.pipeline=2 --set parallel.tensor=2", ""},
+        {"1 process -> data 2 x pipeline 2 x tensor 2", "",
+         "--nproc 8 --set parallel.data=2 --set parallel.pipeline=2 --set parallel.tensor=2"}};
+    for (size_t i = 0; i < moves.size(); ++i) {
+      const auto& [what, before, after] = moves[i];
+      CAPTURE(what);
+      const auto run = dir + "/move" + std::to_string(i);
+      auto a = e2e::dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=10 " +
+                           before + kQuiet);
+      INFO(a.err);
+      REQUIRE(a.code == 0);
+      auto b = e2e::dtrain("run " + job + " --run-dir " + run + " --resume auto"
+                           " --set train.max_steps=14 " + after + kQuiet);
+      INFO(b.err);
+      REQUIRE(b.code == 0);
+      const auto got = train_losses(run);
+      for (int64_t step = 11; step <= 14; ++step) {
+        INFO("step " << step);
+        REQUIRE(got.count(step));
+        CHECK(std::abs(got.at(step) - ref.at(step)) <= 1e-5 * ref.at(step));
+      }
+    }
+    // The stages wrote their parts; the manifest lists them, and inspect and export read
+    // them whole.
+    const auto folder = dir + "/move0/checkpoints/step-00000010";
+    const auto manifest = nlohmann::json::parse(slurp(folder + "/manifest.json"));
+    std::vector<std::string> files;
+    for (const auto& f : manifest["files"]) files.push_back(f["name"]);
+    CHECK(files == std::vector<std::string>{"config.yaml", "model.pp0.safetensors",
+                                            "model.pp1.safetensors", "optimizer.pp0.safetensors",
+                                            "optimizer.pp1.safetensors", "trainer.json"});
+    auto ins = e2e::dtrain("inspect " + folder);
+    CHECK(ins.code == 0);
+    CHECK(ins.out.find("ln_f.weight") != std::string::npos);
+    CHECK(ins.out.find("wte.weight") != std::string::npos);
+    auto ex = e2e::dtrain("export " + folder + " " + dir + "/w.safetensors");
+    INFO(ex.err);
+    CHECK(ex.code == 0);
+    CHECK(dtrain::read_safetensors(dir + "/w.safetensors").tensors.size() ==
+          weights(dir + "/full", 10).size());
+    // A checkpoint missing a stage's part does not verify: --resume auto falls back to the
+    // one before, with a warning.
+    const std::string p2 = " --nproc 2 --set parallel.pipeline=2 --set checkpoint.every_steps=5";
+    REQUIRE(e2e::dtrain("run " + job + " --run-dir " + dir + "/partial --set train.max_steps=10" +
+                        p2 + kQuiet).code == 0);
+    std::filesystem::remove(dir + "/partial/checkpoints/step-00000010/model.pp1.safetensors");
+    auto c = e2e::dtrain("run " + job + " --run-dir " + dir + "/partial --resume auto"
+                         " --set train.max_steps=12" + p2 + kQuiet);
+    INFO(c.err);
+    CHECK(c.code == 0);
+    CHECK(c.err.find("is missing model.pp1.safetensors") != std::string::npos);
+    CHECK(c.err.find("resumed at step 5") != std::string::npos);
+  }
+
+  TEST_CASE("pipeline: 1F1B holds at most as many micro-batches as stages, GPipe all of them") {
+    // 8 micro-batches over 2 stages: GPipe's first stage holds 8 micro-batches'
+    // activations at its peak, 1F1B's 2 (the simulation in test_schedule_pipeline.cpp
+    // counts them); the measured memory follows.
+    auto dir = temp_dir("pp-memory");
+    auto path = dir + "/wide.yaml";
+    std::ofstream(path) << "name: pp-memory\nseed: 3\n"
+                           "data: {dataset: synthetic, samples: 4096, test_samples: 64,"
+                           " input_shape: [1, 32, 32], classes: 10, batch_size: 512, workers: 1}\n"
+                           "model: {arch: mlp, hidden: [1024, 1024, 1024]}\n"
+                           "optimizer: {name: sgd, lr: 0.01}\n"
+                           "train: {max_steps: 4, log_every: 2, grad_accum: 8, eval_every: 1000}\n"
+                           "checkpoint: {every_steps: 1000}\n";
+    std::map<std::string, double> first_stage_mb;
+    for (const char* schedule : {"gpipe", "1f1b"}) {
+      auto r = e2e::dtrain("run " + path + " --run-dir " + dir + "/" + schedule +
+                           " --nproc 2 --set parallel.pipeline=2 --set parallel.schedule=" +
+                           schedule + kQuiet);
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      first_stage_mb[schedule] = of_kind(metrics(dir + "/" + schedule), "train").back()["activation_mb"][0];
+    }
+    INFO("gpipe " << first_stage_mb["gpipe"] << " MiB, 1f1b " << first_stage_mb["1f1b"] << " MiB");
+    CHECK(first_stage_mb["1f1b"] > 0);
+    CHECK(first_stage_mb["gpipe"] > 2.5 * first_stage_mb["1f1b"]);  // 4x in theory
+  }
+
+  TEST_CASE("pipeline: a killed stage ends the job with exit 4; --max-restarts 1 completes it") {
+    auto dir = temp_dir("pp-kill");
+    auto job = mlp_job(dir);
+    const std::string common = " --nproc 2 --set parallel.pipeline=2 --set train.log_every=10"
+                               " --set checkpoint.every_steps=50 --set train.eval_every=100000" +
+                               std::string(kQuiet);
+    // The last stage killed: the job ends.
+    auto a = kill_worker_at("run " + job + " --run-dir " + dir + "/a --set train.max_steps=100000" +
+                                common, dir + "/a", 20, /*rank=*/1, std::chrono::seconds(40));
+    INFO(a.err);
+    CHECK(a.code == 4);
+    CHECK(a.err.find("dtrain: error: rank 1 was killed by signal 9") != std::string::npos);
+    // The first stage killed, one restart allowed: the job comes back from its checkpoint
+    // and ends at max_steps.
+    auto b = kill_worker_at("run " + job + " --run-dir " + dir + "/b --max-restarts 1"
+                            " --set train.max_steps=300" + common,
+                            dir + "/b", 80, /*rank=*/0, std::chrono::seconds(120));
+    INFO(b.err);
+    CHECK(b.code == 0);
+    CHECK(b.err.find("restarting all 2 workers") != std::string::npos);
+    CHECK(metrics(dir + "/b").back()["steps"] == 300);
+  }
+
+  TEST_CASE("pipeline: splits the model cannot take are refused, naming the key") {
+    auto dir = temp_dir("pp-refuse");
+    const auto job = mlp_job(dir);  // 4 parts
+    struct Case {
+      std::string sets, must_contain;
+    };
+    const std::vector<Case> cases = {
+        {"--nproc 8 --set parallel.pipeline=8", "parallel.pipeline: 8 stage(s)"},
+        {"--nproc 2 --set parallel.pipeline=2 --set parallel.stages=[1,1]", "parallel.stages: [1, 1]"},
+        {"--nproc 2 --set parallel.pipeline=2 --set parallel.schedule=interleaved_1f1b"
+         " --set parallel.virtual_stages=2 --set train.grad_accum=1",
+         "train.grad_accum: 1 micro-batches"},
+        {"--nproc 2 --set parallel.virtual_stages=2 --set parallel.schedule=interleaved_1f1b",
+         "parallel.virtual_stages: 2 chunks per rank need a pipeline"},
+        {"--nproc 2 --set parallel.pipeline=2 --set parallel.micro_batches=8",
+         "train.grad_accum"}};
+    for (const auto& c : cases) {
+      CAPTURE(c.sets);
+      auto r = e2e::dtrain("validate " + job + " " + c.sets);
+      CHECK(r.code == 2);
+      CHECK(r.err.find(c.must_contain) != std::string::npos);
+      CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    }
+  }
+}
