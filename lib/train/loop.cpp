@@ -82,16 +82,20 @@ struct Cadence {
 using Clock = std::chrono::steady_clock;
 
 // The queued steps and what reading them adds up to: the train lines, progress, the step
-// times for the summary, and whether some rank asked to stop. A step's time is the wall
-// time between readings, evaluations and checkpoints left out: the host's time inside
-// train_step is only its queueing, and the wait for the device happens here, so over a
-// run the times add up to the training's wall time.
+// times for the summary, and whether some rank asked to stop. A step's time runs from the
+// previous step's finish to its own, evaluations and checkpoints left out, so over a run
+// the times add up to the training's wall time. A step finishes when the host first sees
+// it done: on the CPU as train_step returns, on a GPU when its figures' event has fired
+// (looked at, without waiting, each time a step is queued; at the latest when it is read).
 class StepReader {
  public:
   StepReader(Context& c, const Cadence& cadence) : c_(c), cadence_(cadence) {}
 
   void queue(PendingStep p) {
     pending_.push_back(std::move(p));
+    const auto now = Clock::now();
+    for (auto& q : pending_)
+      if (!q.finished_at && q.finished()) q.finished_at = now;
     while (pending_.size() > kReadLag) read_oldest();
   }
   // Every step is read before anything that must not see a non-finite one: an
@@ -117,9 +121,9 @@ class StepReader {
     PendingStep p = std::move(pending_.front());
     pending_.pop_front();
     StepStats s = read_step(c_, p);
-    const auto now = Clock::now();
-    s.step_ms = std::chrono::duration<double, std::milli>(now - mark_).count();
-    mark_ = now;
+    const auto finished = p.finished_at.value_or(Clock::now());
+    s.step_ms = std::chrono::duration<double, std::milli>(finished - mark_).count();
+    mark_ = finished;
     auto& st = c_.state;
     if (s.nonfinite) {
       handle_nonfinite(c_, s, p.step, step_ms_, data_wait_ms_);
@@ -151,7 +155,7 @@ class StepReader {
   Window window_;
   double rate_ = 0;
   bool stop_ = false;                // a read step says some rank was asked to stop
-  Clock::time_point mark_ = Clock::now();  // the last reading, moved on past the rest
+  Clock::time_point mark_ = Clock::now();  // the last step's finish, moved on past the rest
 };
 
 // An evaluation after step st.step: its line, and the best metric so far.

@@ -6,6 +6,7 @@
 // later (read_step), by which time it has usually arrived. On the CPU the copy is
 // immediate, but the reading is the same, so both devices behave alike.
 #pragma once
+#include <chrono>
 #include <optional>
 
 #include <c10/core/Event.h>
@@ -41,6 +42,11 @@ struct PendingStep {
   bool norm_taken = false;   // whether the norm was taken (else it reads NaN)
   bool decided = false;      // fp16: the step read its figures itself to decide its update
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
+  // When the host first saw the step finished (the loop's clock for its step time).
+  std::optional<std::chrono::steady_clock::time_point> finished_at;
+  // Whether the device has finished it, without waiting: always on the CPU, where the
+  // step ran as it was queued.
+  bool finished() { return !ready || ready->query(); }
 };
 
 // `logged`: a step whose line is written (its norm is taken; on a GPU its phases are

@@ -2,6 +2,8 @@
 // preemption, and data errors.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include <zlib.h>
 
 #include "run.hpp"
@@ -71,6 +73,28 @@ TEST_SUITE("mlp_accuracy") {
     CHECK(evals[0]["accuracy"].get<double>() >= 0.80);
     CHECK(std::filesystem::exists(dir + "/config.yaml"));
     CHECK(std::filesystem::exists(dir + "/checkpoints/step-00000300/manifest.json"));
+  }
+
+  TEST_CASE("a step's time is its own, also for the steps read together before an evaluation") {
+    // Steps are read two behind; those read in a row before an evaluation, a checkpoint or
+    // the end once got ~0 ms each (and an absurd samples/s), their time counted to an
+    // earlier step.
+    auto dir = temp_dir("step-times");
+    auto r = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --run-dir " + dir +
+                    " --set train.max_steps=60 --set train.log_every=1 --set train.eval_every=20" +
+                    kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    std::vector<double> ms;
+    for (const auto& line : of_kind(metrics(dir), "train")) ms.push_back(line["step_ms"]);
+    REQUIRE(ms.size() == 60);
+    auto sorted = ms;
+    std::sort(sorted.begin(), sorted.end());
+    const double median = sorted[30];
+    for (size_t i = 0; i < ms.size(); ++i) {
+      INFO("step " << i + 1 << ": " << ms[i] << " ms, median " << median);
+      CHECK(ms[i] > 0.2 * median);
+    }
   }
 }
 
