@@ -125,6 +125,9 @@ struct TrainConfig {
   bool pin_threads = true;      // pin each intra-op thread to its own CPU (see util/affinity.hpp)
   std::string on_nonfinite = "stop";  // a non-finite loss or gradient: stop (exit 3) | skip the step
   int64_t max_skipped = 10;     // skip: steps skipped in a row before the run counts as diverged
+  // Activation recompute: blocks = each GPT block keeps only its input through forward and
+  // runs again in backward (less memory, about a third more compute); none.
+  std::string recompute = "none";
   // Where the model, its buffers and the optimizer state live: auto (CUDA when a GPU is
   // visible) | cpu | cuda (the local rank's own GPU) | cuda:N.
   std::string device = "auto";
@@ -140,6 +143,7 @@ struct TrainConfig {
     v("pin_threads", pin_threads);
     v("on_nonfinite", on_nonfinite, Choices{"stop", "skip"});
     v("max_skipped", max_skipped);
+    v("recompute", recompute, Choices{"none", "blocks"});
     v("device", device);
   }
 };

@@ -16,6 +16,7 @@
 
 #include "models/attention.hpp"
 #include "models/model.hpp"
+#include "models/recompute.hpp"
 #include "parallel/tensor_parallel.hpp"
 #include "parallel/vocab_parallel.hpp"
 #include "util/compat.hpp"
@@ -164,7 +165,11 @@ class Gpt : public Network {
       if (dropout_ > 0)
         x = F::dropout(x, F::DropoutFuncOptions().p(dropout_).training(is_training()));
     }
-    for (auto& block : blocks_) x = block->forward(x);
+    // Recompute: a block keeps only its input (which must be part of the graph) and runs
+    // again in backward.
+    const bool again = recompute_ && is_training() && torch::GradMode::is_enabled();
+    for (auto& block : blocks_)
+      x = again && x.requires_grad() ? recompute(*block, x) : block->forward(x);
     return head_ ? wte->logits(ln_f->forward(x)) : x;  // the head is the embedding, tied
   }
 
@@ -194,6 +199,7 @@ class Gpt : public Network {
   }
 
   std::vector<std::string> tied_parameters() const override { return {"wte.weight"}; }
+  void recompute_blocks(bool on) override { recompute_ = on; }
 
   VocabParallelEmbedding wte{nullptr};
   nn::Embedding wpe{nullptr};
@@ -204,7 +210,7 @@ class Gpt : public Network {
   double dropout_;
   int64_t layers_;
   std::vector<Block> blocks_;  // the held ones, in order
-  bool embeddings_ = true, head_ = true;
+  bool embeddings_ = true, head_ = true, recompute_ = false;
 };
 
 }  // namespace

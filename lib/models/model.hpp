@@ -36,6 +36,8 @@ class Network : public torch::nn::Module {
   // too). Where those parts sit on different stages each holds a copy; the pipeline keeps
   // the copies equal by summing their gradients.
   virtual std::vector<std::string> tied_parameters() const { return {}; }
+  // train.recompute: blocks. Only models whose spec says `blocks` have any.
+  virtual void recompute_blocks(bool) {}
 };
 using NetworkPtr = std::shared_ptr<Network>;
 
@@ -63,6 +65,8 @@ struct ModelSpec {
   // The memory format the model's kernels run fastest on: ChannelsLast for convolutional
   // models (oneDNN on CPU: the CNN's step 1.4x faster), Contiguous otherwise.
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
+  // Whether it is built of blocks whose activations train.recompute can drop.
+  bool blocks = false;
 };
 
 // model.arch's spec; throws ConfigError for an unknown arch.

@@ -14,7 +14,8 @@ const std::map<std::string, ModelSpec>& registry() {
       {"mlp", {&classification_task(), validate_mlp, build_mlp, mlp_parts}},
       {"cnn", {&classification_task(), validate_cnn, build_cnn, cnn_parts,
                torch::MemoryFormat::ChannelsLast}},
-      {"gpt", {&language_model_task(), validate_gpt, build_gpt, gpt_parts}},
+      {"gpt", {&language_model_task(), validate_gpt, build_gpt, gpt_parts,
+               torch::MemoryFormat::Contiguous, /*blocks=*/true}},
   };
   return specs;
 }

@@ -50,6 +50,7 @@ void build_chunks(Context& c, const ModelContext& mc) {
       net = c.spec->build(cfg.model, mc);
     }
     if (c.stages > 1) net->keep_parts(split[size_t(stage)].first, split[size_t(stage)].last);
+    net->recompute_blocks(cfg.train.recompute == "blocks");
     net->to(c.device());
     c.chunks.push_back(net);
     c.chunk_stage.push_back(stage);

@@ -67,6 +67,9 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);
+  fail_if<ConfigError>(cfg.train.recompute == "blocks" && !model_spec(cfg.model.arch).blocks,
+                       "train.recompute: blocks recomputes a GPT's transformer blocks; the {} "
+                       "model has none (use none)", cfg.model.arch);
   const int64_t per_step = layout.data * cfg.train.grad_accum;
   fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
                        "data.batch_size: {} does not divide into {} data-parallel rank(s) x "

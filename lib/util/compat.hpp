@@ -53,6 +53,26 @@ inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype)
 }
 }  // namespace dtrain::compat
 
+// Whether autocast is on for a device type, and in which dtype (what a recomputation in
+// backward must run under again).
+namespace dtrain::compat {
+inline bool autocast_enabled(c10::DeviceType device) {
+#if DTRAIN_HAS_GENERIC_AUTOCAST
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == c10::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType device) {
+#if DTRAIN_HAS_GENERIC_AUTOCAST
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == c10::kCUDA ? at::autocast::get_autocast_gpu_dtype()
+                              : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+}  // namespace dtrain::compat
+
 // The fused optimizer kernels (at::_fused_adamw_, at::_fused_sgd_: one pass over lists of
 // tensors, and a found_inf tensor that makes the step no update without the host reading
 // it): AdamW on CUDA from 2.1, SGD on CUDA from 2.3, both on the CPU from 2.4.
