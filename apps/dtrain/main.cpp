@@ -1,5 +1,5 @@
 // dtrain: the command line. Parses, loads and validates the job, hands it to the library,
-// and maps errors to the exit codes of DESIGN.md. No training logic lives here.
+// and maps errors to the exit codes of docs/contract.md. No training logic lives here.
 #include <filesystem>
 #include <iostream>
 
@@ -31,8 +31,8 @@ struct JobArgs {
   std::vector<std::string> sets;
 };
 
-void add_job_args(CLI::App* cmd, JobArgs& a) {
-  cmd->add_option("JOB", a.path, "job spec (YAML)")->required();
+void add_job_args(CLI::App* cmd, JobArgs& a, bool required = true) {
+  cmd->add_option("JOB", a.path, "job spec (YAML)")->required(required);
   cmd->add_option("--set", a.sets, "override a key: --set optimizer.lr=0.1 (repeatable)")
       ->allow_extra_args(false);
 }
@@ -178,7 +178,10 @@ int run_cli(int argc, char** argv) {
   auto* validate_cmd = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
   add_job_args(validate_cmd, job);
   auto* config_cmd = app.add_subcommand("config", "print the fully resolved job as YAML");
-  add_job_args(config_cmd, job);
+  add_job_args(config_cmd, job, /*required=*/false);
+  bool reference = false;
+  config_cmd->add_flag("--reference", reference,
+                       "print every job key with its type, default and meaning (Markdown)");
   for (auto* cmd : {validate_cmd, config_cmd})
     cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
                                             "world size, else 1)")
@@ -216,6 +219,11 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
   if (*config_cmd) {
+    if (reference) {
+      std::cout << key_reference();
+      return 0;
+    }
+    fail_if<ConfigError>(job.path.empty(), "config: JOB is required (or --reference)");
     std::cout << to_yaml(load(job, "", world_for_check(check_nproc)).cfg);
     return 0;
   }

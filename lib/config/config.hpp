@@ -1,6 +1,8 @@
 // The job spec: typed structs whose member initialisers are the only defaults in dtrain.
-// Each struct's visit() lists its keys once; loading, --set overrides, printing and the
-// unknown-key suggestions are all driven from those lists (see schema.hpp).
+// Each struct's visit() lists its keys once, each with what it means:
+//   v("key", member, "meaning")  or  v("key", member, Choices{...}, "meaning")
+// Loading, --set overrides, printing, the unknown-key suggestions and the key reference
+// (`dtrain config --reference`, docs/keys.md) are all driven from those lists (schema.hpp).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -12,239 +14,258 @@ using Ints = std::vector<int64_t>;
 using Choices = std::vector<std::string>;
 
 struct DataConfig {
-  // fashion_mnist | mnist | synthetic (images) | text | synthetic_tokens (token windows)
   std::string dataset = "fashion_mnist";
-  std::string path = "/usr/share/datasets/fashion-mnist"; // IDX folder; text: a file or folder
-  int64_t batch_size = 64;    // GLOBAL batch per optimizer step, over all data-parallel ranks
-  bool shuffle = true;        // a new permutation every epoch, from (seed, epoch)
-  int64_t workers = 2;        // loader threads per process; 0 = load on the training thread
-  int64_t prefetch = 4;       // batches prepared ahead of the step
-  int64_t samples = 8192;     // synthetic: training samples
-  int64_t test_samples = 2048;// synthetic: test samples
-  Ints input_shape = {1, 28, 28};  // synthetic: one sample's shape
-  int64_t classes = 10;       // synthetic: number of classes
-  int64_t seq_len = 0;        // text, synthetic_tokens: tokens per window; 0 = model.seq_len
-  double eval_fraction = 0.05;// text: share of the windows held out for evaluation
-  int64_t vocab = 0;          // synthetic_tokens: token values in [0, vocab); 0 = model.vocab
+  std::string path = "/usr/share/datasets/fashion-mnist";
+  int64_t batch_size = 64;
+  bool shuffle = true;
+  int64_t workers = 2;
+  int64_t prefetch = 4;
+  int64_t samples = 8192;
+  int64_t test_samples = 2048;
+  Ints input_shape = {1, 28, 28};
+  int64_t classes = 10;
+  int64_t seq_len = 0;
+  double eval_fraction = 0.05;
+  int64_t vocab = 0;
 
   template <class V> void visit(V&& v) {
-    v("dataset", dataset, Choices{"fashion_mnist", "mnist", "synthetic", "text", "synthetic_tokens"});
-    v("path", path);
-    v("batch_size", batch_size);
-    v("shuffle", shuffle);
-    v("workers", workers);
-    v("prefetch", prefetch);
-    v("samples", samples);
-    v("test_samples", test_samples);
-    v("input_shape", input_shape);
-    v("classes", classes);
-    v("seq_len", seq_len);
-    v("eval_fraction", eval_fraction);
-    v("vocab", vocab);
+    v("dataset", dataset, Choices{"fashion_mnist", "mnist", "synthetic", "text", "synthetic_tokens"},
+      "what to train on: images (fashion_mnist, mnist: IDX files; synthetic: random) or "
+      "token windows (text: a file or folder read as bytes; synthetic_tokens: random)");
+    v("path", path, "the IDX folder (fashion_mnist, mnist), or the text file or folder (text)");
+    v("batch_size", batch_size,
+      "the global batch per optimizer step, over all data-parallel ranks and micro-batches");
+    v("shuffle", shuffle, "a new order every epoch, from (seed, epoch)");
+    v("workers", workers, "loader threads per process; 0 loads on the training thread");
+    v("prefetch", prefetch, "batches prepared ahead of the step");
+    v("samples", samples, "synthetic, synthetic_tokens: training samples");
+    v("test_samples", test_samples, "synthetic, synthetic_tokens: held-out samples");
+    v("input_shape", input_shape, "synthetic: one sample's shape, e.g. [1, 28, 28]");
+    v("classes", classes, "synthetic: number of classes");
+    v("seq_len", seq_len, "text, synthetic_tokens: tokens per window; 0 = model.seq_len");
+    v("eval_fraction", eval_fraction,
+      "text: share of the windows held out for evaluation, spread over the corpus");
+    v("vocab", vocab, "synthetic_tokens: token values in [0, vocab); 0 = model.vocab");
   }
 };
 
 struct ModelConfig {
-  std::string arch = "cnn";     // mlp | cnn | gpt
-  Ints hidden = {512, 256};     // mlp: hidden layer widths
-  Ints channels = {32, 64};     // cnn: conv widths, each conv 3x3 (pad 1) + ReLU + 2x2 max-pool
-  Ints fc = {128};              // cnn: hidden fully-connected widths after the convs
-  bool batch_norm = false;      // cnn: BatchNorm after each conv
-  double dropout = 0.0;         // mlp/cnn: before each hidden->next layer; gpt: GPT-2's places
-  int64_t layers = 4;           // gpt: transformer blocks
-  int64_t heads = 4;            // gpt: attention heads per block
-  int64_t dim = 128;            // gpt: model width (a multiple of heads)
-  int64_t vocab = 256;          // gpt: token values (256: bytes)
-  int64_t seq_len = 128;        // gpt: context length (positions learned)
+  std::string arch = "cnn";
+  Ints hidden = {512, 256};
+  Ints channels = {32, 64};
+  Ints fc = {128};
+  bool batch_norm = false;
+  double dropout = 0.0;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t dim = 128;
+  int64_t vocab = 256;
+  int64_t seq_len = 128;
 
   template <class V> void visit(V&& v) {
-    v("arch", arch, Choices{"mlp", "cnn", "gpt"});
-    v("hidden", hidden);
-    v("channels", channels);
-    v("fc", fc);
-    v("batch_norm", batch_norm);
-    v("dropout", dropout);
-    v("layers", layers);
-    v("heads", heads);
-    v("dim", dim);
-    v("vocab", vocab);
-    v("seq_len", seq_len);
+    v("arch", arch, Choices{"mlp", "cnn", "gpt"},
+      "the network: an MLP or a CNN (classification), a GPT (language model)");
+    v("hidden", hidden, "mlp: hidden layer widths");
+    v("channels", channels,
+      "cnn: conv widths, each a 3x3 conv (pad 1), ReLU and 2x2 max-pool");
+    v("fc", fc, "cnn: hidden fully-connected widths after the convs");
+    v("batch_norm", batch_norm, "cnn: BatchNorm after each conv");
+    v("dropout", dropout,
+      "mlp, cnn: after each hidden layer; gpt: GPT-2's places (embeddings, attention, "
+      "residuals)");
+    v("layers", layers, "gpt: transformer blocks");
+    v("heads", heads, "gpt: attention heads per block");
+    v("dim", dim, "gpt: model width, a multiple of heads");
+    v("vocab", vocab, "gpt: token values (256: bytes); pad to split over parallel.tensor");
+    v("seq_len", seq_len, "gpt: context length (positions are learned)");
   }
 };
 
 struct OptimizerConfig {
-  std::string name = "sgd";   // sgd | adamw
-  double lr = 0.05;           // peak learning rate (after warmup)
-  double momentum = 0.9;      // sgd
-  bool nesterov = false;      // sgd
-  double weight_decay = 0.0;  // sgd: L2 added to the gradient; adamw: decoupled
-  bool decay_1d = false;      // weight_decay on 1-D parameters (biases, norm gains) too
-  double beta1 = 0.9;         // adamw
-  double beta2 = 0.999;       // adamw
-  double eps = 1e-8;          // adamw
-  double grad_clip = 0.0;     // max global gradient norm; 0 = off
+  std::string name = "sgd";
+  double lr = 0.05;
+  double momentum = 0.9;
+  bool nesterov = false;
+  double weight_decay = 0.0;
+  bool decay_1d = false;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double grad_clip = 0.0;
 
   template <class V> void visit(V&& v) {
-    v("name", name, Choices{"sgd", "adamw"});
-    v("lr", lr);
-    v("momentum", momentum);
-    v("nesterov", nesterov);
-    v("weight_decay", weight_decay);
-    v("decay_1d", decay_1d);
-    v("beta1", beta1);
-    v("beta2", beta2);
-    v("eps", eps);
-    v("grad_clip", grad_clip);
+    v("name", name, Choices{"sgd", "adamw"}, "the update rule (torch.optim's)");
+    v("lr", lr, "peak learning rate, reached after schedule.warmup_steps");
+    v("momentum", momentum, "sgd: momentum");
+    v("nesterov", nesterov, "sgd: Nesterov momentum");
+    v("weight_decay", weight_decay,
+      "sgd: L2 added to the gradient; adamw: decoupled decay; 2-D and larger parameters only "
+      "unless decay_1d");
+    v("decay_1d", decay_1d, "weight_decay on 1-D parameters (biases, norm gains) too");
+    v("beta1", beta1, "adamw: first-moment decay");
+    v("beta2", beta2, "adamw: second-moment decay");
+    v("eps", eps, "adamw: added to the denominator");
+    v("grad_clip", grad_clip,
+      "largest global gradient norm (over every rank and shard); 0 = no clipping");
   }
 };
 
 struct ScheduleConfig {
-  int64_t warmup_steps = 0;        // linear ramp from 0 to optimizer.lr
-  std::string decay = "cosine";    // constant | cosine | linear | step
-  double min_lr = 0.0;             // floor of cosine/linear decay
-  int64_t step_size = 1000;        // step decay: multiply by gamma every step_size steps
-  double gamma = 0.1;              // step decay factor
+  int64_t warmup_steps = 0;
+  std::string decay = "cosine";
+  double min_lr = 0.0;
+  int64_t step_size = 1000;
+  double gamma = 0.1;
 
   template <class V> void visit(V&& v) {
-    v("warmup_steps", warmup_steps);
-    v("decay", decay, Choices{"constant", "cosine", "linear", "step"});
-    v("min_lr", min_lr);
-    v("step_size", step_size);
-    v("gamma", gamma);
+    v("warmup_steps", warmup_steps, "linear ramp from 0 to optimizer.lr");
+    v("decay", decay, Choices{"constant", "cosine", "linear", "step"},
+      "the learning rate after warmup, over the run's steps");
+    v("min_lr", min_lr, "cosine, linear: the floor reached at the last step");
+    v("step_size", step_size, "step: multiply by gamma every step_size steps");
+    v("gamma", gamma, "step: the factor");
   }
 };
 
 struct TrainConfig {
-  int64_t epochs = 1;           // used when max_steps is 0
-  int64_t max_steps = 0;        // > 0 wins over epochs
-  int64_t grad_accum = 1;       // micro-batches per optimizer step (a pipeline runs them all)
-  int64_t eval_every = 0;       // steps; 0 = at the end of each epoch
+  int64_t epochs = 1;
+  int64_t max_steps = 0;
+  int64_t grad_accum = 1;
+  int64_t eval_every = 0;
   int64_t eval_batch_size = 1000;
-  int64_t log_every = 10;       // steps between train lines in metrics.jsonl
-  int64_t threads = 0;          // intra-op threads per process; 0 = cores / local processes
-  bool pin_threads = true;      // pin each intra-op thread to its own CPU (see util/affinity.hpp)
-  std::string on_nonfinite = "stop";  // a non-finite loss or gradient: stop (exit 3) | skip the step
-  int64_t max_skipped = 10;     // skip: steps skipped in a row before the run counts as diverged
-  // Activation recompute: blocks = each GPT block keeps only its input through forward and
-  // runs again in backward (less memory, about a third more compute); none.
+  int64_t log_every = 10;
+  int64_t threads = 0;
+  bool pin_threads = true;
+  std::string on_nonfinite = "stop";
+  int64_t max_skipped = 10;
   std::string recompute = "none";
-  // Where the model, its buffers and the optimizer state live: auto (CUDA when a GPU is
-  // visible) | cpu | cuda (the local rank's own GPU) | cuda:N.
   std::string device = "auto";
 
   template <class V> void visit(V&& v) {
-    v("epochs", epochs);
-    v("max_steps", max_steps);
-    v("grad_accum", grad_accum);
-    v("eval_every", eval_every);
-    v("eval_batch_size", eval_batch_size);
-    v("log_every", log_every);
-    v("threads", threads);
-    v("pin_threads", pin_threads);
-    v("on_nonfinite", on_nonfinite, Choices{"stop", "skip"});
-    v("max_skipped", max_skipped);
-    v("recompute", recompute, Choices{"none", "blocks"});
-    v("device", device);
+    v("epochs", epochs, "passes over the training set, when max_steps is 0");
+    v("max_steps", max_steps, "optimizer steps; > 0 wins over epochs");
+    v("grad_accum", grad_accum,
+      "micro-batches per optimizer step; a pipeline schedule runs them all");
+    v("eval_every", eval_every, "steps between evaluations; 0 = at the end of each epoch");
+    v("eval_batch_size", eval_batch_size, "samples per evaluation batch");
+    v("log_every", log_every, "steps between train lines in metrics.jsonl");
+    v("threads", threads, "intra-op threads per process; 0 = the cores over the local processes");
+    v("pin_threads", pin_threads, "pin each intra-op thread to its own CPU");
+    v("on_nonfinite", on_nonfinite, Choices{"stop", "skip"},
+      "a non-finite loss or gradient: stop the run (exit 3), or skip the step's update");
+    v("max_skipped", max_skipped, "skip: steps skipped in a row before the run counts as diverged");
+    v("recompute", recompute, Choices{"none", "blocks"},
+      "blocks: each GPT block keeps only its input through forward and runs again in "
+      "backward (less activation memory, about a third more compute)");
+    v("device", device,
+      "where the model and optimizer state live: auto (CUDA when a GPU is visible), cpu, "
+      "cuda (the local rank's own GPU) or cuda:N");
   }
 };
 
 struct ParallelConfig {
-  int64_t data = 0;                  // 0 = world / (tensor * pipeline)
+  int64_t data = 0;
   int64_t tensor = 1;
   int64_t pipeline = 1;
-  // Pipeline parallelism: the model's parts (GPT: embeddings, each block, the head; mlp
-  // and cnn: their layers) split into pipeline x virtual_stages stages, balanced by
-  // parameter count unless `stages` gives each stage's number of parts.
   Ints stages = {};
-  std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved_1f1b
-  int64_t virtual_stages = 1;        // interleaved_1f1b: model chunks per pipeline rank
-  int64_t zero = 0;                  // 0 | 1
+  std::string schedule = "1f1b";
+  int64_t virtual_stages = 1;
+  int64_t zero = 0;
   bool sync_batchnorm = false;
-  // Gradient all-reduce granularity. 1 MiB, not DDP's 25: with Gloo over TCP, large
-  // parameters split into 1 MiB all-reduces that run side by side (MLP at 2 ranks on
-  // 2 cores: 29-30k samples/s against 24k with 25 MiB).
+  // 1 MiB, not DDP's 25: with Gloo over TCP, large parameters split into 1 MiB all-reduces
+  // that run side by side (MLP at 2 ranks on 2 cores: 29-30k samples/s against 24k with 25).
   double bucket_mb = 1.0;
-  std::string compression = "none";  // none | fp16 | bf16 | sign | topk
+  std::string compression = "none";
   double topk_ratio = 0.01;
-  std::string mode = "sync";         // sync | async_ps | local_sgd
-  int64_t staleness = 4;             // async_ps bound
-  int64_t average_every = 8;         // local_sgd
+  std::string mode = "sync";
+  int64_t staleness = 4;
+  int64_t average_every = 8;
 
   template <class V> void visit(V&& v) {
-    v("data", data);
-    v("tensor", tensor);
-    v("pipeline", pipeline);
-    v("stages", stages);
-    v("schedule", schedule, Choices{"gpipe", "1f1b", "interleaved_1f1b"});
-    v("virtual_stages", virtual_stages);
-    v("zero", zero);
-    v("sync_batchnorm", sync_batchnorm);
-    v("bucket_mb", bucket_mb);
-    v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk"});
-    v("topk_ratio", topk_ratio);
-    v("mode", mode, Choices{"sync", "async_ps", "local_sgd"});
-    v("staleness", staleness);
-    v("average_every", average_every);
+    v("data", data, "data-parallel replicas; 0 = the world over tensor x pipeline");
+    v("tensor", tensor, "tensor-parallel ranks each layer is split over (mlp, gpt)");
+    v("pipeline", pipeline, "pipeline stages the model's parts are split over");
+    v("stages", stages,
+      "parts per pipeline stage, e.g. [2, 4]; empty = balanced by parameter count");
+    v("schedule", schedule, Choices{"gpipe", "1f1b", "interleaved_1f1b"},
+      "the pipeline's order of forwards and backwards");
+    v("virtual_stages", virtual_stages, "interleaved_1f1b: model chunks per pipeline rank");
+    v("zero", zero, "ZeRO stage (not supported yet: 0)");
+    v("sync_batchnorm", sync_batchnorm, "BatchNorm statistics over the whole global batch");
+    v("bucket_mb", bucket_mb, "gradient all-reduce slice size, MiB");
+    v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk"},
+      "gradient compression (not supported yet: none)");
+    v("topk_ratio", topk_ratio, "topk: share of gradient entries sent");
+    v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
+      "training mode (not supported yet: sync)");
+    v("staleness", staleness, "async_ps: bound on a worker's lag");
+    v("average_every", average_every, "local_sgd: steps between averages");
   }
 };
 
 struct PrecisionConfig {
-  std::string dtype = "fp32";        // fp32 | bf16 | fp16
-  std::string loss_scale = "dynamic";// dynamic | a fixed number (fp16)
-  // On CUDA, fp32 matrix products and convolutions may use TF32 tensor cores (10-bit
-  // mantissa inputs, fp32 accumulation): PyTorch's allow_tf32, set by most GPU recipes.
+  std::string dtype = "fp32";
+  std::string loss_scale = "dynamic";
   bool tf32 = true;
 
   template <class V> void visit(V&& v) {
-    v("dtype", dtype, Choices{"fp32", "bf16", "fp16"});
-    v("loss_scale", loss_scale);
-    v("tf32", tf32);
+    v("dtype", dtype, Choices{"fp32", "bf16", "fp16"},
+      "the forward pass's precision: fp32, or bf16 (CPU, CUDA) and fp16 (CUDA) under autocast "
+      "with fp32 master weights; the loss is taken in fp32");
+    v("loss_scale", loss_scale, "fp16: dynamic, or a fixed number");
+    v("tf32", tf32,
+      "CUDA: fp32 matrix products and convolutions may use TF32 tensor cores (PyTorch's "
+      "allow_tf32)");
   }
 };
 
 struct DistConfig {
-  std::string backend = "auto";  // auto | gloo | nccl
-  int64_t timeout_s = 120;       // bound on every collective
-  int64_t port = 0;  // rendezvous port: 0 = MASTER_PORT, else 29500 (SLURM: from the job id)
-  int64_t gloo_threads = 2;      // collectives Gloo runs at once per process (1 and 3 measured slower)
-  // Under SLURM, after the checkpoint that SIGUSR1 (sbatch --signal=USR1@T) asks for, rank 0
-  // requeues the job (scontrol requeue) so that it resumes; --no-requeue turns it off.
+  std::string backend = "auto";
+  int64_t timeout_s = 120;
+  int64_t port = 0;
+  int64_t gloo_threads = 2;
   bool requeue = true;
-  // Where rank 0's rendezvous store listens: the interface of MASTER_ADDR, or all.
   std::string store_bind = "master_addr";
 
   template <class V> void visit(V&& v) {
-    v("backend", backend, Choices{"auto", "gloo", "nccl"});
-    v("timeout_s", timeout_s);
-    v("port", port);
-    v("gloo_threads", gloo_threads);
-    v("requeue", requeue);
-    v("store_bind", store_bind, Choices{"master_addr", "all"});
+    v("backend", backend, Choices{"auto", "gloo", "nccl"},
+      "c10d backend: auto = NCCL for CUDA tensors, Gloo otherwise");
+    v("timeout_s", timeout_s, "bound on every collective and wait for a peer, seconds");
+    v("port", port,
+      "rendezvous port: 0 = MASTER_PORT, else 29500 (SLURM: one derived from the job id)");
+    v("gloo_threads", gloo_threads, "collectives Gloo runs at once per process");
+    v("requeue", requeue,
+      "SLURM: after the checkpoint SIGUSR1 asks for, rank 0 requeues the job (scontrol requeue)");
+    v("store_bind", store_bind, Choices{"master_addr", "all"},
+      "where rank 0's rendezvous store listens: MASTER_ADDR's interface, or all");
   }
 };
 
 struct CheckpointConfig {
-  int64_t every_steps = 0;   // 0 = at the end of each epoch
-  int64_t keep_last = 3;     // newest checkpoints kept (best is kept besides)
-  bool keep_best = true;     // keep the checkpoint with the best eval metric
+  int64_t every_steps = 0;
+  int64_t keep_last = 3;
+  bool keep_best = true;
 
   template <class V> void visit(V&& v) {
-    v("every_steps", every_steps);
-    v("keep_last", keep_last);
-    v("keep_best", keep_best);
+    v("every_steps", every_steps, "steps between checkpoints; 0 = at the end of each epoch");
+    v("keep_last", keep_last, "newest checkpoints kept (the best is kept besides)");
+    v("keep_best", keep_best, "keep the checkpoint with the best evaluation metric");
   }
 };
 
 struct LoggingConfig {
-  std::string progress = "auto";  // auto (only on a terminal) | on | off
+  std::string progress = "auto";
 
-  template <class V> void visit(V&& v) { v("progress", progress, Choices{"auto", "on", "off"}); }
+  template <class V> void visit(V&& v) {
+    v("progress", progress, Choices{"auto", "on", "off"},
+      "the live progress line: auto = only on a terminal");
+  }
 };
 
 struct JobConfig {
   std::string name = "dtrain-job";
   int64_t seed = 1234;
-  std::string run_dir = "";     // "" = runs/NAME; --run-dir overrides
+  std::string run_dir = "";
   DataConfig data;
   ModelConfig model;
   OptimizerConfig optimizer;
@@ -257,9 +278,9 @@ struct JobConfig {
   LoggingConfig logging;
 
   template <class V> void visit(V&& v) {
-    v("name", name);
-    v("seed", seed);
-    v("run_dir", run_dir);
+    v("name", name, "the job's name: letters, digits, '.', '_', '-'; the run folder is runs/NAME");
+    v("seed", seed, "seeds the weights, the data order and dropout");
+    v("run_dir", run_dir, "where logs and checkpoints go; empty = runs/NAME (--run-dir wins)");
     v.section("data", data);
     v.section("model", model);
     v.section("optimizer", optimizer);

@@ -14,6 +14,7 @@ struct Field {
   std::string key;
   std::variant<bool*, int64_t*, double*, std::string*, Ints*> value;
   Choices choices;  // non-empty for enum-like string keys
+  std::string doc;  // what it means (config.hpp's visit())
 };
 
 std::vector<Field> fields_of(JobConfig& cfg);
@@ -32,6 +33,9 @@ std::string nearest_key(const std::string& key);
 
 // The fully resolved job as YAML (every key, defaults filled), readable by load_job.
 std::string to_yaml(const JobConfig& cfg);
+
+// Every key with its type, default and meaning, as Markdown (docs/keys.md).
+std::string key_reference();
 
 // Fills derived values the spec leaves open (run_dir from name; token windows and
 // synthetic vocabulary from the model's).
