@@ -1,5 +1,5 @@
 // The lines of metrics.jsonl: every key of every kind of line is written here and nowhere
-// else (the contract: ../DESIGN.md "Files a run writes").
+// else (the contract: docs/contract.md, "metrics.jsonl").
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,4 +1,4 @@
-// Typed errors: each kind maps to one exit code of the contract (DESIGN.md), so `main`
+// Typed errors: each kind maps to one exit code of the contract (docs/contract.md), so `main`
 // decides the code in one place and library code never calls exit() or abort().
 #pragma once
 #include <stdexcept>

@@ -72,7 +72,7 @@ TEST_CASE("config: an empty spec gives the documented defaults") {
     CAPTURE(text);
     JobConfig cfg = parse_job(text, "empty.yaml");
     check_same_fields(cfg, JobConfig{});
-    // A few values from DESIGN.md, written out independently of config.hpp.
+    // A few values of the documented contract, written out independently of config.hpp.
     CHECK(cfg.seed == 1234);
     CHECK(cfg.data.dataset == "fashion_mnist");
     CHECK(cfg.data.batch_size == 64);
