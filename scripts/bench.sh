@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dtrain against the PyTorch (Python) baseline in ../shared/bench, side by side in one run:
+# dtrain against PyTorch (scripts/baselines/cpu.py), side by side in one run:
 # same model, 64 samples per rank per step, SGD(lr 0.05, momentum 0.9, constant), same
 # threads per rank, same data. With --nproc N the baseline is DDP under torchrun with N
 # ranks and dtrain runs `--nproc N` with the same global batch (64 N). Runs are interleaved
@@ -13,7 +13,7 @@
 # DTRAIN_BIN=PATH benchmarks another dtrain binary (e.g. an older build) the same way.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-BENCH="${DTRAIN_BASELINE:-$ROOT/../shared/bench}"
+BASELINE="${DTRAIN_BASELINE:-$ROOT/scripts/baselines/cpu.py}"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench}"
 REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1
 while [ $# -gt 0 ]; do
@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: scripts/bench.sh [--repeats N] [--models \"mlp cnn\"] [--threads T] [--nproc N]" >&2; exit 2 ;;
   esac
 done
-[ -f "$BENCH/ddp_baseline.py" ] || { echo "bench: no baseline at $BENCH (set DTRAIN_BASELINE)" >&2; exit 2; }
+[ -f "$BASELINE" ] || { echo "bench: no baseline at $BASELINE (set DTRAIN_BASELINE)" >&2; exit 2; }
 PY=/usr/bin/python3
 $PY -c 'import torch, numpy' 2>/dev/null || { echo "bench: run scripts/setup.sh --bench first" >&2; exit 2; }
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
@@ -54,10 +54,10 @@ for r in $(seq 1 "$REPEATS"); do
   for model in $MODELS; do
     steps=$(steps_for "$model")
     echo "== repeat $r/$REPEATS $model: baseline" >&2
-    if [ "$NPROC" -gt 1 ]; then   # torchrun311.py: torchrun with its Python 3.11 fix
-      launch=("$BENCH/torchrun311.py" --nproc_per_node "$NPROC" "$BENCH/ddp_baseline.py")
+    if [ "$NPROC" -gt 1 ]; then   # scripts/torchrun: torchrun that starts on Debian 12 and 13
+      launch=("$ROOT/scripts/torchrun" --nproc_per_node "$NPROC" "$BASELINE")
     else
-      launch=("$BENCH/ddp_baseline.py")
+      launch=("$BASELINE")
     fi
     ( cd "$OUT_DIR" && $PY "${launch[@]}" --model "$model" --max-steps "$steps" \
         --threads "$PER_RANK_THREADS" 2>/dev/null ) | grep '^{' | tail -1 |

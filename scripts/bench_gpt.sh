@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPT of configs/gpt_text.yaml, side by side in one run: PyTorch eager on one process
-# (scripts/gpt_baseline.py: the same network, optimizer and threads), dtrain on one
+# (scripts/baselines/gpt_text.py: the same network, optimizer and threads), dtrain on one
 # process, and dtrain on 2 processes as tensor 2 and as data 2 (same global batch). Runs
 # are interleaved and repeated; medians of tokens/s are reported, with ratios to PyTorch.
 #
@@ -38,7 +38,7 @@ PYEOF
 
 for r in $(seq 1 "$REPEATS"); do
   echo "== repeat $r/$REPEATS" >&2
-  $PY "$ROOT/scripts/gpt_baseline.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
+  $PY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
   dtrain_run "dtrain 1 process" --set train.threads=2
   dtrain_run "dtrain tensor 2" --nproc 2 --set parallel.tensor=2 --set train.threads=1
   dtrain_run "dtrain data 2" --nproc 2 --set train.threads=1

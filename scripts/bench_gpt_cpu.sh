@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # dtrain's GPT against PyTorch eager's on this machine's CPU, side by side in one run,
-# interleaved: the baseline's own model (../shared/bench/gpu_baseline.py, through
+# interleaved: the GPU baseline's own model (scripts/baselines/gpu.py, through
 # scripts/gpt_phases.py) and dtrain's gpt at one small shape (4 layers, 256 wide, 4 heads,
 # 128 tokens, GPT-2's vocabulary of 50304), batch 8, fp32, AdamW (decay on every
 # parameter, as torch.optim's single group), clipping at 1.0, 2 threads. Medians of the
@@ -12,8 +12,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 REPEATS=${1:-3}
-BASELINE=${BASELINE:-$ROOT/../shared/bench/gpu_baseline.py}
-[ -f "$BASELINE" ] || BASELINE=$ROOT/.devdata/gpu_baseline.py
+BASELINE=${BASELINE:-$ROOT/scripts/baselines/gpu.py}
 PY=/usr/bin/python3
 $PY -c 'import torch' 2>/dev/null || { echo "bench_gpt_cpu: run scripts/setup.sh --bench first" >&2; exit 2; }
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dtrain against PyTorch (../shared/bench/gpu_baseline.py) on one GPU, side by side in one
+# dtrain against PyTorch (scripts/baselines/gpu.py) on one GPU, side by side in one
 # run: the MLP and the CNN on Fashion-MNIST at batch 64 (SGD, fp32 with TF32, as the
 # baseline), and GPT-2 small's shape at batch 16 x 1024 tokens (bf16 autocast, AdamW,
 # clipping at 1.0). Prints one JSON line per run and a table of ratios; MFU as the
@@ -11,8 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BUILD=${1:?usage: scripts/bench_gpu.sh BUILD_DIR [DATA_DIR]}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
-BASELINE=${BASELINE:-$ROOT/../shared/bench/gpu_baseline.py}
-[ -f "$BASELINE" ] || BASELINE=$ROOT/.devdata/gpu_baseline.py
+BASELINE=${BASELINE:-$ROOT/scripts/baselines/gpu.py}
 OUT_DIR=${OUT_DIR:-/tmp/dtrain-bench-gpu}
 mkdir -p "$OUT_DIR"
 rows=$OUT_DIR/bench_gpu.jsonl

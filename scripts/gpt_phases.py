@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where PyTorch eager's GPT-2 small step spends its GPU time, phase by phase.
 
-The baseline's own model and update (../shared/bench/gpu_baseline.py: bf16 autocast, fused
+The baseline's own model and update (scripts/baselines/gpu.py: bf16 autocast, fused
 AdamW, clipping at 1.0), with the device synchronised after each phase, so that the phases
 line up with a logged dtrain step's forward_ms, backward_ms and optim_ms (norm, clip,
 update, zeroing; norm_ms + optim_ms here). scripts/bench_gpu.sh prints the two side by

@@ -6,7 +6,7 @@
 #   scripts/gpu-check.sh
 # Brings along (a machine without a package manager or network): third_party/debs
 # (third_party/fetch.sh, run on a Debian 13 machine) and .devdata/ holding the
-# Fashion-MNIST .gz files, gpu_baseline.py and fortunes/ (Debian's /usr/share/games/fortunes,
+# Fashion-MNIST .gz files and fortunes/ (Debian's /usr/share/games/fortunes,
 # the GPT tests' corpus).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

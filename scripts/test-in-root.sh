@@ -3,15 +3,47 @@
 # release, as a new user there would: debootstrap a minimal root, copy this checkout's
 # tracked files in, bind /proc and /dev, and run it under chroot. CI uses it to keep
 # Debian 13's LibTorch 2.x passing as well as Debian 12's 1.13.
-#   scripts/test-in-root.sh [RELEASE]     (default trixie; needs root)
-# The root is made under ${DTRAIN_ROOTS:-/tmp} and removed afterwards.
+#   scripts/test-in-root.sh [--mirror URL] [RELEASE]     (default trixie; needs root)
+# The packages come from --mirror, else from the Debian archive this machine's apt already
+# uses (its deb822 .sources or sources.list entries), so a machine behind its own mirror
+# keeps using it. The root is made under ${DTRAIN_ROOTS:-/tmp} and removed afterwards.
 set -euo pipefail
-release=${1:-trixie}
+release=trixie mirror=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --mirror) mirror=$2; shift 2 ;;
+    -*) echo "usage: scripts/test-in-root.sh [--mirror URL] [RELEASE]" >&2; exit 2 ;;
+    *) release=$1; shift ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ]; then  # debootstrap, chroot and mounts need root
   command -v sudo >/dev/null || { echo "test-in-root.sh: needs root or sudo" >&2; exit 2; }
-  exec sudo --preserve-env=DTRAIN_ROOTS "$PWD/scripts/test-in-root.sh" "$release"
+  exec sudo --preserve-env=DTRAIN_ROOTS "$PWD/scripts/test-in-root.sh" \
+    ${mirror:+--mirror "$mirror"} "$release"
 fi
+
+# The first Debian archive apt uses here: a URI ending in /debian from a deb822 stanza
+# signed by Debian's archive key (or naming no key), or from a one-line "deb" entry.
+apt_mirror() {
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    awk 'BEGIN { RS = ""; FS = "\n" }
+         { uris = ""; key = "debian-archive-keyring"
+           for (i = 1; i <= NF; i++) {
+             if ($i ~ /^URIs:/) { uris = $i; sub(/^URIs:[ \t]*/, "", uris) }
+             if ($i ~ /^Signed-By:/) key = $i }
+           if (key !~ /debian-archive-keyring/) next
+           n = split(uris, u, /[ \t]+/)
+           for (j = 1; j <= n; j++) if (u[j] ~ /\/debian\/?$/) print u[j] }' "$f"
+  done
+  cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
+    awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i !~ /^\[/) { print $i; break } }' |
+    grep -E '/debian/?$' || true
+}
+[ -n "$mirror" ] || mirror=$(apt_mirror | head -1)
+[ -n "$mirror" ] || { echo "test-in-root.sh: no Debian archive in this machine's apt sources;" \
+                        "name one with --mirror URL" >&2; exit 2; }
 command -v debootstrap >/dev/null || {
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
@@ -24,8 +56,8 @@ cleanup() {
   rm -rf --one-file-system "$root"
 }
 trap cleanup EXIT
-echo "test-in-root: debootstrap $release into $root" >&2
-debootstrap --variant=minbase "$release" "$root" http://deb.debian.org/debian >"$root.log" 2>&1 ||
+echo "test-in-root: debootstrap $release from $mirror into $root" >&2
+debootstrap --variant=minbase "$release" "$root" "$mirror" >"$root.log" 2>&1 ||
   { tail -20 "$root.log" >&2; exit 1; }
 rm -f "$root.log"
 mkdir -p "$root/root/dtrain"

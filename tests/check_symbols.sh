@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The binaries must not call std::filesystem::remove_all: the CUDA LibTorch 2.x inside
-# Python's torch exports a copy of it that the dynamic linker binds such calls to, and it
-# crashes (../shared/notes/gpu-device.md). util/files.hpp's remove_tree replaces it.
+# Python's torch exports a copy of it that the dynamic linker binds such calls to, and that
+# copy jumps to address 0 (SIGSEGV, seen with LibTorch 2.11). util/files.hpp's remove_tree
+# replaces it.
 # Usage: check_symbols.sh BINARY...
 set -uo pipefail
 status=0

@@ -1,6 +1,7 @@
 // The cnn family (LeNet-style): per stage a 3x3 conv (pad 1) [+ BatchNorm] + ReLU + 2x2
-// max-pool, then the dense layers. Shapes follow ../shared/bench: conv32-pool-conv64-pool-
-// fc128-fc10. It has no tensor-parallel form; data parallelism is what it scales with.
+// max-pool, then the dense layers. The shipped job is conv32-pool-conv64-pool-fc128-fc10,
+// the shape of scripts/baselines' PyTorch CNN, so the two run the same kernels. It has no
+// tensor-parallel form; data and pipeline parallelism are what it scales with.
 #include <torch/nn.h>
 
 #include "models/model.hpp"

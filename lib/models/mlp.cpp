@@ -1,6 +1,6 @@
 // The mlp family: Flatten, then Linear + ReLU (+ Dropout) per hidden width, then the
-// classifier. Layer shapes follow ../shared/bench (784-512-256-10), so dtrain and the
-// PyTorch baseline run the same kernels.
+// classifier. The shipped job is 784-512-256-10, the shape of scripts/baselines' PyTorch
+// MLP, so dtrain and the baseline run the same kernels.
 //
 // Tensor parallelism pairs the layers Megatron's way: hidden layers alternate
 // column-parallel (output split) and row-parallel (input split, summed), so activations

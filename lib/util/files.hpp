@@ -22,8 +22,8 @@ uint32_t crc32_of_file(const std::string& path);
 // nothing when it does not exist. Throws std::runtime_error naming what could not be
 // removed. dtrain's own, not std::filesystem::remove_all: the CUDA LibTorch 2.x inside
 // Python's torch exports a copy of that function that the dynamic linker binds dtrain's
-// calls to, and it crashes (../shared/notes/gpu-device.md). tests/check_symbols.sh keeps
-// the binaries free of it.
+// calls to, and that copy jumps to address 0 (SIGSEGV on an H200, LibTorch 2.11).
+// tests/check_symbols.sh keeps the binaries free of it.
 void remove_tree(const std::string& path);
 
 // An advisory lock on a folder (flock on DIR/.lock) that the kernel releases when the
