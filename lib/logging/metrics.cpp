@@ -1,5 +1,6 @@
 #include "logging/metrics.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -10,9 +11,12 @@
 
 #include <fmt/format.h>
 
+#include "util/error.hpp"
+
 namespace dtrain {
 
-MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step) {
+MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step)
+    : path_(path) {
   std::string kept;
   if (resume_step) {
     std::ifstream in(path);
@@ -26,21 +30,36 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_st
       }
     }
   }
-  file_ = std::fopen(path.c_str(), "w");
-  if (!file_)
-    throw std::runtime_error(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));
-  std::fputs(kept.c_str(), file_);
-  std::fflush(file_);
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0)
+    throw RunDirError(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));
+  append(kept);
 }
 
 MetricsLog::~MetricsLog() {
-  if (file_) std::fclose(file_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void MetricsLog::write(const nlohmann::json& line) {
-  std::fputs((line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n").c_str(),
-             file_);
-  std::fflush(file_);
+  if (failed_) return;
+  append(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+}
+
+void MetricsLog::append(const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::pwrite(fd_, text.data() + done, text.size() - done, size_ + off_t(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : ENOSPC;
+      failed_ = true;
+      if (::ftruncate(fd_, size_) != 0) {  // nothing more to do: the line stays cut
+      }
+      throw RunDirError(fmt::format("cannot write '{}': {}", path_, std::strerror(err)));
+    }
+    done += size_t(n);
+  }
+  size_ += off_t(text.size());
 }
 
 double unix_time() {

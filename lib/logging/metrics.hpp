@@ -1,4 +1,5 @@
-// metrics.jsonl (one JSON object per line, flushed as written) and the human progress output.
+// metrics.jsonl (one JSON object per line, written whole as it comes) and the human progress
+// output.
 #pragma once
 #include <chrono>
 #include <cmath>
@@ -19,10 +20,17 @@ class MetricsLog {
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
+  // Appends one whole line. A write that fails (a full disk) leaves no part of it behind
+  // and throws RunDirError naming the file (exit 3); later writes then do nothing, so the
+  // first failure is the one reported.
   void write(const nlohmann::json& line);
 
  private:
-  std::FILE* file_ = nullptr;
+  void append(const std::string& text);
+  std::string path_;
+  int fd_ = -1;
+  off_t size_ = 0;      // bytes of whole lines written
+  bool failed_ = false;
 };
 
 // A number, or null where it is NaN or infinite (JSON has no such numbers).

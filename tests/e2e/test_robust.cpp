@@ -3,6 +3,8 @@
 // case is how a user meets it: through the binary.
 #include <doctest/doctest.h>
 
+#include <sstream>
+
 #include <sys/mount.h>
 #include <unistd.h>
 
@@ -59,11 +61,11 @@ void forge(const std::string& folder, const std::string& name, const std::string
   std::ofstream(folder + "/manifest.json") << manifest.dump(1);
 }
 
-// A tmpfs of `mb` MiB at `dir` (read-only when asked), or false where mounting is not
-// allowed (not root).
-bool mount_tmpfs(const std::string& dir, int mb, bool read_only = false) {
+// A tmpfs of `size` ("3m", "64k") at `dir` (read-only when asked), or false where mounting
+// is not allowed (not root).
+bool mount_tmpfs(const std::string& dir, const std::string& size, bool read_only = false) {
   fs::create_directories(dir);
-  const std::string opts = "size=" + std::to_string(mb) + "m";
+  const std::string opts = "size=" + size;
   return ::mount("tmpfs", dir.c_str(), "tmpfs", read_only ? MS_RDONLY : 0, opts.c_str()) == 0;
 }
 }  // namespace
@@ -141,7 +143,7 @@ TEST_SUITE("robust") {
   TEST_CASE("a full disk: exit 3, earlier checkpoints intact, no partial folder, a failed summary") {
     auto dir = temp_dir("full");
     auto disk = dir + "/disk";
-    if (!mount_tmpfs(disk, 3)) {
+    if (!mount_tmpfs(disk, "3m")) {
       MESSAGE("skipped: mounting a tmpfs needs root");
       return;
     }
@@ -166,7 +168,7 @@ TEST_SUITE("robust") {
     ::umount2(disk.c_str(), MNT_DETACH);
 
     // Two ranks: rank 0 cannot write, and both stop together with its exit code (not 4).
-    REQUIRE(mount_tmpfs(disk, 3));
+    REQUIRE(mount_tmpfs(disk, "3m"));
     r = dtrain("run " + job + " --run-dir " + run + " --nproc 2 --set model.hidden=[2048] " + kQuiet);
     INFO(r.err);
     CHECK(r.code == 3);
@@ -175,6 +177,39 @@ TEST_SUITE("robust") {
     CHECK(r.err.find("[rank 1] dtrain: error: rank 0 could not write the checkpoint of step 20 "
                      "(see rank 0)") != std::string::npos);
     CHECK(metrics(run).back()["status"] == "failed");
+    ::umount2(disk.c_str(), MNT_DETACH);
+  }
+
+  TEST_CASE("a metrics write that fails ends the job at once with exit 3, leaving whole lines") {
+    auto dir = temp_dir("metrics-full");
+    auto disk = dir + "/disk";
+    if (!mount_tmpfs(disk, "64k")) {
+      MESSAGE("skipped: mounting a tmpfs needs root");
+      return;
+    }
+    // A train line every step and no checkpoint before the end: metrics.jsonl fills the
+    // 64 KiB after ~150 steps, long before the 100000th.
+    auto job = small_job(dir);
+    auto run = disk + "/run";
+    auto r = dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=100000"
+                    " --set train.log_every=1 --set train.eval_every=100000"
+                    " --set checkpoint.every_steps=100000" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("cannot write '" + run + "/metrics.jsonl': No space left on device") !=
+          std::string::npos);
+    const auto text = slurp(run + "/metrics.jsonl");
+    REQUIRE(!text.empty());
+    CHECK(text.back() == '\n');
+    std::istringstream lines(text);
+    std::string line;
+    int64_t n = 0, last = 0;
+    while (std::getline(lines, line)) {
+      auto j = nlohmann::json::parse(line);  // throws on a cut line
+      last = j["step"], ++n;
+    }
+    CHECK(n == last);  // every step up to the failure, none missing
+    CHECK(last < 1000);
     ::umount2(disk.c_str(), MNT_DETACH);
   }
 
@@ -206,7 +241,7 @@ TEST_SUITE("robust") {
     auto ro = dir + "/read-only";
     bool ro_ok = false;
     if (::geteuid() == 0) {
-      ro_ok = mount_tmpfs(ro, 1, /*read_only=*/true);
+      ro_ok = mount_tmpfs(ro, "1m", /*read_only=*/true);
     } else {
       fs::create_directories(ro);
       fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
