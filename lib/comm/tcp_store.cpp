@@ -106,6 +106,28 @@ void resolve(const std::string& host, int port, bool passive, AddrInfo& out) {
     throw std::runtime_error(fmt::format("cannot resolve '{}': {}", host, ::gai_strerror(err)));
 }
 
+// connect() with a deadline: a host that drops SYNs (a full backlog, a firewall) would
+// otherwise hold a blocking connect for the kernel's two minutes of retries. True when
+// connected; errno says why not.
+bool connect_within(int fd, const sockaddr* addr, socklen_t len, std::chrono::milliseconds left) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  bool ok = ::connect(fd, addr, len) == 0;
+  if (!ok && errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    int r;
+    do r = ::poll(&p, 1, int(std::max<int64_t>(0, left.count())));
+    while (r < 0 && errno == EINTR);
+    int err = r == 0 ? ETIMEDOUT : 0;
+    socklen_t size = sizeof err;
+    if (r > 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &size);
+    ok = err == 0;
+    errno = err;
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  return ok;
+}
+
 std::string address_str(const sockaddr* a) {
   char host[NI_MAXHOST] = {};
   ::getnameinfo(a, a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host,
@@ -157,7 +179,7 @@ class StoreServer {
     const char stop = 1;
     [[maybe_unused]] ssize_t n = ::write(wake_[1], &stop, 1);
     thread_.join();
-    for (auto& [fd, buf] : clients_) ::close(fd);
+    for (auto& [fd, c] : clients_) ::close(fd);
     ::close(listen_fd_);
     ::close(wake_[0]);
     ::close(wake_[1]);
@@ -170,55 +192,73 @@ class StoreServer {
   void serve() {
     while (true) {
       std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
-      for (const auto& [fd, buf] : clients_) fds.push_back({fd, POLLIN, 0});
+      for (const auto& [fd, c] : clients_)
+        fds.push_back({fd, short(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
       if (::poll(fds.data(), fds.size(), -1) < 0) {
         if (errno == EINTR) continue;
         return;
       }
       if (fds[0].revents) return;
       if (fds[1].revents & POLLIN) {
-        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        // Non-blocking: a reply that does not fit the socket waits in the client's buffer
+        // for POLLOUT, so one client that stops reading never holds up the others.
+        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd >= 0) {
           int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          // A client that stops reading its replies is dropped, not waited for: the one
-          // server thread serves every rank.
-          timeval tv{5, 0};
-          ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
           clients_[fd];
         }
       }
       for (size_t i = 2; i < fds.size(); ++i) {
-        bool keep = false;
+        const int fd = fds[i].fd;
+        bool keep = true;
         try {
-          keep = !fds[i].revents || read_from(fds[i].fd);
+          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) keep = read_from(fd);
+          if (keep && !clients_[fd].out.empty()) keep = write_to(fd);
         } catch (const std::exception&) {  // out of memory for one client's request
+          keep = false;
         }
         if (!keep) {
-          ::close(fds[i].fd);
-          clients_.erase(fds[i].fd);
+          ::close(fd);
+          clients_.erase(fd);
         }
       }
     }
   }
 
-  // Reads what the client sent and answers every complete request; false to drop it.
+  // Reads what the client sent and queues the answer to every complete request; false to
+  // drop the client.
   bool read_from(int fd) {
     uint8_t chunk[65536];
     ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
-    if (n <= 0) return n < 0 && errno == EINTR;
-    auto& buf = clients_[fd];
-    buf.insert(buf.end(), chunk, chunk + n);
-    while (buf.size() >= 4) {
-      const uint32_t len = u32_of(buf.data());
+    if (n < 0) return errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK;
+    if (n == 0) return false;
+    auto& c = clients_[fd];
+    c.in.insert(c.in.end(), chunk, chunk + n);
+    size_t used = 0;
+    while (c.in.size() - used >= 4) {
+      const uint32_t len = u32_of(c.in.data() + used);
       if (len == 0 || len > kMaxMessage) return false;  // not a client of ours
-      if (buf.size() < 4 + size_t(len)) break;
+      if (c.in.size() - used < 4 + size_t(len)) break;
       Bytes reply;  // an exception (add() on a key that holds no number) drops the client
-      if (!handle(buf.data() + 4, len, reply)) return false;
-      Bytes framed;
-      put_blob(framed, reply);
-      send_all(fd, framed);
-      buf.erase(buf.begin(), buf.begin() + 4 + len);
+      if (!handle(c.in.data() + used + 4, len, reply)) return false;
+      put_blob(c.out, reply);
+      used += 4 + len;
+    }
+    c.in.erase(c.in.begin(), c.in.begin() + long(used));
+    // A client whose unread replies pile up past what any rendezvous sends is not reading.
+    return c.out.size() <= kMaxMessage;
+  }
+
+  // Sends what the socket takes of the client's queued replies; false to drop the client.
+  bool write_to(int fd) {
+    auto& out = clients_[fd].out;
+    while (!out.empty()) {
+      const ssize_t n = ::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // later, on POLLOUT
+      if (n <= 0) return false;
+      out.erase(out.begin(), out.begin() + n);
     }
     return true;
   }
@@ -281,7 +321,11 @@ class StoreServer {
   int listen_fd_ = -1, port_ = 0;
   int wake_[2] = {-1, -1};
   std::string address_;
-  std::map<int, Bytes> clients_;  // fd -> bytes received, not yet a whole request
+  struct Client {
+    Bytes in;   // received, not yet a whole request
+    Bytes out;  // replies the socket has not taken yet
+  };
+  std::map<int, Client> clients_;
   std::map<std::string, Bytes> data_;
   std::thread thread_;
 };
@@ -321,7 +365,9 @@ TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout), opts_(o) {
     for (auto* a = ai.list; a && fd_ < 0; a = a->ai_next) {
       int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
       if (fd < 0) continue;
-      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (connect_within(fd, a->ai_addr, a->ai_addrlen, left)) {
         fd_ = fd;
       } else {
         last_error = std::strerror(errno);

@@ -164,3 +164,55 @@ TEST_CASE("store: a clone is a second client of the same server (LibTorch 2.7+ a
   CHECK(clone->add("n", 2) == 2);
   CHECK(server.add("n", 3) == 5);
 }
+
+TEST_CASE("TcpStore: a client that never reads its replies holds up nobody else") {
+  TcpStore server(opts(0, true));
+  TcpStore client(opts(server.port(), false));
+  client.set("big", std::vector<uint8_t>(1 << 20, 7));  // 1 MiB
+  // A raw client asks for the big value over and over and never reads: its replies pile up
+  // in the server's buffer (up to the limit, then it is dropped), not in the server thread.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(server.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  // One request: u32 length, then op 2 (try-get) and the key as a u32-length blob.
+  std::vector<uint8_t> req = {8, 0, 0, 0, 2, 3, 0, 0, 0, 'b', 'i', 'g'};
+  for (int i = 0; i < 64; ++i) CHECK(::send(fd, req.data(), req.size(), 0) == ssize_t(req.size()));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 50; ++i) {
+    client.set("k" + std::to_string(i), bytes("v"));
+    CHECK(client.get("k" + std::to_string(i)) == bytes("v"));
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(took < 2.0);
+  ::close(fd);
+}
+
+TEST_CASE("TcpStore: connecting to a host that drops the handshake gives up at the timeout") {
+  // A listener whose accept queue is full (backlog 0, never accepted): further connection
+  // attempts are dropped, and a blocking connect() would wait for the kernel's retries.
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(listener, 0) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len);
+  std::vector<int> fillers;
+  for (int i = 0; i < 4; ++i) {  // non-blocking: those past the queue would hang here too
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    fillers.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t0 = std::chrono::steady_clock::now();
+  TcpStore::Options o = opts(ntohs(a.sin_port), false, std::chrono::milliseconds(1500));
+  CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("timed out connecting"));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(took < 5.0);
+  for (int fd : fillers) ::close(fd);
+  ::close(listener);
+}
