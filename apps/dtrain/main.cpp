@@ -59,6 +59,14 @@ int64_t world_for_check(int64_t nproc) {
   return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).world;
 }
 
+// The processes of that world on this machine: all of --nproc, else the launcher's local
+// count, else one.
+int64_t local_for_check(int64_t nproc) {
+  if (nproc > 1) return nproc;
+  auto env = process_env();
+  return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).local_world;
+}
+
 // The worker command line: ours without the supervisor's own options.
 std::vector<std::string> worker_args(int argc, char** argv) {
   std::vector<std::string> out;
@@ -78,7 +86,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
             bool requeue, int64_t nproc, int64_t max_restarts, int argc, char** argv) {
   auto env = process_env();
   if (nproc > 1 && detect_launcher(env) == "single") {
-    load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
+    const auto checked = load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
+    check_machine(checked.cfg, checked.dims, nproc);
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv)});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
@@ -87,6 +96,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   resolve(cfg);
   auto world = discover_world(env, cfg.dist.port);
   const ParallelDims dims = validate(cfg, world.world);
+  check_machine(cfg, dims, world.local_world);
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
   const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world);
@@ -211,7 +221,9 @@ int run_cli(int argc, char** argv) {
   if (*run) return run_job(job, run_dir, resume, !no_requeue, nproc, max_restarts, argc, argv);
   if (*validate_cmd) {
     auto checked = load(job, "", world_for_check(check_nproc));
-    load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed));  // as run would read it
+    check_machine(checked.cfg, checked.dims, std::min(checked.dims.world(), local_for_check(check_nproc)));
+    // The data as run would read it, and the model's checks against it.
+    check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
     const DevicePlan plan = plan_device(checked.cfg, 0, 1);  // what rank 0 would get here
     std::cout << fmt::format("{}: ok ({} process(es): {}; {}{})\n", job.path, checked.dims.world(),
                              checked.dims.str(), plan.device.str(),

@@ -13,6 +13,9 @@ namespace dtrain {
 using Ints = std::vector<int64_t>;
 using Choices = std::vector<std::string>;
 
+// The longest token window dtrain accepts (data.seq_len, model.seq_len): 16M tokens.
+inline constexpr int64_t kMaxSeqLen = int64_t(1) << 24;
+
 struct DataConfig {
   std::string dataset = "fashion_mnist";
   std::string path = "/usr/share/datasets/fashion-mnist";
@@ -61,6 +64,8 @@ struct ModelConfig {
   int64_t dim = 128;
   int64_t vocab = 256;
   int64_t seq_len = 128;
+  std::string init_from = "";
+  bool init_strict = true;
 
   template <class V> void visit(V&& v) {
     v("arch", arch, Choices{"mlp", "cnn", "gpt"},
@@ -78,6 +83,12 @@ struct ModelConfig {
     v("dim", dim, "gpt: model width, a multiple of heads");
     v("vocab", vocab, "gpt: token values (256: bytes); pad to split over parallel.tensor");
     v("seq_len", seq_len, "gpt: context length (positions are learned)");
+    v("init_from", init_from,
+      "a fresh run starts from these weights, by name: a checkpoint (folder, run directory or "
+      "pointer) or a .safetensors file; empty = the seed's initialisation");
+    v("init_strict", init_strict,
+      "init_from: every tensor of the model must be there with its shape, and nothing more; "
+      "false loads what matches and lists what it skipped");
   }
 };
 
@@ -140,6 +151,7 @@ struct TrainConfig {
   int64_t max_skipped = 10;
   std::string recompute = "none";
   std::string device = "auto";
+  bool memory_check = true;
 
   template <class V> void visit(V&& v) {
     v("epochs", epochs, "passes over the training set, when max_steps is 0");
@@ -160,6 +172,9 @@ struct TrainConfig {
     v("device", device,
       "where the model and optimizer state live: auto (CUDA when a GPU is visible), cpu, "
       "cuda (the local rank's own GPU) or cuda:N");
+    v("memory_check", memory_check,
+      "refuse a job whose estimated memory (parameters, gradients, optimizer state, "
+      "activations) exceeds what this machine has available for its processes (CPU)");
   }
 };
 

@@ -20,6 +20,17 @@
 namespace dtrain {
 namespace {
 
+// `s` for an error line: control and non-ASCII bytes written as \xNN, and anything past
+// 80 characters cut (a value of 100 kB is not echoed whole).
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char ch : s) {
+    if (out.size() >= 80) return out + fmt::format("... ({} bytes)", s.size());
+    out += ch >= 0x20 && ch < 0x7f ? std::string(1, char(ch)) : fmt::format("\\x{:02x}", ch);
+  }
+  return out;
+}
+
 struct Collector {
   std::vector<Field>* out;
   std::string prefix;
@@ -118,7 +129,7 @@ Field* find_field(std::vector<Field>& fields, const std::string& key) {
 // Sets one field from a YAML node; `at` says where the value came from.
 void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
   auto bad = [&](const char* expected) {
-    std::string got = node.IsScalar() ? fmt::format("'{}'", node.Scalar())
+    std::string got = node.IsScalar() ? fmt::format("'{}'", printable(node.Scalar()))
                       : node.IsSequence() ? std::string("a list")
                       : node.IsMap() ? std::string("a mapping") : std::string("nothing");
     return ConfigError(fmt::format("{}: {}: expected {}, got {}", at, f.key, expected, got));
@@ -253,7 +264,7 @@ std::string nearest_key(const std::string& key) {
 
 void apply_override(JobConfig& cfg, const std::string& assignment) {
   auto eq = assignment.find('=');
-  const std::string at = fmt::format("--set {}", assignment);
+  const std::string at = fmt::format("--set {}", printable(assignment));
   if (eq == std::string::npos || eq == 0)
     throw ConfigError(fmt::format("{}: expected KEY=VALUE, e.g. --set optimizer.lr=0.1", at));
   std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
@@ -374,6 +385,18 @@ std::string to_yaml(const JobConfig& cfg) {
   return std::string(out.c_str()) + "\n";
 }
 
+std::string value_text(const Field& f) {
+  return std::visit(
+      [](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
+        else if constexpr (std::is_same_v<T, Ints>) return fmt::format("[{}]", fmt::join(*p, ", "));
+        else if constexpr (std::is_same_v<T, std::string>) return p->empty() ? "\"\"" : *p;
+        else return fmt::format("{}", *p);
+      },
+      f.value);
+}
+
 std::string key_reference() {
   JobConfig defaults;
   // The type column: the values a key takes.
@@ -386,17 +409,6 @@ std::string key_reference() {
           else if constexpr (std::is_same_v<T, double>) return "number";
           else if constexpr (std::is_same_v<T, Ints>) return "list of integers";
           else return f.choices.empty() ? "text" : fmt::format("{}", fmt::join(f.choices, " \\| "));
-        },
-        f.value);
-  };
-  auto default_of = [](const Field& f) -> std::string {
-    return std::visit(
-        [](auto* p) -> std::string {
-          using T = std::remove_pointer_t<decltype(p)>;
-          if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
-          else if constexpr (std::is_same_v<T, Ints>) return fmt::format("[{}]", fmt::join(*p, ", "));
-          else if constexpr (std::is_same_v<T, std::string>) return p->empty() ? "\"\"" : *p;
-          else return fmt::format("{}", *p);
         },
         f.value);
   };
@@ -415,7 +427,7 @@ std::string key_reference() {
       out += fmt::format("\n## {}\n\n| key | type | default | meaning |\n|---|---|---|---|\n",
                          here.empty() ? "Top level" : "`" + here + "`");
     }
-    out += fmt::format("| `{}` | {} | `{}` | {} |\n", f.key, type_of(f), default_of(f), f.doc);
+    out += fmt::format("| `{}` | {} | `{}` | {} |\n", f.key, type_of(f), value_text(f), f.doc);
   }
   return out;
 }
@@ -426,17 +438,6 @@ void resolve(JobConfig& cfg) {
   if (cfg.data.vocab == 0) cfg.data.vocab = cfg.model.vocab;
 }
 
-namespace {
-
-// `s` with control and non-ASCII bytes written as \xNN, for an error line.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (unsigned char ch : s)
-    out += ch >= 0x20 && ch < 0x7f ? std::string(1, char(ch)) : fmt::format("\\x{:02x}", ch);
-  return out;
-}
-
-}  // namespace
 
 // Range checks in one table-like function: each line names its key and the valid range.
 void check_ranges(const JobConfig& c) {
@@ -466,9 +467,12 @@ void check_ranges(const JobConfig& c) {
            std::all_of(d.input_shape.begin(), d.input_shape.end(), [](int64_t x) { return x > 0; }),
        "data.input_shape", "1 to 3 positive sizes", fmt::format("{}", d.input_shape));
   need(d.classes >= 2, "data.classes", ">= 2", d.classes);
-  need(d.seq_len >= 0, "data.seq_len", ">= 0 (0 = model.seq_len)", d.seq_len);
-  need(d.eval_fraction > 0 && d.eval_fraction <= 0.5, "data.eval_fraction", "in (0, 0.5]",
-       d.eval_fraction);
+  // (The model's own window, copied here by resolve(), is the model's to bound.)
+  need(d.seq_len >= 0 && (d.seq_len <= kMaxSeqLen || d.seq_len == c.model.seq_len), "data.seq_len",
+       fmt::format("between 0 (model.seq_len) and {}", kMaxSeqLen), d.seq_len);
+  // Below 1e-6 one window in a million is held out: 1 / eval_fraction must stay countable.
+  need(d.eval_fraction >= 1e-6 && d.eval_fraction <= 0.5, "data.eval_fraction",
+       "in [1e-06, 0.5]", d.eval_fraction);
   need(d.vocab >= 0, "data.vocab", ">= 0 (0 = model.vocab)", d.vocab);
   // The model's own keys are the model's to check (models/*.cpp): keys of other archs
   // are not validated against it.
@@ -530,7 +534,9 @@ void check_ranges(const JobConfig& c) {
     need(finite(v) && v > 0, "precision.loss_scale", "'dynamic' or a positive number",
          fmt::format("'{}'", pr.loss_scale));
   }
-  need(c.dist.timeout_s >= 1, "dist.timeout_s", ">= 1", c.dist.timeout_s);
+  // c10d keeps timeouts in milliseconds; 30 days is far past any real wait.
+  need(c.dist.timeout_s >= 1 && c.dist.timeout_s <= 30 * 86400, "dist.timeout_s",
+       "between 1 and 2592000 (30 days)", c.dist.timeout_s);
   need(c.dist.port >= 0 && c.dist.port <= 65535, "dist.port", "between 0 (automatic) and 65535",
        c.dist.port);
   need(c.dist.gloo_threads >= 1 && c.dist.gloo_threads <= 64, "dist.gloo_threads",

@@ -34,6 +34,9 @@ std::string nearest_key(const std::string& key);
 // The fully resolved job as YAML (every key, defaults filled), readable by load_job.
 std::string to_yaml(const JobConfig& cfg);
 
+// A field's value as a job file writes it: true, 3, 0.05, [512, 256], fashion_mnist, "".
+std::string value_text(const Field& f);
+
 // Every key with its type, default and meaning, as Markdown (docs/keys.md).
 std::string key_reference();
 

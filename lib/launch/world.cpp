@@ -177,6 +177,8 @@ WorldInfo discover_world(const Env& env, int64_t config_port,
 
   // A launcher that names the port (torchrun, our own --nproc) must win over the job file.
   if (auto p = int_var(env, "MASTER_PORT")) {
+    fail_if<ConfigError>(*p < 1 || *p > 65535, "MASTER_PORT: must be a port in 1-65535 (got {})",
+                         *p);
     w.master_port = *p;
   } else if (config_port > 0) {
     w.master_port = config_port;

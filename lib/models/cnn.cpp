@@ -28,17 +28,24 @@ int64_t cnn_parts(const ModelConfig& cfg) {
   return int64_t(cfg.channels.size() + cfg.fc.size()) + 1;
 }
 
-NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
+void cnn_fits(const ModelConfig& cfg, const ModelContext& ctx) {
   const auto& shape = ctx.sample_shape;
   fail_if<ConfigError>(shape.size() != 3,
                        "model.arch: cnn needs samples shaped [channels, height, width], the data "
                        "has {} dimension(s)", shape.size());
-  int64_t c = shape[0], h = shape[1], w = shape[2];
-  auto m = std::make_shared<LayerStack>();
-  for (auto out : cfg.channels) {
+  int64_t h = shape[1], w = shape[2];
+  for (size_t i = 0; i < cfg.channels.size(); ++i, h /= 2, w /= 2)
     fail_if<ConfigError>(h < 2 || w < 2,
                          "model.channels: {} conv+pool stages shrink the {}x{} input below 1x1",
                          cfg.channels.size(), shape[1], shape[2]);
+}
+
+NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
+  cnn_fits(cfg, ctx);
+  const auto& shape = ctx.sample_shape;
+  int64_t c = shape[0], h = shape[1], w = shape[2];
+  auto m = std::make_shared<LayerStack>();
+  for (auto out : cfg.channels) {
     // With BatchNorm right after, the conv bias would be cancelled by the mean: leave it out.
     m->add(nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)),
            /*new_part=*/true);

@@ -226,7 +226,14 @@ void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
   need(cfg.dim >= 1 && cfg.dim % cfg.heads == 0, "model.dim",
        fmt::format("{} must be a positive multiple of model.heads ({})", cfg.dim, cfg.heads));
   need(cfg.vocab >= 2, "model.vocab", fmt::format("must be >= 2 (got {})", cfg.vocab));
-  need(cfg.seq_len >= 1, "model.seq_len", fmt::format("must be >= 1 (got {})", cfg.seq_len));
+  need(cfg.seq_len >= 1 && cfg.seq_len <= kMaxSeqLen, "model.seq_len",
+       fmt::format("must be between 1 and {} (got {})", kMaxSeqLen, cfg.seq_len));
+  // Far past any model that fits a machine; the memory check (train.memory_check) says
+  // what does not fit. These keep the size arithmetic in range.
+  need(cfg.layers <= (1 << 16), "model.layers", fmt::format("must be <= 65536 (got {})", cfg.layers));
+  need(cfg.dim <= (1 << 20), "model.dim", fmt::format("must be <= 1048576 (got {})", cfg.dim));
+  need(cfg.vocab <= (int64_t(1) << 31), "model.vocab",
+       fmt::format("must be <= 2147483648 (got {})", cfg.vocab));
   need(cfg.dropout >= 0 && cfg.dropout < 1, "model.dropout",
        fmt::format("must be in [0, 1) (got {})", cfg.dropout));
   need(cfg.vocab % dims.tensor == 0, "model.vocab",
@@ -236,13 +243,17 @@ void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
        fmt::format("{} heads do not split over parallel.tensor {}", cfg.heads, dims.tensor));
 }
 
-NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx) {
+void gpt_fits(const ModelConfig& cfg, const ModelContext& ctx) {
   fail_if<ConfigError>(ctx.vocab == 0, "model.arch: gpt needs token data (data.dataset: text or "
                        "synthetic_tokens)");
   fail_if<ConfigError>(ctx.vocab > cfg.vocab, "model.vocab: {} is smaller than the data's {} "
                        "token values", cfg.vocab, ctx.vocab);
   fail_if<ConfigError>(ctx.sample_shape.at(0) > cfg.seq_len, "data.seq_len: windows of {} tokens "
                        "exceed model.seq_len {}", ctx.sample_shape[0], cfg.seq_len);
+}
+
+NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx) {
+  gpt_fits(cfg, ctx);
   return std::make_shared<Gpt>(cfg, ctx.tensor);
 }
 

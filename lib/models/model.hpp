@@ -58,7 +58,7 @@ struct ModelSpec {
   // Checks that need only the job spec (run at validation, before any data or process
   // group): the model's own keys and whether its layers split over dims.tensor.
   std::function<void(const ModelConfig&, const ParallelDims&)> validate;
-  // Builds the network; throws ConfigError when it does not fit the data.
+  // Builds the network (after fits()).
   std::function<NetworkPtr(const ModelConfig&, const ModelContext&)> build;
   // How many parts (Network::part_params) the network has: what a pipeline splits.
   std::function<int64_t(const ModelConfig&)> parts;
@@ -67,6 +67,10 @@ struct ModelSpec {
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
   // Whether it is built of blocks whose activations train.recompute can drop.
   bool blocks = false;
+  // Checks that need the data (its sample shape, classes, vocabulary): ConfigError when
+  // the model does not fit it. Run by `validate` once the data is read, and before build.
+  std::function<void(const ModelConfig&, const ModelContext&)> fits =
+      [](const ModelConfig&, const ModelContext&) {};
 };
 
 // model.arch's spec; throws ConfigError for an unknown arch.
@@ -77,6 +81,8 @@ std::vector<std::string> model_names();
 NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx);
 NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx);
 NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx);
+void cnn_fits(const ModelConfig& cfg, const ModelContext& ctx);
+void gpt_fits(const ModelConfig& cfg, const ModelContext& ctx);
 void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims);
 void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims);
 void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims);

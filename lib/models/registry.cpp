@@ -10,13 +10,17 @@ namespace dtrain {
 namespace {
 
 const std::map<std::string, ModelSpec>& registry() {
-  static const std::map<std::string, ModelSpec> specs{
-      {"mlp", {&classification_task(), validate_mlp, build_mlp, mlp_parts}},
-      {"cnn", {&classification_task(), validate_cnn, build_cnn, cnn_parts,
-               torch::MemoryFormat::ChannelsLast}},
-      {"gpt", {&language_model_task(), validate_gpt, build_gpt, gpt_parts,
-               torch::MemoryFormat::Contiguous, /*blocks=*/true}},
-  };
+  static const std::map<std::string, ModelSpec> specs = [] {
+    std::map<std::string, ModelSpec> m;
+    m["mlp"] = {&classification_task(), validate_mlp, build_mlp, mlp_parts};
+    m["cnn"] = {&classification_task(), validate_cnn, build_cnn, cnn_parts,
+                torch::MemoryFormat::ChannelsLast};
+    m["cnn"].fits = cnn_fits;
+    m["gpt"] = {&language_model_task(), validate_gpt, build_gpt, gpt_parts};
+    m["gpt"].blocks = true;
+    m["gpt"].fits = gpt_fits;
+    return m;
+  }();
   return specs;
 }
 

@@ -1,6 +1,11 @@
 #include "train/validate.hpp"
 
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
 #include <string>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,6 +13,7 @@
 #include "config/schema.hpp"
 #include "launch/device.hpp"
 #include "models/model.hpp"
+#include "util/compat.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -15,7 +21,7 @@ namespace {
 
 // What this build of dtrain can run; a value outside it is refused up front rather than
 // half-run. Each line names the key so the user knows what to change.
-void check_supported(const JobConfig& c, const ParallelDims& layout) {
+void check_supported(const JobConfig& c) {
   auto refuse = [](bool bad, const std::string& key, const std::string& value) {
     if (bad)
       throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
@@ -58,12 +64,117 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
                          cfg.train.grad_accum, layout.pipeline);
 }
 
+// Inputs and classes of an image dataset, as its keys say (fashion_mnist and mnist are 28 x
+// 28 grey images of 10 classes).
+std::pair<Ints, int64_t> image_shape(const DataConfig& d) {
+  if (d.dataset == "fashion_mnist" || d.dataset == "mnist") return {{1, 28, 28}, 10};
+  return {d.input_shape, d.classes};
+}
+
+// A rough estimate, in bytes, of one process's memory: its share of the parameters, their
+// gradients and the optimizer's state, and the activations of the micro-batches it holds at
+// once (a pipeline under GPipe holds them all). Doubles: the keys can be absurd.
+struct MemoryEstimate {
+  double parameters = 0, state = 0, activations = 0;
+  double total() const { return parameters + state + activations; }
+};
+
+MemoryEstimate estimate_memory(const JobConfig& cfg, const ParallelDims& dims) {
+  const auto& m = cfg.model;
+  const auto& p = cfg.parallel;
+  const double rows = double(cfg.data.batch_size) / double(dims.data * cfg.train.grad_accum);
+  // Micro-batches held at once: all under GPipe, the pipeline's depth under 1F1B, about
+  // twice it interleaved.
+  const double depth = double(dims.pipeline) * (p.schedule == "interleaved_1f1b" ? 2 : 1);
+  const double held = dims.pipeline == 1 ? 1
+                      : p.schedule == "gpipe" ? double(cfg.train.grad_accum)
+                                              : std::min(depth, double(cfg.train.grad_accum));
+  double params = 0, activations = 0;  // the whole model's; one micro-batch's
+  if (m.arch == "gpt") {
+    const double d = double(m.dim), s = double(m.seq_len), v = double(m.vocab), l = double(m.layers);
+    params = v * d + s * d + l * (12 * d * d + 13 * d) + 2 * d;
+    // Per layer, fp32: Megatron-LM's 34 s b h + 5 a s^2 b (in fp16 bytes), doubled, the
+    // second term (the attention scores) only where attention is not fused; with recompute
+    // a block keeps only its input. The logits, their log-softmax and gradient.
+    const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
+    const double per_layer = cfg.train.recompute == "blocks"
+                                 ? 4 * rows * s * d
+                                 : 2 * rows * s * (34 * d + scores) / double(dims.tensor);
+    activations = l / double(dims.pipeline) * per_layer + 12 * rows * s * v / double(dims.tensor);
+  } else {
+    auto [shape, classes] = image_shape(cfg.data);
+    double in = 1, width_sum = 0;
+    for (auto x : shape) in *= double(x);
+    if (m.arch == "cnn" && shape.size() == 3) {
+      double c = double(shape[0]), h = double(shape[1]), w = double(shape[2]);
+      for (auto out : m.channels) {
+        params += c * double(out) * 9 + double(out) * (m.batch_norm ? 3 : 1);
+        width_sum += double(out) * h * w * 3;  // conv, ReLU, pool
+        c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
+      }
+      in = c * h * w;
+    }
+    for (auto width : m.arch == "cnn" ? m.fc : m.hidden) {
+      params += in * double(width) + double(width);
+      width_sum += 2 * double(width);
+      in = double(width);
+    }
+    params += in * double(classes) + double(classes);
+    activations = 4 * rows * width_sum;
+  }
+  const double optimizer = cfg.optimizer.name == "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0;
+  const double share = params / double(dims.tensor * dims.pipeline);
+  return {4 * share, (4 + optimizer) * share, held * activations};
+}
+
+// MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).
+double available_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (in >> key >> kib)
+    if (key == "MemAvailable:") return kib * 1024;
+    else in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  return 0;
+}
+
 }  // namespace
+
+void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local_processes) {
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  fail_if<ConfigError>(cfg.train.threads > 4 * cores,
+                       "train.threads: {} threads per process is more than 4 per core of this "
+                       "machine ({} cores); 0 shares the cores among the processes",
+                       cfg.train.threads, cores);
+  if (!cfg.train.memory_check) return;
+  const DevicePlan plan = plan_device(cfg, 0, local_processes);
+  if (plan.device.is_cuda()) return;  // the GPU's memory is LibTorch's to report, at run
+  const double available = available_memory();
+  if (available <= 0) return;
+  const MemoryEstimate e = estimate_memory(cfg, dims);
+  const double needed = e.total() * double(local_processes);
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  fail_if<ConfigError>(needed > available,
+                       "model: this job needs about {:.3g} GiB on this machine ({} process(es) x "
+                       "{:.3g} GiB: parameters {:.3g}, gradients and optimizer state {:.3g}, "
+                       "activations {:.3g}) and {:.3g} GiB is available; make the model or the "
+                       "micro-batch smaller, or set train.memory_check: false",
+                       needed / gib, local_processes, e.total() / gib, e.parameters / gib,
+                       e.state / gib, e.activations / gib, available / gib);
+}
+
+void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
+  ModelContext mc;
+  mc.sample_shape = data.sample_shape;
+  mc.classes = data.classes;
+  mc.vocab = data.vocab;
+  model_spec(cfg.model.arch).fits(cfg.model, mc);
+}
 
 ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   check_ranges(cfg);
   const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
-  check_supported(cfg, layout);
+  check_supported(cfg);
   plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "config/config.hpp"
+#include "data/dataset.hpp"
 #include "parallel/dims.hpp"
 
 namespace dtrain {
@@ -13,5 +14,15 @@ namespace dtrain {
 // the layout it resolves to. Throws ConfigError with a message that names the key and what
 // would be valid.
 ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1);
+
+// Refuses (ConfigError naming train.threads) more intra-op threads than 4 per core of this
+// machine, and, unless train.memory_check is off, a job on the CPU whose estimated memory
+// for `local_processes` processes exceeds what this machine has available: what would
+// otherwise hang in setup or fail to allocate long after starting.
+void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local_processes);
+
+// The model's checks that need the data (its windows' length and vocabulary, the images'
+// shape): what `validate` runs once it has read the data, as `run` would refuse it.
+void check_model_fits_data(const JobConfig& cfg, const DataSplits& data);
 
 }  // namespace dtrain

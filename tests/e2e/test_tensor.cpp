@@ -248,7 +248,11 @@ TEST_SUITE("gpt_text") {
 
   TEST_CASE("the GPT-2 small shape validates and trains a step on a CPU") {
     auto dir = temp_dir("gpt2-small");
-    auto v = e2e::dtrain("validate " + config("gpt2_small.yaml"));
+    // Its batch of 16 x 1024 tokens needs more memory than a CPU machine of this size has:
+    // validate says so, naming the key that turns the check off; at batch 1 it fits.
+    auto full = e2e::dtrain("validate " + config("gpt2_small.yaml"));
+    if (full.code != 0) CHECK(full.err.find("train.memory_check: false") != std::string::npos);
+    auto v = e2e::dtrain("validate " + config("gpt2_small.yaml") + " --set data.batch_size=1");
     INFO(v.err);
     CHECK(v.code == 0);
     auto r = e2e::dtrain("run " + config("gpt2_small.yaml") + " --run-dir " + dir +
