@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -29,6 +30,10 @@ class Dataset {
   virtual ~Dataset() = default;
   virtual int64_t size() const = 0;
   virtual Batch gather(const torch::Tensor& indices) const = 0;
+  // A checksum of everything the split holds, for ranks to check that they read the same
+  // data: its size, a sum, and a sum weighted by position (so moved or changed bytes
+  // count). One pass over the data.
+  virtual std::vector<double> fingerprint() const = 0;
 };
 
 // A whole labelled split held in memory, decoded and normalised once; a batch is a gather.
@@ -39,6 +44,7 @@ struct TensorDataset : Dataset {
   Batch gather(const torch::Tensor& indices) const override {
     return {x.index_select(0, indices), y.index_select(0, indices)};
   }
+  std::vector<double> fingerprint() const override;
   torch::Tensor x, y;
 };
 
@@ -49,6 +55,7 @@ struct TokenWindows : Dataset {
       : stream(std::move(stream)), starts(std::move(starts)), seq(seq) {}
   int64_t size() const override { return starts.size(0); }
   Batch gather(const torch::Tensor& indices) const override;
+  std::vector<double> fingerprint() const override;
   torch::Tensor stream;  // [tokens] int64
   torch::Tensor starts;  // [windows] int64
   int64_t seq;

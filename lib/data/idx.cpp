@@ -145,6 +145,15 @@ DataSplits synthetic(const DataConfig& cfg, uint64_t seed) {
 
 }  // namespace
 
+std::vector<double> TensorDataset::fingerprint() const {
+  if (size() == 0) return {0, 0, 0, 0};
+  // Each sample's sum, then those weighted by the sample's place; the labels likewise.
+  const auto rows = x.reshape({size(), -1}).sum(1, /*keepdim=*/false, torch::kFloat64);
+  const auto place = torch::arange(1, size() + 1, torch::kFloat64);
+  return {double(size()), rows.sum().item<double>(), (rows * place).sum().item<double>(),
+          (y.to(torch::kFloat64) * place).sum().item<double>()};
+}
+
 DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
   if (cfg.dataset == "synthetic") return synthetic(cfg, seed);
   if (cfg.dataset == "text") return load_text(cfg);

@@ -24,6 +24,20 @@ Batch TokenWindows::gather(const torch::Tensor& indices) const {
   return {windows.narrow(1, 0, seq).contiguous(), windows.narrow(1, 1, seq).contiguous()};
 }
 
+std::vector<double> TokenWindows::fingerprint() const {
+  // The stream's tokens, and weighted by their place (mod a prime, in chunks, so that the
+  // weights stay small and no stream-sized temporary is made); then the window starts.
+  double sum = 0, weighted = 0;
+  const int64_t n = stream.size(0), chunk = int64_t(1) << 20;
+  for (int64_t lo = 0; lo < n; lo += chunk) {
+    const auto part = stream.narrow(0, lo, std::min(chunk, n - lo)).to(torch::kFloat64);
+    const auto place = torch::arange(lo, lo + part.size(0), torch::kInt64).remainder(65521).add(1);
+    sum += part.sum().item<double>();
+    weighted += (part * place.to(torch::kFloat64)).sum().item<double>();
+  }
+  return {double(size()), sum, weighted, starts.to(torch::kFloat64).sum().item<double>()};
+}
+
 namespace {
 
 std::string read_all(const fs::path& p) {
@@ -51,18 +65,28 @@ torch::Tensor read_text_bytes(const std::string& path) {
   if (fs::is_regular_file(path, ec)) {
     text = read_all(path);
   } else if (fs::is_directory(path, ec)) {
+    // Symbolic links (which may loop) and hidden files are skipped unread, binary files
+    // (a NUL byte) once read; an empty result says how many of each.
     std::vector<fs::path> files;
-    for (const auto& e : fs::directory_iterator(path, ec))
-      if (e.is_regular_file() && !e.is_symlink() && e.path().filename().string()[0] != '.')
-        files.push_back(e.path());
+    int64_t links = 0, hidden = 0, binary = 0;
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      if (e.is_symlink(ec)) ++links;
+      else if (e.path().filename().string()[0] == '.') ++hidden;
+      else if (e.is_regular_file(ec)) files.push_back(e.path());
+    }
     std::sort(files.begin(), files.end());
     for (const auto& f : files) {
       auto bytes = read_all(f);
       if (bytes.find('\0') == std::string::npos) text += bytes;  // text, not binary
+      else ++binary;
     }
+    fail_if<DataError>(text.empty(), "data.path: the folder '{}' holds no text: {} file(s) read, "
+                       "{} of them binary; {} symbolic link(s) and {} hidden file(s) skipped",
+                       path, files.size(), binary, links, hidden);
   } else {
-    throw DataError(fmt::format("data.path: '{}' is neither a file nor a folder (for the "
-                                "shipped corpus: apt-get install fortunes)", path));
+    const bool shipped = path == "/usr/share/games/fortunes";
+    throw DataError(fmt::format("data.path: '{}' is neither a file nor a folder{}", path,
+                                shipped ? " (the shipped corpus: apt-get install fortunes)" : ""));
   }
   auto t = torch::empty({int64_t(text.size())}, torch::kInt64);
   auto* p = t.data_ptr<int64_t>();

@@ -65,6 +65,9 @@ struct Context {
   // to the embedding's.
   std::vector<size_t> tied;
   bool tied_copy = false;
+  // Every parameter and buffer name of the whole model, whatever this rank holds: what a
+  // checkpoint to resume from must hold, no more, no less.
+  std::vector<std::string> model_names;
   std::unique_ptr<MicroBatchRunner> runner;
   std::unique_ptr<FlatParams> params;
   std::unique_ptr<Optimizer> optimizer;

@@ -198,9 +198,11 @@ RunResult stop_run(Context& c, const StepReader& reader) {
 
 RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
                        const WorldInfo& world, std::shared_ptr<Comm> comm) {
-  install_stop_signals();  // before setup: a stop during loading still ends with a checkpoint
+  install_stop_signals();
+  set_setting_up(true);  // a stop before the first step: nothing to save, exit at once
   Context c(cfg, dims, opts, world, std::move(comm));
   setup(c);
+  set_setting_up(false);
   auto& st = c.state;
   if (c.finished) {
     c.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "

@@ -25,6 +25,33 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Every rank must train on the same data: each one's fingerprint of both splits, gathered
+// over the world, must be rank 0's (a file that grows while the ranks read it, a folder
+// that differs between nodes). A collective.
+void agree_on_data(Context& c) {
+  auto mine = c.data.train->fingerprint();
+  for (double v : c.data.test->fingerprint()) mine.push_back(v);
+  auto world = c.mesh.world();
+  if (world->size() == 1) return;
+  const auto all = world->all_gather(torch::tensor(mine, torch::kFloat64));
+  std::vector<int64_t> differ;
+  // Sums of floats may differ in their last bits between machines with other core counts
+  // (reduction order); a changed sample moves them far more.
+  for (size_t r = 1; r < all.size(); ++r)
+    if (!torch::allclose(all[r], all[0], /*rtol=*/1e-9, /*atol=*/0)) differ.push_back(int64_t(r));
+  if (differ.empty()) return;
+  auto sizes = [&](size_t r) {
+    return fmt::format("{} train / {} test samples", int64_t(all[r][0].item<double>()),
+                       int64_t(all[r][4].item<double>()));
+  };
+  throw DataError(fmt::format("data.path: the ranks read different data from '{}': rank 0 has {}, "
+                              "rank {} has {}{}; every rank must see the same files",
+                              c.cfg.data.path, sizes(0), differ[0], sizes(size_t(differ[0])),
+                              differ.size() > 1 ? fmt::format(" (and {} more ranks differ)",
+                                                              differ.size() - 1)
+                                                : ""));
+}
+
 // This rank's chunks of the model. Every process builds and initialises the whole model on
 // the CPU, from the CPU generator, so each stage starts from the unsplit model's weights
 // whatever the device and layout, and the generator is where one process's would be; each
@@ -41,6 +68,8 @@ void build_chunks(Context& c, const ModelContext& mc) {
   const auto before = gen.get_state();
   auto whole = c.spec->build(cfg.model, mc);
   const auto after = gen.get_state();
+  for (const auto& p : whole->named_parameters()) c.model_names.push_back(p.key());
+  for (const auto& b : whole->named_buffers()) c.model_names.push_back(b.key());
   const auto split = split_stages(whole->part_params(), c.stages, cfg.parallel.stages);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const int64_t stage = chunk * ranks + c.mesh.coord().pipeline;
@@ -103,6 +132,7 @@ void setup(Context& c) {
               << "), which is ~19x slower on Linear layers; install libopenblas0-openmp\n";
 
   c.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed));
+  agree_on_data(c);
   c.spec = &model_spec(cfg.model.arch);
   c.task = c.spec->task;
   ModelContext mc;
@@ -131,6 +161,7 @@ void setup(Context& c) {
 
   auto resume_from = open_run_dir(c);
   if (resume_from) restore(c, *resume_from);
+  else if (!cfg.model.init_from.empty()) init_weights(c);  // a resume goes on from its own
   if (c.state.step >= c.total_steps) {  // a finished run: its files stay as they are
     c.finished = true;
     return;

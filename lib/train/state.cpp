@@ -1,13 +1,18 @@
 #include "train/state.hpp"
 
 #include <algorithm>
+#include <iterator>
+#include <map>
+#include <set>
 #include <filesystem>
 #include <functional>
 #include <iostream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#include "checkpoint/safetensors.hpp"
 #include "config/schema.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
@@ -144,8 +149,53 @@ SavedTrainer read_trainer_state(const nlohmann::json& t, const std::string& fold
   return out;
 }
 
+namespace {
+
+// A resume continues the same model: the checkpoint's model keys (all but dropout, which
+// changes no weight) and its tensor names must be the job's. Otherwise weights would be
+// dropped or misread in silence (model.heads 4 -> 8 keeps every shape).
+void check_same_model(const Context& c, const CheckpointState& saved, const std::string& folder) {
+  JobConfig theirs = c.cfg;
+  try {
+    theirs = parse_job(saved.config_yaml, folder + "/config.yaml");
+  } catch (const ConfigError& e) {
+    throw CheckpointError(fmt::format("{}: cannot read the job that wrote it: {}", folder,
+                                      first_line(e.what())));
+  }
+  JobConfig ours = c.cfg;
+  auto a = fields_of(ours), b = fields_of(theirs);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool architecture = a[i].key.rfind("model.", 0) == 0 && a[i].key != "model.dropout" &&
+                              a[i].key.rfind("model.init_", 0) != 0;
+    if (!architecture) continue;
+    const auto mine = value_text(a[i]), saved_value = value_text(b[i]);
+    fail_if<CheckpointError>(mine != saved_value,
+                             "{}: the checkpoint's model has {} {}, this job has {}; resuming "
+                             "needs the same model", folder, a[i].key, saved_value, mine);
+  }
+  std::set<std::string> names(c.model_names.begin(), c.model_names.end()), theirs_names;
+  for (const auto& [name, t] : saved.model) theirs_names.insert(name);
+  std::vector<std::string> extra, missing;
+  std::set_difference(theirs_names.begin(), theirs_names.end(), names.begin(), names.end(),
+                      std::back_inserter(extra));
+  std::set_difference(names.begin(), names.end(), theirs_names.begin(), theirs_names.end(),
+                      std::back_inserter(missing));
+  auto some = [](const std::vector<std::string>& v) {
+    std::vector<std::string> head(v.begin(), v.begin() + long(std::min<size_t>(v.size(), 4)));
+    return fmt::format("{}{}", fmt::join(head, ", "), v.size() > 4 ? ", ..." : "");
+  };
+  fail_if<CheckpointError>(!extra.empty(), "{}: the checkpoint holds {} tensor(s) this job's "
+                           "model does not have ({}); resuming needs the same model", folder,
+                           extra.size(), some(extra));
+  fail_if<CheckpointError>(!missing.empty(), "{}: the checkpoint lacks {} tensor(s) of this "
+                           "job's model ({})", folder, missing.size(), some(missing));
+}
+
+}  // namespace
+
 void restore(Context& c, const std::string& folder) {
   auto saved = load_checkpoint(folder);
+  check_same_model(c, saved, folder);
   const SavedTrainer t = read_trainer_state(saved.trainer, folder);
   fail_if<ConfigError>(t.global_batch != c.cfg.data.batch_size,
                        "data.batch_size: {} differs from the checkpoint's {} ({}); an exact "
@@ -288,6 +338,66 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
     return int64_t(0);
   });
   c.state.last_saved = c.state.step;
+}
+
+void init_weights(Context& c) {
+  const auto& from = c.cfg.model.init_from;
+  NamedTensors source;
+  std::error_code ec;
+  const bool file = fs::is_regular_file(from, ec) && from.size() > 12 &&
+                    from.compare(from.size() - 12, 12, ".safetensors") == 0;
+  source = file ? read_safetensors(from).tensors : load_checkpoint(resolve_checkpoint(from)).model;
+  std::map<std::string, torch::Tensor> by_name(source.begin(), source.end());
+  auto fits = [&](const std::string& name, const std::vector<int64_t>& full_shape) {
+    auto it = by_name.find(name);
+    return it != by_name.end() && it->second.sizes().vec() == full_shape;
+  };
+  // Every rank takes its part of what fits, and names what it holds that does not; the
+  // whole model's names the source lacks, and the source's the model lacks, every rank sees.
+  std::vector<std::string> skipped, unused;
+  std::set<std::string> model(c.model_names.begin(), c.model_names.end());
+  for (const auto& [name, t] : by_name)
+    if (!model.count(name)) unused.push_back(name);
+  for (const auto& name : c.model_names)
+    if (!by_name.count(name)) skipped.push_back(name);
+  torch::NoGradGuard no_grad;
+  const auto& entries = c.params->entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    if (fits(e.name, e.full_shape))
+      c.params->view(c.params->data(), i)
+          .copy_(e.placement.shard(by_name.at(e.name), c.mesh.coord().tensor));
+    else if (by_name.count(e.name))
+      skipped.push_back(e.name + " (another shape)");
+  }
+  for (auto& [name, b] : c.named_buffers()) {
+    if (fits(name, b.sizes().vec())) b.copy_(by_name.at(name));
+    else if (by_name.count(name)) skipped.push_back(name + " (another shape)");
+  }
+  auto some = [](const std::vector<std::string>& v) {
+    std::vector<std::string> head(v.begin(), v.begin() + long(std::min<size_t>(v.size(), 4)));
+    return fmt::format("{}{}", fmt::join(head, ", "), v.size() > 4 ? ", ..." : "");
+  };
+  const std::string what = fmt::format("initialise the model from '{}'", from);
+  if (c.cfg.model.init_strict) {
+    // A shape that differs shows only on the rank holding that tensor: all stop together.
+    every_rank_does(
+        c, what,
+        [&] {
+          fail_if<CheckpointError>(!skipped.empty(), "model.init_from: '{}' lacks {} tensor(s) "
+                                   "of the model or holds them at another shape ({}); set "
+                                   "model.init_strict: false to load what matches", from,
+                                   skipped.size(), some(skipped));
+          fail_if<CheckpointError>(!unused.empty(), "model.init_from: '{}' holds {} tensor(s) "
+                                   "the model does not have ({}); set model.init_strict: false "
+                                   "to leave them", from, unused.size(), some(unused));
+        },
+        [] {});
+  } else if (!skipped.empty() || !unused.empty()) {
+    c.say(fmt::format("warning: model.init_from: {} tensor(s) left as initialised ({}); {} in "
+                      "'{}' not used ({})", skipped.size(), some(skipped), unused.size(), from,
+                      some(unused)));
+  }
 }
 
 }  // namespace dtrain

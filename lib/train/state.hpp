@@ -35,5 +35,10 @@ void restore(Context& c, const std::string& folder);
 void save_checkpoint(Context& c, const std::optional<EvalResult>& eval);
 // Every data-parallel rank starts from data rank 0's exact state.
 void broadcast_state(Context& c);
+// model.init_from: a fresh run's weights (parameters and buffers) from a checkpoint or a
+// safetensors file, by name, each rank taking its part. Strict: every tensor of the model
+// there with its full shape and nothing else (CheckpointError naming what is not);
+// otherwise what matches is loaded and the rest listed in one warning.
+void init_weights(Context& c);
 
 }  // namespace dtrain
