@@ -59,6 +59,22 @@ int64_t world_for_check(int64_t nproc) {
   return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).world;
 }
 
+// "MIN:MAX" or "N" (torchrun's --nnodes and PET_NNODES): the range of nodes.
+std::pair<int64_t, int64_t> node_range(const std::string& text, const std::string& what) {
+  const auto colon = text.find(':');
+  int64_t lo = 0, hi = 0;
+  try {
+    size_t used = 0;
+    lo = std::stoll(text.substr(0, colon), &used);
+    hi = colon == std::string::npos ? lo : std::stoll(text.substr(colon + 1));
+  } catch (const std::exception&) {
+    lo = hi = 0;
+  }
+  fail_if<ConfigError>(lo < 1 || hi < lo || hi > 4096, "{}: expected MIN:MAX nodes, e.g. 1:4 "
+                       "(got '{}')", what, text);
+  return {lo, hi};
+}
+
 // The processes of that world on this machine: all of --nproc, else the launcher's local
 // count, else one.
 int64_t local_for_check(int64_t nproc) {
@@ -97,6 +113,12 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   auto world = discover_world(env, cfg.dist.port);
   const ParallelDims dims = validate(cfg, world.world);
   check_machine(cfg, dims, world.local_world);
+  // An elastic range torchrun was given through its environment: every size in it must
+  // work, not only this one (a join would otherwise stop the job later).
+  if (auto range = env("PET_NNODES"); range && !world.run_id.empty()) {
+    const auto [lo, hi] = node_range(*range, "PET_NNODES");
+    validate_elastic(cfg, lo, hi, world.local_world);
+  }
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
   const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world);
@@ -196,6 +218,10 @@ int run_cli(int argc, char** argv) {
     cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
                                             "world size, else 1)")
         ->check(CLI::Range(int64_t(1), int64_t(1 << 20)));
+  std::string nnodes;
+  validate_cmd->add_option("--nnodes", nnodes, "an elastic job's range of nodes, MIN:MAX (as "
+                                               "torchrun's): check every world size in it, "
+                                               "--nproc processes per node");
 
   std::string folder, out;
   auto* inspect_cmd = app.add_subcommand("inspect", "what a checkpoint holds");
@@ -220,6 +246,12 @@ int run_cli(int argc, char** argv) {
 
   if (*run) return run_job(job, run_dir, resume, !no_requeue, nproc, max_restarts, argc, argv);
   if (*validate_cmd) {
+    if (!nnodes.empty()) {
+      const auto [lo, hi] = node_range(nnodes, "--nnodes");
+      JobConfig cfg = load_job(job.path, job.sets);
+      resolve(cfg);
+      validate_elastic(cfg, lo, hi, check_nproc);
+    }
     auto checked = load(job, "", world_for_check(check_nproc));
     check_machine(checked.cfg, checked.dims, std::min(checked.dims.world(), local_for_check(check_nproc)));
     // The data as run would read it, and the model's checks against it.

@@ -116,6 +116,7 @@ std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, 
     if (metric)
       manifest["metric"] = {{"name", metric->name}, {"value", metric->value},
                             {"higher_is_better", metric->higher_is_better}};
+    if (!state.run_id.empty()) manifest["run_id"] = state.run_id;
     // Every file the writers left, each part included: the manifest is the completion
     // record, so a part that is missing or damaged later fails verification.
     std::vector<std::string> files;

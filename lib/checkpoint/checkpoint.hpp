@@ -26,6 +26,7 @@ struct CheckpointState {
   NamedTensors optimizer;    // per-parameter slots and scalars
   nlohmann::json trainer;    // step, epoch, position in the epoch, RNG, counters
   std::string config_yaml;   // the resolved job that wrote it
+  std::string run_id;        // the elastic run that wrote it (torchrun's), or ""
 };
 
 struct Metric {

@@ -366,16 +366,23 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
   try {
     const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
     if (world.agent_store) {
-      // torchrun's store outlives a restart of the workers and holds the agent's own keys:
-      // each attempt's keys go under a prefix of their own.
+      // torchrun's store outlives the workers and holds the agent's own keys: each
+      // rendezvous round's keys go under a prefix of their own. The restart count tells
+      // failures apart, not membership changes (a node joining restarts the workers with
+      // the same count), so the workers of one (restart, world size) also count themselves
+      // in: each round adds exactly `world` arrivals, and every worker of a round computes
+      // the same round number.
       c10d::TCPStoreOptions so;
       so.port = static_cast<std::uint16_t>(world.master_port);
       so.isServer = false;
       so.timeout = timeout;
       compat::store_without_libuv(so);
+      auto agent = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
+      const std::string slot = fmt::format("dtrain/attempt_{}/world_{}", world.restart_count,
+                                           world.world);
+      const int64_t arrival = agent->add(slot + "/arrivals", 1);  // from 1
       store = c10::make_intrusive<c10d::PrefixStore>(
-          fmt::format("dtrain/attempt_{}", world.restart_count),
-          c10::make_intrusive<c10d::TCPStore>(world.master_addr, so));
+          fmt::format("{}/round_{}", slot, (arrival - 1) / world.world), agent);
     } else {
       TcpStore::Options so;
       so.host = world.master_addr;

@@ -141,7 +141,10 @@ std::string address_str(const sockaddr* a) {
 // complete request is answered at once.
 class StoreServer {
  public:
-  StoreServer(const std::string& host, int port, bool everywhere) {
+  // `remote_note`, when given, is printed once, when the first client connects from
+  // another machine.
+  StoreServer(const std::string& host, int port, bool everywhere, std::string remote_note = "")
+      : remote_note_(std::move(remote_note)) {
     AddrInfo ai;
     resolve(everywhere ? "" : host, port, /*passive=*/true, ai);
     std::string tried;
@@ -207,6 +210,7 @@ class StoreServer {
           int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
           clients_[fd];
+          note_if_remote(fd);
         }
       }
       for (size_t i = 2; i < fds.size(); ++i) {
@@ -224,6 +228,17 @@ class StoreServer {
         }
       }
     }
+  }
+
+  void note_if_remote(int fd) {
+    if (remote_note_.empty()) return;
+    sockaddr_storage peer{};
+    socklen_t len = sizeof peer;
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) return;
+    const std::string from = address_str(reinterpret_cast<sockaddr*>(&peer));
+    if (from.rfind("127.", 0) == 0 || from == "::1" || from.rfind("::ffff:127.", 0) == 0) return;
+    std::fprintf(stderr, "%s (a rank connected from %s)\n", remote_note_.c_str(), from.c_str());
+    remote_note_.clear();
   }
 
   // Reads what the client sent and queues the answer to every complete request; false to
@@ -320,6 +335,7 @@ class StoreServer {
 
   int listen_fd_ = -1, port_ = 0;
   int wake_[2] = {-1, -1};
+  std::string remote_note_;
   std::string address_;
   struct Client {
     Bytes in;   // received, not yet a whole request
@@ -346,13 +362,15 @@ TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout), opts_(o) {
     const bool loopback = at.rfind("127.", 0) == 0 || at == "::1";
     if (loopback && o.other_machines && !o.listen_everywhere) {
       // Ranks on other machines could never reach it (a hostname that /etc/hosts maps to
-      // 127.0.1.1, as Debian does): listen everywhere, as c10d's TCPStore would, and say so.
-      std::fprintf(stderr, "dtrain: warning: MASTER_ADDR '%s' is a loopback address (%s) on rank "
-                           "0 while ranks run on other machines; the store listens on every "
-                           "interface (set MASTER_ADDR to this host's address to avoid that)\n",
-                   o.host.c_str(), at.c_str());
+      // 127.0.1.1, as Debian does): listen everywhere, as c10d's TCPStore would. Whether
+      // they do run elsewhere (several launchers on one host also look so) shows when one
+      // connects: then it says so.
       server_.reset();
-      server_ = std::make_unique<StoreServer>(o.host, o.port, /*everywhere=*/true);
+      server_ = std::make_unique<StoreServer>(
+          o.host, o.port, /*everywhere=*/true,
+          fmt::format("dtrain: warning: MASTER_ADDR '{}' is a loopback address ({}) on rank 0 "
+                      "while ranks run on other machines; the store listens on every interface "
+                      "(set MASTER_ADDR to this host's address to avoid that)", o.host, at));
       port_ = server_->port();
     }
   }

@@ -159,6 +159,7 @@ WorldInfo discover_world(const Env& env, int64_t config_port,
     if (env_style) {
       w.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
       w.restart_count = int_var(env, "TORCHELASTIC_RESTART_COUNT").value_or(0);
+      w.run_id = env("TORCHELASTIC_RUN_ID").value_or("");
     }
     if (w.launcher == "slurm") {
       // SLURM_*_TASKS_PER_NODE may read "2(x3)": the leading count is this node's.

@@ -23,6 +23,10 @@ struct WorldInfo {
   // torchrun's TORCHELASTIC_RESTART_COUNT: > 0 when the agent restarted the workers, who
   // then resume from the run's newest valid checkpoint.
   int64_t restart_count = 0;
+  // torchrun's TORCHELASTIC_RUN_ID (its --rdzv_id): one elastic job, across its restarts
+  // and membership changes. A worker that finds checkpoints this run wrote resumes from
+  // them, whatever the restart count ("" outside torchrun).
+  std::string run_id;
 };
 
 using Env = std::function<std::optional<std::string>(const std::string&)>;

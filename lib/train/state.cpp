@@ -70,8 +70,13 @@ int64_t claim_and_choose(Context& c) {
   int64_t step = -1;
   if (resume == "auto" || resume.empty()) {
     const auto scan = c.checkpoints->scan();
+    // Under torchrun, a worker that finds the newest checkpoint written by its own elastic
+    // run continues it: the agents restarted the workers for a new membership (a node
+    // joined or left) or after a failure, and the job goes on at the new size.
+    const bool same_run = !c.world.run_id.empty() && scan.newest_valid &&
+                          scan.newest_manifest.value("run_id", "") == c.world.run_id;
     // Starting over would prune and overwrite an earlier run's checkpoints, readable or not.
-    fail_if<ConfigError>(resume.empty() && scan.folders > 0,
+    fail_if<ConfigError>(resume.empty() && scan.folders > 0 && !same_run,
                          "run directory '{}' already holds checkpoints: resume with --resume "
                          "auto, or choose another --run-dir", dir);
     if (!scan.newest_valid && scan.folders > 0)
@@ -331,6 +336,7 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
           to_hex(at::globalContext().defaultGenerator(c.device()).get_state());
     if (c.scaler) state.trainer["loss_scaler"] = c.scaler->state();
     state.config_yaml = to_yaml(c.cfg);
+    state.run_id = c.world.run_id;
     std::optional<Metric> metric;
     if (eval) metric = Metric{c.task->metric(), eval->metric, c.task->higher_is_better()};
     auto folder = c.checkpoints->commit(state, st.step, st.step / spe, layout_json(dims), metric);

@@ -163,6 +163,18 @@ void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local
                        e.state / gib, e.activations / gib, available / gib);
 }
 
+void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes,
+                      int64_t per_node) {
+  for (int64_t nodes = min_nodes; nodes <= max_nodes; ++nodes) {
+    try {
+      validate(cfg, nodes * per_node);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("at {} node(s) x {} process(es) (the elastic range {}:{}): {}",
+                                    nodes, per_node, min_nodes, max_nodes, e.what()));
+    }
+  }
+}
+
 void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
   ModelContext mc;
   mc.sample_shape = data.sample_shape;
@@ -184,8 +196,9 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   const int64_t per_step = layout.data * cfg.train.grad_accum;
   fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
                        "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
-                       "train.grad_accum {}; use a multiple of {}",
-                       cfg.data.batch_size, layout.data, cfg.train.grad_accum, per_step);
+                       "train.grad_accum {} (world size {}); use a multiple of {}",
+                       cfg.data.batch_size, layout.data, cfg.train.grad_accum, world_size,
+                       per_step);
   const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "synthetic_tokens";
   fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
                        "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,

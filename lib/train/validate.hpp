@@ -15,6 +15,10 @@ namespace dtrain {
 // would be valid.
 ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1);
 
+// validate() at every world size an elastic job may take: `min_nodes` to `max_nodes` nodes
+// of `per_node` processes. The error names the world size that fails.
+void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes, int64_t per_node);
+
 // Refuses (ConfigError naming train.threads) more intra-op threads than 4 per core of this
 // machine, and, unless train.memory_check is off, a job on the CPU whose estimated memory
 // for `local_processes` processes exceeds what this machine has available: what would

@@ -116,6 +116,24 @@ TEST_SUITE("cli") {
     CHECK(dtrain("--help").code == 0);
   }
 
+  TEST_CASE("an elastic range: every world size in it must take the global batch") {
+    const std::string job = "validate " + config("fashion_mnist_mlp.yaml") + " --nproc 1";
+    CHECK(dtrain(job + " --set data.batch_size=48 --nnodes 1:4").code == 0);
+    auto r = dtrain(job + " --set data.batch_size=32 --nnodes 1:4");
+    check_one_line_error(r, 2, "data.batch_size");
+    CHECK(r.err.find("world size 3") != std::string::npos);
+    check_one_line_error(dtrain(job + " --nnodes 3:1"), 2, "--nnodes");
+    // A worker torchrun starts with such a range stops before training, exit 2.
+    auto dir = temp_dir("elastic-range");
+    r = dtrain("run " + config("fashion_mnist_mlp.yaml") + " --set data.batch_size=32 --run-dir " +
+                   dir + "/run",
+               "env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
+               "MASTER_PORT=29999 TORCHELASTIC_RUN_ID=e2e PET_NNODES=1:3 timeout 60");
+    check_one_line_error(r, 2, "data.batch_size");
+    CHECK(r.err.find("world size 3") != std::string::npos);
+    CHECK(!std::filesystem::exists(dir + "/run/metrics.jsonl"));
+  }
+
   TEST_CASE("validate reads the data as run would: unreadable data exits 3") {
     auto dir = temp_dir("validate-data");
     auto r = dtrain("validate " + config("fashion_mnist_mlp.yaml") + " --set data.path=" + dir);

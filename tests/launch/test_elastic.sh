@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Elastic training under the real torchrun: two agents on this machine (--nnodes 1:2, one
+# worker each, the c10d rendezvous).
+#  1. Join: agent A trains alone; agent B joins. torchrun stops A's worker (dtrain writes a
+#     checkpoint) and starts both at world 2 with the same restart count; they resume
+#     from that checkpoint, as workers of the same elastic run, and complete: both agents
+#     exit 0, every step is logged once, the summary says world_size 2, and the losses
+#     after the join are those of a run resumed at world 2 from the same checkpoint by hand.
+#  2. Leave: A and B train at world 2; B's agent and worker are killed. A's worker fails
+#     (exit 4), A restarts it at world 1 (--max_restarts 1), it resumes and completes:
+#     every step logged once, world_size 1.
+# Exit 77 (skipped) without python3-torch. Usage: test_elastic.sh DTRAIN_BINARY
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+dtrain=$(realpath "$1")
+py=/usr/bin/python3
+$py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun: install python3-torch (scripts/setup.sh --test)"; exit 77; }
+work=$(mktemp -d /tmp/dtrain-elastic-test.XXXXXX)
+trap 'kill -9 $(jobs -p) 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+killtree() { local c; for c in $(pgrep -P "$1"); do killtree "$c"; done; kill -9 "$1" 2>/dev/null; }
+port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+last_step() {  # the newest step in a run's metrics, or 0
+  tail -n 1 "$1/metrics.jsonl" 2>/dev/null |
+    $py -c 'import json,sys; print(json.loads(sys.stdin.read()).get("step", 0))' 2>/dev/null || echo 0
+}
+wait_for_step() {  # RUN_DIR STEP AGENT_PID: up to 120 s, while the agent lives
+  for _ in $(seq 1 1200); do
+    [ "$(last_step "$1")" -ge "$2" ] && return 0
+    kill -0 "$3" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+steps=20000
+job=(run "$here/job.yaml" --set train.max_steps=$steps --set model.hidden=[256,256]
+     --set train.log_every=10 --set checkpoint.every_steps=500 --set checkpoint.keep_last=100
+     --set dist.timeout_s=30)
+agent() {  # ID RDZV_PORT MAX_RESTARTS LOG RUN_DIR
+  timeout 300 "$py" "$root/scripts/torchrun" --nnodes 1:2 --nproc_per_node 1 --rdzv_backend c10d \
+    --rdzv_endpoint "127.0.0.1:$2" --rdzv_id "$1" --rdzv_conf last_call_timeout=1 \
+    --max_restarts "$3" --no_python "$dtrain" "${job[@]}" --run-dir "$5" > "$4" 2>&1
+}
+each_step_once() {  # RUN_DIR WORLD_SIZE
+  $py - "$1/metrics.jsonl" $steps "$2" <<'PYEOF'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+steps, world = int(sys.argv[2]), int(sys.argv[3])
+train = [l["step"] for l in lines if l["kind"] == "train"]
+s = lines[-1]
+assert s["kind"] == "summary" and s["status"] == "completed" and s["steps"] == steps, s
+assert s["world_size"] == world, s["world_size"]
+assert train == list(range(10, steps + 1, 10)), "steps logged more than once or missing"
+print(f"completed {steps} steps at world size {world}, each logged once")
+PYEOF
+}
+
+# 1. Join.
+p=$(port)
+agent join "$p" 0 "$work/a.out" "$work/join" &
+a=$!
+wait_for_step "$work/join" 300 $a || { cat "$work/a.out"; fail "agent A did not start training"; }
+agent join "$p" 0 "$work/b.out" "$work/join" &
+b=$!
+wait $a; ra=$?
+wait $b; rb=$?
+tail -n 5 "$work/a.out"
+[ $ra -eq 0 ] && [ $rb -eq 0 ] || { tail -n 30 "$work/a.out" "$work/b.out"; fail "after a join the agents exited $ra and $rb"; }
+at=$(sed -n 's/.*resumed at step \([0-9]*\).*/\1/p' "$work/a.out" "$work/b.out" | head -n 1)
+[ -n "$at" ] || fail "the workers did not resume after the join"
+each_step_once "$work/join" 2 || fail "the joined run's log is not one run"
+# The same checkpoint resumed at world 2 by hand: the same losses after it.
+mkdir -p "$work/hand/checkpoints"
+ckpt=$(printf 'step-%08d' "$at")
+cp -r "$work/join/checkpoints/$ckpt" "$work/hand/checkpoints/"
+echo "$ckpt" > "$work/hand/checkpoints/latest"
+timeout 300 "$dtrain" "${job[@]}" --run-dir "$work/hand" --nproc 2 --resume auto > "$work/hand.out" 2>&1 ||
+  { tail -n 20 "$work/hand.out"; fail "resuming by hand at world 2 failed"; }
+$py - "$work/join/metrics.jsonl" "$work/hand/metrics.jsonl" "$at" <<'PYEOF' || fail "the losses after the join differ from a resume by hand"
+import json, sys
+def losses(p): return {l["step"]: l["loss"] for l in map(json.loads, open(p)) if l["kind"] == "train"}
+a, b, at = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
+after = [s for s in b if s > at]
+assert after and all(s in a for s in after)
+worst = max(abs(a[s] - b[s]) / abs(b[s]) for s in after)
+print(f"joined at step {at}: {len(after)} logged steps after it, largest relative difference "
+      f"from a resume by hand {worst:.1e}")
+assert worst <= 1e-6
+PYEOF
+
+# 2. Leave. Agent C starts first and hosts the rendezvous (torchrun's c10d backend lives
+# in the first agent: that one going away ends every agent); D joins it.
+p=$(port)
+agent leave "$p" 1 "$work/c.out" "$work/leave" &
+c=$!
+sleep 0.5
+agent leave "$p" 1 "$work/d.out" "$work/leave" &
+d=$!
+for _ in $(seq 1 1200); do  # up to 120 s for both to train together
+  cat "$work/c.out" "$work/d.out" 2>/dev/null | grep -q "world 2 (" && break
+  sleep 0.1
+done
+cat "$work/c.out" "$work/d.out" | grep -q "world 2 (" ||
+  { tail -n 20 "$work/c.out" "$work/d.out"; fail "the agents did not train at world 2"; }
+from=$(last_step "$work/leave")  # on past a checkpoint written at world 2
+wait_for_step "$work/leave" $(( (from / 500 + 1) * 500 + 100 )) $c || { tail -n 20 "$work/c.out"; fail "no progress at world 2"; }
+# Agent D and its worker go away at once, as a node that fails does.
+killtree "$d"
+wait $c; rc=$?
+tail -n 5 "$work/c.out"
+[ $rc -eq 0 ] || { tail -n 30 "$work/c.out"; fail "after a node left, the surviving agent exited $rc"; }
+grep -q "resumed at step" "$work/c.out" || fail "the surviving worker did not resume"
+each_step_once "$work/leave" 1 || fail "the run after a leave is not one run"
+echo "elastic: join and leave ok"
