@@ -2,8 +2,10 @@
 // max-pool, then the dense layers. The shipped job is conv32-pool-conv64-pool-fc128-fc10,
 // the shape of scripts/baselines' PyTorch CNN, so the two run the same kernels. It has no
 // tensor-parallel form; data and pipeline parallelism are what it scales with.
+#include <fmt/format.h>
 #include <torch/nn.h>
 
+#include "models/dropout.hpp"
 #include "models/model.hpp"
 #include "parallel/sync_batchnorm.hpp"
 #include "util/error.hpp"
@@ -60,10 +62,12 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   m->add(nn::Flatten(), /*new_part=*/true);  // joins the first dense layer's part
   int64_t in = c * h * w;
   bool first_dense = true;
+  int64_t fc_index = 0;
   for (auto width : cfg.fc) {
     m->add(nn::Linear(in, width), !first_dense);
     m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
-    if (cfg.dropout > 0) m->add(nn::Dropout(cfg.dropout));
+    if (cfg.dropout > 0)
+      m->add(SeededDropout(cfg.dropout, dropout_site(fmt::format("fc.{}", fc_index++))));
     in = width, first_dense = false;
   }
   m->add(nn::Linear(in, ctx.classes), !first_dense);

@@ -15,6 +15,7 @@
 #include <torch/nn.h>
 
 #include "models/attention.hpp"
+#include "models/dropout.hpp"
 #include "models/model.hpp"
 #include "models/recompute.hpp"
 #include "parallel/tensor_parallel.hpp"
@@ -28,24 +29,23 @@
 
 namespace dtrain {
 namespace nn = torch::nn;
-namespace F = torch::nn::functional;
 
 torch::Tensor plain_causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                     const torch::Tensor& v, double dropout) {
+                                     const torch::Tensor& v, const WeightsDropout& drop) {
   const int64_t seq = q.size(-2);
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(q.size(-1))));
   auto future = torch::ones({seq, seq}, torch::dtype(torch::kBool).device(q.device())).triu(1);
   auto weights = torch::softmax(scores.masked_fill(future, -INFINITY), -1);
-  if (dropout > 0) weights = torch::dropout(weights, dropout, /*train=*/true);
+  if (drop) weights = drop(weights);
   return torch::matmul(weights, v);
 }
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, double dropout) {
+                               const torch::Tensor& v) {
 #if DTRAIN_HAS_FUSED_ATTENTION
-  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true);
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, 0.0, /*is_causal=*/true);
 #else
-  return plain_causal_attention(q, k, v, dropout);
+  return plain_causal_attention(q, k, v);
 #endif
 }
 
@@ -60,8 +60,13 @@ LinearInit normal_init(double std) {
 
 class AttentionImpl : public nn::Module {
  public:
-  AttentionImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor)
-      : heads_(cfg.heads / tensor->size()), head_dim_(cfg.dim / cfg.heads), dropout_(cfg.dropout) {
+  AttentionImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor, int64_t block)
+      : heads_(cfg.heads / tensor->size()),
+        head_dim_(cfg.dim / cfg.heads),
+        dropout_(cfg.dropout),
+        weights_site_(dropout_site(fmt::format("h.{}.attn.weights", block))),
+        out_site_(dropout_site(fmt::format("h.{}.attn.out", block))),
+        heads_slice_{1, tensor->rank(), tensor->size()} {
     const double proj_std = 0.02 / std::sqrt(2.0 * double(cfg.layers));
     c_attn = register_module(
         "c_attn", ColumnParallelLinear(
@@ -77,11 +82,17 @@ class AttentionImpl : public nn::Module {
     auto heads = [&](const torch::Tensor& t) {
       return t.view({batch, seq, heads_, head_dim_}).transpose(1, 2);
     };
-    auto y = causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
-                              is_training() ? dropout_ : 0.0);
+    const bool drop = is_training() && dropout_ > 0;
+    // The weights' dropout draws per (sample, head of the whole layer, query, key): the
+    // plain form, as the fused kernel would draw its own.
+    auto y = drop ? plain_causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
+                                           [&](const torch::Tensor& w) {
+                                             return seeded_dropout(w, dropout_, weights_site_,
+                                                                   heads_slice_);
+                                           })
+                  : causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]));
     y = c_proj->forward(y.transpose(1, 2).contiguous().view({batch, seq, width}));
-    return dropout_ > 0 ? F::dropout(y, F::DropoutFuncOptions().p(dropout_).training(is_training()))
-                        : y;
+    return drop ? seeded_dropout(y, dropout_, out_site_) : y;
   }
 
   ColumnParallelLinear c_attn{nullptr};
@@ -90,12 +101,15 @@ class AttentionImpl : public nn::Module {
  private:
   int64_t heads_, head_dim_;
   double dropout_;
+  uint64_t weights_site_, out_site_;
+  LayerSlice heads_slice_;
 };
 TORCH_MODULE(Attention);
 
 class MlpImpl : public nn::Module {
  public:
-  MlpImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) : dropout_(cfg.dropout) {
+  MlpImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor, int64_t block)
+      : dropout_(cfg.dropout), site_(dropout_site(fmt::format("h.{}.mlp.out", block))) {
     const double proj_std = 0.02 / std::sqrt(2.0 * double(cfg.layers));
     c_fc = register_module("c_fc", ColumnParallelLinear(
                                        ParallelLinearOptions{cfg.dim, 4 * cfg.dim, true,
@@ -106,8 +120,7 @@ class MlpImpl : public nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto y = c_proj->forward(torch::gelu(c_fc->forward(x), "tanh"));  // GPT-2's GELU
-    return dropout_ > 0 ? F::dropout(y, F::DropoutFuncOptions().p(dropout_).training(is_training()))
-                        : y;
+    return is_training() && dropout_ > 0 ? seeded_dropout(y, dropout_, site_) : y;
   }
 
   ColumnParallelLinear c_fc{nullptr};
@@ -115,16 +128,17 @@ class MlpImpl : public nn::Module {
 
  private:
   double dropout_;
+  uint64_t site_;
 };
 TORCH_MODULE(Mlp);
 
 class BlockImpl : public nn::Module {
  public:
-  BlockImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor) {
+  BlockImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor, int64_t index) {
     ln_1 = register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
-    attn = register_module("attn", Attention(cfg, tensor));
+    attn = register_module("attn", Attention(cfg, tensor, index));
     ln_2 = register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
-    mlp = register_module("mlp", Mlp(cfg, tensor));
+    mlp = register_module("mlp", Mlp(cfg, tensor, index));
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn->forward(ln_1->forward(x));
@@ -150,7 +164,7 @@ class Gpt : public Network {
     nn::init::normal_(wpe->weight, 0.0, 0.02);
     h = register_module("h", std::make_shared<nn::Module>());
     for (int64_t i = 0; i < cfg.layers; ++i)
-      blocks_.push_back(h->register_module(std::to_string(i), Block(cfg, tensor)));
+      blocks_.push_back(h->register_module(std::to_string(i), Block(cfg, tensor, i)));
     ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
   }
 
@@ -162,8 +176,7 @@ class Gpt : public Network {
     if (embeddings_) {
       auto pos = torch::arange(in.size(1), torch::dtype(torch::kInt64).device(in.device()));
       x = wte->forward(in) + wpe->forward(pos);
-      if (dropout_ > 0)
-        x = F::dropout(x, F::DropoutFuncOptions().p(dropout_).training(is_training()));
+      if (is_training() && dropout_ > 0) x = seeded_dropout(x, dropout_, dropout_site("drop"));
     }
     // Recompute: a block keeps only its input (which must be part of the graph) and runs
     // again in backward.

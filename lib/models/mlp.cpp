@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <torch/nn.h>
 
+#include "models/dropout.hpp"
 #include "models/model.hpp"
 #include "parallel/tensor_parallel.hpp"
 #include "util/error.hpp"
@@ -53,7 +54,11 @@ NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
     else
       m->add(RowParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor), new_part);
     m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
-    if (cfg.dropout > 0) m->add(nn::Dropout(cfg.dropout));
+    if (cfg.dropout > 0) {  // a column-parallel layer's output is this rank's part of it
+      const LayerSlice slice = column_parallel(i) ? LayerSlice{1, ctx.tensor->rank(), ctx.tensor->size()}
+                                                  : LayerSlice{};
+      m->add(SeededDropout(cfg.dropout, dropout_site(fmt::format("hidden.{}", i)), slice));
+    }
     in = w;
   }
   const bool new_part = !cfg.hidden.empty();

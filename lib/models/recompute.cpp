@@ -1,8 +1,11 @@
 #include "models/recompute.hpp"
 
+#include <optional>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include "models/dropout.hpp"
 #include "util/compat.hpp"
 
 namespace dtrain::detail {
@@ -39,6 +42,12 @@ struct Recompute : torch::autograd::Function<Recompute> {
     ctx->saved_data["autocast"] = compat::autocast_enabled(type);
     ctx->saved_data["autocast_dtype"] = int64_t(compat::autocast_dtype(type));
     ctx->saved_data["rng"] = states(generators(x.device()));
+    const DropoutDraw* d = current_dropout_draw();
+    if (d && d->positions.defined()) {  // what the masks hash, for the rerun
+      ctx->saved_data["dropout_seed"] = int64_t(d->seed);
+      ctx->saved_data["dropout_step"] = d->step;
+      ctx->saved_data["dropout_positions"] = d->positions;
+    }
     ctx->save_for_backward({x});
     // Function::apply runs this without recording a graph: the module's activations are
     // freed as it goes.
@@ -58,6 +67,11 @@ struct Recompute : torch::autograd::Function<Recompute> {
     torch::Tensor y;
     {
       torch::AutoGradMode grad(true);
+      std::optional<DropoutScope> draw;  // backward may run on another thread (a GPU's)
+      if (ctx->saved_data.count("dropout_step"))
+        draw.emplace(DropoutDraw{uint64_t(ctx->saved_data["dropout_seed"].toInt()),
+                                 ctx->saved_data["dropout_step"].toInt(),
+                                 ctx->saved_data["dropout_positions"].toTensor()});
       y = reinterpret_cast<RunFn>(ctx->saved_data["run"].toInt())(
           reinterpret_cast<void*>(ctx->saved_data["module"].toInt()), x);
     }

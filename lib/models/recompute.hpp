@@ -1,8 +1,8 @@
 // Activation recompute: a module's forward that keeps none of what its backward needs
 // beyond its input, and runs again in backward to rebuild it (torch.utils.checkpoint's
-// reentrant form; the C++ frontend has none). The rerun sees the random state and the
-// autocast setting the forward saw, so dropout draws the same masks and the gradients are
-// the ones a plain forward would give, bit for bit.
+// reentrant form; the C++ frontend has none). The rerun sees the random state, the autocast
+// setting and the dropout draw (models/dropout.hpp) the forward saw, so dropout draws the
+// same masks and the gradients are the ones a plain forward would give, bit for bit.
 #pragma once
 #include <torch/nn/module.h>
 

@@ -79,6 +79,7 @@ class Pipeline : public MicroBatchRunner {
         torch::Tensor x = g == 0 ? micro(batch.x, a.micro) : receive_activation(g, rows, a.micro);
         if (g > 0 && x.is_floating_point()) x.requires_grad_(true);
         AutocastGuard guard(c_.cfg.precision.dtype, c_.device().type());
+        DropoutScope draw(micro_batch_draw(c_, a.micro * rows, rows));
         auto out = c_.chunks[size_t(a.chunk)]->forward(x);
         if (g == stages_ - 1) {
           Batch mb{torch::Tensor(), micro(batch.y, a.micro)};

@@ -35,6 +35,7 @@ class WholeModel : public MicroBatchRunner {
       torch::Tensor loss;
       {
         AutocastGuard guard(c_.cfg.precision.dtype, c_.device().type());
+        DropoutScope draw(micro_batch_draw(c_, a * micro, micro));
         loss = c_.task->loss(model.forward(mb.x), mb, *c_.mesh.tensor());
       }
       losses.push_back(loss.detach());
@@ -62,6 +63,16 @@ class WholeModel : public MicroBatchRunner {
 };
 
 }  // namespace
+
+DropoutDraw micro_batch_draw(const Context& c, int64_t first, int64_t rows) {
+  DropoutDraw d{uint64_t(c.cfg.seed), c.state.step + 1, {}};
+  if (c.cfg.model.dropout > 0) {
+    const int64_t data = c.mesh.dims().data;
+    d.positions = (torch::arange(first, first + rows, torch::kInt64) * data +
+                   c.mesh.coord().data).to(c.device());
+  }
+  return d;
+}
 
 std::unique_ptr<MicroBatchRunner> make_runner(Context& c) {
   if (c.stages > 1) return make_pipeline_runner(c);

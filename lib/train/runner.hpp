@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include "data/dataset.hpp"
+#include "models/dropout.hpp"
 
 namespace dtrain {
 
@@ -39,5 +40,10 @@ class MicroBatchRunner {
 // The runner for this job: Pipeline with more than one pipeline stage, else WholeModel.
 std::unique_ptr<MicroBatchRunner> make_runner(Context& c);
 std::unique_ptr<MicroBatchRunner> make_pipeline_runner(Context& c);
+
+// The dropout draw of the micro-batch made of rows [first, first + rows) of this data rank's
+// batch for the coming step: the sampler deals the global batch round-robin, so this
+// rank's row i is the global batch's sample r + D i (data/sampler.hpp).
+DropoutDraw micro_batch_draw(const Context& c, int64_t first, int64_t rows);
 
 }  // namespace dtrain

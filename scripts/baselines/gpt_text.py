@@ -2,7 +2,8 @@
 """PyTorch (Python, eager) reference for configs/gpt_text.yaml's model on the CPU: the same
 GPT-2-shaped network (pre-LayerNorm blocks, plain causal attention as Debian's torch 1.13
 has no fused kernel, tanh GELU, tied head), AdamW with weight decay on >= 2-D parameters,
-clipping at 1.0, fp32. Random byte tokens (loading is not what is measured). Prints one JSON
+clipping at 1.0, fp32; --dropout P adds GPT-2's dropout (embeddings, attention weights,
+both residual branches) as dtrain's model.dropout does. Random byte tokens (loading is not what is measured). Prints one JSON
 line: tokens/s over the steady state (median step after warm-up)."""
 import argparse, json, math, statistics, time
 
@@ -12,9 +13,10 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, d, h):
+    def __init__(self, d, h, p):
         super().__init__()
         self.h = h
+        self.drop = nn.Dropout(p)
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -24,21 +26,22 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.h)
-        a = att.masked_fill(mask[:t, :t], float("-inf")).softmax(-1) @ v
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        a = self.drop(att.masked_fill(mask[:t, :t], float("-inf")).softmax(-1)) @ v
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, ctx, d, layers, heads):
+    def __init__(self, vocab, ctx, d, layers, heads, p=0.0):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.drop = nn.Dropout(p)
+        self.blocks = nn.ModuleList(Block(d, heads, p) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.register_buffer("mask", torch.ones(ctx, ctx, dtype=torch.bool).triu(1))
 
     def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
         for blk in self.blocks:
             x = blk(x, self.mask)
         logits = F.linear(self.ln(x), self.tok.weight)
@@ -55,10 +58,11 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = GPT(256, a.seq, a.dim, a.layers, a.heads)
+    model = GPT(256, a.seq, a.dim, a.layers, a.heads, a.dropout)
     decay = [q for q in model.parameters() if q.dim() >= 2]
     other = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],

@@ -1,7 +1,8 @@
 // What only a GPU can check, at the unit level: the flat buffers and the fused SGD and
 // AdamW on CUDA (with a skipped step) against the CPU's update, autocast on CUDA, and NCCL
 // behind the Comm interface (a group of one: one GPU holds one NCCL rank), and the sync
-// check that holds a steady step to never waiting. Skipped where
+// check that holds a steady step to never waiting, and seeded dropout's GPU form drawing the
+// CPU's masks. Skipped where
 // no GPU is visible (CI).
 #include <doctest/doctest.h>
 
@@ -12,6 +13,7 @@
 #include "comm/comm.hpp"
 #include "config/config.hpp"
 #include "launch/device.hpp"
+#include "models/dropout.hpp"
 #include "optim/optimizer.hpp"
 #include "parallel/flat_params.hpp"
 #include "precision/autocast.hpp"
@@ -23,6 +25,25 @@ bool no_gpu() { return visible_gpus() == 0; }
 }  // namespace
 
 TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
+  TEST_CASE("cuda: seeded dropout draws on the GPU the masks it draws on the CPU") {
+    // The GPU computes the hash with tensor operations, the CPU in a loop: the same masks,
+    // so a job keeps its dropout moving between devices.
+    auto x = torch::randn({6, 4, 9, 9});
+    auto positions = torch::tensor(std::vector<int64_t>{0, 3, 5, 8, 13, 21}, torch::kInt64);
+    for (const LayerSlice slice : {LayerSlice{}, LayerSlice{1, 1, 3}}) {
+      torch::Tensor cpu, gpu;
+      {
+        DropoutScope draw(DropoutDraw{42, 3, positions});
+        cpu = seeded_dropout(x, 0.1, 7, slice);
+      }
+      {
+        DropoutScope draw(DropoutDraw{42, 3, positions.cuda()});
+        gpu = seeded_dropout(x.cuda(), 0.1, 7, slice);
+      }
+      CHECK(torch::equal(gpu.cpu(), cpu));
+    }
+  }
+
   TEST_CASE("cuda: flat SGD and AdamW on the GPU (fused where LibTorch has it) match the CPU") {
     // Six steps, the third one skipped (a NaN in the gradient, skip = 1 on the device).
     for (const char* name : {"sgd", "adamw"}) {
