@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <fmt/format.h>
@@ -84,13 +86,48 @@ void CheckpointStore::begin(int64_t step) {
   fs::create_directories(tmp);
 }
 
+namespace {
+
+// A split tensor's part in a file's metadata: "part:NAME" = "dim,parts,blocks,rank".
+constexpr const char* kPartKey = "part:";
+
+std::map<std::string, std::string> file_metadata(const std::string& format,
+                                                 const NamedTensors& tensors,
+                                                 const PartsOf& parts) {
+  std::map<std::string, std::string> meta{{"format", format}};
+  for (const auto& [name, t] : tensors)
+    if (auto it = parts.find(name); it != parts.end()) {
+      const auto& p = it->second.placement;
+      meta[kPartKey + name] = fmt::format("{},{},{},{}", p.dim, p.parts, p.blocks, it->second.rank);
+    }
+  return meta;
+}
+
+std::optional<PartOf> part_of(const std::map<std::string, std::string>& meta,
+                              const std::string& name, const std::string& file) {
+  auto it = meta.find(kPartKey + name);
+  if (it == meta.end()) return std::nullopt;
+  PartOf p;
+  char tail = 0;
+  if (std::sscanf(it->second.c_str(), "%ld,%ld,%ld,%ld%c", &p.placement.dim, &p.placement.parts,
+                  &p.placement.blocks, &p.rank, &tail) != 4 ||
+      !p.placement.is_split() || p.placement.blocks < 1 || p.rank < 0 ||
+      p.rank >= p.placement.parts)
+    throw CheckpointError(fmt::format("{}: unreadable part record for '{}' ('{}')", file, name,
+                                      it->second));
+  return p;
+}
+
+}  // namespace
+
 void CheckpointStore::write_part(const std::string& temp, const std::string& part,
-                                 const NamedTensors& model, const NamedTensors& optimizer) {
+                                 const NamedTensors& model, const NamedTensors& optimizer,
+                                 const PartsOf& parts) {
   const fs::path tmp(temp);
   write_safetensors((tmp / ("model" + part + ".safetensors")).string(), model,
-                    {{"format", "dtrain-model"}});
+                    file_metadata("dtrain-model", model, parts));
   write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
-                    {{"format", "dtrain-optimizer"}});
+                    file_metadata("dtrain-optimizer", optimizer, parts));
 }
 
 void CheckpointStore::abort(int64_t step) {
@@ -229,18 +266,55 @@ CheckpointState load_checkpoint(const std::string& folder) {
   const auto manifest = verify_checkpoint(folder);
   CheckpointState s;
   // Every writer's part, in the manifest's (name) order; a name two parts hold (the
-  // optimizer's step count) is taken once.
+  // optimizer's step count) is taken once, and a split tensor's parts (one per tensor rank)
+  // are assembled whole, every one required.
   auto merge = [&](NamedTensors& into, const std::string& kind) {
     std::set<std::string> seen;
+    struct Pieces {
+      size_t at;  // its place in `into`
+      Placement placement;
+      std::map<int64_t, torch::Tensor> by_rank;
+    };
+    std::map<std::string, Pieces> split;
     bool any = false;
     for (const auto& f : manifest.at("files")) {
       const auto file = f.at("name").get<std::string>();
       if (!starts_ends(file, kind, ".safetensors")) continue;
       any = true;
-      for (auto& [name, t] : read_safetensors((dir / file).string()).tensors)
-        if (seen.insert(name).second) into.emplace_back(name, std::move(t));
+      auto read = read_safetensors((dir / file).string());
+      for (auto& [name, t] : read.tensors) {
+        if (auto part = part_of(read.metadata, name, file)) {
+          auto [it, fresh] = split.try_emplace(name, Pieces{into.size(), part->placement, {}});
+          if (fresh && seen.insert(name).second) into.emplace_back(name, torch::Tensor());
+          const auto& p = it->second.placement;
+          fail_if<CheckpointError>(p.dim != part->placement.dim || p.parts != part->placement.parts ||
+                                       p.blocks != part->placement.blocks,
+                                   "checkpoint '{}': the parts of '{}' disagree on its split",
+                                   folder, name);
+          it->second.by_rank[part->rank] = std::move(t);
+        } else if (seen.insert(name).second) {
+          into.emplace_back(name, std::move(t));
+        }
+      }
     }
     fail_if<CheckpointError>(!any, "checkpoint '{}' has no {} tensors", folder, kind);
+    for (auto& [name, pieces] : split) {
+      std::vector<torch::Tensor> ordered;
+      for (int64_t r = 0; r < pieces.placement.parts; ++r) {
+        auto it = pieces.by_rank.find(r);
+        fail_if<CheckpointError>(it == pieces.by_rank.end(),
+                                 "checkpoint '{}' lacks tensor rank {}'s part of '{}'", folder, r,
+                                 name);
+        ordered.push_back(std::move(it->second));
+      }
+      try {
+        into[pieces.at].second = pieces.placement.assemble(ordered);
+      } catch (const c10::Error& e) {
+        throw CheckpointError(fmt::format("checkpoint '{}': the parts of '{}' do not fit "
+                                          "together ({})", folder, name,
+                                          first_line(e.what_without_backtrace())));
+      }
+    }
   };
   merge(s.model, "model");
   merge(s.optimizer, "optimizer");

@@ -15,6 +15,7 @@
 
 #include "checkpoint/safetensors.hpp"
 #include "config/config.hpp"
+#include "parallel/flat_params.hpp"
 
 namespace dtrain {
 
@@ -64,9 +65,13 @@ class CheckpointStore {
   static std::string temp_folder(const std::string& run_dir, int64_t step);
   void begin(int64_t step);
   // One writer's tensors into the temporary folder: model`part`.safetensors and
-  // optimizer`part`.safetensors (`part` "" for a single writer, ".ppN" for a stage).
+  // optimizer`part`.safetensors (`part` "" for a single writer, ".ppN" for a stage,
+  // ".tpT" for a tensor rank, ".ppN.tpT" for both). The tensors named in `parts` are one
+  // tensor rank's part of a split tensor: the file's metadata says which, and loading
+  // assembles the whole.
   static void write_part(const std::string& temp, const std::string& part,
-                         const NamedTensors& model, const NamedTensors& optimizer);
+                         const NamedTensors& model, const NamedTensors& optimizer,
+                         const PartsOf& parts = {});
   // Once every part is written: trainer.json, config.yaml and the manifest of every file,
   // then the rename, `latest`, `best` and pruning, as save(). Returns the folder.
   std::string commit(const CheckpointState& state, int64_t step, int64_t epoch,

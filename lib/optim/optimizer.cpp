@@ -226,10 +226,12 @@ class AdamW : public FlatOptimizer {
 
 }  // namespace
 
-NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, Comm& tensor) {
+NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
+                             PartsOf& parts) {
   NamedTensors out = opt.scalars();
   for (const auto& [slot, flat] : opt.slots())
-    for (auto& named : params.gather_full(flat, "." + slot, tensor)) out.push_back(std::move(named));
+    for (auto& named : params.owned(flat, "." + slot, tensor_rank, parts))
+      out.push_back(std::move(named));
   return out;
 }
 

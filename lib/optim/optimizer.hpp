@@ -44,10 +44,12 @@ class Optimizer {
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams& params,
                                           Shard shard = {});
 
-// The state at full logical shapes, per parameter and slot ("fc.weight.exp_avg"), plus
-// the scalars: what a checkpoint holds. Split parameters' slots are gathered over `tensor`
-// (a collective over the tensor group).
-NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, Comm& tensor);
+// What tensor rank `tensor_rank` writes of the state into a checkpoint: per parameter and
+// slot ("fc.weight.exp_avg"), split parameters' slots as this rank's part (noted in
+// `parts`), replicated ones on tensor rank 0 only; and the scalars. Loaded (every part
+// merged, checkpoint.hpp) it is the state at full logical shapes.
+NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
+                             PartsOf& parts);
 // Restores what optimizer_state() returned, each rank taking its part; throws
 // CheckpointError (naming `origin`) on a missing or misshapen tensor.
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,

@@ -110,6 +110,21 @@ NamedTensors FlatParams::gather_full(const torch::Tensor& flat, const std::strin
   return out;
 }
 
+NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suffix,
+                               int64_t tensor_rank, PartsOf& parts) const {
+  NamedTensors out;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const auto& e = entries_[i];
+    if (e.placement.is_split()) {
+      parts[e.name + suffix] = PartOf{e.placement, tensor_rank};
+      out.emplace_back(e.name + suffix, view(flat, i));
+    } else if (tensor_rank == 0) {
+      out.emplace_back(e.name + suffix, view(flat, i));
+    }
+  }
+  return out;
+}
+
 void FlatParams::scatter_full(torch::Tensor flat, const std::string& suffix,
                               const SavedTensors& saved, int64_t tensor_rank) const {
   torch::NoGradGuard no_grad;

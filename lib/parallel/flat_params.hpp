@@ -55,6 +55,14 @@ struct Placement {
   torch::Tensor assemble(const std::vector<torch::Tensor>& parts) const;
 };
 
+// Which part of a split tensor a checkpoint file holds: its placement, and the tensor rank
+// whose part it is. Keyed by the tensor's name in the file.
+struct PartOf {
+  Placement placement;
+  int64_t rank = 0;
+};
+using PartsOf = std::map<std::string, PartOf>;
+
 // Implemented by modules whose own parameters are split across the tensor group.
 class PlacedModule {
  public:
@@ -101,6 +109,11 @@ class FlatParams {
   // over `tensor`: a collective, every member of the tensor group calls it.
   NamedTensors gather_full(const torch::Tensor& flat, const std::string& suffix,
                            Comm& tensor) const;
+  // What tensor rank `tensor_rank` writes of `flat` into a checkpoint, without gathering:
+  // each split entry's local part (named entry.name + suffix, noted in `parts`), and the
+  // replicated entries on tensor rank 0 only.
+  NamedTensors owned(const torch::Tensor& flat, const std::string& suffix, int64_t tensor_rank,
+                     PartsOf& parts) const;
   // The reverse: each entry takes its part of the full tensor `entry.name + suffix` of
   // `saved` (CheckpointError on a missing or misshapen one).
   void scatter_full(torch::Tensor flat, const std::string& suffix, const SavedTensors& saved,

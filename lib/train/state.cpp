@@ -289,11 +289,11 @@ NamedTensors without_copies(const Context& c, NamedTensors tensors) {
 }  // namespace
 
 void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
-  // Rank 0 opens the temporary folder. The first data-parallel replica gathers each
-  // stage's split tensors over its tensor group, whose first rank writes the stage's part
-  // (the only part without a pipeline). Rank 0 commits once every part is written. No rank
-  // moves on (or exits) before the checkpoint is complete, and if a part could not be
-  // written every rank stops with the writer's reason.
+  // Rank 0 opens the temporary folder. Every rank of the first data-parallel replica
+  // writes what it owns, nothing gathered: its stage's tensors (".ppN"), of split tensors
+  // its tensor rank's part (".tpT"), replicated ones on tensor rank 0. Rank 0 commits once
+  // every part is written. No rank moves on (or exits) before the checkpoint is complete,
+  // and if a part could not be written every rank stops with the writer's reason.
   const int64_t step = c.state.step;
   const std::string what = fmt::format("write the checkpoint of step {}", step);
   root_does(c, what, [&] {
@@ -301,22 +301,25 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
     return int64_t(0);
   });
   CheckpointState state;
-  if (c.mesh.coord().data == 0) {
-    auto& tensor = *c.mesh.tensor();
-    state.model = c.params->gather_full(c.params->data(), "", tensor);
-    for (auto& b : c.named_buffers()) state.model.push_back(std::move(b));
+  PartsOf parts;
+  const auto& at = c.mesh.coord();
+  const bool writer = at.data == 0;
+  if (writer) {
+    state.model = c.params->owned(c.params->data(), "", at.tensor, parts);
+    if (at.tensor == 0)
+      for (auto& b : c.named_buffers()) state.model.push_back(std::move(b));
     state.model = without_copies(c, std::move(state.model));
-    state.optimizer = without_copies(c, optimizer_state(*c.optimizer, *c.params, tensor));
+    state.optimizer = without_copies(c, optimizer_state(*c.optimizer, *c.params, at.tensor, parts));
   }
-  const bool writer = c.mesh.coord().data == 0 && c.mesh.coord().tensor == 0;
   const auto& dims = c.mesh.dims();
   every_rank_does(
       c, what,
       [&] {
         if (!writer) return;
-        const std::string part = dims.pipeline > 1 ? fmt::format(".pp{}", c.mesh.coord().pipeline) : "";
+        const std::string part = (dims.pipeline > 1 ? fmt::format(".pp{}", at.pipeline) : "") +
+                                 (dims.tensor > 1 ? fmt::format(".tp{}", at.tensor) : "");
         CheckpointStore::write_part(CheckpointStore::temp_folder(c.cfg.run_dir, step), part,
-                                    state.model, state.optimizer);
+                                    state.model, state.optimizer, parts);
       },
       [&] { c.checkpoints->abort(step); });
   root_does(c, what, [&] {

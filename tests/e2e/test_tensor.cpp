@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include "checkpoint/checkpoint.hpp"
 #include "checkpoint/safetensors.hpp"
 #include "run.hpp"
 
@@ -48,9 +49,11 @@ std::string gpt_job(const std::string& dir) {
   return path;
 }
 
-std::map<std::string, torch::Tensor> weights(const std::string& file) {
-  auto f = dtrain::read_safetensors(file);
-  return {f.tensors.begin(), f.tensors.end()};
+// A .safetensors file's tensors, or a checkpoint folder's model (every part merged).
+std::map<std::string, torch::Tensor> weights(const std::string& path) {
+  auto t = std::filesystem::is_directory(path) ? dtrain::load_checkpoint(path).model
+                                               : dtrain::read_safetensors(path).tensors;
+  return {t.begin(), t.end()};
 }
 
 // Runs `job` on one process and on each layout; every layout's per-step losses must be
@@ -64,7 +67,7 @@ void check_layouts(const std::string& dir, const std::string& job,
   REQUIRE(one.code == 0);
   const auto ref = train_losses(dir + "/one");
   REQUIRE(ref.size() == 30);
-  const auto ref_w = weights(dir + "/one/checkpoints/step-00000030/model.safetensors");
+  const auto ref_w = weights(dir + "/one/checkpoints/step-00000030");
   for (size_t i = 0; i < layouts.size(); ++i) {
     const auto& [n, sets] = layouts[i];
     const auto run = dir + "/layout" + std::to_string(i);
@@ -75,7 +78,7 @@ void check_layouts(const std::string& dir, const std::string& job,
     check_losses_close(ref, train_losses(run), 1e-4, std::to_string(n) + " processes" + sets);
     const auto summary = metrics(run).back();
     CHECK(summary["world_size"] == n);
-    const auto w = weights(run + "/checkpoints/step-00000030/model.safetensors");
+    const auto w = weights(run + "/checkpoints/step-00000030");
     REQUIRE(w.size() == ref_w.size());
     for (const auto& [name, t] : ref_w) {
       INFO(name);
@@ -144,9 +147,17 @@ TEST_SUITE("tensor_parallel") {
       INFO(a.err);
       REQUIRE(a.code == 0);
       // The saved tensors have their full shapes whatever the layout that wrote them.
-      auto w = weights(run + "/checkpoints/step-00000015/model.safetensors");
+      auto w = weights(run + "/checkpoints/step-00000015");
       CHECK(w.at("h.0.attn.c_attn.weight").sizes() == torch::IntArrayRef{96, 32});
       CHECK(w.at("h.1.mlp.c_proj.weight").sizes() == torch::IntArrayRef{32, 128});
+      if (!first.empty()) {  // each tensor rank wrote its own part, nothing was gathered
+        auto part = dtrain::read_safetensors(run + "/checkpoints/step-00000015/model.tp1.safetensors");
+        std::map<std::string, torch::Tensor> tp1(part.tensors.begin(), part.tensors.end());
+        CHECK(tp1.at("h.0.attn.c_attn.weight").sizes() == torch::IntArrayRef{48, 32});
+        CHECK(tp1.count("h.0.ln_1.weight") == 0);  // replicated: in tensor rank 0's part
+        CHECK(torch::equal(w.at("h.0.attn.c_attn.weight").chunk(3)[2].chunk(2)[1],
+                           tp1.at("h.0.attn.c_attn.weight").chunk(3)[2]));  // rank 1's V rows
+      }
       auto b = e2e::dtrain("run " + job + " --run-dir " + run + " --resume auto" + second + kQuiet);
       INFO(b.err);
       REQUIRE(b.code == 0);
