@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <sys/resource.h>
+
 namespace dtrain {
 void Window::add(const StepStats& s) {
   steps += 1;
@@ -64,6 +66,15 @@ nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms) 
           {"time", unix_time()}};
 }
 
+namespace {
+// This process's peak resident memory so far (the kernel's high-water mark).
+double peak_rss_mb() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;  // KiB on Linux
+}
+}  // namespace
+
 nlohmann::json summary_line(const Context& c, const std::string& status,
                             const std::vector<double>& step_ms, double data_wait_total_ms) {
   // Steady state: leave out the first steps of this process (allocator and cache warm-up).
@@ -90,6 +101,7 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"task", c.task->name()},
       {"skipped_steps", st.skipped},
       {"device", c.device().str()},
+      {"peak_rss_mb", peak_rss_mb()},
       {"time", unix_time()}};
   if (c.scaler) {
     s["loss_scale"] = c.scaler->scale();
