@@ -261,69 +261,123 @@ nlohmann::json verify_checkpoint(const std::string& folder) {
   return m;
 }
 
-CheckpointState load_checkpoint(const std::string& folder) {
+CheckpointReader::CheckpointReader(const std::string& folder)
+    : folder_(folder), manifest_(verify_checkpoint(folder)) {
   const fs::path dir(folder);
-  const auto manifest = verify_checkpoint(folder);
-  CheckpointState s;
-  // Every writer's part, in the manifest's (name) order; a name two parts hold (the
-  // optimizer's step count) is taken once, and a split tensor's parts (one per tensor rank)
-  // are assembled whole, every one required.
-  auto merge = [&](NamedTensors& into, const std::string& kind) {
-    std::set<std::string> seen;
-    struct Pieces {
-      size_t at;  // its place in `into`
-      Placement placement;
-      std::map<int64_t, torch::Tensor> by_rank;
-    };
-    std::map<std::string, Pieces> split;
-    bool any = false;
-    for (const auto& f : manifest.at("files")) {
-      const auto file = f.at("name").get<std::string>();
+  // Every writer's part, in the manifest's (name) order; a name two parts hold whole (the
+  // optimizer's step count) is taken from the first, and a split tensor's parts (one per
+  // tensor rank) are kept together, every one required.
+  for (const auto& f : manifest_.at("files")) {
+    const auto file = f.at("name").get<std::string>();
+    for (const char* kind : {"model", "optimizer"}) {
       if (!starts_ends(file, kind, ".safetensors")) continue;
-      any = true;
-      auto read = read_safetensors((dir / file).string());
-      for (auto& [name, t] : read.tensors) {
-        if (auto part = part_of(read.metadata, name, file)) {
-          auto [it, fresh] = split.try_emplace(name, Pieces{into.size(), part->placement, {}});
-          if (fresh && seen.insert(name).second) into.emplace_back(name, torch::Tensor());
-          const auto& p = it->second.placement;
-          fail_if<CheckpointError>(p.dim != part->placement.dim || p.parts != part->placement.parts ||
-                                       p.blocks != part->placement.blocks,
-                                   "checkpoint '{}': the parts of '{}' disagree on its split",
-                                   folder, name);
-          it->second.by_rank[part->rank] = std::move(t);
-        } else if (seen.insert(name).second) {
-          into.emplace_back(name, std::move(t));
-        }
-      }
+      files_.push_back(index_safetensors((dir / file).string()));
     }
-    fail_if<CheckpointError>(!any, "checkpoint '{}' has no {} tensors", folder, kind);
-    for (auto& [name, pieces] : split) {
-      std::vector<torch::Tensor> ordered;
-      for (int64_t r = 0; r < pieces.placement.parts; ++r) {
-        auto it = pieces.by_rank.find(r);
-        fail_if<CheckpointError>(it == pieces.by_rank.end(),
+  }
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const auto& file = files_[i];
+    const std::string name_of_file = fs::path(file.path).filename().string();
+    Kind& kind = kinds_[name_of_file.rfind("model", 0) == 0 ? "model" : "optimizer"];
+    for (const auto& e : file.entries) {
+      const auto part = part_of(file.metadata, e.name, file.path);
+      auto [it, fresh] = kind.stored.try_emplace(e.name);
+      Stored& st = it->second;
+      if (fresh) {
+        kind.order.push_back(e.name);
+        st.placement = part ? part->placement : Placement::replicated();
+        st.full_shape = st.placement.full_shape(e.shape);
+      } else if (!part || !st.placement.is_split()) {
+        continue;  // held whole by several parts: the first one
+      }
+      fail_if<CheckpointError>(
+          part && (st.placement.dim != part->placement.dim ||
+                   st.placement.parts != part->placement.parts ||
+                   st.placement.blocks != part->placement.blocks ||
+                   st.placement.full_shape(e.shape) != st.full_shape),
+          "checkpoint '{}': the parts of '{}' disagree on its split", folder, e.name);
+      st.pieces.push_back(Piece{i, &e, part ? part->rank : 0});
+    }
+  }
+  for (const char* kind : {"model", "optimizer"}) {
+    fail_if<CheckpointError>(!kinds_.count(kind), "checkpoint '{}' has no {} tensors", folder, kind);
+    for (auto& [name, st] : kinds_.at(kind).stored) {
+      if (!st.placement.is_split()) continue;
+      std::sort(st.pieces.begin(), st.pieces.end(),
+                [](const Piece& a, const Piece& b) { return a.rank < b.rank; });
+      for (int64_t r = 0; r < st.placement.parts; ++r)
+        fail_if<CheckpointError>(size_t(r) >= st.pieces.size() || st.pieces[size_t(r)].rank != r,
                                  "checkpoint '{}' lacks tensor rank {}'s part of '{}'", folder, r,
                                  name);
-        ordered.push_back(std::move(it->second));
-      }
-      try {
-        into[pieces.at].second = pieces.placement.assemble(ordered);
-      } catch (const c10::Error& e) {
-        throw CheckpointError(fmt::format("checkpoint '{}': the parts of '{}' do not fit "
-                                          "together ({})", folder, name,
-                                          first_line(e.what_without_backtrace())));
-      }
     }
-  };
-  merge(s.model, "model");
-  merge(s.optimizer, "optimizer");
-  try {
-    s.trainer = nlohmann::json::parse(read_file((dir / "trainer.json").string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError(fmt::format("{}/trainer.json: {}", folder, e.what()));
   }
-  s.config_yaml = read_file((dir / "config.yaml").string());
+}
+
+nlohmann::json CheckpointReader::trainer() const {
+  const auto path = (fs::path(folder_) / "trainer.json").string();
+  try {
+    return nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: {}", path, e.what()));
+  }
+}
+
+std::string CheckpointReader::config_yaml() const {
+  return read_file((fs::path(folder_) / "config.yaml").string());
+}
+
+std::vector<std::string> CheckpointReader::names(const std::string& kind) const {
+  return kinds_.at(kind).order;
+}
+
+torch::Tensor CheckpointReader::read(const Kind& kind, const std::string& name,
+                                     const Placement& want, int64_t rank) const {
+  const Stored& st = kind.stored.at(name);
+  auto piece = [&](const Piece& p) { return read_tensor(files_[p.file], *p.entry); };
+  const Placement& was = st.placement;
+  if (!was.is_split()) {  // whole in one part
+    auto full = piece(st.pieces.front());
+    return want.is_split() ? want.shard(full, rank) : full;
+  }
+  if (want.dim == was.dim && want.parts == was.parts && want.blocks == was.blocks)
+    return piece(st.pieces[size_t(rank)]);  // saved with the split this rank has
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : st.pieces) parts.push_back(piece(p));
+  torch::Tensor full;
+  try {
+    full = was.assemble(parts);
+  } catch (const c10::Error& e) {
+    throw CheckpointError(fmt::format("checkpoint '{}': the parts of '{}' do not fit together "
+                                      "({})", folder_, name, first_line(e.what_without_backtrace())));
+  }
+  return want.is_split() ? want.shard(full, rank) : full;
+}
+
+SavedTensors CheckpointReader::tensors(const std::string& kind) const {
+  const Kind& k = kinds_.at(kind);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, st] : k.stored) shapes[name] = st.full_shape;
+  return SavedTensors(std::move(shapes),
+                      [this, &k](const std::string& name, const Placement& want, int64_t rank) {
+                        return read(k, name, want, rank);
+                      },
+                      folder_);
+}
+
+NamedTensors CheckpointReader::all(const std::string& kind) const {
+  const Kind& k = kinds_.at(kind);
+  NamedTensors out;
+  for (const auto& name : k.order)
+    out.emplace_back(name, read(k, name, Placement::replicated(), 0));
+  return out;
+}
+
+CheckpointState load_checkpoint(const std::string& folder) {
+  const CheckpointReader reader(folder);
+  CheckpointState s;
+  s.model = reader.all("model");
+  s.optimizer = reader.all("optimizer");
+  s.trainer = reader.trainer();
+  s.config_yaml = reader.config_yaml();
   return s;
 }
 

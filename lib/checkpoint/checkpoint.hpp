@@ -97,6 +97,50 @@ class CheckpointStore {
 nlohmann::json verify_checkpoint(const std::string& folder);
 // Verifies, then reads everything, every writer's part merged.
 CheckpointState load_checkpoint(const std::string& folder);
+
+// A verified checkpoint whose tensors are read on demand: only the headers are read up
+// front, then each tensor from the parts that hold it. A rank that restores reads its own
+// stage's tensors only, and of a tensor saved with the split it needs only its own part
+// (another split: the whole, assembled, then its slice).
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const std::string& folder);
+  CheckpointReader(const CheckpointReader&) = delete;  // tensors() reads through it
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+  const std::string& folder() const { return folder_; }
+  const nlohmann::json& manifest() const { return manifest_; }
+  nlohmann::json trainer() const;
+  std::string config_yaml() const;
+  // "model" or "optimizer": every tensor's name, in the order the parts list them; and the
+  // tensors, read as a rank needs them (valid while the reader lives).
+  std::vector<std::string> names(const std::string& kind) const;
+  SavedTensors tensors(const std::string& kind) const;
+  // Every tensor of `kind` whole.
+  NamedTensors all(const std::string& kind) const;
+
+ private:
+  struct Piece {  // one file's part of a tensor
+    size_t file;
+    const SafetensorsIndex::Entry* entry;
+    int64_t rank;  // the tensor rank whose part it is (0 when whole)
+  };
+  struct Stored {
+    std::vector<int64_t> full_shape;
+    Placement placement;  // how it was split when saved (replicated: one piece, whole)
+    std::vector<Piece> pieces;
+  };
+  struct Kind {
+    std::vector<std::string> order;
+    std::map<std::string, Stored> stored;
+  };
+  torch::Tensor read(const Kind& kind, const std::string& name, const Placement& want,
+                     int64_t rank) const;
+
+  std::string folder_;
+  nlohmann::json manifest_;
+  std::vector<SafetensorsIndex> files_;
+  std::map<std::string, Kind> kinds_;
+};
 // What a user may name where a checkpoint folder is expected: the folder itself, a run
 // directory or its checkpoints/ folder (their `latest`), or a `latest`/`best` pointer file.
 // Returns the checkpoint folder it names; throws CheckpointError when it names none.

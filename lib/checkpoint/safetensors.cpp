@@ -58,9 +58,6 @@ std::pair<nlohmann::json, size_t> parse_header(const std::string& bytes, const s
 
 }  // namespace
 
-SafetensorsFile tensors_from(const nlohmann::json& header, const std::string& bytes, size_t base,
-                             const std::string& path);
-
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header;
@@ -87,9 +84,10 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
   write_file_synced(path, out);
 }
 
-nlohmann::json read_safetensors_header(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError(fmt::format("cannot read '{}'", path));
+namespace {
+
+// The header's length prefix and JSON, read from an open file.
+nlohmann::json read_header(std::ifstream& in, const std::string& path, size_t& base) {
   char len[8];
   if (!in.read(len, 8)) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
   const uint64_t n = header_length(len);
@@ -98,61 +96,91 @@ nlohmann::json read_safetensors_header(const std::string& path) {
   std::memcpy(head.data(), len, 8);
   if (!in.read(head.data() + 8, static_cast<std::streamsize>(n)))
     throw CheckpointError(fmt::format("{}: truncated header", path));
-  return parse_header(head, path).first;
+  auto [header, at] = parse_header(head, path);
+  base = at;
+  return header;
 }
 
-SafetensorsFile read_safetensors(const std::string& path) {
-  std::string bytes;
+}  // namespace
+
+nlohmann::json read_safetensors_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(fmt::format("cannot read '{}'", path));
+  size_t base = 0;
+  return read_header(in, path, base);
+}
+
+SafetensorsIndex index_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw CheckpointError(fmt::format("cannot read '{}'", path));
+  const auto file_size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  SafetensorsIndex out;
+  out.path = path;
+  const auto header = read_header(in, path, out.base);
+  std::vector<std::pair<size_t, std::string>> order;
   try {
-    bytes = read_file(path);
-  } catch (const std::exception& e) {
-    throw CheckpointError(e.what());
-  }
-  auto [header, base] = parse_header(bytes, path);
-  try {
-    return tensors_from(header, bytes, base, path);
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      if (it.key() == "__metadata__") {
+        for (auto m = it->begin(); m != it->end(); ++m) out.metadata[m.key()] = m->get<std::string>();
+        continue;
+      }
+      order.emplace_back(it->at("data_offsets").at(0).get<size_t>(), it.key());
+    }
+    std::sort(order.begin(), order.end());
+    // As the format's reference reader does: every tensor's bytes follow the previous one's,
+    // and together they fill the file exactly, so no byte is unaccounted for.
+    size_t expected_start = 0;
+    for (const auto& [start, name] : order) {
+      const auto& e = header.at(name);
+      SafetensorsIndex::Entry entry;
+      entry.name = name;
+      entry.dtype = dtype_of(e.at("dtype").get<std::string>(), path);
+      entry.shape = e.at("shape").get<std::vector<int64_t>>();
+      entry.begin = start;
+      entry.end = e.at("data_offsets").at(1).get<size_t>();
+      uint64_t bytes_needed = c10::elementSize(entry.dtype);
+      for (int64_t d : entry.shape) {  // checked before anything is allocated
+        if (d < 0 || (d > 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d)))
+          throw CheckpointError(fmt::format("{}: tensor '{}' has an impossible shape", path, name));
+        bytes_needed *= uint64_t(d);
+      }
+      if (start != expected_start || entry.end < start || entry.end - start != bytes_needed ||
+          entry.end > file_size - out.base)
+        throw CheckpointError(fmt::format("{}: tensor '{}' has inconsistent offsets", path, name));
+      expected_start = entry.end;
+      out.entries.push_back(std::move(entry));
+    }
+    if (out.base + expected_start != file_size)
+      throw CheckpointError(fmt::format("{}: {} bytes after the last tensor", path,
+                                        file_size - out.base - expected_start));
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}: malformed safetensors header ({})", path, e.what()));
   }
+  return out;
 }
 
-SafetensorsFile tensors_from(const nlohmann::json& header, const std::string& bytes, size_t base,
-                             const std::string& path) {
+const SafetensorsIndex::Entry* SafetensorsIndex::find(const std::string& name) const {
+  for (const auto& e : entries)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+torch::Tensor read_tensor(const SafetensorsIndex& file, const SafetensorsIndex::Entry& e) {
+  std::ifstream in(file.path, std::ios::binary);
+  auto t = torch::empty(e.shape, e.dtype);
+  const auto bytes = static_cast<std::streamsize>(e.end - e.begin);
+  in.seekg(static_cast<std::streamoff>(file.base + e.begin));
+  if (!in || (bytes > 0 && !in.read(static_cast<char*>(t.data_ptr()), bytes)))
+    throw CheckpointError(fmt::format("cannot read '{}' from '{}'", e.name, file.path));
+  return t;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  const auto index = index_safetensors(path);
   SafetensorsFile out;
-  std::vector<std::pair<size_t, std::string>> order;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      for (auto m = it->begin(); m != it->end(); ++m) out.metadata[m.key()] = m->get<std::string>();
-      continue;
-    }
-    order.emplace_back(it->at("data_offsets").at(0).get<size_t>(), it.key());
-  }
-  std::sort(order.begin(), order.end());
-  // As the format's reference reader does: every tensor's bytes follow the previous one's,
-  // and together they fill the file exactly, so no byte is unaccounted for.
-  size_t expected_start = 0;
-  for (const auto& [start, name] : order) {
-    const auto& e = header.at(name);
-    auto type = dtype_of(e.at("dtype").get<std::string>(), path);
-    auto shape = e.at("shape").get<std::vector<int64_t>>();
-    const size_t end = e.at("data_offsets").at(1).get<size_t>();
-    uint64_t bytes_needed = c10::elementSize(type);
-    for (int64_t d : shape) {  // checked before anything is allocated
-      if (d < 0 || (d > 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d)))
-        throw CheckpointError(fmt::format("{}: tensor '{}' has an impossible shape", path, name));
-      bytes_needed *= uint64_t(d);
-    }
-    if (start != expected_start || end < start || end - start != bytes_needed ||
-        end > bytes.size() - base)
-      throw CheckpointError(fmt::format("{}: tensor '{}' has inconsistent offsets", path, name));
-    expected_start = end;
-    auto t = torch::empty(shape, type);
-    std::memcpy(t.data_ptr(), bytes.data() + base + start, bytes_needed);
-    out.tensors.emplace_back(name, t);
-  }
-  if (base + expected_start != bytes.size())
-    throw CheckpointError(fmt::format("{}: {} bytes after the last tensor", path,
-                                      bytes.size() - base - expected_start));
+  out.metadata = index.metadata;
+  for (const auto& e : index.entries) out.tensors.emplace_back(e.name, read_tensor(index, e));
   return out;
 }
 

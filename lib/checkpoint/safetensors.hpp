@@ -27,4 +27,22 @@ SafetensorsFile read_safetensors(const std::string& path);
 // Only the JSON header (for inspect): names, dtypes, shapes, metadata.
 nlohmann::json read_safetensors_header(const std::string& path);
 
+// Where each tensor of a file lies, checked against the file's size (every byte accounted
+// for, as read_safetensors checks), so that single tensors can be read without the rest.
+struct SafetensorsIndex {
+  struct Entry {
+    std::string name;
+    torch::ScalarType dtype;
+    std::vector<int64_t> shape;
+    size_t begin = 0, end = 0;  // byte offsets after the header
+  };
+  std::string path;
+  size_t base = 0;                             // where the data begins
+  std::vector<Entry> entries;                  // in file order
+  std::map<std::string, std::string> metadata;
+  const Entry* find(const std::string& name) const;
+};
+SafetensorsIndex index_safetensors(const std::string& path);
+torch::Tensor read_tensor(const SafetensorsIndex& file, const SafetensorsIndex::Entry& entry);
+
 }  // namespace dtrain

@@ -235,11 +235,17 @@ NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int
   return out;
 }
 
+void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
+                          int64_t tensor_rank) {
+  for (auto& [slot, flat] : opt.slots()) params.scatter_full(flat, "." + slot, saved, tensor_rank);
+  NamedTensors scalars;  // the ones this optimizer keeps, at the shapes it keeps them
+  for (const auto& [name, t] : opt.scalars()) scalars.emplace_back(name, saved.at(name, t.sizes().vec()));
+  opt.load_scalars(scalars);
+}
+
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
                           int64_t tensor_rank, const std::string& origin) {
-  const SavedTensors saved(state, origin);
-  for (auto& [slot, flat] : opt.slots()) params.scatter_full(flat, "." + slot, saved, tensor_rank);
-  opt.load_scalars(state);
+  load_optimizer_state(opt, params, SavedTensors(state, origin), tensor_rank);
 }
 
 bool decays(const OptimizerConfig& cfg, const std::vector<int64_t>& full_shape) {

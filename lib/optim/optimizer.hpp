@@ -54,6 +54,8 @@ NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int
 // CheckpointError (naming `origin`) on a missing or misshapen tensor.
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
                           int64_t tensor_rank, const std::string& origin);
+void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
+                          int64_t tensor_rank);
 
 // Whether weight decay applies to the parameter with this full shape.
 bool decays(const OptimizerConfig& cfg, const std::vector<int64_t>& full_shape);

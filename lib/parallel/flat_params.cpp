@@ -12,18 +12,39 @@
 namespace dtrain {
 
 SavedTensors::SavedTensors(const NamedTensors& tensors, std::string origin)
-    : by_name_(tensors.begin(), tensors.end()), origin_(std::move(origin)) {}
+    : origin_(std::move(origin)) {
+  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
+  for (const auto& [name, t] : by_name) shapes_[name] = t.sizes().vec();
+  read_ = [by_name = std::move(by_name)](const std::string& name, const Placement& placement,
+                                         int64_t rank) {
+    const auto& full = by_name.at(name);
+    return placement.is_split() ? placement.shard(full, rank) : full;
+  };
+}
 
-const torch::Tensor& SavedTensors::at(const std::string& name,
-                                      const std::vector<int64_t>& shape) const {
-  auto it = by_name_.find(name);
-  if (it == by_name_.end())
+SavedTensors::SavedTensors(std::map<std::string, std::vector<int64_t>> shapes, Read read,
+                           std::string origin)
+    : shapes_(std::move(shapes)), read_(std::move(read)), origin_(std::move(origin)) {}
+
+void SavedTensors::check(const std::string& name, const std::vector<int64_t>& shape) const {
+  auto it = shapes_.find(name);
+  if (it == shapes_.end())
     throw CheckpointError(fmt::format("{}: the model has '{}', the checkpoint does not", origin_,
                                       name));
-  if (it->second.sizes().vec() != shape)
+  if (it->second != shape)
     throw CheckpointError(fmt::format("{}: '{}' has shape {} in the checkpoint, {} in the model",
                                       origin_, name, shape_str(it->second), shape_str(shape)));
-  return it->second;
+}
+
+torch::Tensor SavedTensors::at(const std::string& name, const std::vector<int64_t>& shape) const {
+  check(name, shape);
+  return read_(name, Placement::replicated(), 0);
+}
+
+torch::Tensor SavedTensors::part(const std::string& name, const std::vector<int64_t>& full_shape,
+                                 const Placement& placement, int64_t rank) const {
+  check(name, full_shape);
+  return read_(name, placement, rank);
 }
 
 std::vector<int64_t> Placement::full_shape(std::vector<int64_t> local) const {
@@ -130,7 +151,7 @@ void FlatParams::scatter_full(torch::Tensor flat, const std::string& suffix,
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
-    view(flat, i).copy_(e.placement.shard(saved.at(e.name + suffix, e.full_shape), tensor_rank));
+    view(flat, i).copy_(saved.part(e.name + suffix, e.full_shape, e.placement, tensor_rank));
   }
 }
 

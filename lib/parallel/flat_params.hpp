@@ -9,6 +9,7 @@
 // Placement across the tensor group, so checkpoints can hold every tensor at its full
 // logical shape whatever the layout.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -21,17 +22,30 @@ namespace dtrain {
 class Comm;
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
-// Saved tensors by name (a checkpoint's model or optimizer file), for restoring them.
+struct Placement;
+
+// Saved tensors by name (a checkpoint's model or optimizer state), for restoring them:
+// held in memory, or read on demand (checkpoint.hpp's CheckpointReader reads only the
+// parts a rank needs).
 class SavedTensors {
  public:
   // `origin` names where they came from in errors (the checkpoint folder).
   SavedTensors(const NamedTensors& tensors, std::string origin);
-  // The tensor `name`, which must have `shape`; throws CheckpointError naming the origin
-  // when it is missing or shaped otherwise.
-  const torch::Tensor& at(const std::string& name, const std::vector<int64_t>& shape) const;
+  // `read(name, placement, rank)`: rank's part of the tensor under `placement` (the whole
+  // for a replicated placement). `shapes`: every tensor's full shape.
+  using Read = std::function<torch::Tensor(const std::string&, const Placement&, int64_t)>;
+  SavedTensors(std::map<std::string, std::vector<int64_t>> shapes, Read read, std::string origin);
+  // The whole tensor `name`, which must have `shape`; throws CheckpointError naming the
+  // origin when it is missing or shaped otherwise.
+  torch::Tensor at(const std::string& name, const std::vector<int64_t>& shape) const;
+  // Rank `rank`'s part of it under `placement`, the same checks on its full shape.
+  torch::Tensor part(const std::string& name, const std::vector<int64_t>& full_shape,
+                     const Placement& placement, int64_t rank) const;
 
  private:
-  std::map<std::string, torch::Tensor> by_name_;
+  void check(const std::string& name, const std::vector<int64_t>& shape) const;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  Read read_;
   std::string origin_;
 };
 

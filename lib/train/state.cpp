@@ -159,10 +159,11 @@ namespace {
 // A resume continues the same model: the checkpoint's model keys (all but dropout, which
 // changes no weight) and its tensor names must be the job's. Otherwise weights would be
 // dropped or misread in silence (model.heads 4 -> 8 keeps every shape).
-void check_same_model(const Context& c, const CheckpointState& saved, const std::string& folder) {
+void check_same_model(const Context& c, const CheckpointReader& saved) {
+  const std::string& folder = saved.folder();
   JobConfig theirs = c.cfg;
   try {
-    theirs = parse_job(saved.config_yaml, folder + "/config.yaml");
+    theirs = parse_job(saved.config_yaml(), folder + "/config.yaml");
   } catch (const ConfigError& e) {
     throw CheckpointError(fmt::format("{}: cannot read the job that wrote it: {}", folder,
                                       first_line(e.what())));
@@ -179,7 +180,7 @@ void check_same_model(const Context& c, const CheckpointState& saved, const std:
                              "needs the same model", folder, a[i].key, saved_value, mine);
   }
   std::set<std::string> names(c.model_names.begin(), c.model_names.end()), theirs_names;
-  for (const auto& [name, t] : saved.model) theirs_names.insert(name);
+  for (const auto& name : saved.names("model")) theirs_names.insert(name);
   std::vector<std::string> extra, missing;
   std::set_difference(theirs_names.begin(), theirs_names.end(), names.begin(), names.end(),
                       std::back_inserter(extra));
@@ -199,9 +200,10 @@ void check_same_model(const Context& c, const CheckpointState& saved, const std:
 }  // namespace
 
 void restore(Context& c, const std::string& folder) {
-  auto saved = load_checkpoint(folder);
-  check_same_model(c, saved, folder);
-  const SavedTrainer t = read_trainer_state(saved.trainer, folder);
+  // Headers first; each rank then reads only the tensors, and the parts of them, it holds.
+  const CheckpointReader saved(folder);
+  check_same_model(c, saved);
+  const SavedTrainer t = read_trainer_state(saved.trainer(), folder);
   fail_if<ConfigError>(t.global_batch != c.cfg.data.batch_size,
                        "data.batch_size: {} differs from the checkpoint's {} ({}); an exact "
                        "resume needs the same global batch", c.cfg.data.batch_size,
@@ -216,13 +218,13 @@ void restore(Context& c, const std::string& folder) {
   st.last_loss = t.last_loss;
   st.last_saved = st.step;
   try {
-    const SavedTensors model(saved.model, folder);
+    const SavedTensors model = saved.tensors("model");
     const int64_t tensor_rank = c.mesh.coord().tensor;
     c.params->scatter_full(c.params->data(), "", model, tensor_rank);
     torch::NoGradGuard no_grad;
     for (const auto& [name, b] : c.named_buffers())  // replicated: every rank takes all of it
       b.copy_(model.at(name, b.sizes().vec()));
-    load_optimizer_state(*c.optimizer, *c.params, saved.optimizer, tensor_rank, folder);
+    load_optimizer_state(*c.optimizer, *c.params, saved.tensors("optimizer"), tensor_rank);
     set_generator_state(at::detail::getDefaultCPUGenerator(), t.rng_cpu);
     // A run on a GPU resumes its generator (dropout) where it was; a checkpoint from
     // another device leaves this device's generator at the job's seed.

@@ -403,6 +403,12 @@ TEST_CASE("remove_tree: a whole tree, symlinks themselves but never their target
   CHECK_FALSE(fs::exists(outside / "keep.txt"));
 }
 
+namespace {
+std::string dir_of(const CheckpointStore& store, int64_t step) {
+  return (fs::path(store.dir()) / fmt::format("step-{:08d}", step)).string();
+}
+}  // namespace
+
 TEST_CASE("checkpoint store: each tensor rank's part of a split tensor, assembled on load") {
   TempDir run;
   CheckpointConfig cfg;
@@ -431,6 +437,17 @@ TEST_CASE("checkpoint store: each tensor rank's part of a split tensor, assemble
   CHECK(torch::equal(model.at("b"), bias));
   CHECK(torch::equal(opt.at("w.momentum"), full * 2));
   CHECK(opt.count("steps") == 1);
+  // A rank reads only what it needs: at the saved split, its own part's bytes (rank 0's
+  // file may be gone by then); another split (here none) assembles from every part.
+  {
+    const CheckpointReader reader(dir_of(store, 7));
+    const auto model = reader.tensors("model");
+    fs::remove(fs::path(reader.folder()) / "model.tp0.safetensors");
+    CHECK(torch::equal(model.part("w", {6, 4}, qkv, 1), qkv.shard(full, 1)));
+    CHECK_THROWS_AS(model.at("w", {6, 4}), CheckpointError);  // needs rank 0's part too
+    CHECK_THROWS_WITH_AS(model.part("w", {4, 6}, qkv, 1), doctest::Contains("shape"),
+                         CheckpointError);
+  }
   // A checkpoint whose writers left out a tensor rank names what it lacks.
   CHECK_THROWS_WITH_AS(load_checkpoint(write(8, {0})),
                        doctest::Contains("lacks tensor rank 1's part of 'w'"), CheckpointError);
