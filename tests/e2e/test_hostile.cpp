@@ -6,7 +6,13 @@
 
 #include <csignal>
 #include <filesystem>
+#include <chrono>
 #include <thread>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "run.hpp"
 
@@ -148,6 +154,31 @@ TEST_SUITE("hostile") {
                           " timeout 60");
       check_one_line_error(r, 2, std::string("MASTER_PORT: must be a port in 1-65535 (got ") + port);
     }
+  }
+
+  TEST_CASE("an unresolvable MASTER_ADDR or a port in use: exit 4 at once, naming it") {
+    // The environment's, found at rendezvous like a peer that is not there (contract: 4).
+    auto dir = temp_dir("rendezvous");
+    auto job = gpt_job(dir, "{dataset: synthetic_tokens, samples: 64, batch_size: 4, workers: 1}");
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = dtrain("run " + job + " --run-dir " + dir + "/a" + kQuiet,
+                    "RANK=0 WORLD_SIZE=2 MASTER_ADDR=no-such-host.invalid MASTER_PORT=29611 timeout 60");
+    check_one_line_error(r, 4, "no-such-host.invalid");
+    // A port some other process listens on (the test's own socket).
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::listen(fd, 1) == 0);
+    socklen_t len = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    const auto port = std::to_string(ntohs(a.sin_port));
+    r = dtrain("run " + job + " --run-dir " + dir + "/b" + kQuiet,
+               "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " timeout 60");
+    ::close(fd);
+    check_one_line_error(r, 4, port);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));  // timeout_s is 30
   }
 
   TEST_CASE("SIGTERM during setup ends the job at once, exit 143, nothing written") {
