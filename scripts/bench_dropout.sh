@@ -5,21 +5,14 @@
 # repeated, one process, 2 threads. Reports each side's median step and the slowdown
 # dropout brings it: dtrain's masks are hashes of (seed, step, sample, site, unit)
 # (lib/models/dropout.hpp), PyTorch's bernoulli draws.
-#   scripts/bench_dropout.sh [--repeats N] [--steps S]    (needs scripts/setup.sh --bench)
+#   scripts/bench_dropout.sh [REPEATS [STEPS]]    (needs scripts/setup.sh --bench)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-dropout}"
-REPEATS=3 STEPS=40
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --repeats) REPEATS=$2; shift 2 ;;
-    --steps) STEPS=$2; shift 2 ;;
-    *) echo "usage: scripts/bench_dropout.sh [--repeats N] [--steps S]" >&2; exit 2 ;;
-  esac
-done
+REPEATS=${1:-3} STEPS=${2:-40}
 PY=/usr/bin/python3
-$PY -c 'import torch' 2>/dev/null || { echo "bench_dropout: run scripts/setup.sh --bench first" >&2; exit 2; }
-[ -x "$ROOT/build/dtrain" ] || { echo "bench_dropout: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+$PY -c 'import torch' 2>/dev/null && [ -x "$ROOT/build/dtrain" ] ||
+  { echo "bench_dropout: run scripts/setup.sh --bench (python3-torch, build/dtrain) first" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 rows=$OUT_DIR/bench_dropout.jsonl
 : > "$rows"
