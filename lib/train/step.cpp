@@ -226,6 +226,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     clip_grad(*c.params, norm, clip);
     c.optimizer->step(lr, skip);
   }
+  c.sync->after_update();
   c.params->zero_grad();
   ++c.state.step;
   settle();

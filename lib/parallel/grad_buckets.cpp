@@ -1,0 +1,64 @@
+#include "parallel/grad_buckets.hpp"
+
+#include <algorithm>
+
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/torch.h>
+
+#include "parallel/flat_params.hpp"
+
+namespace dtrain {
+
+GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready)
+    : ready_(std::move(ready)) {
+  const auto& entries = params.entries();
+  const int64_t cap = std::max<int64_t>(
+      1, int64_t(bucket_mb * 1024 * 1024 / double(params.grad().element_size())));
+  // Fixed-size slices from the end: a large parameter spans several buckets, so its
+  // gradient goes out as several reductions that the backend's threads run side by side.
+  const int64_t total = params.grad().numel();
+  for (int64_t end = total; end > 0; end -= cap) {
+    const int64_t begin = std::max<int64_t>(0, end - cap);
+    buckets_.push_back({begin, end - begin, 0, 0});
+  }
+  std::vector<std::vector<size_t>> buckets_of(entries.size());
+  for (size_t k = 0; k < entries.size(); ++k)
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (entries[k].offset < buckets_[b].offset + buckets_[b].numel &&
+          buckets_[b].offset < entries[k].offset + entries[k].numel) {
+        buckets_of[k].push_back(b);
+        buckets_[b].params += 1;
+      }
+  for (auto& b : buckets_) b.remaining = b.params;
+  for (size_t k = 0; k < entries.size(); ++k) {
+    auto acc = torch::autograd::impl::grad_accumulator(params.params()[k]);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, buckets = buckets_of[k]](const torch::autograd::variable_list& outputs,
+                                        const torch::autograd::variable_list&) {
+          for (size_t b : buckets) on_grad_ready(b);
+          return outputs;
+        }));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void GradBuckets::on_grad_ready(size_t bucket) {
+  if (!armed_) return;
+  if (--buckets_[bucket].remaining == 0) hand_out();
+}
+
+void GradBuckets::hand_out() {
+  while (next_ < buckets_.size() && buckets_[next_].remaining == 0) {
+    const auto& b = buckets_[next_++];
+    ready_(b.offset, b.numel);
+  }
+}
+
+void GradBuckets::flush() {
+  for (auto& b : buckets_) b.remaining = 0;  // parameters unused this step count as ready
+  hand_out();
+  next_ = 0;
+  for (auto& b : buckets_) b.remaining = b.params;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,50 @@
+// Which slices of the flat gradient are final during backward, in launch order. The buffer
+// is cut into buckets of up to parallel.bucket_mb from its end (the order backward produces
+// gradients) to its start; an autograd post-hook on each parameter's AccumulateGrad node
+// counts down the buckets it overlaps. A bucket is handed out (`ready`) as soon as it and
+// every bucket before it are final, so every rank hands out the same sequence and a
+// reduction launched from it overlaps the rest of backward. What is done with a ready
+// slice (an all-reduce, a reduce-scatter, a compressed exchange) is the GradSync's.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <torch/csrc/autograd/function.h>
+
+namespace dtrain {
+
+class FlatParams;
+
+class GradBuckets {
+ public:
+  // `ready(offset, numel)`: a final slice of the flat gradient, in launch order.
+  using Ready = std::function<void(int64_t offset, int64_t numel)>;
+  GradBuckets(FlatParams& params, double bucket_mb, Ready ready);
+  GradBuckets(const GradBuckets&) = delete;  // the hooks point here
+  GradBuckets& operator=(const GradBuckets&) = delete;
+
+  // The hooks count only while armed: during the last micro-batch's backward of a step.
+  void arm(bool on) { armed_ = on; }
+  // Hands out every bucket not handed out yet (parameters unused this step), then starts
+  // the next step's count.
+  void flush();
+
+ private:
+  struct Bucket {
+    int64_t offset, numel;
+    int64_t params;     // how many parameters overlap it
+    int64_t remaining;  // hooks still to fire this step
+  };
+  void on_grad_ready(size_t bucket);
+  void hand_out();
+
+  Ready ready_;
+  std::vector<Bucket> buckets_;  // in launch order (highest offsets first)
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // hooks live on these
+  size_t next_ = 0;
+  bool armed_ = true;
+};
+
+}  // namespace dtrain
