@@ -16,6 +16,10 @@ root=$(cd "$here/../.." && pwd)
 dtrain=$(realpath "$1")
 py=/usr/bin/python3
 $py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun: install python3-torch (scripts/setup.sh --test)"; exit 77; }
+# torch 2.x's c10d rendezvous serves its store at this node's hostname: a host whose name
+# does not resolve (a bare chroot without /etc/hosts, as the Debian 13 CI root) cannot run it.
+getent hosts "$(hostname)" > /dev/null ||
+  { echo "this host's name '$(hostname)' does not resolve: torchrun's c10d rendezvous needs it"; exit 77; }
 work=$(mktemp -d /tmp/dtrain-elastic-test.XXXXXX)
 trap 'kill -9 $(jobs -p) 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
