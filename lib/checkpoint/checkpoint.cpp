@@ -267,17 +267,18 @@ CheckpointReader::CheckpointReader(const std::string& folder)
   // Every writer's part, in the manifest's (name) order; a name two parts hold whole (the
   // optimizer's step count) is taken from the first, and a split tensor's parts (one per
   // tensor rank) are kept together, every one required.
+  std::vector<const char*> kind_of_file;
   for (const auto& f : manifest_.at("files")) {
     const auto file = f.at("name").get<std::string>();
     for (const char* kind : {"model", "optimizer"}) {
       if (!starts_ends(file, kind, ".safetensors")) continue;
       files_.push_back(index_safetensors((dir / file).string()));
+      kind_of_file.push_back(kind);
     }
   }
   for (size_t i = 0; i < files_.size(); ++i) {
     const auto& file = files_[i];
-    const std::string name_of_file = fs::path(file.path).filename().string();
-    Kind& kind = kinds_[name_of_file.rfind("model", 0) == 0 ? "model" : "optimizer"];
+    Kind& kind = kinds_[kind_of_file[i]];
     for (const auto& e : file.entries) {
       const auto part = part_of(file.metadata, e.name, file.path);
       auto [it, fresh] = kind.stored.try_emplace(e.name);
