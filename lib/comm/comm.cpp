@@ -69,6 +69,9 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override {
     return std::make_unique<DonePending>();
   }
+  std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override {
+    return std::make_unique<DonePending>();
+  }
   void broadcast(torch::Tensor, int64_t) override {}
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override { return {t.clone()}; }
   void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
@@ -142,6 +145,14 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     return guard("all_reduce", [&] {
       return pending("all_reduce", pg_->allreduce(ts, o), ts, divide, st.back);
     });
+  }
+  std::unique_ptr<Pending> reduce_async(torch::Tensor t, int64_t root) override {
+    const Staged st = staged(t);
+    std::vector<torch::Tensor> ts{st.dev};
+    c10d::ReduceOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.rootRank = root;
+    return guard("reduce", [&] { return pending("reduce", pg_->reduce(ts, o), ts, 1.0, st.back); });
   }
   void broadcast(torch::Tensor t, int64_t root) override {
     const Staged st = staged(t);

@@ -49,6 +49,9 @@ class Comm {
   void all_reduce(torch::Tensor t, ReduceOp op = ReduceOp::kSum) {
     all_reduce_async(std::move(t), op)->wait();
   }
+  // The sum over the group into `t` on `root`, in place; on the other ranks `t` is left
+  // undefined (the backend may use it as scratch). `t` must be contiguous.
+  virtual std::unique_ptr<Pending> reduce_async(torch::Tensor t, int64_t root) = 0;
   virtual void broadcast(torch::Tensor t, int64_t root) = 0;
   // Each rank's `t`, in rank order.
   virtual std::vector<torch::Tensor> all_gather(const torch::Tensor& t) = 0;

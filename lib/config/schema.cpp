@@ -516,7 +516,7 @@ void check_ranges(const JobConfig& c) {
   need(std::all_of(p.stages.begin(), p.stages.end(), [](int64_t n) { return n >= 1; }),
        "parallel.stages", "a list of positive part counts, one per stage",
        fmt::format("{}", p.stages));
-  need(p.zero == 0 || p.zero == 1, "parallel.zero", "0 or 1", p.zero);
+  need(p.zero >= 0 && p.zero <= 2, "parallel.zero", "0, 1 or 2", p.zero);
   need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);

@@ -11,38 +11,58 @@
 
 namespace dtrain {
 
+namespace {
+torch::Tensor part_of(const torch::Tensor& flat, const Shard& shard) {
+  return shard.whole() ? flat : flat.narrow(0, shard.offset, shard.numel);
+}
+}  // namespace
+
 torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pipeline,
-                               const std::vector<size_t>& copies) {
-  if (tensor.size() == 1 && pipeline.size() == 1) return params.grad().norm();
-  const auto f64 = params.grad().options().dtype(torch::kFloat64);
+                               const std::vector<size_t>& copies, const Shard& shard,
+                               Comm* data) {
+  const bool sharded = data && data->size() > 1 && !shard.whole();
+  const auto grad = part_of(params.grad(), sharded ? shard : Shard{});
+  if (tensor.size() == 1 && pipeline.size() == 1 && !sharded) return grad.norm();
+  const auto f64 = grad.options().dtype(torch::kFloat64);
+  const int64_t lo = sharded ? shard.offset : 0, hi = lo + grad.numel();
+  // Entry i's part of the shard (all of it without one), as a flat slice.
+  auto within = [&](size_t i) -> torch::Tensor {
+    const auto& e = params.entries()[i];
+    const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
+    return from < to ? params.grad().narrow(0, from, to - from) : torch::Tensor();
+  };
   torch::Tensor total;
   if (tensor.size() == 1) {
-    // The whole buffer's squares, less those of the copies another stage counts.
-    total = params.grad().pow(2).sum().to(torch::kFloat64);
-    for (size_t i : copies) total = total - params.view(params.grad(), i).pow(2).sum().to(torch::kFloat64);
+    // The part's squares, less those of the copies another stage counts.
+    total = grad.pow(2).sum().to(torch::kFloat64);
+    for (size_t i : copies)
+      if (auto part = within(i); part.defined()) total = total - part.pow(2).sum().to(torch::kFloat64);
   } else {
     // Every rank adds its parts of the split entries; rank 0 alone the replicated ones. The
     // squares stay tensors until one reduction.
     std::vector<torch::Tensor> squares;
     for (size_t i = 0; i < params.entries().size(); ++i) {
       if (std::find(copies.begin(), copies.end(), i) != copies.end()) continue;
-      if (params.entries()[i].placement.is_split() || tensor.rank() == 0)
-        squares.push_back(params.view(params.grad(), i).pow(2).sum());
+      if (!params.entries()[i].placement.is_split() && tensor.rank() != 0) continue;
+      if (auto part = within(i); part.defined()) squares.push_back(part.pow(2).sum());
     }
     total = squares.empty() ? torch::zeros({}, f64) : torch::stack(squares).to(torch::kFloat64).sum();
   }
   total = total.reshape({1});
   if (tensor.size() > 1) tensor.all_reduce(total);
   if (pipeline.size() > 1) pipeline.all_reduce(total);
+  if (sharded) data->all_reduce(total);
   return total.sqrt().squeeze(0);
 }
 
-void clip_grad(FlatParams& params, const torch::Tensor& norm, double max_norm, double loss_scale) {
+void clip_grad(FlatParams& params, const torch::Tensor& norm, double max_norm, double loss_scale,
+               const Shard& shard) {
+  auto grad = part_of(params.grad(), shard);
   if (max_norm > 0) {
     auto factor = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-    params.grad().mul_(loss_scale == 1.0 ? factor : factor / loss_scale);
+    grad.mul_(loss_scale == 1.0 ? factor : factor / loss_scale);
   } else if (loss_scale != 1.0) {
-    params.grad().mul_(1.0 / loss_scale);
+    grad.mul_(1.0 / loss_scale);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "comm/comm.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
 
@@ -62,6 +63,7 @@ class FlatOptimizer : public Optimizer {
     }
   }
   bool fused() const override { return !groups_.empty(); }
+  Shard shard() const override { return shard_; }
   NamedTensors slots() const override { return slots_; }
   NamedTensors scalars() const override {
     // The fused step counts on the device (a skipped step does not count): read it here.
@@ -226,18 +228,40 @@ class AdamW : public FlatOptimizer {
 
 }  // namespace
 
+namespace {
+bool sharded(const Optimizer& opt, const FlatParams& params) {
+  return opt.shard().numel != params.data().numel();
+}
+}  // namespace
+
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
-                             PartsOf& parts) {
+                             PartsOf& parts, Comm& data) {
   NamedTensors out = opt.scalars();
-  for (const auto& [slot, flat] : opt.slots())
+  for (const auto& [slot, part] : opt.slots()) {
+    // A shard's slot is one equal part of the buffer: every data rank's, side by side.
+    torch::Tensor flat = part;
+    if (sharded(opt, params)) {
+      flat = torch::empty_like(params.data());
+      data.all_gather_into(flat, part);
+    }
     for (auto& named : params.owned(flat, "." + slot, tensor_rank, parts))
       out.push_back(std::move(named));
+  }
   return out;
 }
 
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
                           int64_t tensor_rank) {
-  for (auto& [slot, flat] : opt.slots()) params.scatter_full(flat, "." + slot, saved, tensor_rank);
+  const Shard shard = opt.shard();
+  for (auto& [slot, part] : opt.slots()) {
+    if (!sharded(opt, params)) {
+      params.scatter_full(part, "." + slot, saved, tensor_rank);
+      continue;
+    }
+    auto flat = torch::zeros_like(params.data());
+    params.scatter_full(flat, "." + slot, saved, tensor_rank);
+    part.copy_(flat.narrow(0, shard.offset, shard.numel));
+  }
   NamedTensors scalars;  // the ones this optimizer keeps, at the shapes it keeps them
   for (const auto& [name, t] : opt.scalars()) scalars.emplace_back(name, saved.at(name, t.sizes().vec()));
   opt.load_scalars(scalars);
@@ -246,6 +270,12 @@ void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedT
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
                           int64_t tensor_rank, const std::string& origin) {
   load_optimizer_state(opt, params, SavedTensors(state, origin), tensor_rank);
+}
+
+int64_t optimizer_state_bytes(const Optimizer& opt) {
+  int64_t bytes = 0;
+  for (const auto& [name, t] : opt.slots()) bytes += t.numel() * t.element_size();
+  return bytes;
 }
 
 bool decays(const OptimizerConfig& cfg, const std::vector<int64_t>& full_shape) {

@@ -16,13 +16,6 @@
 
 namespace dtrain {
 
-// The part of the flat buffers an optimizer updates: the whole of them, or one rank's
-// shard (ZeRO-1).
-struct Shard {
-  int64_t offset = 0;
-  int64_t numel = -1;  // -1 = to the end of the buffer
-};
-
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -39,6 +32,9 @@ class Optimizer {
   virtual NamedTensors scalars() const = 0;
   // Restores scalars; slots are restored in place through slots() (the buffers are views).
   virtual void load_scalars(const NamedTensors& scalars) = 0;
+  // The part of the flat buffers it updates (the slots hold that part only): the whole of
+  // them, or one data rank's shard (ZeRO).
+  virtual Shard shard() const = 0;
 };
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams& params,
@@ -47,15 +43,20 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams
 // What tensor rank `tensor_rank` writes of the state into a checkpoint: per parameter and
 // slot ("fc.weight.exp_avg"), split parameters' slots as this rank's part (noted in
 // `parts`), replicated ones on tensor rank 0 only; and the scalars. Loaded (every part
-// merged, checkpoint.hpp) it is the state at full logical shapes.
+// merged, checkpoint.hpp) it is the state at full logical shapes. A sharded optimizer's
+// slots are first gathered over `data` (its shards' group): then a collective, every data
+// rank calls it.
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
-                             PartsOf& parts);
-// Restores what optimizer_state() returned, each rank taking its part; throws
-// CheckpointError (naming `origin`) on a missing or misshapen tensor.
+                             PartsOf& parts, Comm& data);
+// Restores what optimizer_state() returned, each rank taking its part (of a shard, the
+// shard's part); throws CheckpointError (naming `origin`) on a missing or misshapen tensor.
+// The state is independent of the layout, so it restores at any data size.
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
                           int64_t tensor_rank, const std::string& origin);
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
                           int64_t tensor_rank);
+// The bytes of state this rank keeps (its slots), for the summary.
+int64_t optimizer_state_bytes(const Optimizer& opt);
 
 // Whether weight decay applies to the parameter with this full shape.
 bool decays(const OptimizerConfig& cfg, const std::vector<int64_t>& full_shape);

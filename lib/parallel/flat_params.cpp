@@ -94,8 +94,9 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   }
   torch::NoGradGuard no_grad;
   auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);
-  data_ = torch::empty({total}, options);
-  grad_ = torch::zeros({total}, options);
+  const int64_t padded = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
+  data_ = torch::zeros({padded}, options);
+  grad_ = torch::zeros({padded}, options);
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& p = params_[i];
     auto slot = view(data_, i);
@@ -105,30 +106,20 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   }
 }
 
+Shard FlatParams::shard(int64_t ranks, int64_t rank) const {
+  const int64_t total = data_.numel();
+  if (total % ranks != 0)
+    throw std::logic_error(fmt::format("a flat buffer of {} cannot be cut in {} equal shards",
+                                       total, ranks));
+  return {rank * (total / ranks), total / ranks};
+}
+
 torch::Tensor FlatParams::view(const torch::Tensor& flat, size_t i) const {
   const auto& e = entries_[i];
   auto slot = flat.narrow(0, e.offset, e.numel);
   if (format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4)  // stored N,H,W,C
     return slot.view({e.shape[0], e.shape[2], e.shape[3], e.shape[1]}).permute({0, 3, 1, 2});
   return slot.view(e.shape);
-}
-
-NamedTensors FlatParams::gather_full(const torch::Tensor& flat, const std::string& suffix,
-                                     Comm& tensor) const {
-  NamedTensors out;
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    const auto& e = entries_[i];
-    auto local = view(flat, i);
-    if (!e.placement.is_split()) {
-      out.emplace_back(e.name + suffix, local);
-      continue;
-    }
-    if (tensor.size() != e.placement.parts)
-      throw std::logic_error(fmt::format("'{}' is split {} ways over a tensor group of {}",
-                                         e.name, e.placement.parts, tensor.size()));
-    out.emplace_back(e.name + suffix, e.placement.assemble(tensor.all_gather(local.contiguous())));
-  }
-  return out;
 }
 
 NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suffix,

@@ -84,12 +84,23 @@ class PlacedModule {
   virtual Placement placement_of(const std::string& param_name) const = 0;
 };
 
+// A contiguous part of the flat buffers: what one data-parallel rank updates under ZeRO,
+// [offset, offset + numel). The whole buffer by default.
+struct Shard {
+  int64_t offset = 0;
+  int64_t numel = -1;  // -1 = to the end of the buffer
+  bool whole() const { return offset == 0 && numel < 0; }
+};
+
 struct FlatOptions {
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
   // With ChannelsLast, 4-d parameters (conv weights) are laid out channels-last in the
   // buffer, which LibTorch's oneDNN convolutions run ~1.4x faster on CPU.
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
+  // The buffers' length is rounded up to a multiple of this (zeros past the last entry), so
+  // that they cut into equal shards (ZeRO's all-gather takes equal parts).
+  int64_t pad_to = 1;
 };
 
 class FlatParams {
@@ -117,12 +128,10 @@ class FlatParams {
   // The slice of a flat buffer (data, grad or optimizer state) that belongs to entry i.
   torch::Tensor view(const torch::Tensor& flat, size_t i) const;
   void zero_grad() { grad_.zero_(); }
+  // Rank `rank`'s equal, contiguous part of the buffers cut in `ranks` (FlatOptions::pad_to
+  // must have made them divisible).
+  Shard shard(int64_t ranks, int64_t rank) const;
 
-  // Every entry of `flat` (a buffer laid out like data(): the parameters or an optimizer
-  // slot) at its full logical shape, named entry.name + suffix. Split entries are gathered
-  // over `tensor`: a collective, every member of the tensor group calls it.
-  NamedTensors gather_full(const torch::Tensor& flat, const std::string& suffix,
-                           Comm& tensor) const;
   // What tensor rank `tensor_rank` writes of `flat` into a checkpoint, without gathering:
   // each split entry's local part (named entry.name + suffix, noted in `parts`), and the
   // replicated entries on tensor rank 0 only.

@@ -102,6 +102,8 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"skipped_steps", st.skipped},
       {"device", c.device().str()},
       {"peak_rss_mb", peak_rss_mb()},
+      // rank 0's: under ZeRO each data rank keeps about 1 / data of it
+      {"optimizer_state_mb", double(optimizer_state_bytes(*c.optimizer)) / (1024.0 * 1024.0)},
       {"time", unix_time()}};
   if (c.scaler) {
     s["loss_scale"] = c.scaler->scale();

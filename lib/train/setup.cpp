@@ -145,11 +145,12 @@ void setup(Context& c) {
   FlatOptions flat;
   flat.format = c.spec->format;
   flat.device = c.device();
+  flat.pad_to = shard_padding(cfg.parallel, c.mesh);
   std::vector<torch::nn::Module*> modules;
   for (auto& chunk : c.chunks) modules.push_back(chunk.get());
   c.params = std::make_unique<FlatParams>(modules, flat);
   find_tied(c);
-  c.optimizer = make_optimizer(cfg.optimizer, *c.params);
+  c.optimizer = make_optimizer(cfg.optimizer, *c.params, update_shard(cfg.parallel, c.mesh, *c.params));
   if (cfg.precision.dtype == "fp16")
     c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
   c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
@@ -167,7 +168,7 @@ void setup(Context& c) {
     return;
   }
   broadcast_state(c);
-  c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum);
+  c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum, c.tied);
   c.runner = make_runner(c);
   root_does(c, fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
     write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));

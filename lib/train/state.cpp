@@ -306,12 +306,18 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   PartsOf parts;
   const auto& at = c.mesh.coord();
   const bool writer = at.data == 0;
+  // Under ZeRO every data rank holds a shard of the optimizer state: gathered (a collective
+  // over the data group) for the writer, so the checkpoint holds it whole.
+  if (writer || !c.sync->shard().whole())
+    state.optimizer = without_copies(
+        c, optimizer_state(*c.optimizer, *c.params, at.tensor, parts, *c.mesh.data()));
   if (writer) {
     state.model = c.params->owned(c.params->data(), "", at.tensor, parts);
     if (at.tensor == 0)
       for (auto& b : c.named_buffers()) state.model.push_back(std::move(b));
     state.model = without_copies(c, std::move(state.model));
-    state.optimizer = without_copies(c, optimizer_state(*c.optimizer, *c.params, at.tensor, parts));
+  } else {
+    state.optimizer.clear();
   }
   const auto& dims = c.mesh.dims();
   every_rank_does(

@@ -185,7 +185,8 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   torch::Tensor norm;
   if (p.norm_taken) {
     norm = global_grad_norm(*c.params, *c.mesh.tensor(), *c.mesh.pipeline(),
-                            c.tied_copy ? c.tied : std::vector<size_t>{});
+                            c.tied_copy ? c.tied : std::vector<size_t>{}, c.sync->shard(),
+                            c.mesh.data().get());
     if (scale != 1.0) norm = norm / scale;
   }
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
@@ -212,7 +213,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     s.loss_scale = c.scaler->scale();
     s.overflow_steps = c.scaler->overflows();
     if (update) {
-      clip_grad(*c.params, norm, clip, scale);
+      clip_grad(*c.params, norm, clip, scale, c.sync->shard());
       c.optimizer->step(lr);
     }
   } else {
@@ -223,7 +224,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
                              .add(figures.select(0, layout.grad_norm()));  // NaN if either is
       skip = total.isfinite().logical_not().to(torch::kFloat32);
     }
-    clip_grad(*c.params, norm, clip);
+    clip_grad(*c.params, norm, clip, 1.0, c.sync->shard());
     c.optimizer->step(lr, skip);
   }
   c.sync->after_update();

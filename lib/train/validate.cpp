@@ -27,7 +27,7 @@ void check_supported(const JobConfig& c) {
       throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
                                     value));
   };
-  refuse(c.parallel.zero != 0, "parallel.zero", "ZeRO sharding");
+  refuse(c.parallel.zero == 2, "parallel.zero", "2 (gradient sharding)");
   refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
   refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
 }

@@ -227,7 +227,7 @@ TEST_CASE("optimizer: saved state restored into a fresh optimizer continues iden
     }
 
     PartsOf parts;
-    const NamedTensors state = optimizer_state(*opt_a, fa, /*tensor_rank=*/0, parts);
+    const NamedTensors state = optimizer_state(*opt_a, fa, /*tensor_rank=*/0, parts, *make_local_comm());
     CHECK(parts.empty());  // nothing split on one process
     bool has_steps = false;
     for (const auto& [n, t] : state) {

@@ -236,10 +236,20 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
       // The input gradient is whole on every rank (the column layer's backward all-reduce).
       if (!torch::allclose(xi.grad(), xr.grad(), 1e-5, 1e-6)) fail("input gradient");
 
-      // The flat buffer knows the placements; gathering gives the unsplit tensors, and the
-      // global norm counts the replicated bias once.
-      auto full = flat.gather_full(flat.data(), "", *tensor);
+      // The flat buffer knows the placements: every rank's owned parts, assembled, are the
+      // unsplit tensors, and the global norm counts the replicated bias once.
+      PartsOf parts;
+      NamedTensors full;
+      for (auto& [name, local] : flat.owned(flat.data(), "", r, parts)) {
+        auto it = parts.find(name);
+        if (it == parts.end()) full.emplace_back(name, local);
+        else full.emplace_back(name, it->second.placement.assemble(tensor->all_gather(local.contiguous())));
+      }
       std::map<std::string, torch::Tensor> by_name(full.begin(), full.end());
+      if (r == 0 && !by_name.count("2.bias")) fail("rank 0 owns the replicated bias");
+      if (r == 1 && by_name.count("2.bias")) fail("rank 1 does not own the replicated bias");
+      if (r == 1) by_name["2.bias"] = b->bias;  // replicated: every rank holds the same
+      full.assign(by_name.begin(), by_name.end());
       if (!torch::equal(by_name.at("0.weight"), ref_a->weight)) fail("gathered column weight");
       if (!torch::equal(by_name.at("2.weight"), ref_b->weight)) fail("gathered row weight");
       double ref_sq = 0;

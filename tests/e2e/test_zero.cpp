@@ -1,0 +1,138 @@
+// ZeRO through `dtrain run --nproc N`: sharding the optimizer state over the data ranks
+// changes where the update is computed, not what it computes. The reference for every run
+// is the same layout with parallel.zero 0 (the all-reduce path, which the data-parallel
+// suite checks against one process).
+#include <doctest/doctest.h>
+
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+// Synthetic data, AdamW with clipping and decay groups, a step schedule (independent of
+// max_steps, so that a run cut in legs follows the whole run's learning rates).
+std::string job(const std::string& dir, const std::string& model, const std::string& optimizer) {
+  auto path = dir + "/zero.yaml";
+  std::ofstream(path) << "name: zero-check\nseed: 7\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                      << model << optimizer
+                      << "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
+                         "train: {max_steps: 40, log_every: 1, threads: 1, eval_every: 20}\n"
+                         "checkpoint: {every_steps: 20}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+const char* kAdamW = "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 0.5}\n";
+const char* kSgd = "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}\n";
+
+std::string gpt_job(const std::string& dir) {
+  auto path = dir + "/gpt.yaml";
+  std::ofstream(path) << "name: zero-gpt\nseed: 5\n"
+                         "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
+                         " seq_len: 32, workers: 1}\n"
+                         "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32,"
+                         " dropout: 0.1}\n"
+                      << kAdamW
+                      << "schedule: {warmup_steps: 5, decay: cosine}\n"
+                         "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 20}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+nlohmann::json run(const std::string& job, int n, const std::string& run_dir,
+                   const std::string& sets) {
+  auto r = e2e::dtrain("run " + job + " --nproc " + std::to_string(n) + " --run-dir " + run_dir +
+                       sets + kQuiet);
+  INFO(n << " processes" << sets << ": " << r.err);
+  REQUIRE(r.code == 0);
+  return metrics(run_dir).back();
+}
+
+// At each (processes, settings): zero 0 and zero 1 agree on every step's loss to 1e-5, and
+// zero 1 keeps about 1/data of the optimizer state on a rank.
+void check_zero_matches(const std::string& dir, const std::string& job,
+                        const std::vector<std::pair<int, std::string>>& layouts) {
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const auto& [n, sets] = layouts[i];
+    const auto base = dir + "/l" + std::to_string(i);
+    const auto plain = run(job, n, base + "-zero0", sets);
+    const auto zero = run(job, n, base + "-zero1", sets + " --set parallel.zero=1");
+    check_losses_close(train_losses(base + "-zero0"), train_losses(base + "-zero1"), 1e-5,
+                       std::to_string(n) + " processes" + sets + " zero 1");
+    const int64_t data = zero["layout"]["data"];
+    const double ratio = zero["optimizer_state_mb"].get<double>() /
+                         plain["optimizer_state_mb"].get<double>();
+    INFO("optimizer state " << zero["optimizer_state_mb"] << " MiB vs " << plain["optimizer_state_mb"]);
+    CHECK(ratio == doctest::Approx(1.0 / double(data)).epsilon(0.05));
+    // The bytes a rank sends: the reductions to each shard's owner and the all-gather.
+    const auto line = of_kind(metrics(base + "-zero1"), "train").back();
+    CHECK(line["comm_bytes"].get<int64_t>() > 0);
+  }
+}
+}  // namespace
+
+TEST_SUITE("zero") {
+  TEST_CASE("ZeRO-1: the MLP (AdamW) and the CNN with SyncBatchNorm at data 2 and 4 match zero 0") {
+    auto dir = temp_dir("zero-mlp");
+    check_zero_matches(dir, job(dir, "model: {arch: mlp, hidden: [64, 32]}\n", kAdamW),
+                       {{2, ""}, {4, ""}});
+    auto cnn = temp_dir("zero-cnn");
+    check_zero_matches(cnn, job(cnn, "model: {arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}\n"
+                                     "parallel: {sync_batchnorm: true}\n", kSgd),
+                       {{2, ""}});
+  }
+
+  TEST_CASE("ZeRO-1: a GPT at data 2, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
+    REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
+    auto dir = temp_dir("zero-gpt");
+    // The pipeline layout ties the embedding on stage 0 to the head on stage 1: that
+    // weight's gradient is summed across the stages after the data sync. With stage 0 only
+    // the embeddings, its shards cut the tied weight where stage 1's do not.
+    check_zero_matches(dir, gpt_job(dir),
+                       {{2, ""}, {4, " --set parallel.tensor=2"}, {4, " --set parallel.pipeline=2 --set parallel.stages=[1,3]"}});
+  }
+
+  TEST_CASE("ZeRO-1: checkpoints hold whole optimizer state, and resume at data 4, 2 and 1") {
+    auto dir = temp_dir("zero-resume");
+    const auto j = job(dir, "model: {arch: mlp, hidden: [64, 32]}\n", kAdamW);
+    // One process, 60 steps, the reference trajectory.
+    run(j, 1, dir + "/one", " --set train.max_steps=60");
+    const auto ref = train_losses(dir + "/one");
+    // The same 60 steps in three legs: data 4 with ZeRO, data 2 with ZeRO, one process.
+    const auto legs = dir + "/legs";
+    run(j, 4, legs, " --set train.max_steps=20 --set parallel.zero=1");
+    // Written whole: every slot at its parameter's full shape, one file for the data ranks.
+    const auto ckpt = dtrain::load_checkpoint(legs + "/checkpoints/step-00000020");
+    std::map<std::string, torch::Tensor> model(ckpt.model.begin(), ckpt.model.end());
+    std::map<std::string, torch::Tensor> opt(ckpt.optimizer.begin(), ckpt.optimizer.end());
+    for (const auto& [name, w] : model) {
+      INFO(name);
+      REQUIRE(opt.count(name + ".exp_avg_sq"));
+      CHECK(opt.at(name + ".exp_avg_sq").sizes() == w.sizes());
+      CHECK(opt.at(name + ".exp_avg_sq").abs().sum().item<double>() > 0);  // no shard left empty
+    }
+    run(j, 2, legs, " --set train.max_steps=40 --set parallel.zero=1 --resume auto");
+    run(j, 1, legs, " --set train.max_steps=60 --resume auto");
+    const auto got = train_losses(legs);
+    REQUIRE(got.size() == 60);
+    check_losses_close(ref, got, 1e-5, "data 4 -> data 2 -> 1 process under ZeRO-1");
+  }
+
+  TEST_CASE("ZeRO: stages the build cannot run are refused, naming the key") {
+    auto dir = temp_dir("zero-refuse");
+    auto r = e2e::dtrain("validate " + job(dir, "model: {arch: mlp, hidden: [8]}\n", kSgd) +
+                         " --nproc 2 --set parallel.zero=2");
+    CHECK(r.code == 2);
+    CHECK(r.err.find("parallel.zero") != std::string::npos);
+    r = e2e::dtrain("validate " + job(dir, "model: {arch: mlp, hidden: [8]}\n", kSgd) +
+                    " --nproc 2 --set parallel.zero=3");
+    CHECK(r.code == 2);
+    CHECK(r.err.find("parallel.zero") != std::string::npos);
+  }
+}
