@@ -25,6 +25,22 @@ bool starts_ends(const std::string& s, const std::string& head, const std::strin
          s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// The kind of tensors a checkpoint file holds, from its name: "model.pp1.tp0.safetensors"
+// holds "model", "sync.dp1.safetensors" "sync.dp1"; "" for files that hold no tensors.
+std::string kind_of(const std::string& file) {
+  const std::string ext = ".safetensors";
+  if (!starts_ends(file, "", ext)) return "";
+  std::string stem = file.substr(0, file.size() - ext.size());
+  for (const char* axis : {".tp", ".pp"}) {  // the part's suffixes, last first
+    const auto at = stem.rfind(axis);
+    if (at != std::string::npos && at + 3 < stem.size() &&
+        std::all_of(stem.begin() + long(at) + 3, stem.end(), ::isdigit))
+      stem.resize(at);
+  }
+  if (stem == "model" || stem == "optimizer" || stem.rfind("sync.dp", 0) == 0) return stem;
+  return "";
+}
+
 bool is_checkpoint_name(const std::string& name) {
   return name.size() == 13 && name.rfind("step-", 0) == 0 &&
          std::all_of(name.begin() + 5, name.end(), ::isdigit);
@@ -128,6 +144,13 @@ void CheckpointStore::write_part(const std::string& temp, const std::string& par
                     file_metadata("dtrain-model", model, parts));
   write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
                     file_metadata("dtrain-optimizer", optimizer, parts));
+}
+
+void CheckpointStore::write_sync_state(const std::string& temp, int64_t data_rank,
+                                       const std::string& part, const NamedTensors& state,
+                                       const PartsOf& parts) {
+  write_safetensors((fs::path(temp) / fmt::format("sync.dp{}{}.safetensors", data_rank, part)).string(),
+                    state, file_metadata("dtrain-sync", state, parts));
 }
 
 void CheckpointStore::abort(int64_t step) {
@@ -267,14 +290,13 @@ CheckpointReader::CheckpointReader(const std::string& folder)
   // Every writer's part, in the manifest's (name) order; a name two parts hold whole (the
   // optimizer's step count) is taken from the first, and a split tensor's parts (one per
   // tensor rank) are kept together, every one required.
-  std::vector<const char*> kind_of_file;
+  std::vector<std::string> kind_of_file;
   for (const auto& f : manifest_.at("files")) {
     const auto file = f.at("name").get<std::string>();
-    for (const char* kind : {"model", "optimizer"}) {
-      if (!starts_ends(file, kind, ".safetensors")) continue;
-      files_.push_back(index_safetensors((dir / file).string()));
-      kind_of_file.push_back(kind);
-    }
+    const auto kind = kind_of(file);
+    if (kind.empty()) continue;
+    files_.push_back(index_safetensors((dir / file).string()));
+    kind_of_file.push_back(kind);
   }
   for (size_t i = 0; i < files_.size(); ++i) {
     const auto& file = files_[i];

@@ -69,6 +69,11 @@ class CheckpointStore {
   // ".tpT" for a tensor rank, ".ppN.tpT" for both). The tensors named in `parts` are one
   // tensor rank's part of a split tensor: the file's metadata says which, and loading
   // assembles the whole.
+  // A data rank's training-strategy state (gradient compression's residuals) as
+  // `sync.dpD<part>.safetensors`: per data rank, unlike the model and optimizer, which
+  // the data ranks hold alike.
+  static void write_sync_state(const std::string& temp, int64_t data_rank, const std::string& part,
+                               const NamedTensors& state, const PartsOf& parts);
   static void write_part(const std::string& temp, const std::string& part,
                          const NamedTensors& model, const NamedTensors& optimizer,
                          const PartsOf& parts = {});
@@ -111,8 +116,10 @@ class CheckpointReader {
   const nlohmann::json& manifest() const { return manifest_; }
   nlohmann::json trainer() const;
   std::string config_yaml() const;
-  // "model" or "optimizer": every tensor's name, in the order the parts list them; and the
-  // tensors, read as a rank needs them (valid while the reader lives).
+  // "model", "optimizer" or "sync.dpD" (data rank D's strategy state): every tensor's
+  // name, in the order the parts list them; and the tensors, read as a rank needs them
+  // (valid while the reader lives).
+  bool has(const std::string& kind) const { return kinds_.count(kind) > 0; }
   std::vector<std::string> names(const std::string& kind) const;
   SavedTensors tensors(const std::string& kind) const;
   // Every tensor of `kind` whole.

@@ -74,9 +74,11 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
   }
   void broadcast(torch::Tensor, int64_t) override {}
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override { return {t.clone()}; }
-  void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
+  std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) override {
     out.view(-1).copy_(in.reshape(-1));
+    return std::make_unique<DonePending>();
   }
+  bool can_sum(torch::ScalarType) const override { return true; }
   void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp) override {
     out.view(-1).copy_(in.reshape(-1));
   }
@@ -173,7 +175,10 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
       for (auto& part : out[0]) part = part.to(t.device());
     return out[0];
   }
-  void all_gather_into(torch::Tensor out, const torch::Tensor& in) override {
+  bool can_sum(torch::ScalarType type) const override {
+    return ctx_->opts.backend == "nccl" || type == torch::kFloat32 || type == torch::kFloat64;
+  }
+  std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) override {
     auto flat_in = staged(in).dev.reshape(-1).contiguous();
     const int64_t n = flat_in.numel();
     TORCH_CHECK(out.numel() == n * size_, "all_gather_into: output holds ", out.numel(),
@@ -184,10 +189,11 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     auto flat_out = st.dev.view(-1);
     for (int64_t r = 0; r < size_; ++r) outs[0].push_back(flat_out.narrow(0, r * n, n));
     std::vector<torch::Tensor> ins{flat_in};
-    guard("all_gather", [&] {
-      return pending("all_gather", pg_->allgather(outs, ins), {flat_out}, 1.0,
+    return guard("all_gather", [&] {
+      // The input too must outlive the operation.
+      return pending("all_gather", pg_->allgather(outs, ins), {flat_out, flat_in}, 1.0,
                      st.back.defined() ? st.back.view(-1) : st.back);
-    })->wait();
+    });
   }
   void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp op) override {
     // Gloo in LibTorch 1.13 has no reduce-scatter: reduce everything, keep this rank's
@@ -259,17 +265,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     double divide_;
     torch::Tensor back_;
   };
-  struct PendingAll : Pending {
-    std::vector<std::unique_ptr<Pending>> parts;
-    void wait() override {
-      for (auto& p : parts) p->wait();
-    }
-    bool done() override {
-      for (auto& p : parts)
-        if (!p->done()) return false;
-      return true;
-    }
-  };
+
 
   std::unique_ptr<Pending> pending(const char* op, c10::intrusive_ptr<c10d::Work> w,
                                    std::vector<torch::Tensor> keep, double divide = 1.0,

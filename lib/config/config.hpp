@@ -192,6 +192,7 @@ struct ParallelConfig {
   double bucket_mb = 1.0;
   std::string compression = "none";
   double topk_ratio = 0.01;
+  int64_t compression_warmup = 0;
   std::string mode = "sync";
   int64_t staleness = 4;
   int64_t average_every = 8;
@@ -209,8 +210,10 @@ struct ParallelConfig {
     v("sync_batchnorm", sync_batchnorm, "BatchNorm statistics over the whole global batch");
     v("bucket_mb", bucket_mb, "gradient all-reduce slice size, MiB");
     v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk"},
-      "gradient compression (not supported yet: none)");
-    v("topk_ratio", topk_ratio, "topk: share of gradient entries sent");
+      "gradient compression on the data-parallel wire (sign, topk: with error feedback)");
+    v("topk_ratio", topk_ratio, "topk: share of each gradient slice's entries sent");
+    v("compression_warmup", compression_warmup,
+      "steps all-reduced uncompressed before compression starts");
     v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
       "training mode (not supported yet: sync)");
     v("staleness", staleness, "async_ps: bound on a worker's lag");

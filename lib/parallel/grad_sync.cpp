@@ -6,18 +6,13 @@
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
+#include "parallel/compression.hpp"
 #include "parallel/flat_params.hpp"
 #include "parallel/grad_buckets.hpp"
 #include "parallel/mesh.hpp"
 
 namespace dtrain {
 namespace {
-
-// What one rank sends in a ring all-reduce of `bytes` over `ranks`: a reduce-scatter and an
-// all-gather, each (D-1)/D of the data.
-int64_t ring_all_reduce_bytes(int64_t bytes, int64_t ranks) {
-  return 2 * bytes * (ranks - 1) / ranks;
-}
 
 class NoSync : public GradSync {
  public:
@@ -34,10 +29,8 @@ class AllReduce : public Reduction {
   explicit AllReduce(std::shared_ptr<Comm> comm) : comm_(std::move(comm)) {}
   std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
                                  int64_t numel) override {
+    count(ring_all_reduce_bytes(numel * grad.element_size(), comm_->size()));
     return comm_->all_reduce_async(grad.narrow(0, offset, numel));
-  }
-  int64_t wire_bytes(const torch::Tensor& grad) const override {
-    return ring_all_reduce_bytes(grad.numel() * grad.element_size(), comm_->size());
   }
 
  private:
@@ -69,35 +62,24 @@ class ReduceToOwners : public Reduction {
     for (int64_t at = (offset / shard_ + 1) * shard_; at < offset + numel; at += shard_)
       cuts.push_back(at);
     std::sort(cuts.begin(), cuts.end());
+    const int64_t d = comm_->size();
     for (size_t i = 0; i + 1 < cuts.size(); ++i) {
       const int64_t from = std::max(cuts[i], offset), to = std::min(cuts[i + 1], offset + numel);
       if (from >= to) continue;
       auto part = grad.narrow(0, from, to - from);
-      all->parts.push_back(in_whole(from) ? comm_->all_reduce_async(part)
-                                          : comm_->reduce_async(part, from / shard_));
+      const int64_t bytes = (to - from) * grad.element_size(), owner = from / shard_;
+      if (in_whole(from)) {
+        count(ring_all_reduce_bytes(bytes, d));
+        all->parts.push_back(comm_->all_reduce_async(part));
+      } else {
+        count(bytes * (d - 1) / d + (owner != comm_->rank() ? bytes / d : 0));
+        all->parts.push_back(comm_->reduce_async(part, owner));
+      }
     }
     return all;
   }
-  int64_t wire_bytes(const torch::Tensor& grad) const override {
-    const int64_t d = comm_->size(), elem = grad.element_size();
-    int64_t whole = 0;
-    for (const auto& [lo, hi] : whole_) whole += hi - lo;
-    // Each of the D owners' reductions, summed: (D-1)/D of every shard, 1/D of the others'.
-    const int64_t reduced = grad.numel() - whole;
-    return reduced * elem * (d - 1) / d + reduced * elem * (d - 1) / d / d +
-           ring_all_reduce_bytes(whole * elem, d);
-  }
 
  private:
-  struct PendingAll : Pending {
-    std::vector<std::unique_ptr<Pending>> parts;
-    void wait() override {
-      for (auto& p : parts) p->wait();
-    }
-    bool done() override {
-      return std::all_of(parts.begin(), parts.end(), [](auto& p) { return p->done(); });
-    }
-  };
   bool in_whole(int64_t at) const {
     return std::any_of(whole_.begin(), whole_.end(),
                        [&](const auto& r) { return r.first <= at && at < r.second; });
@@ -108,32 +90,47 @@ class ReduceToOwners : public Reduction {
 };
 
 // Each bucket reduced as soon as it is final, asynchronously, so the communication
-// overlaps the rest of backward; finish() waits for all of them.
+// overlaps the rest of backward; finish() waits for all of them. During the first
+// `warmup` steps the buckets go to `plain` (an all-reduce) instead of `reduction`
+// (compression's warm-up: 1-bit Adam's lesson, the first steps' gradients move most).
 class BucketedSync : public GradSync {
  public:
   BucketedSync(FlatParams& params, std::unique_ptr<Reduction> reduction, int64_t ranks,
-               double bucket_mb, int64_t micro_batches)
+               double bucket_mb, int64_t micro_batches,
+               std::unique_ptr<Reduction> plain = nullptr, int64_t warmup = 0)
       : params_(params),
         reduction_(std::move(reduction)),
+        plain_(std::move(plain)),
+        warmup_(warmup),
+        active_(reduction_.get()),
         factor_(1.0 / double(micro_batches * ranks)),
         buckets_(params, bucket_mb, [this](int64_t offset, int64_t numel) {
-          inflight_.push_back(reduction_->start(params_.grad(), offset, numel));
+          inflight_.push_back(active_->start(params_.grad(), offset, numel));
         }) {}
   // The loss is scaled by 1 / (micro-batches x ranks), so the reduction is a plain sum.
   double loss_factor() const override { return factor_; }
+  void begin_step(int64_t step) override {
+    active_ = plain_ && step <= warmup_ ? plain_.get() : reduction_.get();
+  }
   void begin_micro_batch(bool last) override { buckets_.arm(last); }
   void finish() override {
     buckets_.flush();  // buckets no hook completed (parameters unused this step)
     for (auto& p : inflight_) p->wait();
     inflight_.clear();
+    sent_ = active_->take_sent();
   }
-  int64_t bytes_per_step() const override { return reduction_->wire_bytes(params_.grad()); }
+  void after_update(const torch::Tensor& skip) override { reduction_->after_step(skip); }
+  NamedTensors state() const override { return reduction_->state(); }
+  int64_t bytes_per_step() const override { return sent_; }
 
  protected:
   FlatParams& params_;
+  int64_t sent_ = 0;  // by the last step
 
  private:
-  std::unique_ptr<Reduction> reduction_;
+  std::unique_ptr<Reduction> reduction_, plain_;
+  int64_t warmup_;
+  Reduction* active_;
   double factor_;
   std::vector<std::unique_ptr<Pending>> inflight_;
   GradBuckets buckets_;  // last: its hooks use the members above
@@ -152,15 +149,13 @@ class ZeroSync : public BucketedSync {
         data_(std::move(data)),
         shard_(shard) {}
   Shard shard() const override { return shard_; }
-  void after_update() override {
+  void after_update(const torch::Tensor& skip) override {
+    BucketedSync::after_update(skip);
     // The backend copies this rank's part into the output too: from a copy, not an alias.
     const auto mine = params_.data().narrow(0, shard_.offset, shard_.numel).clone();
     data_->all_gather_into(params_.data(), mine);
-  }
-  int64_t bytes_per_step() const override {
     const int64_t d = data_->size();
-    return BucketedSync::bytes_per_step() +
-           params_.data().numel() * params_.data().element_size() * (d - 1) / d;
+    sent_ += mine.numel() * mine.element_size() * (d - 1);
   }
 
  private:
@@ -196,6 +191,10 @@ std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& 
     return std::make_unique<ZeroSync>(params, mesh.data(), update_shard(cfg, mesh, params),
                                       std::move(ranges), cfg.bucket_mb, micro_batches);
   }
+  if (cfg.compression != "none")
+    return std::make_unique<BucketedSync>(
+        params, make_compression(cfg, mesh.data(), params), mesh.dims().data, cfg.bucket_mb,
+        micro_batches, std::make_unique<AllReduce>(mesh.data()), cfg.compression_warmup);
   return std::make_unique<BucketedSync>(params, std::make_unique<AllReduce>(mesh.data()),
                                         mesh.dims().data, cfg.bucket_mb, micro_batches);
 }

@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -32,17 +33,25 @@ class GradSync {
   // The factor each micro-batch's loss is multiplied by before backward. It enters at the
   // root of the graph, so averaging costs no pass over the gradients.
   virtual double loss_factor() const = 0;
+  // Before the step's first forward (compression's warmup counts steps).
+  virtual void begin_step(int64_t /*step*/) {}
   // Before each micro-batch's backward; only the last one of a step communicates.
   virtual void begin_micro_batch(bool /*last*/) {}
   // After the last backward: the gradient is final when it returns.
   virtual void finish() {}
   // After the optimizer's update, before the next forward (where a strategy that shards
   // the update gathers the parameters back).
-  virtual void after_update() {}
+  // `skip`, when defined, is the step's one-element skip flag on the device (1: the update
+  // was not made, train.on_nonfinite: skip); state carried to the next step must not keep
+  // what such a step computed.
+  virtual void after_update(const torch::Tensor& /*skip*/) {}
+  // What a strategy carries from step to step (error-feedback residuals), as buffers laid
+  // out like the flat gradient, by name; saved with each checkpoint per data rank.
+  virtual NamedTensors state() const { return {}; }
   // The part of the flat buffers whose gradient is final after finish(), which this rank
   // updates: all of them, or under ZeRO its shard (update_shard()).
   virtual Shard shard() const { return {}; }
-  // Bytes this rank sends per step (for the comm_bytes figure); 0 without communication.
+  // Bytes this rank sent in the last step (the comm_bytes figure); 0 without communication.
   virtual int64_t bytes_per_step() const { return 0; }
 };
 
@@ -55,9 +64,27 @@ class Reduction {
   // the ranks that keep it: all, or each part's owner).
   virtual std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
                                          int64_t numel) = 0;
-  // Bytes this rank sends to reduce all of `grad` once (Gloo's ring algorithms).
-  virtual int64_t wire_bytes(const torch::Tensor& grad) const = 0;
+  // Error feedback's residuals (compression.hpp), laid out like the flat gradient.
+  virtual NamedTensors state() const { return {}; }
+  // After a step: a skipped step's residuals are dropped (a non-finite gradient must not
+  // be carried into the next one).
+  virtual void after_step(const torch::Tensor& /*skip*/) {}
+  // The bytes this rank sent since the last call (by Gloo's ring algorithms: an all-reduce
+  // of B bytes over D ranks sends 2B(D-1)/D, an all-gather B(D-1)).
+  int64_t take_sent() { return std::exchange(sent_, 0); }
+
+ protected:
+  void count(int64_t bytes) { sent_ += bytes; }
+
+ private:
+  int64_t sent_ = 0;
 };
+
+// What one rank sends in a ring all-reduce of `bytes` over `ranks`: a reduce-scatter and an
+// all-gather, each (D-1)/D of the data.
+inline int64_t ring_all_reduce_bytes(int64_t bytes, int64_t ranks) {
+  return 2 * bytes * (ranks - 1) / ranks;
+}
 
 // The part of the flat buffers this rank updates: the whole without ZeRO, else its data
 // rank's equal shard. The one place that decides it (the optimizer and the sync agree).

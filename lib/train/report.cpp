@@ -50,7 +50,7 @@ nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last,
   }
   if (c.mesh.world()->size() > 1) {
     line["comm_ms"] = phase(w.comm_ms, last.comm_ms);
-    line["comm_bytes"] = c.sync->bytes_per_step();
+    line["comm_bytes"] = last.comm_bytes;
   }
   return line;
 }

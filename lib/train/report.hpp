@@ -16,6 +16,7 @@ struct StepStats {
   double loss = 0;             // mean over the global batch
   double grad_norm = 0;        // NaN when not computed this step
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0;
+  int64_t comm_bytes = 0;      // what this rank sent for the step's gradient sync
   // Wall time from the previous step's reading to this one's (evaluations and checkpoints
   // left out): what the step cost, waits for the device included (train/loop.cpp).
   double step_ms = 0;

@@ -1,7 +1,7 @@
 // Builds a run: the order matters. Threads and the seed first (the model's initialisation
-// draws from the generator), then data, model, flat buffers, optimizer, sampler; then the
-// resume decision (collective), the restored state, the broadcast that makes every
-// data-parallel rank start from the same weights, and last the gradient sync (its hooks).
+// draws from the generator), then data, model, flat buffers, optimizer, the gradient sync
+// (its hooks), sampler; then the resume decision (collective), the restored
+// state, and the broadcast that makes every data-parallel rank start from the same weights.
 #include <filesystem>
 #include <iostream>
 #include <thread>
@@ -151,6 +151,9 @@ void setup(Context& c) {
   c.params = std::make_unique<FlatParams>(modules, flat);
   find_tied(c);
   c.optimizer = make_optimizer(cfg.optimizer, *c.params, update_shard(cfg.parallel, c.mesh, *c.params));
+  // The gradient sync (its hooks on the parameters): before a resume, which restores its
+  // state.
+  c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum, c.tied);
   if (cfg.precision.dtype == "fp16")
     c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
   c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
@@ -168,7 +171,6 @@ void setup(Context& c) {
     return;
   }
   broadcast_state(c);
-  c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum, c.tied);
   c.runner = make_runner(c);
   root_does(c, fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
     write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));

@@ -197,6 +197,43 @@ void check_same_model(const Context& c, const CheckpointReader& saved) {
                            "job's model ({})", folder, missing.size(), some(missing));
 }
 
+// A strategy state tensor's name in the checkpoint: a tied weight's copy (the head's, on
+// the last stage) has its own residual, named apart from the embedding's.
+std::string sync_key(const Context& c, const std::string& key) {
+  if (!c.tied_copy) return key;
+  for (size_t i : c.tied)
+    if (key.rfind(c.params->entries()[i].name + ".", 0) == 0) return key + "_copy";
+  return key;
+}
+
+// The gradient sync's state (compression's residuals) from data rank D's files, when the
+// checkpoint was written at this data size; else it starts from zero, with a warning.
+void restore_sync_state(Context& c, const CheckpointReader& saved) {
+  const auto state = c.sync->state();
+  if (state.empty()) return;
+  const int64_t data = c.mesh.dims().data, rank = c.mesh.coord().data;
+  const auto& layout = saved.manifest().value("layout", nlohmann::json::object());
+  const int64_t saved_data = layout.value("data", int64_t(1));
+  const std::string kind = fmt::format("sync.dp{}", rank);
+  if (saved_data != data || !saved.has(kind)) {
+    c.say(fmt::format("warning: parallel.compression: the residuals start from zero ({})",
+                      saved.has("sync.dp0") ? fmt::format("the checkpoint was written at data "
+                                                          "size {}, this run has {}", saved_data, data)
+                                            : "the checkpoint holds none"));
+    return;
+  }
+  const auto names = saved.names(kind);
+  const SavedTensors tensors = saved.tensors(kind);
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, flat] : state)
+    for (size_t i = 0; i < c.params->entries().size(); ++i) {
+      const auto& e = c.params->entries()[i];
+      std::string key = sync_key(c, e.name + "." + name);
+      if (std::find(names.begin(), names.end(), key) == names.end()) key = e.name + "." + name;
+      c.params->view(flat, i).copy_(tensors.part(key, e.full_shape, e.placement, c.mesh.coord().tensor));
+    }
+}
+
 }  // namespace
 
 void restore(Context& c, const std::string& folder) {
@@ -225,6 +262,7 @@ void restore(Context& c, const std::string& folder) {
     for (const auto& [name, b] : c.named_buffers())  // replicated: every rank takes all of it
       b.copy_(model.at(name, b.sizes().vec()));
     load_optimizer_state(*c.optimizer, *c.params, saved.tensors("optimizer"), tensor_rank);
+    restore_sync_state(c, saved);
     set_generator_state(at::detail::getDefaultCPUGenerator(), t.rng_cpu);
     // A run on a GPU resumes its generator (dropout) where it was; a checkpoint from
     // another device leaves this device's generator at the job's seed.
@@ -311,6 +349,12 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   if (writer || !c.sync->shard().whole())
     state.optimizer = without_copies(
         c, optimizer_state(*c.optimizer, *c.params, at.tensor, parts, *c.mesh.data()));
+  // The strategy's state (compression's residuals): every data rank's own.
+  NamedTensors sync_state;
+  PartsOf sync_parts;
+  for (const auto& [name, flat] : c.sync->state())
+    for (auto& [key, t] : c.params->owned(flat, "." + name, at.tensor, sync_parts))
+      sync_state.emplace_back(sync_key(c, key), t);
   if (writer) {
     state.model = c.params->owned(c.params->data(), "", at.tensor, parts);
     if (at.tensor == 0)
@@ -323,11 +367,13 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   every_rank_does(
       c, what,
       [&] {
-        if (!writer) return;
         const std::string part = (dims.pipeline > 1 ? fmt::format(".pp{}", at.pipeline) : "") +
                                  (dims.tensor > 1 ? fmt::format(".tp{}", at.tensor) : "");
-        CheckpointStore::write_part(CheckpointStore::temp_folder(c.cfg.run_dir, step), part,
-                                    state.model, state.optimizer, parts);
+        const auto temp = CheckpointStore::temp_folder(c.cfg.run_dir, step);
+        if (!sync_state.empty())
+          CheckpointStore::write_sync_state(temp, at.data, part, sync_state, sync_parts);
+        if (!writer) return;
+        CheckpointStore::write_part(temp, part, state.model, state.optimizer, parts);
       },
       [&] { c.checkpoints->abort(step); });
   root_does(c, what, [&] {

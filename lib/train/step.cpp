@@ -162,6 +162,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   const bool waits = s.device_timed || c.scaler || c.mesh.world()->size() > 1 ||
                      (skip_mode && !c.optimizer->fused());
   SyncDebugScope sync_check(c.device().is_cuda() && !waits ? sync_debug_mode() : "off");
+  c.sync->begin_step(p.step);
   // 1. next batch (prepared ahead by the loader's threads), queued to the device
   Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
   const double scale = c.scaler ? c.scaler->scale() : 1.0;
@@ -200,6 +201,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
   const double lr = lr_at(c.cfg.schedule, c.cfg.optimizer.lr, p.step, c.total_steps);
+  torch::Tensor skip;  // train.on_nonfinite: skip: 1 when the step makes no update
   if (c.scaler) {
     take_figures(c, p);
     p.decided = true;
@@ -218,7 +220,6 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     }
   } else {
     // skip: the update waits on the global loss and norm being finite, on the device.
-    torch::Tensor skip;
     if (skip_mode) {
       const auto total = figures.select(0, Figures::kLossSum)
                              .add(figures.select(0, layout.grad_norm()));  // NaN if either is
@@ -227,7 +228,8 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     clip_grad(*c.params, norm, clip, 1.0, c.sync->shard());
     c.optimizer->step(lr, skip);
   }
-  c.sync->after_update();
+  c.sync->after_update(skip);
+  s.comm_bytes = c.sync->bytes_per_step();
   c.params->zero_grad();
   ++c.state.step;
   settle();

@@ -28,8 +28,21 @@ void check_supported(const JobConfig& c) {
                                     value));
   };
   refuse(c.parallel.zero == 2, "parallel.zero", "2 (gradient sharding)");
-  refuse(c.parallel.compression != "none", "parallel.compression", "gradient compression");
   refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
+}
+
+// Gradient compression against what it combines with.
+void check_compression(const JobConfig& c) {
+  const auto& how = c.parallel.compression;
+  if (how == "none") return;
+  fail_if<ConfigError>(c.parallel.zero > 0, "parallel.compression: {} with parallel.zero {} is "
+                       "not supported (ZeRO reduces each shard to its owner uncompressed); "
+                       "choose one", how, c.parallel.zero);
+  // The residual would mix gradients scaled by different loss scales.
+  fail_if<ConfigError>((how == "sign" || how == "topk") && c.precision.dtype == "fp16",
+                       "parallel.compression: {} keeps error-feedback residuals from step to "
+                       "step, which fp16's changing loss scale would corrupt; use "
+                       "precision.dtype bf16 or fp32", how);
 }
 
 // The pipeline's stages against the model's parts and the micro-batches.
@@ -187,6 +200,7 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   check_ranges(cfg);
   const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
   check_supported(cfg);
+  check_compression(cfg);
   plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);

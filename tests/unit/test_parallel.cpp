@@ -14,6 +14,7 @@
 #include "models/model.hpp"
 #include "optim/clip.hpp"
 #include "optim/optimizer.hpp"
+#include "parallel/compression.hpp"
 #include "parallel/dims.hpp"
 #include "parallel/flat_params.hpp"
 #include "parallel/mesh.hpp"
@@ -360,4 +361,94 @@ TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical
     if (replicated < 8) failures.add(tensor->rank(), "too few replicated parameters checked");
   }, quick());
   failures.check();
+}
+
+TEST_CASE("compression: each reduction's sum, bytes and error-feedback residual, by hand") {
+  // Two ranks, each with its own gradient; a slice from inside the weight (320 values)
+  // into the bias (8). sign's scales are per block of 256 values of a parameter: the
+  // slice holds the weight's [200, 256) and [256, 320), and 4 values of the bias.
+  const int64_t offset = 200, numel = 124;
+  const std::vector<int64_t> blocks{56, 64, 4};
+  auto gradient_of = [](int64_t rank, int64_t n) {
+    std::vector<float> g(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      g[size_t(i)] = float(std::sin(0.37 * double(i) + double(rank)) * double(i % 7 + 1));
+    return torch::tensor(g);
+  };
+  // Top k of |g| by hand: the k largest magnitudes (the values here have no ties).
+  auto top = [](const torch::Tensor& g, int64_t k) {
+    std::vector<std::pair<float, int64_t>> by;
+    for (int64_t i = 0; i < g.numel(); ++i) by.emplace_back(std::abs(g[i].item<float>()), i);
+    std::sort(by.begin(), by.end(), std::greater<>());
+    auto kept = torch::zeros_like(g);
+    for (int64_t j = 0; j < k; ++j) kept[by[size_t(j)].second] = g[by[size_t(j)].second];
+    return kept;
+  };
+  // Each block scaled by its own mean magnitude.
+  auto signed_mean = [&](const torch::Tensor& c) {
+    auto sign = torch::where(c.ge(0), torch::ones_like(c), -torch::ones_like(c));
+    std::vector<torch::Tensor> scales;
+    int64_t at = 0;
+    for (int64_t n : blocks) {
+      auto block = c.narrow(0, at, n);
+      scales.push_back(torch::full_like(block, block.abs().mean().item<float>()));
+      at += n;
+    }
+    return sign * torch::cat(scales);
+  };
+  for (const std::string how : {"fp16", "bf16", "sign", "topk"}) {
+    CAPTURE(how);
+    RankFailures failures;
+    run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
+      const int64_t r = comm->rank();
+      auto fail = [&](const std::string& what) { failures.add(r, how + ": " + what); };
+      torch::nn::Linear layer(40, 8);  // 328 values
+      FlatParams flat(*layer);
+      ParallelConfig cfg;
+      cfg.compression = how;
+      cfg.topk_ratio = 0.1;
+      auto reduction = make_compression(cfg, comm, flat);
+      std::vector<torch::Tensor> g{gradient_of(0, numel), gradient_of(1, numel)};
+      std::vector<torch::Tensor> residual{torch::zeros({numel}), torch::zeros({numel})};
+      for (int step = 0; step < 2; ++step) {  // the second step carries the first's residual
+        flat.grad().zero_();
+        flat.grad().narrow(0, offset, numel).copy_(g[size_t(r)]);
+        reduction->start(flat.grad(), offset, numel)->wait();
+        torch::Tensor want = torch::zeros({numel});
+        int64_t bytes = 0;
+        for (size_t q = 0; q < 2; ++q) {
+          const auto c = g[q] + residual[q];
+          torch::Tensor sent;
+          if (how == "fp16") sent = c.to(torch::kFloat16).to(torch::kFloat32), bytes = numel * 2;
+          if (how == "bf16") sent = c.to(torch::kBFloat16).to(torch::kFloat32), bytes = numel * 2;
+          if (how == "sign") sent = signed_mean(c), bytes = (numel + 7) / 8 + 3 * 4;
+          if (how == "topk") sent = top(c, 13), bytes = 13 * 8;
+          if (how == "sign" || how == "topk") residual[q] = c - sent;
+          want += sent;
+        }
+        const auto got = flat.grad().narrow(0, offset, numel);
+        if (!torch::allclose(got, want, 1e-5, 1e-6)) fail(fmt::format("step {}: sum", step));
+        if (flat.grad().narrow(0, 0, offset).abs().sum().item<double>() != 0)
+          fail("wrote outside its slice");
+        if (reduction->take_sent() != bytes) fail("bytes sent");
+        const auto state = reduction->state();
+        if (how == "fp16" || how == "bf16") {
+          if (!state.empty()) fail("a cast keeps no state");
+          continue;
+        }
+        if (state.size() != 1 || state[0].first != "residual") fail("state");
+        else if (!torch::allclose(state[0].second.narrow(0, offset, numel), residual[size_t(r)],
+                                  1e-5, 1e-6))
+          fail(fmt::format("step {}: residual", step));
+      }
+      if (how != "sign" && how != "topk") return;
+      // A step that made no update leaves nothing behind; one that did keeps its residual.
+      auto e = reduction->state()[0].second;  // the buffer itself
+      reduction->after_step(torch::zeros({1}));
+      if (e.abs().sum().item<double>() == 0) fail("a kept step dropped its residual");
+      reduction->after_step(torch::ones({1}));
+      if (e.abs().sum().item<double>() != 0) fail("a skipped step kept its residual");
+    }, quick());
+    failures.check();
+  }
 }

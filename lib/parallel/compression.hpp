@@ -1,0 +1,31 @@
+// Gradient compression: Reductions (grad_sync.hpp) that put fewer bytes on the wire than a
+// slice's fp32 values, chosen by parallel.compression.
+//   fp16, bf16   each value cast to 16 bits for the wire, the result back in fp32: on NCCL
+//                an all-reduce in the 16-bit type (DDP's fp16 hook); on Gloo, which has no
+//                fast 16-bit sum, every rank's 16-bit values all-gathered and summed in
+//                fp32 (the same bytes as a 16-bit all-reduce at 2 ranks, D/2 times them at D)
+//   sign         1 bit per value, scaled by the mean absolute value of its block (256
+//                values of one parameter) (1-bit SGD, signSGD with a scale), bits packed
+//                eight to a byte, with one fp32 scale per block, all-gathered
+//   topk         the largest parallel.topk_ratio of each slice by magnitude, as (index,
+//                value) pairs, all-gathered
+// sign and topk keep error feedback: what a rank's compressed slice left out (its residual,
+// a buffer laid out like the flat gradient) is added to that slice's next gradient, so it
+// is delayed, never lost (Seide et al. 2014; Karimireddy et al., EF-SGD, 2019). The
+// residual is the strategy's state: saved with checkpoints, dropped on a skipped step.
+//
+// The slices arrive already divided by the number of ranks (the loss factor), so every
+// form sums.
+#pragma once
+#include <memory>
+
+#include "parallel/grad_sync.hpp"
+
+namespace dtrain {
+
+class Comm;
+
+std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shared_ptr<Comm> comm,
+                                            const FlatParams& params);
+
+}  // namespace dtrain

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Gradient compression and ZeRO at --nproc 2, side by side in one run.
+#   speed:    the MLP (communication-bound) and configs/gpt_text.yaml's GPT: samples/s and
+#             comm_bytes per step for none, fp16, bf16, sign, topk (1%) and zero 1, with
+#             each one's ratio to none; at a throttled loopback (tc netem rate 1gbit) as well
+#             where this kernel has netem, else said so.
+#   accuracy: the Fashion-MNIST CNN (configs/fashion_mnist_cnn.yaml) for EPOCHS epochs at
+#             2 ranks, each compression's test accuracy against none's.
+#   scripts/bench_compression.sh [speed|accuracy|all] [EPOCHS]     (default: all 3)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-compression}"
+WHAT=${1:-all} EPOCHS=${2:-3}
+DTRAIN="$ROOT/build/dtrain"
+[ -x "$DTRAIN" ] || { echo "bench_compression: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+mkdir -p "$OUT_DIR"
+STRATEGIES=(none fp16 bf16 sign topk zero1)
+
+sets_of() {  # the --set flags of a strategy
+  case $1 in
+    zero1) echo "--set parallel.zero=1" ;;
+    *) echo "--set parallel.compression=$1" ;;
+  esac
+}
+# sign needs uncompressed steps first (1-bit Adam's lesson): without them the CNN ends
+# 3.7 points short in 3 epochs, with 300 (a tenth of the run) 0.5.
+SIGN_WARMUP=${SIGN_WARMUP:-300}
+
+# One run; prints "samples_per_s comm_bytes final_accuracy" from its metrics.
+run() {  # JOB NAME EXTRA...
+  local job=$1 name=$2; shift 2
+  rm -rf "$OUT_DIR/$name"
+  "$DTRAIN" run "$job" --nproc 2 --run-dir "$OUT_DIR/$name" --set logging.progress=off "$@" \
+    > "$OUT_DIR/$name.log" 2>&1 || { echo "bench_compression: $name failed, see $OUT_DIR/$name.log" >&2; exit 1; }
+  python3 - "$OUT_DIR/$name/metrics.jsonl" <<'PYEOF'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+train = [l for l in lines if l["kind"] == "train"]
+s = lines[-1]
+print(s["samples_per_s"], train[-1].get("comm_bytes", 0), s.get("final_accuracy", float("nan")))
+PYEOF
+}
+
+speed_table() {  # TITLE EXTRA...
+  local title=$1; shift
+  echo
+  echo "$title"
+  printf '%-8s %-7s %12s %9s %14s %9s\n' model how samples/s "vs none" comm_bytes "fewer"
+  for model in mlp gpt; do
+    local job=$ROOT/configs/fashion_mnist_mlp.yaml extra=(--set train.max_steps=300 --set train.log_every=100)
+    if [ $model = gpt ]; then
+      job=$ROOT/configs/gpt_text.yaml
+      extra=(--set train.max_steps=40 --set train.log_every=10 --set train.eval_every=100000)
+    fi
+    local base_s="" base_b=""
+    for how in "${STRATEGIES[@]}"; do
+      read -r sps bytes _ < <(run "$job" "speed-$model-$how" "${extra[@]}" $(sets_of $how) "$@")
+      [ -z "$base_s" ] && base_s=$sps base_b=$bytes
+      python3 -c "import sys; m,h,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{m:<8} {h:<7} {s:12.0f} {s/bs:8.2f}x {b:14.0f} {bb/b:8.1f}x')" \
+        $model $how "$sps" "$bytes" "$base_s" "$base_b"
+    done
+  done
+}
+
+if [ "$WHAT" = speed ] || [ "$WHAT" = all ]; then
+  speed_table "speed, --nproc 2 on loopback ($(nproc) cores)"
+  if tc qdisc add dev lo root netem rate 1gbit 2>/dev/null; then
+    trap 'tc qdisc del dev lo root 2>/dev/null || true' EXIT
+    speed_table "speed, --nproc 2 on loopback throttled to 1 Gbit/s (tc netem)"
+    tc qdisc del dev lo root
+  else
+    echo
+    echo "throttled: not measured (this kernel has no netem qdisc, or tc needs root)"
+  fi
+fi
+
+if [ "$WHAT" = accuracy ] || [ "$WHAT" = all ]; then
+  echo
+  echo "accuracy, Fashion-MNIST CNN, $EPOCHS epochs, --nproc 2 (sign: $SIGN_WARMUP warm-up steps)"
+  printf '%-7s %9s %10s\n' how accuracy "vs none"
+  base=""
+  for how in "${STRATEGIES[@]}"; do
+    [ $how = zero1 ] && continue
+    warm=0
+    [ $how = sign ] && warm=$SIGN_WARMUP
+    read -r _ _ acc < <(run "$ROOT/configs/fashion_mnist_cnn.yaml" "acc-$how" \
+      --set train.epochs="$EPOCHS" --set train.log_every=200 $(sets_of $how) \
+      --set parallel.compression_warmup=$warm)
+    [ -z "$base" ] && base=$acc
+    python3 -c "import sys; h,a,b=sys.argv[1:]; a,b=float(a),float(b); print(f'{h:<7} {100*a:8.2f}% {100*(a-b):+9.2f} pt')" $how "$acc" "$base"
+  done
+fi

@@ -1,0 +1,161 @@
+// Gradient compression through `dtrain run --nproc N`: each method trains near the
+// uncompressed run on real data with the fewer bytes it promises, warm-up steps are plain
+// all-reduces, and error feedback's residuals resume exactly from a checkpoint.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+nlohmann::json run(const std::string& args) {
+  auto r = e2e::dtrain(args + kQuiet);
+  INFO(args << ": " << r.err);
+  REQUIRE(r.code == 0);
+  return nlohmann::json{{"err", r.err}};
+}
+
+// Synthetic data, the MLP, SGD with momentum: 2 ranks; a schedule independent of max_steps.
+std::string mlp_job(const std::string& dir) {
+  auto path = dir + "/mlp.yaml";
+  std::ofstream(path) << "name: compression-check\nseed: 3\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                         "model: {arch: mlp, hidden: [64, 32]}\n"
+                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9}\n"
+                         "schedule: {decay: step, step_size: 20}\n"
+                         "train: {max_steps: 40, log_every: 1, threads: 1, eval_every: 20}\n"
+                         "checkpoint: {every_steps: 20}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+std::map<int64_t, int64_t> comm_bytes(const std::string& run_dir) {
+  std::map<int64_t, int64_t> out;
+  for (const auto& l : of_kind(metrics(run_dir), "train")) out[l["step"]] = l["comm_bytes"];
+  return out;
+}
+}  // namespace
+
+TEST_SUITE("compression") {
+  TEST_CASE("compression: every method trains the Fashion-MNIST CNN at 2 ranks, with its bytes") {
+    auto dir = temp_dir("compress-cnn");
+    // 400 steps of the shipped CNN job (a ninth of its 3 epochs; the README has those).
+    std::map<std::string, double> accuracy;
+    std::map<std::string, int64_t> bytes;
+    for (const std::string how : {"none", "fp16", "bf16", "sign", "topk"}) {
+      const auto out = dir + "/" + how;
+      run("run " + config("fashion_mnist_cnn.yaml") + " --nproc 2 --run-dir " + out +
+          " --set train.max_steps=400 --set train.log_every=100 --set parallel.compression=" + how +
+          " --set parallel.compression_warmup=" + (how == "sign" ? "100" : "0"));
+      accuracy[how] = metrics(out).back()["final_accuracy"];
+      bytes[how] = of_kind(metrics(out), "train").back()["comm_bytes"];
+    }
+    INFO("accuracy: none " << accuracy["none"] << ", fp16 " << accuracy["fp16"] << ", bf16 "
+         << accuracy["bf16"] << ", sign " << accuracy["sign"] << ", topk " << accuracy["topk"]);
+    CHECK(accuracy["none"] > 0.85);
+    CHECK(std::abs(accuracy["fp16"] - accuracy["none"]) < 0.005);
+    CHECK(std::abs(accuracy["bf16"] - accuracy["none"]) < 0.005);
+    CHECK(accuracy["topk"] > accuracy["none"] - 0.02);
+    CHECK(accuracy["sign"] > accuracy["none"] - 0.05);  // 3 epochs with warm-up 300: 0.5 pt
+    // Bytes one rank sends per step, against the fp32 all-reduce's.
+    INFO("bytes: none " << bytes["none"] << ", fp16 " << bytes["fp16"] << ", sign "
+         << bytes["sign"] << ", topk " << bytes["topk"]);
+    CHECK(double(bytes["none"]) / double(bytes["fp16"]) == doctest::Approx(2.0).epsilon(0.01));
+    CHECK(double(bytes["none"]) / double(bytes["bf16"]) == doctest::Approx(2.0).epsilon(0.01));
+    CHECK(double(bytes["none"]) / double(bytes["sign"]) >= 25.0);
+    CHECK(double(bytes["none"]) / double(bytes["topk"]) >= 40.0);
+  }
+
+  TEST_CASE("compression: warm-up steps are plain all-reduces, then compression starts") {
+    auto dir = temp_dir("compress-warmup");
+    const auto job = mlp_job(dir);
+    run("run " + job + " --nproc 2 --run-dir " + dir + "/none --set train.max_steps=16");
+    run("run " + job + " --nproc 2 --run-dir " + dir + "/sign --set train.max_steps=16"
+        " --set parallel.compression=sign --set parallel.compression_warmup=10");
+    const auto plain = train_losses(dir + "/none"), sign = train_losses(dir + "/sign");
+    const auto plain_bytes = comm_bytes(dir + "/none"), sign_bytes = comm_bytes(dir + "/sign");
+    for (int64_t step = 1; step <= 11; ++step) {  // step 11's loss comes before its sync
+      INFO("step " << step);
+      CHECK(sign.at(step) == plain.at(step));
+      if (step <= 10) CHECK(sign_bytes.at(step) == plain_bytes.at(step));
+    }
+    CHECK(sign.at(12) != plain.at(12));
+    CHECK(sign_bytes.at(11) * 20 < plain_bytes.at(11));
+  }
+
+  TEST_CASE("compression: residuals resume exactly at the same data size, else start from zero") {
+    auto dir = temp_dir("compress-resume");
+    const auto job = mlp_job(dir);
+    for (const std::string how : {"sign", "topk"}) {
+      CAPTURE(how);
+      const std::string sets = " --set parallel.compression=" + how;
+      run("run " + job + " --nproc 2 --run-dir " + dir + "/" + how + "-whole" + sets);
+      const auto legs = dir + "/" + how + "-legs";
+      run("run " + job + " --nproc 2 --run-dir " + legs + " --set train.max_steps=20" + sets);
+      // Each data rank's residual in its own file, not zero.
+      for (int rank : {0, 1}) {
+        dtrain::CheckpointReader reader(legs + "/checkpoints/step-00000020");
+        const std::string kind = "sync.dp" + std::to_string(rank);
+        REQUIRE(reader.has(kind));
+        double total = 0;
+        for (const auto& [name, t] : reader.all(kind)) total += t.abs().sum().item<double>();
+        CHECK(total > 0);
+      }
+      const auto second = e2e::dtrain("run " + job + " --nproc 2 --run-dir " + legs +
+                                      " --resume auto" + sets + kQuiet);
+      REQUIRE(second.code == 0);
+      CHECK(second.err.find("residuals start from zero") == std::string::npos);
+      const auto whole = train_losses(dir + "/" + how + "-whole"), got = train_losses(legs);
+      REQUIRE(got.size() == 40);
+      for (const auto& [step, loss] : whole) {
+        INFO("step " << step);
+        CHECK(got.at(step) == loss);  // bit for bit: the same ranks, the same residuals
+      }
+    }
+    // At another data size the residuals mean nothing: dropped, and said so.
+    const auto other = e2e::dtrain("run " + job + " --nproc 4 --run-dir " + dir + "/sign-legs"
+                                   " --resume auto --set train.max_steps=50"
+                                   " --set parallel.compression=sign" + kQuiet);
+    INFO(other.err);
+    CHECK(other.code == 0);
+    CHECK(other.err.find("residuals start from zero (the checkpoint was written at data size 2, "
+                         "this run has 4)") != std::string::npos);
+  }
+
+  TEST_CASE("compression: a GPT at data 2 x pipeline 2 resumes exactly, the tied head's residual too") {
+    REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
+    auto dir = temp_dir("compress-gpt");
+    auto job = dir + "/gpt.yaml";
+    std::ofstream(job) << "name: compress-gpt\nseed: 5\n"
+                          "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
+                          " seq_len: 32, workers: 1}\n"
+                          "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}\n"
+                          "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1}\n"
+                          "schedule: {decay: step, step_size: 10}\n"
+                          "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 10}\n"
+                          "checkpoint: {every_steps: 10}\n"
+                          "parallel: {pipeline: 2, compression: topk, topk_ratio: 0.05}\n"
+                          "dist: {timeout_s: 30}\n";
+    run("run " + job + " --nproc 4 --run-dir " + dir + "/whole");
+    run("run " + job + " --nproc 4 --run-dir " + dir + "/legs --set train.max_steps=10");
+    dtrain::CheckpointReader reader(dir + "/legs/checkpoints/step-00000010");
+    const auto names = reader.names("sync.dp0");
+    CHECK(std::find(names.begin(), names.end(), "wte.weight.residual") != names.end());
+    CHECK(std::find(names.begin(), names.end(), "wte.weight.residual_copy") != names.end());
+    run("run " + job + " --nproc 4 --run-dir " + dir + "/legs --resume auto");
+    const auto whole = train_losses(dir + "/whole"), got = train_losses(dir + "/legs");
+    REQUIRE(got.size() == 20);
+    for (const auto& [step, loss] : whole) {
+      INFO("step " << step);
+      CHECK(got.at(step) == loss);
+    }
+  }
+}
