@@ -321,9 +321,10 @@ CheckpointReader::CheckpointReader(const std::string& folder)
       st.pieces.push_back(Piece{i, &e, part ? part->rank : 0});
     }
   }
-  for (const char* kind : {"model", "optimizer"}) {
+  for (const char* kind : {"model", "optimizer"})
     fail_if<CheckpointError>(!kinds_.count(kind), "checkpoint '{}' has no {} tensors", folder, kind);
-    for (auto& [name, st] : kinds_.at(kind).stored) {
+  for (auto& [kind, held] : kinds_) {
+    for (auto& [name, st] : held.stored) {
       if (!st.placement.is_split()) continue;
       std::sort(st.pieces.begin(), st.pieces.end(),
                 [](const Piece& a, const Piece& b) { return a.rank < b.rank; });

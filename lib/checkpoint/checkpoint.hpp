@@ -69,14 +69,14 @@ class CheckpointStore {
   // ".tpT" for a tensor rank, ".ppN.tpT" for both). The tensors named in `parts` are one
   // tensor rank's part of a split tensor: the file's metadata says which, and loading
   // assembles the whole.
+  static void write_part(const std::string& temp, const std::string& part,
+                         const NamedTensors& model, const NamedTensors& optimizer,
+                         const PartsOf& parts = {});
   // A data rank's training-strategy state (gradient compression's residuals) as
   // `sync.dpD<part>.safetensors`: per data rank, unlike the model and optimizer, which
   // the data ranks hold alike.
   static void write_sync_state(const std::string& temp, int64_t data_rank, const std::string& part,
                                const NamedTensors& state, const PartsOf& parts);
-  static void write_part(const std::string& temp, const std::string& part,
-                         const NamedTensors& model, const NamedTensors& optimizer,
-                         const PartsOf& parts = {});
   // Once every part is written: trainer.json, config.yaml and the manifest of every file,
   // then the rename, `latest`, `best` and pruning, as save(). Returns the folder.
   std::string commit(const CheckpointState& state, int64_t step, int64_t epoch,

@@ -181,7 +181,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) override {
     auto flat_in = staged(in).dev.reshape(-1).contiguous();
     const int64_t n = flat_in.numel();
-    TORCH_CHECK(out.numel() == n * size_, "all_gather_into: output holds ", out.numel(),
+    TORCH_CHECK(out.numel() == n * size_, "all_gather: output holds ", out.numel(),
                 " elements, expected ", n * size_);
     const Staged st = staged(out);
     // The outputs are views of `out`: the backend writes each rank's part in place.

@@ -93,87 +93,129 @@ torch::Tensor unpack_bits(const torch::Tensor& packed, int64_t n) {
   return bits.reshape({packed.size(0), -1}).narrow(1, 0, n);
 }
 
+// A slice cut into runs at fixed points of the flat buffer (parameters' starts, blocks'):
+// each run's last value (its index in the slice) and length, on the host and the device.
+struct Runs {
+  int64_t count = 0, numel = 0;
+  std::vector<int64_t> begin, length;  // host: where each run starts in the slice, its size
+  torch::Tensor last, lengths, sizes;  // device: int64, int64, float64
+  // Per-run values [..., count] repeated over each run's values: [..., numel].
+  torch::Tensor spread(const torch::Tensor& per_run) const {
+    return per_run.repeat_interleave(lengths, /*dim=*/-1, /*output_size=*/numel);
+  }
+};
+
+// The runs of each slice, for cuts at `starts` (ascending), made once: the buckets are the
+// same slices every step. References stay valid (a map's nodes do not move).
+class RunCache {
+ public:
+  explicit RunCache(std::vector<int64_t> starts) : starts_(std::move(starts)) {}
+  const Runs& of(int64_t offset, int64_t numel, const torch::Device& device) {
+    auto it = runs_.find(offset);
+    if (it != runs_.end()) return it->second;
+    Runs r;
+    r.numel = numel;
+    std::vector<int64_t> last;
+    int64_t begin = offset;
+    for (auto at = std::upper_bound(starts_.begin(), starts_.end(), offset);
+         at != starts_.end() && *at < offset + numel; ++at) {
+      r.begin.push_back(begin - offset), r.length.push_back(*at - begin), last.push_back(*at - 1 - offset);
+      begin = *at;
+    }
+    r.begin.push_back(begin - offset), r.length.push_back(offset + numel - begin), last.push_back(numel - 1);
+    r.count = int64_t(last.size());
+    const auto i64 = torch::dtype(torch::kInt64).device(device);
+    r.last = torch::tensor(last, i64);
+    r.lengths = torch::tensor(r.length, i64);
+    r.sizes = r.lengths.to(torch::kFloat64);
+    return runs_.emplace(offset, std::move(r)).first->second;
+  }
+
+ private:
+  std::vector<int64_t> starts_;
+  std::map<int64_t, Runs> runs_;
+};
+
+// Where each parameter starts, and with `block` > 0 every `block` values within it.
+std::vector<int64_t> cuts_of(const FlatParams& params, int64_t block = 0) {
+  std::vector<int64_t> starts;
+  for (const auto& e : params.entries())
+    for (int64_t at = e.offset; at < e.offset + e.numel; at += block > 0 ? block : e.numel)
+      starts.push_back(at);
+  return starts;
+}
+
 // The scale is per block of kSignBlock values of one parameter: a slice sends one scale for
 // each block it holds. (One scale for the whole slice, cut without regard for parameters,
 // gave a conv layer's small gradients the fc layer's magnitudes, and the CNN did not train;
 // one per parameter trained it 1.5 points short of uncompressed in 3 epochs. A scale per
 // 256 values costs 1/8 of a bit per value: 28x fewer bytes than fp32 instead of 32x.)
+// Within one parameter, so a replicated parameter's scales are the same on every tensor
+// rank whatever the split parameters beside it in the slice hold.
 constexpr int64_t kSignBlock = 256;
 
 class Sign : public ErrorFeedback {
  public:
   Sign(std::shared_ptr<Comm> comm, const FlatParams& params)
-      : ErrorFeedback(std::move(comm), params) {
-    for (const auto& e : params.entries())
-      for (int64_t at = e.offset; at < e.offset + e.numel; at += kSignBlock) starts_.push_back(at);
-  }
+      : ErrorFeedback(std::move(comm), params), blocks_(cuts_of(params, kSignBlock)) {}
   std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
                                  int64_t numel) override {
     torch::NoGradGuard no_grad;
     auto slice = grad.narrow(0, offset, numel);
     auto [c, e] = corrected(slice, offset);
-    const Parts& parts = parts_of(offset, numel, c.device());
-    // Each part's mean magnitude, and each value's part's.
-    auto sums = torch::zeros({parts.count}, c.options()).index_add_(0, parts.id, c.abs());
-    auto scales = (sums / parts.sizes).to(torch::kFloat32);
+    const Runs& blocks = blocks_.of(offset, numel, c.device());
+    // Each block's mean magnitude from a running sum (in fp64, and deterministic on a GPU,
+    // where a scattered add is not: every rank must compute the same scales), and each
+    // value's block's.
+    auto running = c.abs().to(torch::kFloat64).cumsum(0).index_select(0, blocks.last);
+    auto sums = running - torch::cat({torch::zeros({1}, running.options()),
+                                      running.narrow(0, 0, blocks.count - 1)});
+    auto scales = (sums / blocks.sizes).to(torch::kFloat32);
     auto positive = c.ge(0);
     // What this rank sends stands for scale * (+1 | -1); the rest stays behind.
-    auto sent = (positive.to(c.scalar_type()) * 2 - 1) * scales.index_select(0, parts.id).to(c.scalar_type());
+    auto sent = (positive.to(c.scalar_type()) * 2 - 1) * blocks.spread(scales).to(c.scalar_type());
     e.copy_(c - sent);
     auto packed = pack_bits(positive);
-    const int64_t packed_bytes = packed.numel(), count_parts = parts.count;
+    const int64_t packed_bytes = packed.numel(), count = blocks.count;
     auto wire = torch::cat({packed, scales.view(torch::kUInt8)});
-    count(wire.numel() * (comm_->size() - 1));
+    this->count(wire.numel() * (comm_->size() - 1));
     auto g = gather_bytes(*comm_, wire);
     return std::make_unique<PendingThen>(
-        std::move(g.pending), [slice, rows = g.rows, packed_bytes, count_parts, numel, id = parts.id]() mutable {
-          auto scales = rows.narrow(1, packed_bytes, 4 * count_parts).contiguous().view(torch::kFloat32);
+        std::move(g.pending), [slice, rows = g.rows, packed_bytes, count, numel, &blocks]() mutable {
+          auto scales = rows.narrow(1, packed_bytes, 4 * count).contiguous().view(torch::kFloat32);
           auto signs = unpack_bits(rows.narrow(1, 0, packed_bytes), numel).to(slice.scalar_type()) * 2 - 1;
-          slice.copy_((signs * scales.index_select(1, id).to(slice.scalar_type())).sum(0));
+          slice.copy_((signs * blocks.spread(scales).to(slice.scalar_type())).sum(0));
         });
   }
 
  private:
-  // Which block each value of a slice is in: ids 0..count-1, and the blocks' sizes.
-  struct Parts {
-    int64_t count;
-    torch::Tensor id, sizes;
-  };
-  const Parts& parts_of(int64_t offset, int64_t numel, const torch::Device& device) {
-    auto it = parts_.find(offset);  // the buckets are the same slices every step
-    if (it != parts_.end()) return it->second;
-    std::vector<int64_t> id(static_cast<size_t>(numel));
-    std::vector<double> sizes;
-    int64_t part = -1, begin = offset;
-    for (int64_t i = 0; i < numel; ++i) {
-      const int64_t at = offset + i;
-      const bool starts = i == 0 || std::binary_search(starts_.begin(), starts_.end(), at);
-      if (starts) {
-        if (part >= 0) sizes.push_back(double(at - begin));
-        ++part, begin = at;
-      }
-      id[size_t(i)] = part;
-    }
-    sizes.push_back(double(offset + numel - begin));
-    Parts p{part + 1, torch::tensor(id, torch::dtype(torch::kInt64).device(device)),
-            torch::tensor(sizes, torch::dtype(torch::kFloat32).device(device))};
-    return parts_.emplace(offset, std::move(p)).first->second;
-  }
-  std::vector<int64_t> starts_;  // every block's offset, ascending
-  std::map<int64_t, Parts> parts_;
+  RunCache blocks_;
 };
 
+// The top k of each parameter's part of the slice, not of the slice as a whole: a
+// replicated parameter then sends the same values from every tensor rank whatever the split
+// parameters beside it hold (chosen over the whole slice, its tensor ranks' copies drifted
+// apart).
 class TopK : public ErrorFeedback {
  public:
   TopK(std::shared_ptr<Comm> comm, const FlatParams& params, double ratio)
-      : ErrorFeedback(std::move(comm), params), ratio_(ratio) {}
+      : ErrorFeedback(std::move(comm), params), ratio_(ratio), parts_(cuts_of(params)) {}
   std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
                                  int64_t numel) override {
     torch::NoGradGuard no_grad;
     auto slice = grad.narrow(0, offset, numel);
     auto [c, e] = corrected(slice, offset);
-    const int64_t k = std::max<int64_t>(1, int64_t(std::ceil(ratio_ * double(numel))));
-    auto index = std::get<1>(c.abs().topk(k, /*dim=*/0, /*largest=*/true, /*sorted=*/false));
+    const Runs& parts = parts_.of(offset, numel, c.device());
+    std::vector<torch::Tensor> picked;
+    for (int64_t j = 0; j < parts.count; ++j) {
+      const int64_t n = parts.length[size_t(j)];
+      const int64_t k = std::max<int64_t>(1, int64_t(std::ceil(ratio_ * double(n))));
+      auto top = std::get<1>(c.narrow(0, parts.begin[size_t(j)], n).abs().topk(
+          k, /*dim=*/0, /*largest=*/true, /*sorted=*/false));
+      picked.push_back(top + parts.begin[size_t(j)]);
+    }
+    auto index = torch::cat(picked);
+    const int64_t k = index.numel();
     auto values = c.index_select(0, index).to(torch::kFloat32);
     e.copy_(c.index_fill_(0, index, 0.0));  // what was not sent
     auto wire = torch::cat({values.view(torch::kUInt8), index.to(torch::kInt32).view(torch::kUInt8)});
@@ -192,6 +234,7 @@ class TopK : public ErrorFeedback {
 
  private:
   double ratio_;
+  RunCache parts_;
 };
 
 }  // namespace

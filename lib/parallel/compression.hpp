@@ -7,8 +7,8 @@
 //   sign         1 bit per value, scaled by the mean absolute value of its block (256
 //                values of one parameter) (1-bit SGD, signSGD with a scale), bits packed
 //                eight to a byte, with one fp32 scale per block, all-gathered
-//   topk         the largest parallel.topk_ratio of each slice by magnitude, as (index,
-//                value) pairs, all-gathered
+//   topk         the largest parallel.topk_ratio of each parameter's part of a slice by
+//                magnitude, as (index, value) pairs, all-gathered
 // sign and topk keep error feedback: what a rank's compressed slice left out (its residual,
 // a buffer laid out like the flat gradient) is added to that slice's next gradient, so it
 // is delayed, never lost (Seide et al. 2014; Karimireddy et al., EF-SGD, 2019). The

@@ -207,30 +207,33 @@ std::string sync_key(const Context& c, const std::string& key) {
 }
 
 // The gradient sync's state (compression's residuals) from data rank D's files, when the
-// checkpoint was written at this data size; else it starts from zero, with a warning.
+// checkpoint was written at this data and pipeline size (a pipeline gives a tied weight's
+// copy a residual of its own); else it starts from zero, with a warning.
 void restore_sync_state(Context& c, const CheckpointReader& saved) {
   const auto state = c.sync->state();
   if (state.empty()) return;
   const int64_t data = c.mesh.dims().data, rank = c.mesh.coord().data;
   const auto& layout = saved.manifest().value("layout", nlohmann::json::object());
   const int64_t saved_data = layout.value("data", int64_t(1));
+  const int64_t saved_pipeline = layout.value("pipeline", int64_t(1));
+  const int64_t pipeline = c.mesh.dims().pipeline;
   const std::string kind = fmt::format("sync.dp{}", rank);
-  if (saved_data != data || !saved.has(kind)) {
+  if (saved_data != data || saved_pipeline != pipeline || !saved.has(kind)) {
     c.say(fmt::format("warning: parallel.compression: the residuals start from zero ({})",
-                      saved.has("sync.dp0") ? fmt::format("the checkpoint was written at data "
-                                                          "size {}, this run has {}", saved_data, data)
-                                            : "the checkpoint holds none"));
+                      !saved.has("sync.dp0")
+                          ? "the checkpoint holds none"
+                          : fmt::format("the checkpoint was written at data size {} x pipeline "
+                                        "{}, this run has {} x {}", saved_data, saved_pipeline,
+                                        data, pipeline)));
     return;
   }
-  const auto names = saved.names(kind);
   const SavedTensors tensors = saved.tensors(kind);
   torch::NoGradGuard no_grad;
   for (const auto& [name, flat] : state)
     for (size_t i = 0; i < c.params->entries().size(); ++i) {
       const auto& e = c.params->entries()[i];
-      std::string key = sync_key(c, e.name + "." + name);
-      if (std::find(names.begin(), names.end(), key) == names.end()) key = e.name + "." + name;
-      c.params->view(flat, i).copy_(tensors.part(key, e.full_shape, e.placement, c.mesh.coord().tensor));
+      c.params->view(flat, i).copy_(tensors.part(sync_key(c, e.name + "." + name), e.full_shape,
+                                                 e.placement, c.mesh.coord().tensor));
     }
 }
 
@@ -330,10 +333,12 @@ NamedTensors without_copies(const Context& c, NamedTensors tensors) {
 
 void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   // Rank 0 opens the temporary folder. Every rank of the first data-parallel replica
-  // writes what it owns, nothing gathered: its stage's tensors (".ppN"), of split tensors
-  // its tensor rank's part (".tpT"), replicated ones on tensor rank 0. Rank 0 commits once
-  // every part is written. No rank moves on (or exits) before the checkpoint is complete,
-  // and if a part could not be written every rank stops with the writer's reason.
+  // writes what it owns: its stage's tensors (".ppN"), of split tensors its tensor rank's
+  // part (".tpT"), replicated ones on tensor rank 0; the model is never gathered, the
+  // optimizer state only under ZeRO (its shards, over the data group). Every data rank
+  // writes its own strategy state (compression's residuals, "sync.dpD"). Rank 0 commits
+  // once every part is written. No rank moves on (or exits) before the checkpoint is
+  // complete, and if a part could not be written every rank stops with the writer's reason.
   const int64_t step = c.state.step;
   const std::string what = fmt::format("write the checkpoint of step {}", step);
   root_does(c, what, [&] {
@@ -353,8 +358,12 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   NamedTensors sync_state;
   PartsOf sync_parts;
   for (const auto& [name, flat] : c.sync->state())
-    for (auto& [key, t] : c.params->owned(flat, "." + name, at.tensor, sync_parts))
-      sync_state.emplace_back(sync_key(c, key), t);
+    for (auto& [key, t] : c.params->owned(flat, "." + name, at.tensor, sync_parts)) {
+      const auto saved_as = sync_key(c, key);
+      if (saved_as != key)  // a split part keeps its placement under its new name
+        if (auto part = sync_parts.extract(key)) sync_parts[saved_as] = part.mapped();
+      sync_state.emplace_back(saved_as, t);
+    }
   if (writer) {
     state.model = c.params->owned(c.params->data(), "", at.tensor, parts);
     if (at.tensor == 0)

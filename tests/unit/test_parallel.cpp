@@ -384,6 +384,10 @@ TEST_CASE("compression: each reduction's sum, bytes and error-feedback residual,
     for (int64_t j = 0; j < k; ++j) kept[by[size_t(j)].second] = g[by[size_t(j)].second];
     return kept;
   };
+  // Of each parameter's part: the weight's 120 values (12 kept at 10%), the bias's 4 (1).
+  auto top_per_parameter = [&](const torch::Tensor& g) {
+    return torch::cat({top(g.narrow(0, 0, 120), 12), top(g.narrow(0, 120, 4), 1)});
+  };
   // Each block scaled by its own mean magnitude.
   auto signed_mean = [&](const torch::Tensor& c) {
     auto sign = torch::where(c.ge(0), torch::ones_like(c), -torch::ones_like(c));
@@ -422,7 +426,7 @@ TEST_CASE("compression: each reduction's sum, bytes and error-feedback residual,
           if (how == "fp16") sent = c.to(torch::kFloat16).to(torch::kFloat32), bytes = numel * 2;
           if (how == "bf16") sent = c.to(torch::kBFloat16).to(torch::kFloat32), bytes = numel * 2;
           if (how == "sign") sent = signed_mean(c), bytes = (numel + 7) / 8 + 3 * 4;
-          if (how == "topk") sent = top(c, 13), bytes = 13 * 8;
+          if (how == "topk") sent = top_per_parameter(c), bytes = 13 * 8;
           if (how == "sign" || how == "topk") residual[q] = c - sent;
           want += sent;
         }
