@@ -61,6 +61,13 @@ class ErrorFeedback : public Reduction {
   ErrorFeedback(std::shared_ptr<Comm> comm, const FlatParams& params)
       : comm_(std::move(comm)), residual_(torch::zeros_like(params.grad())) {}
   NamedTensors state() const override { return {{"residual", residual_}}; }
+  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
+                                 int64_t numel) override {
+    torch::NoGradGuard no_grad;
+    auto slice = grad.narrow(0, offset, numel);
+    auto residual = residual_.narrow(0, offset, numel);
+    return compress(slice, slice + residual, residual, offset);
+  }
   void after_step(const torch::Tensor& skip) override {
     // A skipped step's gradient (non-finite) must not live on in the residual. On the
     // device, unread: masked_fill_ takes the flag as a tensor.
@@ -68,11 +75,11 @@ class ErrorFeedback : public Reduction {
   }
 
  protected:
-  // The gradient to compress, g + e, and the slice's residual (to be set to what is left).
-  std::pair<torch::Tensor, torch::Tensor> corrected(const torch::Tensor& slice, int64_t offset) {
-    auto e = residual_.narrow(0, offset, slice.numel());
-    return {slice + e, e};
-  }
+  // Sends `c` (the slice's gradient plus its residual) compressed, sets `e` (the slice's
+  // residual) to what was left out, and returns the exchange, which on completion writes
+  // the sum over ranks into `slice` (at `offset` in the flat gradient).
+  virtual std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
+                                            int64_t offset) = 0;
   std::shared_ptr<Comm> comm_;
   torch::Tensor residual_;
 };
@@ -158,11 +165,9 @@ class Sign : public ErrorFeedback {
  public:
   Sign(std::shared_ptr<Comm> comm, const FlatParams& params)
       : ErrorFeedback(std::move(comm), params), blocks_(cuts_of(params, kSignBlock)) {}
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
-    torch::NoGradGuard no_grad;
-    auto slice = grad.narrow(0, offset, numel);
-    auto [c, e] = corrected(slice, offset);
+  std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
+                                    int64_t offset) override {
+    const int64_t numel = slice.numel();
     const Runs& blocks = blocks_.of(offset, numel, c.device());
     // Each block's mean magnitude from a running sum (in fp64, and deterministic on a GPU,
     // where a scattered add is not: every rank must compute the same scales), and each
@@ -200,12 +205,9 @@ class TopK : public ErrorFeedback {
  public:
   TopK(std::shared_ptr<Comm> comm, const FlatParams& params, double ratio)
       : ErrorFeedback(std::move(comm), params), ratio_(ratio), parts_(cuts_of(params)) {}
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
-    torch::NoGradGuard no_grad;
-    auto slice = grad.narrow(0, offset, numel);
-    auto [c, e] = corrected(slice, offset);
-    const Runs& parts = parts_.of(offset, numel, c.device());
+  std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
+                                    int64_t offset) override {
+    const Runs& parts = parts_.of(offset, slice.numel(), c.device());
     std::vector<torch::Tensor> picked;
     for (int64_t j = 0; j < parts.count; ++j) {
       const int64_t n = parts.length[size_t(j)];
