@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Gradient compression and ZeRO at --nproc 2, side by side in one run.
 #   speed:    the MLP (communication-bound) and configs/gpt_text.yaml's GPT: samples/s and
-#             comm_bytes per step for none, fp16, bf16, sign, topk (1%) and zero 1, with
-#             each one's ratio to none; at a throttled loopback (tc netem rate 1gbit) as well
-#             where this kernel has netem, else said so.
+#             comm_bytes per step for none, fp16, bf16, sign, topk (1%), powersgd (rank 2)
+#             and zero 1, with each one's ratio to none; and the same with loopback
+#             throttled to RATE (default 1gbit; tc's netem, else its token bucket tbf, which
+#             needs root; said so where neither can be set).
 #   accuracy: the Fashion-MNIST CNN (configs/fashion_mnist_cnn.yaml) for EPOCHS epochs at
 #             2 ranks, each compression's test accuracy against none's.
 #   scripts/bench_compression.sh [speed|accuracy|all] [EPOCHS]     (default: all 3)
@@ -14,7 +15,8 @@ WHAT=${1:-all} EPOCHS=${2:-3}
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_compression: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
-STRATEGIES=(none fp16 bf16 sign topk zero1)
+STRATEGIES=(none fp16 bf16 sign topk powersgd zero1)
+RATE=${RATE:-1gbit}
 
 sets_of() {  # the --set flags of a strategy
   case $1 in
@@ -64,13 +66,16 @@ speed_table() {  # TITLE EXTRA...
 
 if [ "$WHAT" = speed ] || [ "$WHAT" = all ]; then
   speed_table "speed, --nproc 2 on loopback ($(nproc) cores)"
-  if tc qdisc add dev lo root netem rate 1gbit 2>/dev/null; then
+  if tc qdisc add dev lo root netem rate "$RATE" 2>/dev/null; then qdisc="tc netem"
+  elif tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms 2>/dev/null; then qdisc="tc tbf"
+  else qdisc=""; fi
+  if [ -n "$qdisc" ]; then
     trap 'tc qdisc del dev lo root 2>/dev/null || true' EXIT
-    speed_table "speed, --nproc 2 on loopback throttled to 1 Gbit/s (tc netem)"
+    speed_table "speed, --nproc 2 on loopback throttled to $RATE ($qdisc)"
     tc qdisc del dev lo root
   else
     echo
-    echo "throttled: not measured (this kernel has no netem qdisc, or tc needs root)"
+    echo "throttled: not measured (tc could set neither netem nor tbf on lo: it needs root)"
   fi
 fi
 

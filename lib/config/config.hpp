@@ -192,6 +192,7 @@ struct ParallelConfig {
   double bucket_mb = 1.0;
   std::string compression = "none";
   double topk_ratio = 0.01;
+  int64_t powersgd_rank = 2;
   int64_t compression_warmup = 0;
   std::string mode = "sync";
   int64_t staleness = 4;
@@ -209,9 +210,11 @@ struct ParallelConfig {
     v("zero", zero, "ZeRO stage: 1 shards the optimizer state over the data ranks");
     v("sync_batchnorm", sync_batchnorm, "BatchNorm statistics over the whole global batch");
     v("bucket_mb", bucket_mb, "gradient all-reduce slice size, MiB");
-    v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk"},
-      "gradient compression on the data-parallel wire (sign, topk: with error feedback)");
+    v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk", "powersgd"},
+      "gradient compression on the data-parallel wire (sign, topk, powersgd: with error "
+      "feedback)");
     v("topk_ratio", topk_ratio, "topk: share of each gradient slice's entries sent");
+    v("powersgd_rank", powersgd_rank, "powersgd: rank of each matrix's approximation");
     v("compression_warmup", compression_warmup,
       "steps all-reduced uncompressed before compression starts");
     v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},

@@ -519,6 +519,7 @@ void check_ranges(const JobConfig& c) {
   need(p.zero >= 0 && p.zero <= 2, "parallel.zero", "0, 1 or 2", p.zero);
   need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
+  need(p.powersgd_rank >= 1, "parallel.powersgd_rank", ">= 1", p.powersgd_rank);
   need(p.compression_warmup >= 0, "parallel.compression_warmup", ">= 0", p.compression_warmup);
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);

@@ -55,23 +55,33 @@ class Cast16 : public Reduction {
   torch::ScalarType type_;
 };
 
-// What sign and topk share: the residual, and the slice's gradient with it added.
+// What sign, topk and powersgd share: the residual, laid out like the flat gradient.
 class ErrorFeedback : public Reduction {
  public:
   ErrorFeedback(std::shared_ptr<Comm> comm, const FlatParams& params)
       : comm_(std::move(comm)), residual_(torch::zeros_like(params.grad())) {}
   NamedTensors state() const override { return {{"residual", residual_}}; }
+  void after_step(const torch::Tensor& skip) override {
+    // A skipped step's gradient (non-finite) must not live on in the residual. On the
+    // device, unread: masked_fill_ takes the flag as a tensor.
+    if (skip.defined()) residual_.masked_fill_(skip.to(torch::kBool), 0.0);
+  }
+
+ protected:
+  std::shared_ptr<Comm> comm_;
+  torch::Tensor residual_;
+};
+
+// A compression that takes each slice by itself (sign, topk).
+class EachSlice : public ErrorFeedback {
+ public:
+  using ErrorFeedback::ErrorFeedback;
   std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
                                  int64_t numel) override {
     torch::NoGradGuard no_grad;
     auto slice = grad.narrow(0, offset, numel);
     auto residual = residual_.narrow(0, offset, numel);
     return compress(slice, slice + residual, residual, offset);
-  }
-  void after_step(const torch::Tensor& skip) override {
-    // A skipped step's gradient (non-finite) must not live on in the residual. On the
-    // device, unread: masked_fill_ takes the flag as a tensor.
-    if (skip.defined()) residual_.masked_fill_(skip.to(torch::kBool), 0.0);
   }
 
  protected:
@@ -80,8 +90,6 @@ class ErrorFeedback : public Reduction {
   // the sum over ranks into `slice` (at `offset` in the flat gradient).
   virtual std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
                                             int64_t offset) = 0;
-  std::shared_ptr<Comm> comm_;
-  torch::Tensor residual_;
 };
 
 // Bits of a bool tensor, eight to a byte (the first value in the highest bit), and back.
@@ -161,10 +169,10 @@ std::vector<int64_t> cuts_of(const FlatParams& params, int64_t block = 0) {
 // rank whatever the split parameters beside it in the slice hold.
 constexpr int64_t kSignBlock = 256;
 
-class Sign : public ErrorFeedback {
+class Sign : public EachSlice {
  public:
   Sign(std::shared_ptr<Comm> comm, const FlatParams& params)
-      : ErrorFeedback(std::move(comm), params), blocks_(cuts_of(params, kSignBlock)) {}
+      : EachSlice(std::move(comm), params), blocks_(cuts_of(params, kSignBlock)) {}
   std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
                                     int64_t offset) override {
     const int64_t numel = slice.numel();
@@ -201,10 +209,10 @@ class Sign : public ErrorFeedback {
 // replicated parameter then sends the same values from every tensor rank whatever the split
 // parameters beside it hold (chosen over the whole slice, its tensor ranks' copies drifted
 // apart).
-class TopK : public ErrorFeedback {
+class TopK : public EachSlice {
  public:
   TopK(std::shared_ptr<Comm> comm, const FlatParams& params, double ratio)
-      : ErrorFeedback(std::move(comm), params), ratio_(ratio), parts_(cuts_of(params)) {}
+      : EachSlice(std::move(comm), params), ratio_(ratio), parts_(cuts_of(params)) {}
   std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
                                     int64_t offset) override {
     const Runs& parts = parts_.of(offset, slice.numel(), c.device());
@@ -239,6 +247,157 @@ class TopK : public ErrorFeedback {
   RunCache parts_;
 };
 
+// The columns of `p` ([n, r]) made orthonormal, in place (Gram-Schmidt, as PyTorch's
+// PowerSGD hook: r is small). A column that is all zero (a matrix whose gradient is) stays
+// zero rather than becoming NaN.
+void orthonormalise(torch::Tensor p) {
+  for (int64_t j = 0; j < p.size(1); ++j) {
+    auto col = p.select(1, j);
+    if (j > 0) {
+      auto before = p.narrow(1, 0, j);
+      col.sub_(before.mv(before.t().mv(col)));
+    }
+    col.div_(col.norm().clamp_min(1e-30));
+  }
+}
+
+// A stable seed from a parameter's name: every data rank (and every tensor rank holding a
+// replicated parameter) starts its matrix from the same Q.
+uint64_t seed_of(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+
+// PowerSGD (Vogels et al., 2019; PyTorch DDP's powerSGD_hook): each matrix M (a parameter
+// of two or more dimensions, as [size(0), the rest]) goes as a rank-r product, by one step
+// of power iteration from the last step's Q (warm start):
+//   P = M Q summed over ranks, its columns made orthonormal;
+//   Q = M^T P summed over ranks; the sum of the ranks' M is then P Q^T.
+// Two all-reduces of (n + m) r values instead of one of n m. A matrix goes whole, from the
+// slice that completes it (the one holding its first value: slices arrive from the
+// buffer's end), the matrices a slice completes in one all-reduce of their P and one of
+// their Q. Vectors, and matrices a rank-r product would not shrink 2x (PyTorch's rule),
+// go as they are. Error feedback keeps each rank's M - P P^T M (what the projection left
+// out of its own matrix) for the next step.
+class PowerSgd : public ErrorFeedback {
+ public:
+  PowerSgd(std::shared_ptr<Comm> comm, const FlatParams& params, int64_t rank)
+      : ErrorFeedback(std::move(comm), params), entries_(params.entries()) {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const auto& shape = entries_[i].shape;
+      if (shape.size() < 2) continue;
+      const int64_t n = shape[0], m = entries_[i].numel / n;
+      if ((n + m) * rank * 2 >= n * m) continue;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_of(entries_[i].name));
+      auto q = torch::randn({m, rank}, gen, torch::kFloat32);
+      orthonormalise(q);
+      q = q.to(params.grad().options());
+      matrices_.push_back({i, n, m, q, q.clone(), q.clone()});
+    }
+  }
+  PerEntry factors() const override {
+    PerEntry out;
+    for (const auto& mx : matrices_) out.emplace_back(mx.entry, mx.q);
+    return out;
+  }
+  void after_step(const torch::Tensor& skip) override {
+    ErrorFeedback::after_step(skip);
+    for (auto& mx : matrices_) {
+      // A skipped step's Q goes back to the one before it; a Q that fell to zero (its
+      // matrix's gradient was zero) would stay there, so it starts again. On the device.
+      if (skip.defined()) mx.q.copy_(torch::where(skip.to(torch::kBool), mx.before, mx.q));
+      mx.q.copy_(torch::where(mx.q.abs().sum().eq(0), mx.first, mx.q));
+    }
+  }
+
+  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
+                                 int64_t numel) override {
+    torch::NoGradGuard no_grad;
+    const int64_t end = offset + numel;
+    auto all = std::make_unique<PendingAll>();
+    std::vector<Matrix*> now;  // the matrices this slice completes
+    int64_t from = -1, to = -1;  // a run of values that go as they are
+    auto send_plain = [&] {
+      if (from >= to) return;
+      count(ring_all_reduce_bytes((to - from) * grad.element_size(), comm_->size()));
+      all->parts.push_back(comm_->all_reduce_async(grad.narrow(0, from, to - from)));
+    };
+    size_t k = 0;  // matrices_ is in entry order
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const auto& e = entries_[i];
+      while (k < matrices_.size() && matrices_[k].entry < i) ++k;
+      const int64_t lo = std::max(e.offset, offset), hi = std::min(e.offset + e.numel, end);
+      if (lo >= hi) continue;
+      if (k < matrices_.size() && matrices_[k].entry == i) {
+        if (e.offset >= offset) now.push_back(&matrices_[k]);
+        continue;
+      }
+      if (lo != to) send_plain(), from = lo;
+      to = hi;
+    }
+    send_plain();
+    if (!now.empty()) all->parts.push_back(project(grad, std::move(now)));
+    return all;
+  }
+
+ private:
+  struct Matrix {
+    size_t entry;
+    int64_t n, m;
+    torch::Tensor q;       // [m, r]: this step's, then the next's (warm start)
+    torch::Tensor before;  // the step's Q before it was updated (a skipped step restores it)
+    torch::Tensor first;   // the initial Q
+  };
+
+  std::unique_ptr<Pending> project(const torch::Tensor& grad, std::vector<Matrix*> mats) {
+    std::vector<torch::Tensor> ms, ps;
+    for (Matrix* mx : mats) {
+      const auto& e = entries_[mx->entry];
+      auto c = grad.narrow(0, e.offset, e.numel) + residual_.narrow(0, e.offset, e.numel);
+      ms.push_back(c.view({mx->n, mx->m}));
+      ps.push_back(ms.back().mm(mx->q).view(-1));
+    }
+    auto p = torch::cat(ps);
+    count(ring_all_reduce_bytes(p.numel() * p.element_size(), comm_->size()));
+    auto op = comm_->all_reduce_async(p);
+    return std::make_unique<PendingThen>(std::move(op), [this, grad, mats = std::move(mats),
+                                                         ms = std::move(ms), p]() mutable {
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> pn, qs;
+      int64_t at = 0;
+      for (size_t j = 0; j < mats.size(); ++j) {
+        const int64_t r = mats[j]->q.size(1);
+        auto pj = p.narrow(0, at, mats[j]->n * r).view({mats[j]->n, r});
+        at += mats[j]->n * r;
+        orthonormalise(pj);
+        auto q = ms[j].t().mm(pj);  // this rank's M^T P
+        const auto& e = entries_[mats[j]->entry];
+        residual_.narrow(0, e.offset, e.numel).copy_((ms[j] - pj.mm(q.t())).view(-1));
+        pn.push_back(pj);
+        qs.push_back(q.view(-1));
+      }
+      auto q = torch::cat(qs);
+      count(ring_all_reduce_bytes(q.numel() * q.element_size(), comm_->size()));
+      comm_->all_reduce_async(q)->wait();
+      at = 0;
+      for (size_t j = 0; j < mats.size(); ++j) {
+        Matrix& mx = *mats[j];
+        auto qj = q.narrow(0, at, mx.q.numel()).view({mx.m, mx.q.size(1)});
+        at += mx.q.numel();
+        mx.before.copy_(mx.q);
+        mx.q.copy_(qj);
+        const auto& e = entries_[mx.entry];
+        grad.narrow(0, e.offset, e.numel).view({mx.n, mx.m}).copy_(pn[j].mm(qj.t()));
+      }
+    });
+  }
+
+  const std::vector<FlatParams::Entry>& entries_;
+  std::vector<Matrix> matrices_;  // in entry order
+};
+
 }  // namespace
 
 std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shared_ptr<Comm> comm,
@@ -248,6 +407,8 @@ std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shar
   if (how == "bf16") return std::make_unique<Cast16>(std::move(comm), torch::kBFloat16);
   if (how == "sign") return std::make_unique<Sign>(std::move(comm), params);
   if (how == "topk") return std::make_unique<TopK>(std::move(comm), params, cfg.topk_ratio);
+  if (how == "powersgd")
+    return std::make_unique<PowerSgd>(std::move(comm), params, cfg.powersgd_rank);
   throw std::logic_error(fmt::format("parallel.compression: no reduction for '{}'", how));
 }
 

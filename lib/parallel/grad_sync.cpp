@@ -121,6 +121,7 @@ class BucketedSync : public GradSync {
   }
   void after_update(const torch::Tensor& skip) override { reduction_->after_step(skip); }
   NamedTensors state() const override { return reduction_->state(); }
+  PerEntry factors() const override { return reduction_->factors(); }
   int64_t bytes_per_step() const override { return sent_; }
 
  protected:

@@ -27,6 +27,9 @@ class Mesh;
 class Pending;
 struct ParallelConfig;
 
+// Tensors that belong to parameters, by their index in FlatParams::entries().
+using PerEntry = std::vector<std::pair<size_t, torch::Tensor>>;
+
 class GradSync {
  public:
   virtual ~GradSync() = default;
@@ -48,6 +51,9 @@ class GradSync {
   // What a strategy carries from step to step (error-feedback residuals), as buffers laid
   // out like the flat gradient, by name; saved with each checkpoint per data rank.
   virtual NamedTensors state() const { return {}; }
+  // What it carries shaped otherwise, per parameter (PowerSGD's Q of each matrix, by entry
+  // index): restored only at the same layout.
+  virtual PerEntry factors() const { return {}; }
   // The part of the flat buffers whose gradient is final after finish(), which this rank
   // updates: all of them, or under ZeRO its shard (update_shard()).
   virtual Shard shard() const { return {}; }
@@ -66,6 +72,8 @@ class Reduction {
                                          int64_t numel) = 0;
   // Error feedback's residuals (compression.hpp), laid out like the flat gradient.
   virtual NamedTensors state() const { return {}; }
+  // PowerSGD's Q matrices, by entry index (GradSync::factors()).
+  virtual PerEntry factors() const { return {}; }
   // After a step: a skipped step's residuals are dropped (a non-finite gradient must not
   // be carried into the next one).
   virtual void after_step(const torch::Tensor& /*skip*/) {}

@@ -206,25 +206,36 @@ std::string sync_key(const Context& c, const std::string& key) {
   return key;
 }
 
-// The gradient sync's state (compression's residuals) from data rank D's files, when the
+// PowerSGD's Q of entry `e` in the checkpoint: a split parameter's is its tensor rank's own
+// (the power iteration ran on that rank's part), a replicated one's the same on all.
+std::string factor_key(const Context& c, const FlatParams::Entry& e, int64_t tensor_rank) {
+  return sync_key(c, e.name + ".powersgd_q" +
+                         (e.placement.is_split() ? fmt::format(".tp{}", tensor_rank) : ""));
+}
+
+// The gradient sync's state from data rank D's files: compression's residuals when the
 // checkpoint was written at this data and pipeline size (a pipeline gives a tied weight's
-// copy a residual of its own); else it starts from zero, with a warning.
+// copy a residual of its own), PowerSGD's Q matrices when at this tensor size too; else
+// they start afresh, with a warning.
 void restore_sync_state(Context& c, const CheckpointReader& saved) {
   const auto state = c.sync->state();
-  if (state.empty()) return;
-  const int64_t data = c.mesh.dims().data, rank = c.mesh.coord().data;
+  const auto factors = c.sync->factors();
+  if (state.empty() && factors.empty()) return;
+  const auto& dims = c.mesh.dims();
+  const int64_t rank = c.mesh.coord().data;
   const auto& layout = saved.manifest().value("layout", nlohmann::json::object());
   const int64_t saved_data = layout.value("data", int64_t(1));
   const int64_t saved_pipeline = layout.value("pipeline", int64_t(1));
-  const int64_t pipeline = c.mesh.dims().pipeline;
+  const int64_t saved_tensor = layout.value("tensor", int64_t(1));
   const std::string kind = fmt::format("sync.dp{}", rank);
-  if (saved_data != data || saved_pipeline != pipeline || !saved.has(kind)) {
-    c.say(fmt::format("warning: parallel.compression: the residuals start from zero ({})",
+  const std::string what = factors.empty() ? "the residuals start" : "the residuals and PowerSGD's Q matrices start";
+  if (saved_data != dims.data || saved_pipeline != dims.pipeline || !saved.has(kind)) {
+    c.say(fmt::format("warning: parallel.compression: {} from zero ({})", what,
                       !saved.has("sync.dp0")
                           ? "the checkpoint holds none"
                           : fmt::format("the checkpoint was written at data size {} x pipeline "
                                         "{}, this run has {} x {}", saved_data, saved_pipeline,
-                                        data, pipeline)));
+                                        dims.data, dims.pipeline)));
     return;
   }
   const SavedTensors tensors = saved.tensors(kind);
@@ -235,6 +246,28 @@ void restore_sync_state(Context& c, const CheckpointReader& saved) {
       c.params->view(flat, i).copy_(tensors.part(sync_key(c, e.name + "." + name), e.full_shape,
                                                  e.placement, c.mesh.coord().tensor));
     }
+  if (factors.empty()) return;
+  // Each Q is the power iteration's own state on its rank's matrix: another split, another
+  // matrix. Another rank (powersgd_rank) has them shaped otherwise.
+  std::string why = saved_tensor != dims.tensor
+                        ? fmt::format("the checkpoint was written at tensor size {}, this run "
+                                      "has {}", saved_tensor, dims.tensor)
+                        : "";
+  std::vector<torch::Tensor> got;
+  for (const auto& [i, q] : factors) {
+    if (!why.empty()) break;
+    try {
+      got.push_back(tensors.at(factor_key(c, c.params->entries()[i], c.mesh.coord().tensor),
+                               q.sizes().vec()));
+    } catch (const CheckpointError& e) {
+      why = first_line(e.what());
+    }
+  }
+  if (!why.empty()) {
+    c.say(fmt::format("warning: parallel.compression: PowerSGD's Q matrices start afresh ({})", why));
+    return;
+  }
+  for (size_t j = 0; j < factors.size(); ++j) factors[j].second.copy_(got[j]);
 }
 
 }  // namespace
@@ -364,6 +397,11 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
         if (auto part = sync_parts.extract(key)) sync_parts[saved_as] = part.mapped();
       sync_state.emplace_back(saved_as, t);
     }
+  for (const auto& [i, q] : c.sync->factors()) {  // a replicated parameter's on tensor rank 0
+    const auto& e = c.params->entries()[i];
+    if (e.placement.is_split() || at.tensor == 0)
+      sync_state.emplace_back(factor_key(c, e, at.tensor), q);
+  }
   if (writer) {
     state.model = c.params->owned(c.params->data(), "", at.tensor, parts);
     if (at.tensor == 0)

@@ -39,7 +39,7 @@ void check_compression(const JobConfig& c) {
                        "not supported (ZeRO reduces each shard to its owner uncompressed); "
                        "choose one", how, c.parallel.zero);
   // The residual would mix gradients scaled by different loss scales.
-  fail_if<ConfigError>((how == "sign" || how == "topk") && c.precision.dtype == "fp16",
+  fail_if<ConfigError>(how != "fp16" && how != "bf16" && c.precision.dtype == "fp16",
                        "parallel.compression: {} keeps error-feedback residuals from step to "
                        "step, which fp16's changing loss scale would corrupt; use "
                        "precision.dtype bf16 or fp32", how);

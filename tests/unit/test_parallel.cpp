@@ -456,3 +456,74 @@ TEST_CASE("compression: each reduction's sum, bytes and error-feedback residual,
     failures.check();
   }
 }
+
+TEST_CASE("compression: powersgd's sum, bytes, residual and warm-started Q, against a QR by hand") {
+  // Two ranks; a Linear(40, 8): the weight [8, 40] is a matrix (rank 2 shrinks it 3x), the
+  // bias goes as it is. Slices in backward's order: [200, 328) (the weight's tail and the
+  // bias) then [0, 200), which completes the weight.
+  auto gradient_of = [](int64_t rank, int64_t n, double phase) {
+    std::vector<float> g(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      g[size_t(i)] = float(std::sin(0.37 * double(i) + double(rank) + phase) * double(i % 7 + 1));
+    return torch::tensor(g);
+  };
+  RankFailures failures;
+  run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
+    const int64_t r = comm->rank();
+    auto fail = [&](const std::string& what) { failures.add(r, what); };
+    torch::nn::Linear layer(40, 8);
+    FlatParams flat(*layer);
+    ParallelConfig cfg;
+    cfg.compression = "powersgd";
+    cfg.powersgd_rank = 2;
+    auto reduction = make_compression(cfg, comm, flat);
+    const auto factors = reduction->factors();
+    if (factors.size() != 1 || factors[0].first != 0) return fail("one matrix: the weight");
+    torch::Tensor q = factors[0].second.clone();  // [40, 2], the same on both ranks
+    std::vector<torch::Tensor> e{torch::zeros({8, 40}), torch::zeros({8, 40})};
+    for (int step = 0; step < 2; ++step) {
+      std::vector<torch::Tensor> w, b;
+      for (int64_t k = 0; k < 2; ++k) {
+        w.push_back(gradient_of(k, 320, step).view({8, 40}));
+        b.push_back(gradient_of(k, 8, 10 + step));
+      }
+      flat.grad().narrow(0, 0, 320).copy_(w[size_t(r)].view(-1));
+      flat.grad().narrow(0, 320, 8).copy_(b[size_t(r)]);
+      auto upper = reduction->start(flat.grad(), 200, 128);
+      auto lower = reduction->start(flat.grad(), 0, 200);
+      upper->wait();
+      lower->wait();
+      // By hand: P = sum (M + e) Q, orthonormal by QR; Q' = sum (M + e)^T P; the result
+      // P Q'^T; each rank keeps (M + e) - P P^T (M + e).
+      std::vector<torch::Tensor> c{w[0] + e[0], w[1] + e[1]};
+      auto p = std::get<0>(torch::linalg_qr(c[0].mm(q) + c[1].mm(q)));
+      auto q_next = c[0].t().mm(p) + c[1].t().mm(p);
+      const auto want = p.mm(q_next.t());
+      for (size_t k = 0; k < 2; ++k) e[k] = c[k] - p.mm(p.t().mm(c[k]));
+      const auto got = flat.grad().narrow(0, 0, 320).view({8, 40});
+      if (!torch::allclose(got, want, 1e-4, 1e-5)) fail(fmt::format("step {}: the weight", step));
+      if (!torch::allclose(flat.grad().narrow(0, 320, 8), b[0] + b[1]))
+        fail(fmt::format("step {}: the bias, sent as it is", step));
+      const auto residual = reduction->state().at(0).second;
+      if (!torch::allclose(residual.narrow(0, 0, 320).view({8, 40}), e[size_t(r)], 1e-4, 1e-5))
+        fail(fmt::format("step {}: residual", step));
+      if (residual.narrow(0, 320, 8).abs().sum().item<double>() != 0)
+        fail("a vector sent as it is keeps no residual");
+      // QR and Gram-Schmidt may differ in each column's sign, which changes Q's sign only.
+      if (!torch::allclose(factors[0].second.abs(), q_next.abs(), 1e-4, 1e-5))
+        fail(fmt::format("step {}: the next step's Q", step));
+      q = factors[0].second.clone();
+      // The bias all-reduced (32 bytes at 2 ranks), P (8 x 2 values) and Q (40 x 2).
+      if (reduction->take_sent() != 32 + 64 + 320) fail("bytes sent");
+    }
+    // A skipped step's Q is the one before it, and its residual nothing.
+    const auto kept = factors[0].second.clone();
+    reduction->after_step(torch::zeros({1}));
+    if (!torch::equal(factors[0].second, kept)) fail("a kept step changed its Q");
+    reduction->after_step(torch::ones({1}));
+    if (torch::equal(factors[0].second, kept)) fail("a skipped step kept its Q");
+    if (reduction->state().at(0).second.abs().sum().item<double>() != 0)
+      fail("a skipped step kept its residual");
+  }, quick());
+  failures.check();
+}
