@@ -2,12 +2,15 @@
 # Gradient compression and ZeRO at --nproc 2, side by side in one run.
 #   speed:    the MLP (communication-bound) and configs/gpt_text.yaml's GPT: samples/s and
 #             comm_bytes per step for none, fp16, bf16, sign, topk (1%), powersgd (rank 2)
-#             and zero 1, with each one's ratio to none; and the same with loopback
+#             and zero 1 and 2, with each one's ratio to none; and the same with loopback
 #             throttled to RATE (default 1gbit; tc's netem, else its token bucket tbf, which
 #             needs root; said so where neither can be set).
+#   memory:   an MLP of six 2048-unit hidden layers (23M parameters, AdamW) at zero 0, 1, 2:
+#             the gradient and optimizer state a rank keeps and rank 0's peak resident
+#             memory during training (the last train line's, before any checkpoint).
 #   accuracy: the Fashion-MNIST CNN (configs/fashion_mnist_cnn.yaml) for EPOCHS epochs at
 #             2 ranks, each compression's test accuracy against none's.
-#   scripts/bench_compression.sh [speed|accuracy|all] [EPOCHS]     (default: all 3)
+#   scripts/bench_compression.sh [speed|memory|accuracy|all] [EPOCHS]     (default: all 3)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-compression}"
@@ -15,12 +18,13 @@ WHAT=${1:-all} EPOCHS=${2:-3}
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_compression: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
-STRATEGIES=(none fp16 bf16 sign topk powersgd zero1)
+STRATEGIES=(none fp16 bf16 sign topk powersgd zero1 zero2)
 RATE=${RATE:-1gbit}
 
 sets_of() {  # the --set flags of a strategy
   case $1 in
     zero1) echo "--set parallel.zero=1" ;;
+    zero2) echo "--set parallel.zero=2" ;;
     *) echo "--set parallel.compression=$1" ;;
   esac
 }
@@ -39,7 +43,8 @@ import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 train = [l for l in lines if l["kind"] == "train"]
 s = lines[-1]
-print(s["samples_per_s"], train[-1].get("comm_bytes", 0), s.get("final_accuracy", float("nan")))
+print(s["samples_per_s"], train[-1].get("comm_bytes", 0), s.get("final_accuracy", float("nan")),
+      train[-1]["peak_rss_mb"], s["gradient_mb"], s["optimizer_state_mb"])
 PYEOF
 }
 
@@ -79,13 +84,25 @@ if [ "$WHAT" = speed ] || [ "$WHAT" = all ]; then
   fi
 fi
 
+if [ "$WHAT" = memory ] || [ "$WHAT" = all ]; then
+  echo
+  echo "memory, MLP 784-2048x6-10 (23M parameters), AdamW, --nproc 2, MiB per rank"
+  printf '%-6s %10s %10s %14s\n' zero gradient optimizer "peak RSS (train)"
+  for z in 0 1 2; do
+    read -r _ _ _ rss grad opt < <(run "$ROOT/configs/fashion_mnist_mlp.yaml" "mem-zero$z" \
+      --set 'model.hidden=[2048,2048,2048,2048,2048,2048]' --set optimizer.name=adamw --set train.max_steps=20 \
+      --set train.log_every=20 --set parallel.zero=$z)
+    python3 -c "import sys; z,g,o,r=sys.argv[1:]; print(f'{z:<6} {float(g):10.1f} {float(o):10.1f} {float(r):14.0f}')" $z "$grad" "$opt" "$rss"
+  done
+fi
+
 if [ "$WHAT" = accuracy ] || [ "$WHAT" = all ]; then
   echo
   echo "accuracy, Fashion-MNIST CNN, $EPOCHS epochs, --nproc 2 (sign: $SIGN_WARMUP warm-up steps)"
   printf '%-7s %9s %10s\n' how accuracy "vs none"
   base=""
   for how in "${STRATEGIES[@]}"; do
-    [ $how = zero1 ] && continue
+    case $how in zero*) continue ;; esac
     warm=0
     [ $how = sign ] && warm=$SIGN_WARMUP
     read -r _ _ acc < <(run "$ROOT/configs/fashion_mnist_cnn.yaml" "acc-$how" \

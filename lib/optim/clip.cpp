@@ -11,17 +11,11 @@
 
 namespace dtrain {
 
-namespace {
-torch::Tensor part_of(const torch::Tensor& flat, const Shard& shard) {
-  return shard.whole() ? flat : flat.narrow(0, shard.offset, shard.numel);
-}
-}  // namespace
-
 torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pipeline,
                                const std::vector<size_t>& copies, const Shard& shard,
                                Comm* data) {
   const bool sharded = data && data->size() > 1 && !shard.whole();
-  const auto grad = part_of(params.grad(), sharded ? shard : Shard{});
+  const auto grad = params.grad_of(sharded ? shard : Shard{});
   if (tensor.size() == 1 && pipeline.size() == 1 && !sharded) return grad.norm();
   const auto f64 = grad.options().dtype(torch::kFloat64);
   const int64_t lo = sharded ? shard.offset : 0, hi = lo + grad.numel();
@@ -29,7 +23,7 @@ torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pip
   auto within = [&](size_t i) -> torch::Tensor {
     const auto& e = params.entries()[i];
     const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
-    return from < to ? params.grad().narrow(0, from, to - from) : torch::Tensor();
+    return from < to ? params.grad_of({from, to - from}) : torch::Tensor();
   };
   torch::Tensor total;
   if (tensor.size() == 1) {
@@ -57,7 +51,7 @@ torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pip
 
 void clip_grad(FlatParams& params, const torch::Tensor& norm, double max_norm, double loss_scale,
                const Shard& shard) {
-  auto grad = part_of(params.grad(), shard);
+  auto grad = params.grad_of(shard);
   if (max_norm > 0) {
     auto factor = (max_norm / (norm + 1e-6)).clamp_max(1.0);
     grad.mul_(loss_scale == 1.0 ? factor : factor / loss_scale);

@@ -43,7 +43,7 @@ class FlatOptimizer : public Optimizer {
     shard_ = {shard.offset, shard.numel < 0 ? total - shard.offset : shard.numel};
     // Views of the shard: the buffers never move, so they are taken once.
     p_ = params.data().narrow(0, shard_.offset, shard_.numel);
-    g_ = params.grad().narrow(0, shard_.offset, shard_.numel);
+    g_ = params.grad_of(shard_);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
     if (has_fused_kernel(cfg.name, p_.device())) {
       group_for_fused();  // none when the shard holds nothing: then the (empty) unfused update

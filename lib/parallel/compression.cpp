@@ -32,10 +32,9 @@ Gathered gather_bytes(Comm& comm, const torch::Tensor& wire) {
 class Cast16 : public Reduction {
  public:
   Cast16(std::shared_ptr<Comm> comm, torch::ScalarType type) : comm_(std::move(comm)), type_(type) {}
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t /*offset*/) override {
     torch::NoGradGuard no_grad;
-    auto slice = grad.narrow(0, offset, numel);
+    const int64_t numel = slice.numel();
     auto wire = slice.to(type_);
     const int64_t d = comm_->size(), bytes = numel * wire.element_size();
     if (comm_->can_sum(type_)) {
@@ -76,11 +75,9 @@ class ErrorFeedback : public Reduction {
 class EachSlice : public ErrorFeedback {
  public:
   using ErrorFeedback::ErrorFeedback;
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) override {
     torch::NoGradGuard no_grad;
-    auto slice = grad.narrow(0, offset, numel);
-    auto residual = residual_.narrow(0, offset, numel);
+    auto residual = residual_.narrow(0, offset, slice.numel());
     return compress(slice, slice + residual, residual, offset);
   }
 
@@ -283,7 +280,7 @@ uint64_t seed_of(const std::string& name) {
 class PowerSgd : public ErrorFeedback {
  public:
   PowerSgd(std::shared_ptr<Comm> comm, const FlatParams& params, int64_t rank)
-      : ErrorFeedback(std::move(comm), params), entries_(params.entries()) {
+      : ErrorFeedback(std::move(comm), params), grad_(params.grad()), entries_(params.entries()) {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < entries_.size(); ++i) {
       const auto& shape = entries_[i].shape;
@@ -312,10 +309,12 @@ class PowerSgd : public ErrorFeedback {
     }
   }
 
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
+  // `slice` is a view of the flat gradient (not under ZeRO-2): a matrix's values before it
+  // are read from there.
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) override {
     torch::NoGradGuard no_grad;
-    const int64_t end = offset + numel;
+    const int64_t end = offset + slice.numel();
+    const auto& grad = grad_;
     auto all = std::make_unique<PendingAll>();
     std::vector<Matrix*> now;  // the matrices this slice completes
     int64_t from = -1, to = -1;  // a run of values that go as they are
@@ -394,6 +393,7 @@ class PowerSgd : public ErrorFeedback {
     });
   }
 
+  torch::Tensor grad_;  // the flat gradient
   const std::vector<FlatParams::Entry>& entries_;
   std::vector<Matrix> matrices_;  // in entry order
 };

@@ -96,14 +96,28 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);
   const int64_t padded = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
   data_ = torch::zeros({padded}, options);
-  grad_ = torch::zeros({padded}, options);
+  if (padded % opts.grad_ranks != 0)
+    throw std::logic_error("FlatOptions: pad_to must make the buffers cut in grad_ranks shards");
+  grad_held_ = {opts.grad_rank * (padded / opts.grad_ranks), padded / opts.grad_ranks};
+  grad_ = torch::zeros({grad_held_.numel}, options);
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& p = params_[i];
     auto slot = view(data_, i);
     slot.copy_(p);
     p.set_data(slot);
-    p.mutable_grad() = view(grad_, i);
+    // Backward accumulates straight into the flat gradient, unless it is a shard.
+    if (opts.grad_ranks == 1) p.mutable_grad() = view(grad_, i);
   }
+}
+
+torch::Tensor FlatParams::grad_of(const Shard& part) const {
+  const int64_t offset = part.offset, numel = part.numel < 0 ? data_.numel() - offset : part.numel;
+  const int64_t from = offset - grad_held_.offset;
+  if (from < 0 || from + numel > grad_held_.numel)
+    throw std::logic_error(fmt::format("the gradient of [{}, {}) is not held here ([{}, {}))",
+                                       offset, offset + numel, grad_held_.offset,
+                                       grad_held_.offset + grad_held_.numel));
+  return grad_.narrow(0, from, numel);
 }
 
 Shard FlatParams::shard(int64_t ranks, int64_t rank) const {
@@ -116,10 +130,20 @@ Shard FlatParams::shard(int64_t ranks, int64_t rank) const {
 
 torch::Tensor FlatParams::view(const torch::Tensor& flat, size_t i) const {
   const auto& e = entries_[i];
+  if (flat.numel() != data_.numel())
+    throw std::logic_error(fmt::format("'{}': a buffer of {} values is not laid out like the "
+                                       "parameters ({})", e.name, flat.numel(), data_.numel()));
   auto slot = flat.narrow(0, e.offset, e.numel);
   if (format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4)  // stored N,H,W,C
     return slot.view({e.shape[0], e.shape[2], e.shape[3], e.shape[1]}).permute({0, 3, 1, 2});
   return slot.view(e.shape);
+}
+
+torch::Tensor FlatParams::flatten(const torch::Tensor& t, size_t i) const {
+  const auto& e = entries_[i];
+  if (format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4)
+    return t.permute({0, 2, 3, 1}).contiguous().view(-1);
+  return t.contiguous().view(-1);
 }
 
 NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suffix,

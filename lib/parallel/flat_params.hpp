@@ -101,6 +101,10 @@ struct FlatOptions {
   // The buffers' length is rounded up to a multiple of this (zeros past the last entry), so
   // that they cut into equal shards (ZeRO's all-gather takes equal parts).
   int64_t pad_to = 1;
+  // ZeRO-2: the gradient buffer holds shard `grad_rank` of `grad_ranks` only, and the
+  // parameters' gradients are autograd's own tensors, which the gradient sync copies out
+  // and frees as backward makes them (grad_sync.cpp).
+  int64_t grad_ranks = 1, grad_rank = 0;
 };
 
 class FlatParams {
@@ -119,14 +123,21 @@ class FlatParams {
   explicit FlatParams(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts = {});
 
   torch::Tensor& data() { return data_; }
-  torch::Tensor& grad() { return grad_; }
   const torch::Tensor& data() const { return data_; }
+  // The gradient buffer: laid out like data() over grad_held() (all of it, but for ZeRO-2).
+  torch::Tensor& grad() { return grad_; }
   const torch::Tensor& grad() const { return grad_; }
+  Shard grad_held() const { return grad_held_; }
+  // The gradient of `part` of the flat layout (the whole by default), which the buffer
+  // must hold.
+  torch::Tensor grad_of(const Shard& part) const;
   const std::vector<Entry>& entries() const { return entries_; }
   // The parameter tensors autograd sees, one per entry.
   const std::vector<torch::Tensor>& params() const { return params_; }
   // The slice of a flat buffer (data, grad or optimizer state) that belongs to entry i.
   torch::Tensor view(const torch::Tensor& flat, size_t i) const;
+  // The reverse: `t`, shaped like entry i, as a flat buffer lays it out (1-D).
+  torch::Tensor flatten(const torch::Tensor& t, size_t i) const;
   void zero_grad() { grad_.zero_(); }
   // Rank `rank`'s equal, contiguous part of the buffers cut in `ranks` (FlatOptions::pad_to
   // must have made them divisible).
@@ -144,6 +155,7 @@ class FlatParams {
 
  private:
   torch::Tensor data_, grad_;
+  Shard grad_held_;
   std::vector<Entry> entries_;
   std::vector<torch::Tensor> params_;
   torch::MemoryFormat format_;

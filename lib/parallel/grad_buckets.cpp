@@ -9,14 +9,14 @@
 
 namespace dtrain {
 
-GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready)
-    : ready_(std::move(ready)) {
+GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready, Arrived arrived)
+    : ready_(std::move(ready)), arrived_(std::move(arrived)) {
   const auto& entries = params.entries();
   const int64_t cap = std::max<int64_t>(
-      1, int64_t(bucket_mb * 1024 * 1024 / double(params.grad().element_size())));
+      1, int64_t(bucket_mb * 1024 * 1024 / double(params.data().element_size())));
   // Fixed-size slices from the end: a large parameter spans several buckets, so its
   // gradient goes out as several reductions that the backend's threads run side by side.
-  const int64_t total = params.grad().numel();
+  const int64_t total = params.data().numel();
   for (int64_t end = total; end > 0; end -= cap) {
     const int64_t begin = std::max<int64_t>(0, end - cap);
     buckets_.push_back({begin, end - begin, 0, 0});
@@ -33,8 +33,10 @@ GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready)
   for (size_t k = 0; k < entries.size(); ++k) {
     auto acc = torch::autograd::impl::grad_accumulator(params.params()[k]);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, buckets = buckets_of[k]](const torch::autograd::variable_list& outputs,
-                                        const torch::autograd::variable_list&) {
+        [this, k, buckets = buckets_of[k]](const torch::autograd::variable_list& outputs,
+                                           const torch::autograd::variable_list&) {
+          if (!armed_) return outputs;
+          if (arrived_) arrived_(k);
           for (size_t b : buckets) on_grad_ready(b);
           return outputs;
         }));
@@ -43,7 +45,6 @@ GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready)
 }
 
 void GradBuckets::on_grad_ready(size_t bucket) {
-  if (!armed_) return;
   if (--buckets_[bucket].remaining == 0) hand_out();
 }
 
@@ -52,6 +53,12 @@ void GradBuckets::hand_out() {
     const auto& b = buckets_[next_++];
     ready_(b.offset, b.numel);
   }
+}
+
+std::vector<std::pair<int64_t, int64_t>> GradBuckets::slices() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& b : buckets_) out.emplace_back(b.offset, b.numel);
+  return out;
 }
 
 void GradBuckets::flush() {

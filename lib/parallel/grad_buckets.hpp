@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/autograd/function.h>
@@ -21,7 +22,10 @@ class GradBuckets {
  public:
   // `ready(offset, numel)`: a final slice of the flat gradient, in launch order.
   using Ready = std::function<void(int64_t offset, int64_t numel)>;
-  GradBuckets(FlatParams& params, double bucket_mb, Ready ready);
+  // `arrived(entry)`: entry's gradient is final (called while armed, before the count; under
+  // ZeRO-2 it is then copied out of the parameter's own gradient).
+  using Arrived = std::function<void(size_t entry)>;
+  GradBuckets(FlatParams& params, double bucket_mb, Ready ready, Arrived arrived = nullptr);
   GradBuckets(const GradBuckets&) = delete;  // the hooks point here
   GradBuckets& operator=(const GradBuckets&) = delete;
 
@@ -30,6 +34,8 @@ class GradBuckets {
   // Hands out every bucket not handed out yet (parameters unused this step), then starts
   // the next step's count.
   void flush();
+  // The buckets as (offset, numel), in launch order.
+  std::vector<std::pair<int64_t, int64_t>> slices() const;
 
  private:
   struct Bucket {
@@ -41,6 +47,7 @@ class GradBuckets {
   void hand_out();
 
   Ready ready_;
+  Arrived arrived_;
   std::vector<Bucket> buckets_;  // in launch order (highest offsets first)
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // hooks live on these
   size_t next_ = 0;

@@ -1,6 +1,7 @@
 #include "parallel/grad_sync.hpp"
 
 #include <algorithm>
+#include <map>
 
 #include <torch/torch.h>
 
@@ -14,23 +15,37 @@
 namespace dtrain {
 namespace {
 
+// A tied weight's copies (the first stage's embedding, the last stage's head) each get
+// their stage's share of its gradient: summed over the embedding group once the data
+// group's sync is done, both make the same update.
+struct Tied {
+  std::shared_ptr<Comm> group;  // null without a tie across stages
+  std::vector<size_t> entries;
+  void sum(const FlatParams& params) const {
+    for (size_t i : entries) group->all_reduce(params.view(params.grad(), i));
+  }
+};
+
 class NoSync : public GradSync {
  public:
-  explicit NoSync(int64_t micro_batches) : factor_(1.0 / double(micro_batches)) {}
+  NoSync(const FlatParams& params, int64_t micro_batches, Tied tied)
+      : params_(params), factor_(1.0 / double(micro_batches)), tied_(std::move(tied)) {}
   double loss_factor() const override { return factor_; }
+  void finish() override { tied_.sum(params_); }
 
  private:
+  const FlatParams& params_;
   double factor_;
+  Tied tied_;
 };
 
 // The sum over the group, in place, every value on the wire as it is.
 class AllReduce : public Reduction {
  public:
   explicit AllReduce(std::shared_ptr<Comm> comm) : comm_(std::move(comm)) {}
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
-    count(ring_all_reduce_bytes(numel * grad.element_size(), comm_->size()));
-    return comm_->all_reduce_async(grad.narrow(0, offset, numel));
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t /*offset*/) override {
+    count(ring_all_reduce_bytes(slice.numel() * slice.element_size(), comm_->size()));
+    return comm_->all_reduce_async(slice);
   }
 
  private:
@@ -52,8 +67,8 @@ class ReduceToOwners : public Reduction {
                  std::vector<std::pair<int64_t, int64_t>> whole)
       : comm_(std::move(comm)), shard_(shard_numel), whole_(std::move(whole)) {}
 
-  std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                 int64_t numel) override {
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) override {
+    const int64_t numel = slice.numel();
     auto all = std::make_unique<PendingAll>();
     // Cut at the whole ranges' ends and the shards' boundaries.
     std::vector<int64_t> cuts{offset, offset + numel};
@@ -66,8 +81,8 @@ class ReduceToOwners : public Reduction {
     for (size_t i = 0; i + 1 < cuts.size(); ++i) {
       const int64_t from = std::max(cuts[i], offset), to = std::min(cuts[i + 1], offset + numel);
       if (from >= to) continue;
-      auto part = grad.narrow(0, from, to - from);
-      const int64_t bytes = (to - from) * grad.element_size(), owner = from / shard_;
+      auto part = slice.narrow(0, from - offset, to - from);
+      const int64_t bytes = (to - from) * slice.element_size(), owner = from / shard_;
       if (in_whole(from)) {
         count(ring_all_reduce_bytes(bytes, d));
         all->parts.push_back(comm_->all_reduce_async(part));
@@ -96,17 +111,23 @@ class ReduceToOwners : public Reduction {
 class BucketedSync : public GradSync {
  public:
   BucketedSync(FlatParams& params, std::unique_ptr<Reduction> reduction, int64_t ranks,
-               double bucket_mb, int64_t micro_batches,
+               double bucket_mb, int64_t micro_batches, Tied tied,
                std::unique_ptr<Reduction> plain = nullptr, int64_t warmup = 0)
       : params_(params),
+        tied_(std::move(tied)),
         reduction_(std::move(reduction)),
         plain_(std::move(plain)),
         warmup_(warmup),
         active_(reduction_.get()),
         factor_(1.0 / double(micro_batches * ranks)),
-        buckets_(params, bucket_mb, [this](int64_t offset, int64_t numel) {
-          inflight_.push_back(active_->start(params_.grad(), offset, numel));
-        }) {}
+        buckets_(
+            params, bucket_mb,
+            [this](int64_t offset, int64_t numel) {
+              inflight_.push_back(launch(offset, numel));
+              while (max_inflight_ > 0 && inflight_.size() - waited_ > max_inflight_)
+                inflight_[waited_++]->wait();
+            },
+            [this](size_t entry) { arrived(entry); }) {}
   // The loss is scaled by 1 / (micro-batches x ranks), so the reduction is a plain sum.
   double loss_factor() const override { return factor_; }
   void begin_step(int64_t step) override {
@@ -115,9 +136,11 @@ class BucketedSync : public GradSync {
   void begin_micro_batch(bool last) override { buckets_.arm(last); }
   void finish() override {
     buckets_.flush();  // buckets no hook completed (parameters unused this step)
-    for (auto& p : inflight_) p->wait();
+    for (size_t i = waited_; i < inflight_.size(); ++i) inflight_[i]->wait();
     inflight_.clear();
+    waited_ = 0;
     sent_ = active_->take_sent();
+    sum_tied();
   }
   void after_update(const torch::Tensor& skip) override { reduction_->after_step(skip); }
   NamedTensors state() const override { return reduction_->state(); }
@@ -125,8 +148,22 @@ class BucketedSync : public GradSync {
   int64_t bytes_per_step() const override { return sent_; }
 
  protected:
+  // A final bucket's reduction, launched (in backward's hook).
+  virtual std::unique_ptr<Pending> launch(int64_t offset, int64_t numel) {
+    return reduce(params_.grad().narrow(0, offset, numel), offset);
+  }
+  std::unique_ptr<Pending> reduce(const torch::Tensor& slice, int64_t offset) {
+    return active_->start(slice, offset);
+  }
+  // An entry's gradient is final (in backward's hook, before its buckets are counted).
+  virtual void arrived(size_t /*entry*/) {}
+  virtual void sum_tied() { tied_.sum(params_); }
+  const GradBuckets& buckets() const { return buckets_; }
+
   FlatParams& params_;
-  int64_t sent_ = 0;  // by the last step
+  Tied tied_;
+  int64_t sent_ = 0;         // by the last step
+  size_t max_inflight_ = 0;  // buckets reduced at once, beyond which a hook waits; 0: all
 
  private:
   std::unique_ptr<Reduction> reduction_, plain_;
@@ -134,6 +171,7 @@ class BucketedSync : public GradSync {
   Reduction* active_;
   double factor_;
   std::vector<std::unique_ptr<Pending>> inflight_;
+  size_t waited_ = 0;  // inflight_'s first ones, already waited for
   GradBuckets buckets_;  // last: its hooks use the members above
 };
 
@@ -142,11 +180,10 @@ class BucketedSync : public GradSync {
 // runs the next forward on the whole of the new parameters.
 class ZeroSync : public BucketedSync {
  public:
-  ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard,
-           std::vector<std::pair<int64_t, int64_t>> whole, double bucket_mb,
-           int64_t micro_batches)
-      : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, std::move(whole)),
-                     data->size(), bucket_mb, micro_batches),
+  ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
+           double bucket_mb, int64_t micro_batches)
+      : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, ranges_of(params, tied)),
+                     data->size(), bucket_mb, micro_batches, tied),
         data_(std::move(data)),
         shard_(shard) {}
   Shard shard() const override { return shard_; }
@@ -159,9 +196,116 @@ class ZeroSync : public BucketedSync {
     sent_ += mine.numel() * mine.element_size() * (d - 1);
   }
 
- private:
+ protected:
+  // The tied entries as [begin, end) ranges: every data rank needs them reduced whole.
+  static std::vector<std::pair<int64_t, int64_t>> ranges_of(const FlatParams& params,
+                                                            const Tied& tied) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (size_t i : tied.entries) {
+      const auto& e = params.entries()[i];
+      out.emplace_back(e.offset, e.offset + e.numel);
+    }
+    return out;
+  }
   std::shared_ptr<Comm> data_;
   Shard shard_;
+};
+
+// ZeRO-2: ZeRO-1, and the reduced gradient is kept for this rank's shard only (FlatParams
+// holds no more). Backward writes each parameter's gradient into a tensor of autograd's
+// own; its hook copies it into its buckets' staging buffers (made as a bucket's first
+// parameter arrives) and frees it; a bucket, once final, is reduced to its owners from
+// there, then this rank's part is copied into its shard and the buffer freed. At most
+// kInFlight buckets are reduced at once (a hook waits for the oldest), so the gradient
+// takes the shard plus a few buckets, not the whole (DeepSpeed's stage 2 the same).
+// Under gradient accumulation the earlier micro-batches' gradients still add up in the
+// parameters' own tensors, whole, until the last one's backward. A tied entry is kept
+// whole until it has been summed across stages.
+class Zero2Sync : public ZeroSync {
+ public:
+  static constexpr size_t kInFlight = 4;
+  Zero2Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
+            double bucket_mb, int64_t micro_batches)
+      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches) {
+    max_inflight_ = kInFlight;
+    const auto slices = buckets().slices();
+    staged_.resize(slices.size());
+    pieces_.resize(params.entries().size());
+    for (size_t b = 0; b < slices.size(); ++b) {
+      const auto [offset, numel] = slices[b];
+      slice_at_[offset] = b;
+      for (size_t k = 0; k < params.entries().size(); ++k) {
+        const auto& e = params.entries()[k];
+        const int64_t lo = std::max(e.offset, offset), hi = std::min(e.offset + e.numel, offset + numel);
+        if (lo < hi) pieces_[k].push_back({b, lo - e.offset, lo - offset, hi - lo});
+      }
+    }
+    for (size_t i : tied_.entries)
+      whole_.emplace_back(i, torch::zeros({params.entries()[i].numel}, params.data().options()));
+  }
+
+ protected:
+  void arrived(size_t k) override {
+    const auto& p = params_.params()[k];
+    if (!p.grad().defined()) return;
+    torch::NoGradGuard no_grad;
+    const auto g = params_.flatten(p.grad(), k);
+    for (const auto& piece : pieces_[k])
+      staging(piece.slice).narrow(0, piece.at, piece.numel).copy_(g.narrow(0, piece.from, piece.numel));
+    p.mutable_grad() = torch::Tensor();  // freed
+  }
+  std::unique_ptr<Pending> launch(int64_t offset, int64_t numel) override {
+    const size_t b = slice_at_.at(offset);
+    auto slice = staging(b);
+    staged_[b] = torch::Tensor();  // the exchange holds it from here
+    return std::make_unique<PendingThen>(reduce(slice, offset), [this, slice, offset, numel] {
+      torch::NoGradGuard no_grad;
+      // This rank's part of it into its shard; a tied entry's part into its whole.
+      const int64_t lo = std::max(offset, shard_.offset);
+      const int64_t hi = std::min(offset + numel, shard_.offset + shard_.numel);
+      if (lo < hi) params_.grad_of({lo, hi - lo}).copy_(slice.narrow(0, lo - offset, hi - lo));
+      for (auto& [i, whole] : whole_) {
+        const auto& e = params_.entries()[i];
+        const int64_t from = std::max(offset, e.offset), to = std::min(offset + numel, e.offset + e.numel);
+        if (from < to) whole.narrow(0, from - e.offset, to - from).copy_(slice.narrow(0, from - offset, to - from));
+      }
+    });
+  }
+  void sum_tied() override {
+    for (auto& [i, whole] : whole_) {
+      tied_.group->all_reduce(whole);
+      const auto& e = params_.entries()[i];
+      const int64_t lo = std::max(e.offset, shard_.offset);
+      const int64_t hi = std::min(e.offset + e.numel, shard_.offset + shard_.numel);
+      if (lo < hi) params_.grad_of({lo, hi - lo}).copy_(whole.narrow(0, lo - e.offset, hi - lo));
+    }
+  }
+
+ public:
+  void finish() override {
+    // A parameter whose gradient came from earlier micro-batches only (unused in the last):
+    // its hook did not run while armed.
+    for (size_t k = 0; k < params_.params().size(); ++k) arrived(k);
+    ZeroSync::finish();
+  }
+
+ private:
+  struct Piece {
+    size_t slice;
+    int64_t from, at, numel;  // from the entry's `from` to the slice's `at`
+  };
+  torch::Tensor& staging(size_t b) {
+    if (!staged_[b].defined()) {
+      const auto [offset, numel] = buckets().slices()[b];
+      (void)offset;
+      staged_[b] = torch::zeros({numel}, params_.data().options());
+    }
+    return staged_[b];
+  }
+  std::vector<torch::Tensor> staged_;        // per bucket, while it fills
+  std::vector<std::vector<Piece>> pieces_;   // per entry: where its gradient goes
+  std::map<int64_t, size_t> slice_at_;       // bucket by offset
+  std::vector<std::pair<size_t, torch::Tensor>> whole_;  // tied entries' gradients
 };
 
 // Shards start at a multiple of this many elements (64 bytes in fp32): aligned for the
@@ -170,8 +314,11 @@ constexpr int64_t kShardAlign = 16;
 
 }  // namespace
 
-int64_t shard_padding(const ParallelConfig& cfg, const Mesh& mesh) {
-  return cfg.zero > 0 && mesh.dims().data > 1 ? mesh.dims().data * kShardAlign : 1;
+void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts) {
+  const int64_t d = mesh.dims().data;
+  if (cfg.zero == 0 || d == 1) return;
+  opts.pad_to = d * kShardAlign;
+  if (cfg.zero == 2) opts.grad_ranks = d, opts.grad_rank = mesh.coord().data;
 }
 
 Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams& params) {
@@ -181,23 +328,20 @@ Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams
 
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,
                                          FlatParams& params, int64_t micro_batches,
-                                         const std::vector<size_t>& whole) {
-  if (mesh.dims().data == 1) return std::make_unique<NoSync>(micro_batches);
-  if (cfg.zero > 0) {
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (size_t i : whole) {
-      const auto& e = params.entries()[i];
-      ranges.emplace_back(e.offset, e.offset + e.numel);
-    }
-    return std::make_unique<ZeroSync>(params, mesh.data(), update_shard(cfg, mesh, params),
-                                      std::move(ranges), cfg.bucket_mb, micro_batches);
-  }
+                                         const std::vector<size_t>& tied_entries) {
+  Tied tied{mesh.embedding(), tied_entries};
+  if (mesh.dims().data == 1) return std::make_unique<NoSync>(params, micro_batches, tied);
+  const Shard shard = update_shard(cfg, mesh, params);
+  if (cfg.zero == 2)
+    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+  if (cfg.zero == 1)
+    return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
   if (cfg.compression != "none")
     return std::make_unique<BucketedSync>(
         params, make_compression(cfg, mesh.data(), params), mesh.dims().data, cfg.bucket_mb,
-        micro_batches, std::make_unique<AllReduce>(mesh.data()), cfg.compression_warmup);
+        micro_batches, tied, std::make_unique<AllReduce>(mesh.data()), cfg.compression_warmup);
   return std::make_unique<BucketedSync>(params, std::make_unique<AllReduce>(mesh.data()),
-                                        mesh.dims().data, cfg.bucket_mb, micro_batches);
+                                        mesh.dims().data, cfg.bucket_mb, micro_batches, tied);
 }
 
 }  // namespace dtrain

@@ -65,11 +65,10 @@ class GradSync {
 class Reduction {
  public:
   virtual ~Reduction() = default;
-  // Starts reducing the slice [offset, offset + numel) of `grad` over the data group; once
-  // the returned Pending has been waited for, the slice holds the sum over the group (on
-  // the ranks that keep it: all, or each part's owner).
-  virtual std::unique_ptr<Pending> start(const torch::Tensor& grad, int64_t offset,
-                                         int64_t numel) = 0;
+  // Starts reducing `slice`, the gradient's values at [offset, offset + numel) of the flat
+  // layout, over the data group, in place; once the returned Pending has been waited for,
+  // it holds the sum over the group (on the ranks that keep it: all, or each part's owner).
+  virtual std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) = 0;
   // Error feedback's residuals (compression.hpp), laid out like the flat gradient.
   virtual NamedTensors state() const { return {}; }
   // PowerSGD's Q matrices, by entry index (GradSync::factors()).
@@ -97,14 +96,16 @@ inline int64_t ring_all_reduce_bytes(int64_t bytes, int64_t ranks) {
 // The part of the flat buffers this rank updates: the whole without ZeRO, else its data
 // rank's equal shard. The one place that decides it (the optimizer and the sync agree).
 Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams& params);
-// What the flat buffers are padded to, so that they cut into equal shards.
-int64_t shard_padding(const ParallelConfig& cfg, const Mesh& mesh);
+// The flat buffers' options ZeRO sets: padded so that they cut into equal shards, and
+// under ZeRO-2 the gradient held for this rank's shard only.
+void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts);
 
-// The strategy for this job: NoSync with one data-parallel rank, ZeroSync under ZeRO, else
-// bucketed all-reduce. `whole`: entries every data rank needs reduced whole even under ZeRO
-// (a tied weight whose copies are summed across stages after the sync).
+// The strategy for this job: NoSync with one data-parallel rank, ZeroSync (Zero2Sync)
+// under ZeRO, else bucketed all-reduce. `tied`: the entries of a weight tied across
+// pipeline stages, whose copies finish() sums over the mesh's embedding group once the
+// data group's sync is done (every data rank needs them whole, even under ZeRO).
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,
                                          FlatParams& params, int64_t micro_batches,
-                                         const std::vector<size_t>& whole = {});
+                                         const std::vector<size_t>& tied = {});
 
 }  // namespace dtrain

@@ -15,6 +15,15 @@ void Window::add(const StepStats& s) {
   step_ms += s.step_ms;
 }
 
+namespace {
+// This process's peak resident memory so far (the kernel's high-water mark).
+double peak_rss_mb() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;  // KiB on Linux
+}
+}  // namespace
+
 nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last, const Window& w,
                           double lr) {
   const double n = double(w.steps);
@@ -36,6 +45,7 @@ nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last,
                       {"forward_ms", phase(w.forward_ms, last.forward_ms)},
                       {"backward_ms", phase(w.backward_ms, last.backward_ms)},
                       {"optim_ms", phase(w.optim_ms, last.optim_ms)},
+                      {"peak_rss_mb", peak_rss_mb()},
                       {"time", unix_time()}};
   if (c.items_per_sample() > 1) line["tokens_per_s"] = samples_per_s * double(c.items_per_sample());
   if (c.scaler) {
@@ -66,15 +76,6 @@ nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms) 
           {"time", unix_time()}};
 }
 
-namespace {
-// This process's peak resident memory so far (the kernel's high-water mark).
-double peak_rss_mb() {
-  rusage u{};
-  ::getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_maxrss) / 1024.0;  // KiB on Linux
-}
-}  // namespace
-
 nlohmann::json summary_line(const Context& c, const std::string& status,
                             const std::vector<double>& step_ms, double data_wait_total_ms) {
   // Steady state: leave out the first steps of this process (allocator and cache warm-up).
@@ -104,6 +105,8 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"peak_rss_mb", peak_rss_mb()},
       // rank 0's: under ZeRO each data rank keeps about 1 / data of it
       {"optimizer_state_mb", double(optimizer_state_bytes(*c.optimizer)) / (1024.0 * 1024.0)},
+      {"gradient_mb", double(c.params->grad().numel() * c.params->grad().element_size()) /
+                          (1024.0 * 1024.0)},
       {"time", unix_time()}};
   if (c.scaler) {
     s["loss_scale"] = c.scaler->scale();

@@ -145,7 +145,7 @@ void setup(Context& c) {
   FlatOptions flat;
   flat.format = c.spec->format;
   flat.device = c.device();
-  flat.pad_to = shard_padding(cfg.parallel, c.mesh);
+  shard_flat(cfg.parallel, c.mesh, flat);
   std::vector<torch::nn::Module*> modules;
   for (auto& chunk : c.chunks) modules.push_back(chunk.get());
   c.params = std::make_unique<FlatParams>(modules, flat);

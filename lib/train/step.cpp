@@ -132,12 +132,6 @@ void take_figures(const Context& c, PendingStep& p) {
   p.local_loss = f[layout.local_loss()];
 }
 
-// The two copies of a tied weight (the first stage's embedding, the last stage's head)
-// each have their stage's share of its gradient: summed, both make the same update.
-void sum_tied_gradients(Context& c) {
-  for (size_t i : c.tied) c.mesh.embedding()->all_reduce(c.params->view(c.params->grad(), i));
-}
-
 bool grads_finite(const PendingStep& p) {
   return !p.norm_taken || std::isfinite(p.stats.grad_norm);
 }
@@ -171,8 +165,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   //      their mean is this rank's loss (on a pipeline, the last stage's)
   const auto losses = c.runner->train(batch, c.sync->loss_factor() * scale, s, settle);
   auto t0 = Clock::now();
-  c.sync->finish();
-  sum_tied_gradients(c);
+  c.sync->finish();  // also sums a tied weight's copies across stages
   settle();
   s.comm_ms = ms_since(t0);
   const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update

@@ -27,7 +27,6 @@ void check_supported(const JobConfig& c) {
       throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
                                     value));
   };
-  refuse(c.parallel.zero == 2, "parallel.zero", "2 (gradient sharding)");
   refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
 }
 

@@ -55,7 +55,8 @@ nlohmann::json run(const std::string& job, int n, const std::string& run_dir,
 }
 
 // At each (processes, settings): zero 0 and zero 1 agree on every step's loss to 1e-5, and
-// zero 1 keeps about 1/data of the optimizer state on a rank.
+// zero 1 keeps about 1/data of the optimizer state on a rank; zero 2 makes zero 1's
+// losses exactly (the same reductions of the same slices) with 1/data of the gradient.
 void check_zero_matches(const std::string& dir, const std::string& job,
                         const std::vector<std::pair<int, std::string>>& layouts) {
   for (size_t i = 0; i < layouts.size(); ++i) {
@@ -63,8 +64,15 @@ void check_zero_matches(const std::string& dir, const std::string& job,
     const auto base = dir + "/l" + std::to_string(i);
     const auto plain = run(job, n, base + "-zero0", sets);
     const auto zero = run(job, n, base + "-zero1", sets + " --set parallel.zero=1");
+    const auto zero2 = run(job, n, base + "-zero2", sets + " --set parallel.zero=2");
     check_losses_close(train_losses(base + "-zero0"), train_losses(base + "-zero1"), 1e-5,
                        std::to_string(n) + " processes" + sets + " zero 1");
+    CHECK(train_losses(base + "-zero2") == train_losses(base + "-zero1"));
+    INFO("gradient " << zero2["gradient_mb"] << " MiB vs " << zero["gradient_mb"]);
+    CHECK(zero["gradient_mb"].get<double>() ==  // (ZeRO pads the buffers to cut in D x 16)
+          doctest::Approx(plain["gradient_mb"].get<double>()).epsilon(0.05));
+    CHECK(zero2["gradient_mb"].get<double>() * double(zero2["layout"]["data"].get<int64_t>()) ==
+          doctest::Approx(zero["gradient_mb"].get<double>()));
     const int64_t data = zero["layout"]["data"];
     const double ratio = zero["optimizer_state_mb"].get<double>() /
                          plain["optimizer_state_mb"].get<double>();
@@ -83,19 +91,21 @@ void check_zero_matches(const std::string& dir, const std::string& job,
 }  // namespace
 
 TEST_SUITE("zero") {
-  TEST_CASE("ZeRO-1: the MLP (AdamW) and the CNN with SyncBatchNorm at data 2 and 4 match zero 0") {
+  TEST_CASE("ZeRO-1 and 2: the MLP (AdamW) and the CNN with SyncBatchNorm at data 2 and 4 match zero 0") {
     // Each layout's runs in their own folders (l0, l1, ...).
     auto dir = temp_dir("zero-mlp");
     // Slices of 256 values (bucket_mb 0.001): most start inside a shard, some cross two.
+    // Under gradient accumulation ZeRO-2 stages the parameters' own accumulated gradients.
     check_zero_matches(dir, job(dir, "model: {arch: mlp, hidden: [64, 32]}\n", kAdamW),
-                       {{2, ""}, {4, ""}, {2, " --set parallel.bucket_mb=0.001"}});
+                       {{2, ""}, {4, ""}, {2, " --set parallel.bucket_mb=0.001"},
+                        {2, " --set train.grad_accum=2"}});
     auto cnn = temp_dir("zero-cnn");
     check_zero_matches(cnn, job(cnn, "model: {arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}\n"
                                      "parallel: {sync_batchnorm: true}\n", kSgd),
                        {{2, ""}, {4, ""}});
   }
 
-  TEST_CASE("ZeRO-1: a GPT at data 2 and 4, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
+  TEST_CASE("ZeRO-1 and 2: a GPT at data 2 and 4, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
     REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
     auto dir = temp_dir("zero-gpt");
     // The pipeline layout ties the embedding on stage 0 to the head on stage 1: that
@@ -106,15 +116,15 @@ TEST_SUITE("zero") {
                         {4, " --set parallel.pipeline=2 --set parallel.stages=[1,3]"}});
   }
 
-  TEST_CASE("ZeRO-1: checkpoints hold whole optimizer state, and resume at data 4, 2 and 1") {
+  TEST_CASE("ZeRO: checkpoints hold whole optimizer state, and resume at data 4 (ZeRO-2), 2 (ZeRO-1) and 1") {
     auto dir = temp_dir("zero-resume");
     const auto j = job(dir, "model: {arch: mlp, hidden: [64, 32]}\n", kAdamW);
     // One process, 60 steps, the reference trajectory.
     run(j, 1, dir + "/one", " --set train.max_steps=60");
     const auto ref = train_losses(dir + "/one");
-    // The same 60 steps in three legs: data 4 with ZeRO, data 2 with ZeRO, one process.
+    // The same 60 steps in three legs: data 4 with ZeRO-2, data 2 with ZeRO-1, one process.
     const auto legs = dir + "/legs";
-    run(j, 4, legs, " --set train.max_steps=20 --set parallel.zero=1");
+    run(j, 4, legs, " --set train.max_steps=20 --set parallel.zero=2");
     // Written whole: every slot at its parameter's full shape, one file for the data ranks.
     const auto ckpt = dtrain::load_checkpoint(legs + "/checkpoints/step-00000020");
     std::map<std::string, torch::Tensor> model(ckpt.model.begin(), ckpt.model.end());
@@ -129,18 +139,18 @@ TEST_SUITE("zero") {
     run(j, 1, legs, " --set train.max_steps=60 --resume auto");
     const auto got = train_losses(legs);
     REQUIRE(got.size() == 60);
-    check_losses_close(ref, got, 1e-5, "data 4 -> data 2 -> 1 process under ZeRO-1");
+    check_losses_close(ref, got, 1e-5, "data 4 (ZeRO-2) -> data 2 (ZeRO-1) -> 1 process");
   }
 
-  TEST_CASE("ZeRO: stages the build cannot run are refused, naming the key") {
+  TEST_CASE("ZeRO: a stage out of range, or ZeRO with compression, is refused naming the key") {
     auto dir = temp_dir("zero-refuse");
-    auto r = e2e::dtrain("validate " + job(dir, "model: {arch: mlp, hidden: [8]}\n", kSgd) +
-                         " --nproc 2 --set parallel.zero=2");
+    const auto j = job(dir, "model: {arch: mlp, hidden: [8]}\n", kSgd);
+    auto r = e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=3");
     CHECK(r.code == 2);
     CHECK(r.err.find("parallel.zero") != std::string::npos);
-    r = e2e::dtrain("validate " + job(dir, "model: {arch: mlp, hidden: [8]}\n", kSgd) +
-                    " --nproc 2 --set parallel.zero=3");
+    r = e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=2 --set parallel.compression=topk");
     CHECK(r.code == 2);
-    CHECK(r.err.find("parallel.zero") != std::string::npos);
+    CHECK(r.err.find("parallel.compression: topk with parallel.zero 2") != std::string::npos);
+    CHECK(e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=2").code == 0);
   }
 }

@@ -290,7 +290,6 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"tensor parallel for the cnn", "parallel:\n  tensor: 2\n",
        {"parallel.tensor", "cnn"}, 2},
       {"unsupported: pipeline", "parallel:\n  pipeline: 2\n", {"parallel.pipeline"}},
-      {"unsupported: zero 2", "parallel:\n  zero: 2\n", {"parallel.zero"}},
       {"zero out of range", "parallel:\n  zero: 3\n", {"parallel.zero", "0, 1 or 2"}},
       {"compression with zero", "parallel:\n  compression: sign\n  zero: 1\n",
        {"parallel.compression", "parallel.zero"}},
