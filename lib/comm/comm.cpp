@@ -72,7 +72,9 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
   std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override {
     return std::make_unique<DonePending>();
   }
-  void broadcast(torch::Tensor, int64_t) override {}
+  std::unique_ptr<Pending> broadcast_async(torch::Tensor, int64_t) override {
+    return std::make_unique<DonePending>();
+  }
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override { return {t.clone()}; }
   std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) override {
     out.view(-1).copy_(in.reshape(-1));
@@ -156,14 +158,14 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     o.rootRank = root;
     return guard("reduce", [&] { return pending("reduce", pg_->reduce(ts, o), ts, 1.0, st.back); });
   }
-  void broadcast(torch::Tensor t, int64_t root) override {
+  std::unique_ptr<Pending> broadcast_async(torch::Tensor t, int64_t root) override {
     const Staged st = staged(t);
     std::vector<torch::Tensor> ts{st.dev};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    guard("broadcast", [&] {
+    return guard("broadcast", [&] {
       return pending("broadcast", pg_->broadcast(ts, o), ts, 1.0, st.back);
-    })->wait();
+    });
   }
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override {
     const Staged st = staged(t);

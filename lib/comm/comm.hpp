@@ -84,7 +84,9 @@ class Comm {
   // The sum over the group into `t` on `root`, in place; on the other ranks `t` is left
   // undefined (the backend may use it as scratch). `t` must be contiguous.
   virtual std::unique_ptr<Pending> reduce_async(torch::Tensor t, int64_t root) = 0;
-  virtual void broadcast(torch::Tensor t, int64_t root) = 0;
+  // `root`'s `t` into every rank's `t`, in place.
+  virtual std::unique_ptr<Pending> broadcast_async(torch::Tensor t, int64_t root) = 0;
+  void broadcast(torch::Tensor t, int64_t root) { broadcast_async(std::move(t), root)->wait(); }
   // Each rank's `t`, in rank order.
   virtual std::vector<torch::Tensor> all_gather(const torch::Tensor& t) = 0;
   // Every rank's `in` side by side in one flat tensor: `out` holds size() * in.numel()

@@ -174,6 +174,7 @@ class Gpt : public Network {
   torch::Tensor forward(const torch::Tensor& in) override {
     torch::Tensor x = in;
     if (embeddings_) {
+      using_module(*wte), using_module(*wpe);
       auto pos = torch::arange(in.size(1), torch::dtype(torch::kInt64).device(in.device()));
       x = wte->forward(in) + wpe->forward(pos);
       if (is_training() && dropout_ > 0) x = seeded_dropout(x, dropout_, dropout_site("drop"));
@@ -181,9 +182,13 @@ class Gpt : public Network {
     // Recompute: a block keeps only its input (which must be part of the graph) and runs
     // again in backward.
     const bool again = recompute_ && is_training() && torch::GradMode::is_enabled();
-    for (auto& block : blocks_)
+    for (auto& block : blocks_) {
+      using_module(*block);
       x = again && x.requires_grad() ? recompute(*block, x) : block->forward(x);
-    return head_ ? wte->logits(ln_f->forward(x)) : x;  // the head is the embedding, tied
+    }
+    if (!head_) return x;
+    using_module(*ln_f), using_module(*wte);
+    return wte->logits(ln_f->forward(x));  // the head is the embedding, tied
   }
 
   std::vector<int64_t> part_params() const override {

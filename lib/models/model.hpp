@@ -38,6 +38,18 @@ class Network : public torch::nn::Module {
   virtual std::vector<std::string> tied_parameters() const { return {}; }
   // train.recompute: blocks. Only models whose spec says `blocks` have any.
   virtual void recompute_blocks(bool) {}
+  // Called by forward() with each module it is about to run, before it reads the module's
+  // parameters (ZeRO waits there for the parameters' all-gather, still in flight).
+  using BeforeUse = std::function<void(const torch::nn::Module&)>;
+  void before_use(BeforeUse hook) { before_use_ = std::move(hook); }
+
+ protected:
+  void using_module(const torch::nn::Module& m) const {
+    if (before_use_) before_use_(m);
+  }
+
+ private:
+  BeforeUse before_use_;
 };
 using NetworkPtr = std::shared_ptr<Network>;
 

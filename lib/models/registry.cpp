@@ -41,7 +41,10 @@ std::vector<std::string> model_names() {
 
 torch::Tensor LayerStack::forward(const torch::Tensor& x) {
   auto y = x;
-  for (auto& layer : layers_) y = layer.forward(y);
+  for (auto& layer : layers_) {
+    using_module(*layer.ptr());
+    y = layer.forward(y);
+  }
   return y;
 }
 

@@ -176,8 +176,13 @@ class BucketedSync : public GradSync {
 };
 
 // ZeRO-1: the optimizer updates this rank's shard from its shard's reduced gradient (and
-// keeps state for the shard only); the updated shards are then all-gathered, so every rank
-// runs the next forward on the whole of the new parameters.
+// keeps state for the shard only); the updated shards then go to every rank, so that each
+// runs the next forward on the whole of the new parameters. They go in pieces of about a
+// bucket, each broadcast from the rank whose shard holds it, in the order of the flat
+// buffer (the order the forward uses the layers), asynchronously: the forward waits for a
+// layer's pieces only when it reaches that layer (before_use), so the later pieces travel
+// while the earlier layers compute (DeepSpeed's and FSDP's prefetch, by layer). The bytes
+// are the all-gather's.
 class ZeroSync : public BucketedSync {
  public:
   ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
@@ -185,15 +190,35 @@ class ZeroSync : public BucketedSync {
       : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, ranges_of(params, tied)),
                      data->size(), bucket_mb, micro_batches, tied),
         data_(std::move(data)),
-        shard_(shard) {}
+        shard_(shard) {
+    const int64_t cap = std::max<int64_t>(
+        1, int64_t(bucket_mb * 1024 * 1024 / double(params.data().element_size())));
+    for (int64_t r = 0; r < data_->size(); ++r)
+      for (int64_t at = r * shard.numel; at < (r + 1) * shard.numel; at += cap)
+        pieces_.push_back({at, std::min(cap, (r + 1) * shard.numel - at), r});
+  }
   Shard shard() const override { return shard_; }
+  void finish() override {
+    settle();  // the next update writes the shard being sent (a parameter no forward used)
+    BucketedSync::finish();
+  }
   void after_update(const torch::Tensor& skip) override {
     BucketedSync::after_update(skip);
-    // The backend copies this rank's part into the output too: from a copy, not an alias.
-    const auto mine = params_.data().narrow(0, shard_.offset, shard_.numel).clone();
-    data_->all_gather_into(params_.data(), mine);
+    settle();
+    for (const auto& p : pieces_)
+      gathers_.push_back(data_->broadcast_async(params_.data().narrow(0, p.offset, p.numel), p.owner));
     const int64_t d = data_->size();
-    sent_ += mine.numel() * mine.element_size() * (d - 1);
+    sent_ += shard_.numel * params_.data().element_size() * (d - 1);
+  }
+  void before_use(const torch::nn::Module& module) override {
+    if (gathered_ == gathers_.size()) return;
+    const int64_t end = end_of(module);
+    while (gathered_ < gathers_.size() && pieces_[gathered_].offset < end) gathers_[gathered_++]->wait();
+  }
+  void settle() override {
+    while (gathered_ < gathers_.size()) gathers_[gathered_++]->wait();
+    gathers_.clear();
+    gathered_ = 0;
   }
 
  protected:
@@ -209,6 +234,29 @@ class ZeroSync : public BucketedSync {
   }
   std::shared_ptr<Comm> data_;
   Shard shard_;
+
+ private:
+  struct Piece {
+    int64_t offset, numel, owner;
+  };
+  // Where the last of a module's parameters ends in the flat buffer (found from their
+  // addresses, once per module).
+  int64_t end_of(const torch::nn::Module& module) {
+    auto [it, fresh] = ends_.try_emplace(&module, 0);
+    if (fresh) {
+      const auto& base = params_.data();
+      const auto* first = static_cast<const char*>(base.data_ptr());
+      for (const auto& p : module.parameters()) {
+        const auto at = (static_cast<const char*>(p.data_ptr()) - first) / p.element_size();
+        if (at >= 0 && at < base.numel()) it->second = std::max(it->second, at + p.numel());
+      }
+    }
+    return it->second;
+  }
+  std::vector<Piece> pieces_;                     // in offset order
+  std::vector<std::unique_ptr<Pending>> gathers_;  // the pieces' broadcasts
+  size_t gathered_ = 0;                            // gathers_'s first ones, waited for
+  std::map<const torch::nn::Module*, int64_t> ends_;
 };
 
 // ZeRO-2: ZeRO-1, and the reduced gradient is kept for this rank's shard only (FlatParams

@@ -9,7 +9,9 @@
 //                  goes on the wire for it: AllReduce (every rank gets the sum) or
 //                  ReduceToOwners (ZeRO: each shard's sum to the rank that owns it)
 //   ZeroSync       BucketedSync with ReduceToOwners; each rank updates its shard, and the
-//                  parameters are all-gathered after the update (parallel.zero: 1)
+//                  parameters are all-gathered after the update, overlapping the next
+//                  forward (parallel.zero: 1)
+//   Zero2Sync      ZeroSync keeping only the shard of the gradient (parallel.zero: 2)
 // (grad_sync.cpp)
 #pragma once
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include <torch/nn/module.h>
 #include <torch/types.h>
 
 #include "parallel/flat_params.hpp"
@@ -42,6 +45,12 @@ class GradSync {
   virtual void begin_micro_batch(bool /*last*/) {}
   // After the last backward: the gradient is final when it returns.
   virtual void finish() {}
+  // The forward is about to run `module` (Network::before_use): its parameters must be
+  // current. ZeRO's all-gather of the updated parameters, launched after the update, is
+  // waited for here as far as they need, so it overlaps the forward of the layers before.
+  virtual void before_use(const torch::nn::Module& /*module*/) {}
+  // Every parameter current (before something reads them all: a checkpoint).
+  virtual void settle() {}
   // After the optimizer's update, before the next forward (where a strategy that shards
   // the update gathers the parameters back).
   // `skip`, when defined, is the step's one-element skip flag on the device (1: the update

@@ -154,6 +154,8 @@ void setup(Context& c) {
   // The gradient sync (its hooks on the parameters): before a resume, which restores its
   // state.
   c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum, c.tied);
+  for (auto& chunk : c.chunks)
+    chunk->before_use([sync = c.sync.get()](const torch::nn::Module& m) { sync->before_use(m); });
   if (cfg.precision.dtype == "fp16")
     c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
   c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,

@@ -228,9 +228,11 @@ void restore_sync_state(Context& c, const CheckpointReader& saved) {
   const int64_t saved_pipeline = layout.value("pipeline", int64_t(1));
   const int64_t saved_tensor = layout.value("tensor", int64_t(1));
   const std::string kind = fmt::format("sync.dp{}", rank);
-  const std::string what = factors.empty() ? "the residuals start" : "the residuals and PowerSGD's Q matrices start";
+  const std::string what = factors.empty()
+                               ? "the residuals start from zero"
+                               : "the residuals start from zero and PowerSGD's Q matrices afresh";
   if (saved_data != dims.data || saved_pipeline != dims.pipeline || !saved.has(kind)) {
-    c.say(fmt::format("warning: parallel.compression: {} from zero ({})", what,
+    c.say(fmt::format("warning: parallel.compression: {} ({})", what,
                       !saved.has("sync.dp0")
                           ? "the checkpoint holds none"
                           : fmt::format("the checkpoint was written at data size {} x pipeline "
@@ -372,6 +374,7 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   // writes its own strategy state (compression's residuals, "sync.dpD"). Rank 0 commits
   // once every part is written. No rank moves on (or exits) before the checkpoint is
   // complete, and if a part could not be written every rank stops with the writer's reason.
+  c.sync->settle();  // ZeRO's parameters, still on their way to every rank
   const int64_t step = c.state.step;
   const std::string what = fmt::format("write the checkpoint of step {}", step);
   root_does(c, what, [&] {

@@ -68,6 +68,16 @@ void check_zero_matches(const std::string& dir, const std::string& job,
     check_losses_close(train_losses(base + "-zero0"), train_losses(base + "-zero1"), 1e-5,
                        std::to_string(n) + " processes" + sets + " zero 1");
     CHECK(train_losses(base + "-zero2") == train_losses(base + "-zero1"));
+    // An evaluation right after an update reads the parameters whose all-gather the
+    // forward waits for layer by layer: the same as zero 0's.
+    const auto evals0 = of_kind(metrics(base + "-zero0"), "eval");
+    for (const auto* z : {"-zero1", "-zero2"}) {
+      const auto evals = of_kind(metrics(base + z), "eval");
+      REQUIRE(evals.size() == evals0.size());
+      for (size_t k = 0; k < evals.size(); ++k)
+        CHECK(evals[k]["loss"].get<double>() ==
+              doctest::Approx(evals0[k]["loss"].get<double>()).epsilon(1e-5));
+    }
     INFO("gradient " << zero2["gradient_mb"] << " MiB vs " << zero["gradient_mb"]);
     CHECK(zero["gradient_mb"].get<double>() ==  // (ZeRO pads the buffers to cut in D x 16)
           doctest::Approx(plain["gradient_mb"].get<double>()).epsilon(0.05));
