@@ -105,7 +105,7 @@ if [ "$WHAT" = accuracy ] || [ "$WHAT" = all ]; then
     case $how in zero*) continue ;; esac
     warm=0
     [ $how = sign ] && warm=$SIGN_WARMUP
-    read -r _ _ acc < <(run "$ROOT/configs/fashion_mnist_cnn.yaml" "acc-$how" \
+    read -r _ _ acc _ < <(run "$ROOT/configs/fashion_mnist_cnn.yaml" "acc-$how" \
       --set train.epochs="$EPOCHS" --set train.log_every=200 $(sets_of $how) \
       --set parallel.compression_warmup=$warm)
     [ -z "$base" ] && base=$acc
