@@ -134,6 +134,31 @@ TEST_SUITE("cuda") {
     check_losses_close(train_losses(dir + "/n1"), train_losses(dir + "/n2"), 1e-4, "nproc 2");
   }
 
+  TEST_CASE("cuda: ZeRO-1 and 2 follow zero 0, and each compression trains, on two processes on one GPU (Gloo)") {
+    require_gpu();
+    auto dir = temp_dir("cuda-zero");
+    auto job = mlp_job(dir, 0.0);
+    const std::string steps = " --set train.max_steps=36 --set dist.backend=gloo" + std::string(kQuiet);
+    auto run2 = [&](const std::string& name, const std::string& sets) {
+      auto r = dtrain("run " + job + " --nproc 2 --run-dir " + dir + "/" + name + steps + sets);
+      INFO(name << ": " << r.err);
+      REQUIRE(r.code == 0);
+      return train_losses(dir + "/" + name);
+    };
+    const auto plain = run2("zero0", "");
+    check_losses_close(plain, run2("zero1", " --set parallel.zero=1"), 1e-5, "zero 1");
+    check_losses_close(plain, run2("zero2", " --set parallel.zero=2"), 1e-5, "zero 2");
+    for (const std::string how : {"fp16", "bf16", "sign", "topk", "powersgd"}) {
+      const auto losses = run2(how, " --set parallel.compression=" + how);
+      const auto train = of_kind(metrics(dir + "/" + how), "train");
+      INFO(how);
+      CHECK(losses.size() == 36);
+      CHECK(mean_loss(train, train.size() - 6, 6) < mean_loss(train, 0, 6));
+      CHECK(train.back()["comm_bytes"].get<double>() <
+            of_kind(metrics(dir + "/zero0"), "train").back()["comm_bytes"].get<double>());
+    }
+  }
+
   TEST_CASE("cuda: bf16 and fp16 train a GPT; fp16 logs and checkpoints its loss scale") {
     require_gpu();
     auto dir = temp_dir("cuda-amp");
