@@ -16,7 +16,8 @@ packages=(build-essential cmake pkg-config
           libopenblas0-openmp)   # LibTorch calls libblas.so.3: the reference BLAS is ~19x slower
 for arg in "$@"; do
   case "$arg" in
-    --test) packages+=(slurm-wlm munge openmpi-bin python3-torch) ;;   # launchers: SLURM, mpirun, torchrun
+    --test) packages+=(slurm-wlm munge openmpi-bin python3-torch   # launchers: SLURM, mpirun, torchrun
+                       python3-matplotlib) ;;                         # scripts/plot.py
     --bench) packages+=(python3 python3-torch python3-numpy) ;;
     *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
   esac
