@@ -9,11 +9,14 @@
 
 namespace dtrain {
 
+int64_t bucket_numel(const FlatParams& params, double bucket_mb) {
+  return std::max<int64_t>(1, int64_t(bucket_mb * 1024 * 1024 / double(params.data().element_size())));
+}
+
 GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready, Arrived arrived)
     : ready_(std::move(ready)), arrived_(std::move(arrived)) {
   const auto& entries = params.entries();
-  const int64_t cap = std::max<int64_t>(
-      1, int64_t(bucket_mb * 1024 * 1024 / double(params.data().element_size())));
+  const int64_t cap = bucket_numel(params, bucket_mb);
   // Fixed-size slices from the end: a large parameter spans several buckets, so its
   // gradient goes out as several reductions that the backend's threads run side by side.
   const int64_t total = params.data().numel();

@@ -18,6 +18,9 @@ namespace dtrain {
 
 class FlatParams;
 
+// How many values a bucket of `bucket_mb` MiB holds (at least one).
+int64_t bucket_numel(const FlatParams& params, double bucket_mb);
+
 class GradBuckets {
  public:
   // `ready(offset, numel)`: a final slice of the flat gradient, in launch order.

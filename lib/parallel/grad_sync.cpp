@@ -191,8 +191,7 @@ class ZeroSync : public BucketedSync {
                      data->size(), bucket_mb, micro_batches, tied),
         data_(std::move(data)),
         shard_(shard) {
-    const int64_t cap = std::max<int64_t>(
-        1, int64_t(bucket_mb * 1024 * 1024 / double(params.data().element_size())));
+    const int64_t cap = bucket_numel(params, bucket_mb);
     for (int64_t r = 0; r < data_->size(); ++r)
       for (int64_t at = r * shard.numel; at < (r + 1) * shard.numel; at += cap)
         pieces_.push_back({at, std::min(cap, (r + 1) * shard.numel - at), r});
@@ -274,18 +273,17 @@ class Zero2Sync : public ZeroSync {
   static constexpr size_t kInFlight = 4;
   Zero2Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
             double bucket_mb, int64_t micro_batches)
-      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches) {
+      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches),
+        slices_(buckets().slices()) {
     max_inflight_ = kInFlight;
-    const auto slices = buckets().slices();
-    staged_.resize(slices.size());
-    pieces_.resize(params.entries().size());
-    for (size_t b = 0; b < slices.size(); ++b) {
-      const auto [offset, numel] = slices[b];
+    staged_.resize(slices_.size());
+    buckets_of_.resize(params.entries().size());
+    for (size_t b = 0; b < slices_.size(); ++b) {
+      const auto [offset, numel] = slices_[b];
       slice_at_[offset] = b;
       for (size_t k = 0; k < params.entries().size(); ++k) {
         const auto& e = params.entries()[k];
-        const int64_t lo = std::max(e.offset, offset), hi = std::min(e.offset + e.numel, offset + numel);
-        if (lo < hi) pieces_[k].push_back({b, lo - e.offset, lo - offset, hi - lo});
+        if (e.offset < offset + numel && offset < e.offset + e.numel) buckets_of_[k].push_back(b);
       }
     }
     for (size_t i : tied_.entries)
@@ -298,34 +296,24 @@ class Zero2Sync : public ZeroSync {
     if (!p.grad().defined()) return;
     torch::NoGradGuard no_grad;
     const auto g = params_.flatten(p.grad(), k);
-    for (const auto& piece : pieces_[k])
-      staging(piece.slice).narrow(0, piece.at, piece.numel).copy_(g.narrow(0, piece.from, piece.numel));
+    for (size_t b : buckets_of_[k]) copy_overlap(staging(b), slices_[b].first, g, params_.entries()[k].offset);
     p.mutable_grad() = torch::Tensor();  // freed
   }
-  std::unique_ptr<Pending> launch(int64_t offset, int64_t numel) override {
+  std::unique_ptr<Pending> launch(int64_t offset, int64_t /*numel*/) override {
     const size_t b = slice_at_.at(offset);
     auto slice = staging(b);
     staged_[b] = torch::Tensor();  // the exchange holds it from here
-    return std::make_unique<PendingThen>(reduce(slice, offset), [this, slice, offset, numel] {
+    return std::make_unique<PendingThen>(reduce(slice, offset), [this, slice, offset] {
       torch::NoGradGuard no_grad;
       // This rank's part of it into its shard; a tied entry's part into its whole.
-      const int64_t lo = std::max(offset, shard_.offset);
-      const int64_t hi = std::min(offset + numel, shard_.offset + shard_.numel);
-      if (lo < hi) params_.grad_of({lo, hi - lo}).copy_(slice.narrow(0, lo - offset, hi - lo));
-      for (auto& [i, whole] : whole_) {
-        const auto& e = params_.entries()[i];
-        const int64_t from = std::max(offset, e.offset), to = std::min(offset + numel, e.offset + e.numel);
-        if (from < to) whole.narrow(0, from - e.offset, to - from).copy_(slice.narrow(0, from - offset, to - from));
-      }
+      copy_overlap(params_.grad(), params_.grad_held().offset, slice, offset);
+      for (auto& [i, whole] : whole_) copy_overlap(whole, params_.entries()[i].offset, slice, offset);
     });
   }
   void sum_tied() override {
     for (auto& [i, whole] : whole_) {
       tied_.group->all_reduce(whole);
-      const auto& e = params_.entries()[i];
-      const int64_t lo = std::max(e.offset, shard_.offset);
-      const int64_t hi = std::min(e.offset + e.numel, shard_.offset + shard_.numel);
-      if (lo < hi) params_.grad_of({lo, hi - lo}).copy_(whole.narrow(0, lo - e.offset, hi - lo));
+      copy_overlap(params_.grad(), params_.grad_held().offset, whole, params_.entries()[i].offset);
     }
   }
 
@@ -338,22 +326,23 @@ class Zero2Sync : public ZeroSync {
   }
 
  private:
-  struct Piece {
-    size_t slice;
-    int64_t from, at, numel;  // from the entry's `from` to the slice's `at`
-  };
+  // `dst` and `src` lie at `dst_at` and `src_at` of the flat layout: what they share is
+  // copied from `src` into `dst`.
+  static void copy_overlap(const torch::Tensor& dst, int64_t dst_at, const torch::Tensor& src,
+                           int64_t src_at) {
+    const int64_t lo = std::max(dst_at, src_at);
+    const int64_t hi = std::min(dst_at + dst.numel(), src_at + src.numel());
+    if (lo < hi) dst.narrow(0, lo - dst_at, hi - lo).copy_(src.narrow(0, lo - src_at, hi - lo));
+  }
   torch::Tensor& staging(size_t b) {
-    if (!staged_[b].defined()) {
-      const auto [offset, numel] = buckets().slices()[b];
-      (void)offset;
-      staged_[b] = torch::zeros({numel}, params_.data().options());
-    }
+    if (!staged_[b].defined()) staged_[b] = torch::zeros({slices_[b].second}, params_.data().options());
     return staged_[b];
   }
-  std::vector<torch::Tensor> staged_;        // per bucket, while it fills
-  std::vector<std::vector<Piece>> pieces_;   // per entry: where its gradient goes
-  std::map<int64_t, size_t> slice_at_;       // bucket by offset
-  std::vector<std::pair<size_t, torch::Tensor>> whole_;  // tied entries' gradients
+  const std::vector<std::pair<int64_t, int64_t>> slices_;  // the buckets, (offset, numel)
+  std::vector<torch::Tensor> staged_;                      // per bucket, while it fills
+  std::vector<std::vector<size_t>> buckets_of_;            // per entry: the buckets it overlaps
+  std::map<int64_t, size_t> slice_at_;                     // bucket by offset
+  std::vector<std::pair<size_t, torch::Tensor>> whole_;    // tied entries' gradients
 };
 
 // Shards start at a multiple of this many elements (64 bytes in fp32): aligned for the
