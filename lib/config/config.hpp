@@ -152,6 +152,8 @@ struct TrainConfig {
   std::string recompute = "none";
   std::string device = "auto";
   bool memory_check = true;
+  int64_t debug_slow_rank = -1;
+  int64_t debug_slow_ms = 0;
 
   template <class V> void visit(V&& v) {
     v("epochs", epochs, "passes over the training set, when max_steps is 0");
@@ -175,6 +177,10 @@ struct TrainConfig {
     v("memory_check", memory_check,
       "refuse a job whose estimated memory (parameters, gradients, optimizer state, "
       "activations) exceeds what this machine has available for its processes (CPU)");
+    v("debug_slow_rank", debug_slow_rank,
+      "testing: the world rank that sleeps debug_slow_ms before each step (a slow worker, "
+      "for benchmarks); -1 = none");
+    v("debug_slow_ms", debug_slow_ms, "testing: debug_slow_rank's sleep per step, ms");
   }
 };
 
@@ -197,6 +203,8 @@ struct ParallelConfig {
   std::string mode = "sync";
   int64_t staleness = 4;
   int64_t average_every = 8;
+  int64_t local_after = 0;
+  bool average_optimizer = false;
 
   template <class V> void visit(V&& v) {
     v("data", data, "data-parallel replicas; 0 = the world over tensor x pipeline");
@@ -219,9 +227,16 @@ struct ParallelConfig {
     v("compression_warmup", compression_warmup,
       "steps all-reduced uncompressed before compression starts");
     v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
-      "training mode (not supported yet: sync)");
+      "training mode: sync (every step's gradient averaged), local_sgd (each data replica "
+      "steps alone, the replicas averaged every average_every steps); async_ps is not "
+      "supported yet");
     v("staleness", staleness, "async_ps: bound on a worker's lag");
-    v("average_every", average_every, "local_sgd: steps between averages");
+    v("average_every", average_every, "local_sgd: steps between averages of the replicas");
+    v("local_after", local_after,
+      "local_sgd: synchronous steps before the local ones start (post-local SGD)");
+    v("average_optimizer", average_optimizer,
+      "local_sgd: average the optimizer state (momentum, Adam's moments) with the parameters; "
+      "else each replica keeps its own");
   }
 };
 

@@ -505,6 +505,8 @@ void check_ranges(const JobConfig& c) {
   need(t.log_every >= 1, "train.log_every", ">= 1", t.log_every);
   need(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", t.threads);
   need(t.max_skipped >= 1, "train.max_skipped", ">= 1", t.max_skipped);
+  need(t.debug_slow_rank >= -1, "train.debug_slow_rank", ">= -1 (-1 = none)", t.debug_slow_rank);
+  need(t.debug_slow_ms >= 0, "train.debug_slow_ms", ">= 0", t.debug_slow_ms);
 
   const auto& p = c.parallel;
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
@@ -523,6 +525,7 @@ void check_ranges(const JobConfig& c) {
   need(p.compression_warmup >= 0, "parallel.compression_warmup", ">= 0", p.compression_warmup);
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
+  need(p.local_after >= 0, "parallel.local_after", ">= 0", p.local_after);
 
   const auto& pr = c.precision;
   if (pr.loss_scale != "dynamic") {

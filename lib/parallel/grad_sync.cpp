@@ -349,6 +349,33 @@ class Zero2Sync : public ZeroSync {
 // vectorised update.
 constexpr int64_t kShardAlign = 16;
 
+// Local SGD's gradient: `sync` (the data group's) for the synchronous steps, then `local`
+// (this replica's own: NoSync, whose factor takes the mean over the replica's share of the
+// batch). While local, `sync`'s hooks are disarmed, so its buckets launch nothing.
+class LocalSync : public GradSync {
+ public:
+  LocalSync(const ParallelConfig& cfg, std::unique_ptr<GradSync> sync,
+            std::unique_ptr<GradSync> local)
+      : cfg_(cfg), sync_(std::move(sync)), local_(std::move(local)), active_(sync_.get()) {}
+  double loss_factor() const override { return active_->loss_factor(); }
+  void begin_step(int64_t step) override {
+    active_ = steps_locally(cfg_, step) ? local_.get() : sync_.get();
+    active_->begin_step(step);
+  }
+  void begin_micro_batch(bool last) override {
+    if (active_ == local_.get()) sync_->begin_micro_batch(false);
+    active_->begin_micro_batch(last);
+  }
+  void finish() override { active_->finish(); }
+  void after_update(const torch::Tensor& skip) override { active_->after_update(skip); }
+  int64_t bytes_per_step() const override { return active_->bytes_per_step(); }
+
+ private:
+  const ParallelConfig& cfg_;
+  std::unique_ptr<GradSync> sync_, local_;
+  GradSync* active_;
+};
+
 }  // namespace
 
 void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts) {
@@ -369,6 +396,12 @@ std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& 
   Tied tied{mesh.embedding(), tied_entries};
   if (mesh.dims().data == 1) return std::make_unique<NoSync>(params, micro_batches, tied);
   const Shard shard = update_shard(cfg, mesh, params);
+  if (cfg.mode == "local_sgd")
+    return std::make_unique<LocalSync>(
+        cfg,
+        std::make_unique<BucketedSync>(params, std::make_unique<AllReduce>(mesh.data()),
+                                       mesh.dims().data, cfg.bucket_mb, micro_batches, tied),
+        std::make_unique<NoSync>(params, micro_batches, tied));
   if (cfg.zero == 2)
     return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
   if (cfg.zero == 1)

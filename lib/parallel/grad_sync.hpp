@@ -12,6 +12,9 @@
 //                  parameters are all-gathered after the update, overlapping the next
 //                  forward (parallel.zero: 1)
 //   Zero2Sync      ZeroSync keeping only the shard of the gradient (parallel.zero: 2)
+//   LocalSync      local SGD: a BucketedSync for the synchronous steps (local_after), then
+//                  each replica's own gradient, the data group left alone (train/mode.hpp
+//                  averages the replicas instead)
 // (grad_sync.cpp)
 #pragma once
 #include <cstdint>
@@ -22,13 +25,13 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include "config/config.hpp"
 #include "parallel/flat_params.hpp"
 
 namespace dtrain {
 
 class Mesh;
 class Pending;
-struct ParallelConfig;
 
 // Tensors that belong to parameters, by their index in FlatParams::entries().
 using PerEntry = std::vector<std::pair<size_t, torch::Tensor>>;
@@ -108,6 +111,12 @@ Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams
 // The flat buffers' options ZeRO sets: padded so that they cut into equal shards, and
 // under ZeRO-2 the gradient held for this rank's shard only.
 void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts);
+
+// Whether step n (from 1) steps each data replica on its own gradient: local SGD, past its
+// synchronous start.
+inline bool steps_locally(const ParallelConfig& cfg, int64_t n) {
+  return cfg.mode == "local_sgd" && n > cfg.local_after;
+}
 
 // The strategy for this job: NoSync with one data-parallel rank, ZeroSync (Zero2Sync)
 // under ZeRO, else bucketed all-reduce. `tied`: the entries of a weight tied across

@@ -16,7 +16,7 @@ std::string group_name(Axis axis, const Coord& c) {
 }
 }  // namespace
 
-Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world)
+Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world, bool replica_group)
     : dims_(dims), coord_(dims.coord_of(world->rank())), world_(std::move(world)) {
   if (dims_.world() != world_->size())
     throw std::logic_error(fmt::format("mesh {} over a world of {}", dims_.str(), world_->size()));
@@ -33,6 +33,12 @@ Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world)
     first_end.pipeline = 0, last_end.pipeline = last;
     embedding_ = world_->new_group(fmt::format("embedding-d{}-t{}", coord_.data, coord_.tensor),
                                    {dims_.rank_of(first_end), dims_.rank_of(last_end)});
+  }
+  if (replica_group) {
+    std::vector<int64_t> members;
+    for (int64_t r = 0; r < dims_.world(); ++r)
+      if (dims_.coord_of(r).data == coord_.data) members.push_back(r);
+    replica_ = world_->new_group(fmt::format("replica-d{}", coord_.data), members);
   }
 }
 

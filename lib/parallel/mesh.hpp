@@ -8,6 +8,9 @@
 //             copies of a weight both ends use (GPT's token embedding and head)
 //   world     agreement on stopping and the step's loss: always, whatever the layout, so no
 //             rank checkpoints or exits while a peer waits in a collective
+//   replica   the ranks of one data coordinate (every tensor and pipeline rank of one model
+//             copy): local SGD agrees on a step's figures there between averages; made only
+//             when asked for
 #pragma once
 #include <memory>
 
@@ -20,7 +23,7 @@ class Mesh {
  public:
   // Collective over the world: every rank creates the groups it belongs to. An axis of size
   // 1 gets a local Comm; an axis that spans the world reuses the world's group.
-  Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world);
+  Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world, bool replica_group = false);
 
   const ParallelDims& dims() const { return dims_; }
   const Coord& coord() const { return coord_; }
@@ -34,11 +37,13 @@ class Mesh {
   const std::shared_ptr<Comm>& pipeline() const { return pipeline_; }
   // Null unless this rank is the first or the last of a pipeline of two or more stages.
   const std::shared_ptr<Comm>& embedding() const { return embedding_; }
+  // Null unless the mesh was made with its replica group.
+  const std::shared_ptr<Comm>& replica() const { return replica_; }
 
  private:
   ParallelDims dims_;
   Coord coord_;
-  std::shared_ptr<Comm> world_, data_, tensor_, pipeline_, embedding_;
+  std::shared_ptr<Comm> world_, data_, tensor_, pipeline_, embedding_, replica_;
 };
 
 }  // namespace dtrain

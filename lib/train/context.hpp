@@ -18,6 +18,7 @@
 #include "parallel/grad_sync.hpp"
 #include "parallel/mesh.hpp"
 #include "precision/loss_scaler.hpp"
+#include "train/mode.hpp"
 #include "train/runner.hpp"
 #include "train/trainer.hpp"
 #include "util/files.hpp"
@@ -40,12 +41,17 @@ struct RunState {
   int64_t last_saved = -1;
   int64_t skipped_in_a_row = 0;        // train.on_nonfinite: skip
   int64_t skipped = 0;
+  // Local SGD: the step at which this replica diverged since the ranks last met (0: none).
+  // The run ends where they next meet, all together; never saved (nothing is saved then).
+  int64_t diverged_at = 0;
+  int64_t bytes_sent = 0;  // by this process since it started (not saved)
 };
 
 struct Context {
   Context(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
           const WorldInfo& world, std::shared_ptr<Comm> comm)
-      : cfg(cfg), opts(opts), world(world), mesh(dims, std::move(comm)) {}
+      : cfg(cfg), opts(opts), world(world),
+        mesh(dims, std::move(comm), /*replica_group=*/cfg.parallel.mode == "local_sgd") {}
 
   JobConfig cfg;
   RunOptions opts;
@@ -72,6 +78,7 @@ struct Context {
   std::unique_ptr<FlatParams> params;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<GradSync> sync;
+  std::unique_ptr<TrainingMode> mode;
   std::unique_ptr<LossScaler> scaler;  // fp16 only
   std::optional<ShardedSampler> sampler;
   int64_t total_steps = 0;

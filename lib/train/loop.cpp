@@ -31,23 +31,33 @@ void write_summary(const Context& c, const nlohmann::json& summary) {
 // A step with a non-finite loss or gradient. train.on_nonfinite: stop ends the run;
 // skip goes on (the step made no update) unless train.max_skipped steps in a row were
 // skipped. Either way nothing non-finite is checkpointed: the last good checkpoint stays
-// the newest.
+// the newest. Between local SGD's meetings the step is this replica's alone: what would end
+// the run is remembered (state.diverged_at) and ends it where the ranks next meet, all
+// together.
 void handle_nonfinite(Context& c, const StepStats& s, int64_t step,
                       const std::vector<double>& step_ms, double data_wait_ms) {
   auto& st = c.state;
-  const bool skip = c.cfg.train.on_nonfinite == "skip";
+  const bool skip = c.cfg.train.on_nonfinite == "skip" && !s.replica_diverged;
   if (skip) {
     ++st.skipped, ++st.skipped_in_a_row;
     c.say(fmt::format("warning: step {} skipped: non-finite loss or gradient (rank {}); {} in a "
                       "row", step, s.nonfinite_rank, st.skipped_in_a_row));
     if (st.skipped_in_a_row < c.cfg.train.max_skipped) return;
   }
+  if (!c.mode->meets(step)) {
+    if (st.diverged_at == 0) st.diverged_at = step;
+    return;
+  }
   const std::string why =
-      skip ? fmt::format("{} steps in a row had a non-finite loss or gradient (train.max_skipped), "
-                         "the last at step {} (rank {})", st.skipped_in_a_row, step,
-                         s.nonfinite_rank)
-           : fmt::format("non-finite loss or gradient at step {} (rank {}); nothing from it on "
-                         "was checkpointed", step, s.nonfinite_rank);
+      s.replica_diverged
+          ? fmt::format("non-finite loss or gradient on rank {} between averages of the data "
+                        "replicas (parallel.mode: local_sgd), found where they met after step "
+                        "{}; nothing from it on was checkpointed", s.nonfinite_rank, step)
+      : skip ? fmt::format("{} steps in a row had a non-finite loss or gradient (train.max_skipped), "
+                           "the last at step {} (rank {})", st.skipped_in_a_row, step,
+                           s.nonfinite_rank)
+             : fmt::format("non-finite loss or gradient at step {} (rank {}); nothing from it on "
+                           "was checkpointed", step, s.nonfinite_rank);
   auto summary = summary_line(c, "diverged", step_ms, data_wait_ms);
   summary["diverged_step"] = step;
   summary["diverged_rank"] = s.nonfinite_rank;
@@ -61,9 +71,12 @@ void handle_nonfinite(Context& c, const StepStats& s, int64_t step,
 // Two, not one, leaves room for a step that the host queues faster than the one before.
 constexpr size_t kReadLag = 2;
 
-// What happens after step n (from 1): the cadence of the job, decided here only.
+// What happens after step n (from 1): the cadence of the job, decided here only. An
+// evaluation or a checkpoint due where the ranks do not meet (between local SGD's averages)
+// waits for the next meeting, where every replica holds the same parameters.
 struct Cadence {
   const JobConfig& cfg;
+  const TrainingMode& mode;
   int64_t steps_per_epoch, total_steps;
 
   bool last(int64_t n) const { return n == total_steps; }
@@ -71,11 +84,30 @@ struct Cadence {
   bool should_log(int64_t n) const { return n % cfg.train.log_every == 0 || last(n); }
   bool should_eval(int64_t n) const {
     const int64_t every = cfg.train.eval_every;
-    return (every > 0 ? n % every == 0 : epoch_end(n)) || last(n);
+    return due(n, [&](int64_t m) { return every > 0 ? m % every == 0 : epoch_end(m); });
   }
   bool should_save(int64_t n) const {
     const int64_t every = cfg.checkpoint.every_steps;
-    return (every > 0 ? n % every == 0 : epoch_end(n)) || last(n);
+    return due(n, [&](int64_t m) { return every > 0 ? m % every == 0 : epoch_end(m); });
+  }
+  // The first step where the ranks meet after some steps apart (local SGD): the steps
+  // before it are read first, so that a replica's divergence among them is voted on there.
+  bool rejoins(int64_t n) const { return n > 1 && mode.meets(n) && !mode.meets(n - 1); }
+  // The last step where the ranks meet before some steps apart: it is read at once, so
+  // that a stop voted there is acted on there, where every replica is the same.
+  bool parts(int64_t n) const { return !last(n) && mode.meets(n) && !mode.meets(n + 1); }
+
+ private:
+  // Whether the ranks meet after step n and `wanted` holds for it, for a step since they
+  // last met, or n is the last.
+  template <class F>
+  bool due(int64_t n, F wanted) const {
+    if (!mode.meets(n)) return false;
+    if (last(n)) return true;
+    for (int64_t m = n;; --m) {
+      if (wanted(m)) return true;
+      if (m == 1 || mode.meets(m - 1)) return false;
+    }
   }
 };
 
@@ -135,6 +167,7 @@ class StepReader {
     window_.add(s);
     step_ms_.push_back(s.step_ms);
     data_wait_ms_ += s.data_wait_ms;
+    st.bytes_sent += s.comm_bytes;
     const auto& cfg = c_.cfg;
     const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, p.step, c_.total_steps);  // it used
     const bool log_now = cadence_.should_log(p.step);
@@ -212,14 +245,15 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   }
   Loader loader(*c.data.train, *c.sampler, st.step, c.total_steps, cfg.data.workers,
                 cfg.data.prefetch, /*pin=*/c.device().is_cuda());
-  const Cadence cadence{cfg, c.steps_per_epoch(), c.total_steps};
+  const Cadence cadence{cfg, *c.mode, c.steps_per_epoch(), c.total_steps};
   StepReader reader(c, cadence);
   try {
     while (st.step < c.total_steps) {
       const int64_t n = st.step + 1;  // this step
       const bool eval_now = cadence.should_eval(n), save_now = cadence.should_save(n);
+      if (cadence.rejoins(n)) reader.read_all();
       reader.queue(train_step(c, loader, cadence.should_log(n), eval_now || save_now));
-      if (eval_now || save_now || reader.stop()) reader.read_all();
+      if (eval_now || save_now || reader.stop() || cadence.parts(n)) reader.read_all();
       if (eval_now) reader.not_training([&] { run_evaluation(c); });
       if (save_now)
         reader.not_training([&] { save_checkpoint(c, eval_now ? st.last_eval : std::nullopt); });

@@ -13,6 +13,7 @@ void Window::add(const StepStats& s) {
   comm_ms += s.comm_ms;
   optim_ms += s.optim_ms;
   step_ms += s.step_ms;
+  comm_bytes += s.comm_bytes;
 }
 
 namespace {
@@ -60,7 +61,7 @@ nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last,
   }
   if (c.mesh.world()->size() > 1) {
     line["comm_ms"] = phase(w.comm_ms, last.comm_ms);
-    line["comm_bytes"] = last.comm_bytes;
+    line["comm_bytes"] = w.comm_bytes / w.steps;  // per step: local SGD sends every few
   }
   return line;
 }
@@ -107,6 +108,9 @@ nlohmann::json summary_line(const Context& c, const std::string& status,
       {"optimizer_state_mb", double(optimizer_state_bytes(*c.optimizer)) / (1024.0 * 1024.0)},
       {"gradient_mb", double(c.params->grad().numel() * c.params->grad().element_size()) /
                           (1024.0 * 1024.0)},
+      // what this rank sent per sample of the global batch, over this process's steps
+      {"comm_bytes_per_sample",
+       n ? double(st.bytes_sent) / (double(n) * double(c.cfg.data.batch_size)) : 0.0},
       {"time", unix_time()}};
   if (c.scaler) {
     s["loss_scale"] = c.scaler->scale();

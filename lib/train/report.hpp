@@ -23,6 +23,7 @@ struct StepStats {
   bool stop = false;           // some rank was asked to stop: all stop after this step
   bool nonfinite = false;      // some rank saw a non-finite loss or gradient
   int64_t nonfinite_rank = -1; // the lowest world rank that saw it
+  bool replica_diverged = false;  // local SGD: a replica diverged since the ranks last met
   bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
   double loss_scale = 0;       // fp16: the scale after this step, and the overflows so far
   int64_t overflow_steps = 0;
@@ -39,6 +40,7 @@ struct Window {
   int64_t steps = 0;
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
          step_ms = 0;
+  int64_t comm_bytes = 0;
   void add(const StepStats& s);
 };
 

@@ -164,6 +164,7 @@ void setup(Context& c) {
   c.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
                                           : cfg.train.epochs * c.steps_per_epoch();
   c.progress = std::make_unique<Progress>(c.root() ? cfg.logging.progress : "off", c.total_steps);
+  c.mode = make_mode(c.cfg, c.mesh, *c.params, *c.optimizer, c.named_buffers(), c.total_steps);
 
   auto resume_from = open_run_dir(c);
   if (resume_from) restore(c, *resume_from);

@@ -213,12 +213,22 @@ std::string factor_key(const Context& c, const FlatParams::Entry& e, int64_t ten
                          (e.placement.is_split() ? fmt::format(".tp{}", tensor_rank) : ""));
 }
 
-// The gradient sync's state from data rank D's files: compression's residuals when the
-// checkpoint was written at this data and pipeline size (a pipeline gives a tied weight's
-// copy a residual of its own), PowerSGD's Q matrices when at this tensor size too; else
-// they start afresh, with a warning.
+// What each data rank keeps of its own, laid out like the flat gradient: compression's
+// residuals (the gradient sync's) and local SGD's optimizer state of its replica (the
+// mode's, under names of their own).
+NamedTensors replica_state(const Context& c) {
+  NamedTensors out = c.sync->state();
+  for (auto& [name, t] : c.mode->replica_state()) out.emplace_back("local_" + name, t);
+  return out;
+}
+
+// The data rank's own state from data rank D's files: compression's residuals and local
+// SGD's optimizer state when the checkpoint was written at this data and pipeline size (a
+// pipeline gives a tied weight's copy a residual of its own), PowerSGD's Q matrices when at
+// this tensor size too; else they start afresh (local SGD's optimizer state from data rank
+// 0's), with a warning.
 void restore_sync_state(Context& c, const CheckpointReader& saved) {
-  const auto state = c.sync->state();
+  const auto state = replica_state(c);
   const auto factors = c.sync->factors();
   if (state.empty() && factors.empty()) return;
   const auto& dims = c.mesh.dims();
@@ -228,11 +238,15 @@ void restore_sync_state(Context& c, const CheckpointReader& saved) {
   const int64_t saved_pipeline = layout.value("pipeline", int64_t(1));
   const int64_t saved_tensor = layout.value("tensor", int64_t(1));
   const std::string kind = fmt::format("sync.dp{}", rank);
-  const std::string what = factors.empty()
-                               ? "the residuals start from zero"
-                               : "the residuals start from zero and PowerSGD's Q matrices afresh";
+  const bool local = !c.mode->replica_state().empty();
+  const std::string what =
+      local ? "parallel.mode: local_sgd: each data replica's optimizer state starts from data "
+              "rank 0's"
+      : factors.empty()
+          ? "parallel.compression: the residuals start from zero"
+          : "parallel.compression: the residuals start from zero and PowerSGD's Q matrices afresh";
   if (saved_data != dims.data || saved_pipeline != dims.pipeline || !saved.has(kind)) {
-    c.say(fmt::format("warning: parallel.compression: {} ({})", what,
+    c.say(fmt::format("warning: {} ({})", what,
                       !saved.has("sync.dp0")
                           ? "the checkpoint holds none"
                           : fmt::format("the checkpoint was written at data size {} x pipeline "
@@ -393,7 +407,7 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
   // The strategy's state (compression's residuals): every data rank's own.
   NamedTensors sync_state;
   PartsOf sync_parts;
-  for (const auto& [name, flat] : c.sync->state())
+  for (const auto& [name, flat] : replica_state(c))
     for (auto& [key, t] : c.params->owned(flat, "." + name, at.tensor, sync_parts)) {
       const auto saved_as = sync_key(c, key);
       if (saved_as != key)  // a split part keeps its placement under its new name

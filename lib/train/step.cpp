@@ -31,6 +31,7 @@
 #include "launch/device.hpp"
 #include "optim/clip.hpp"
 #include "optim/schedule.hpp"
+#include "train/mode.hpp"
 #include "train/signals.hpp"
 #include "util/error.hpp"
 
@@ -60,6 +61,7 @@ torch::Tensor assemble_figures(const Context& c, const Figures& layout,
     double* f = figures.data_ptr<double>();
     f[Figures::kLossSum] = counts ? loss : loss * 0.0;
     f[Figures::kStopVotes] = stop ? 1.0 : 0.0;
+    f[Figures::kEndVotes] = c.state.diverged_at > 0 ? 1.0 : 0.0;
     if (layout.stages > 0) {
       f[layout.bubble(stage)] = s.bubble;
       f[layout.activation_mb(stage)] = s.activation_mb;
@@ -76,6 +78,7 @@ torch::Tensor assemble_figures(const Context& c, const Figures& layout,
   for (auto& slot : f) slot = torch::zeros({}, f64);
   f[Figures::kLossSum] = counts ? loss : loss * 0.0;
   f[Figures::kStopVotes] = torch::full({}, stop ? 1.0 : 0.0, f64);
+  f[Figures::kEndVotes] = torch::full({}, c.state.diverged_at > 0 ? 1.0 : 0.0, f64);
   if (layout.stages > 0) {
     f[size_t(layout.bubble(stage))] = torch::full({}, s.bubble, f64);
     f[size_t(layout.activation_mb(stage))] = torch::full({}, s.activation_mb, f64);
@@ -120,13 +123,15 @@ void take_figures(const Context& c, PendingStep& p) {
   }
   const Figures layout = figures_of(c);
   const auto f = p.figures.accessor<double, 1>();
-  const auto& dims = c.mesh.dims();
-  p.stats.loss = f[Figures::kLossSum] / double(dims.data);  // each data replica's counts once
-  p.stats.stop = f[Figures::kStopVotes] > 0;
+  const double replicas = double(c.mode->replicas(p.step)), tensor = double(c.mesh.dims().tensor);
+  const bool meets = c.mode->meets(p.step);
+  p.stats.loss = f[Figures::kLossSum] / replicas;  // each data replica's counts once
+  // A stop, or a replica's divergence, is acted on only where every rank agrees on it.
+  p.stats.stop = meets && f[Figures::kStopVotes] > 0;
+  p.stats.replica_diverged = meets && f[Figures::kEndVotes] > 0;
   for (int64_t stage = 0; stage < layout.stages; ++stage) {  // each stage's ranks' mean
-    p.stats.stage_bubble.push_back(f[layout.bubble(stage)] / double(dims.data * dims.tensor));
-    p.stats.stage_activation_mb.push_back(f[layout.activation_mb(stage)] /
-                                          double(dims.data * dims.tensor));
+    p.stats.stage_bubble.push_back(f[layout.bubble(stage)] / (replicas * tensor));
+    p.stats.stage_activation_mb.push_back(f[layout.activation_mb(stage)] / (replicas * tensor));
   }
   p.stats.grad_norm = f[layout.grad_norm()];
   p.local_loss = f[layout.local_loss()];
@@ -150,6 +155,8 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     if (s.device_timed) torch::cuda::synchronize();
   };
   settle();  // the previous step's last kernels, so that this step's phases are its own
+  if (c.cfg.train.debug_slow_rank == c.mesh.rank())  // a slow worker, for benchmarks
+    std::this_thread::sleep_for(std::chrono::milliseconds(c.cfg.train.debug_slow_ms));
   // The steps that wait for the device by design (see the top; with several ranks, every
   // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
   const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
@@ -188,8 +195,8 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
   const bool counts = c.mesh.coord().tensor == 0 && c.holds_last();
   const Figures layout = figures_of(c);
   auto figures = assemble_figures(c, layout, losses, counts, stop_signal() != 0, norm, s);
-  if (c.mesh.world()->size() > 1)
-    c.mesh.world()->all_reduce(figures.narrow(0, 0, layout.summed()));
+  Comm& agree = c.mode->figures_group(p.step);
+  if (agree.size() > 1) agree.all_reduce(figures.narrow(0, 0, layout.summed()));
   send_to_host(figures, p);
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
@@ -222,7 +229,7 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     c.optimizer->step(lr, skip);
   }
   c.sync->after_update(skip);
-  s.comm_bytes = c.sync->bytes_per_step();
+  s.comm_bytes = c.sync->bytes_per_step() + c.mode->after_update(p.step);
   c.params->zero_grad();
   ++c.state.step;
   settle();
@@ -234,14 +241,17 @@ StepStats read_step(Context& c, PendingStep& p) {
   StepStats& s = p.stats;
   if (!p.decided) {
     take_figures(c, p);
-    s.nonfinite = !std::isfinite(s.loss) || !grads_finite(p);
+    s.nonfinite = !std::isfinite(s.loss) || !grads_finite(p) || s.replica_diverged;
   }
   if (s.nonfinite) {
-    // Name the lowest rank that saw it: one more reduction, on this rare path only.
-    const bool seen_here = !std::isfinite(p.local_loss) || !grads_finite(p);
+    // Name the lowest rank that saw it: one more reduction over the ranks that agreed on
+    // the step, on this rare path only.
+    const bool seen_here =
+        !std::isfinite(p.local_loss) || !grads_finite(p) || (s.replica_diverged && c.state.diverged_at > 0);
     const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
     double seen[1] = {seen_here ? double(world - rank) : 0.0};
-    c.mesh.world()->all_reduce(torch::from_blob(seen, {1}, torch::kFloat64), ReduceOp::kMax);
+    c.mode->figures_group(p.step).all_reduce(torch::from_blob(seen, {1}, torch::kFloat64),
+                                             ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
   }
   return s;

@@ -16,19 +16,22 @@
 
 namespace dtrain {
 
-// The step's figures travel as one fp64 tensor: one all-reduce over the world and one copy
-// to the host move them all. Its slots, for a pipeline of `stages` ranks (0 without one):
-//   [0, summed())  summed over the world: the global batch's loss (over the ranks that
-//                  hold it), the ranks asked to stop, and per pipeline rank its bubble and
-//                  peak activation memory (each rank adds its own into its stage's slots)
-//   grad_norm()    the global gradient norm; NaN when not taken
+// The step's figures travel as one fp64 tensor: one all-reduce over the ranks that agree
+// on the step (the mode's figures_group: the world, or between local SGD's averages one
+// replica) and one copy to the host move them all. Its slots, for a pipeline of `stages`
+// ranks (0 without one):
+//   [0, summed())  summed over those ranks: the batch's loss (over the ranks that hold it),
+//                  the ranks asked to stop, the ranks whose replica diverged since the last
+//                  meeting (local SGD), and per pipeline rank its bubble and peak activation
+//                  memory (each rank adds its own into its stage's slots)
+//   grad_norm()    the gradient norm; NaN when not taken
 //   local_loss()   this rank's loss (0 where it has none): names a rank that saw a NaN
 struct Figures {
   int64_t stages = 0;
-  static constexpr int64_t kLossSum = 0, kStopVotes = 1;
-  int64_t bubble(int64_t stage) const { return 2 + stage; }
-  int64_t activation_mb(int64_t stage) const { return 2 + stages + stage; }
-  int64_t summed() const { return 2 + 2 * stages; }
+  static constexpr int64_t kLossSum = 0, kStopVotes = 1, kEndVotes = 2;
+  int64_t bubble(int64_t stage) const { return 3 + stage; }
+  int64_t activation_mb(int64_t stage) const { return 3 + stages + stage; }
+  int64_t summed() const { return 3 + 2 * stages; }
   int64_t grad_norm() const { return summed(); }
   int64_t local_loss() const { return summed() + 1; }
   int64_t count() const { return summed() + 2; }

@@ -27,7 +27,25 @@ void check_supported(const JobConfig& c) {
       throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
                                     value));
   };
-  refuse(c.parallel.mode != "sync", "parallel.mode", "'" + c.parallel.mode + "'");
+  refuse(c.parallel.mode == "async_ps", "parallel.mode", "'" + c.parallel.mode + "'");
+}
+
+// Local SGD against what needs every data replica at every step.
+void check_local_sgd(const JobConfig& c) {
+  const auto& p = c.parallel;
+  if (p.mode != "local_sgd") return;
+  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
+    fail_if<ConfigError>(bad, "parallel.mode: local_sgd with {} is not supported: {}; choose one",
+                         what, why);
+  };
+  refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
+         "each data replica steps on its own whole optimizer state");
+  refuse(p.compression != "none", "parallel.compression " + p.compression,
+         "local SGD sends parameters every parallel.average_every steps, not gradients");
+  refuse(p.sync_batchnorm, "parallel.sync_batchnorm",
+         "its statistics span every data replica at every step");
+  refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
+         "each replica's loss scale would move apart from the others'");
 }
 
 // Gradient compression against what it combines with.
@@ -200,6 +218,7 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
   check_supported(cfg);
   check_compression(cfg);
+  check_local_sgd(cfg);
   plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);

@@ -1,0 +1,205 @@
+// Training modes beyond lock-step through `dtrain run --nproc N` (train/mode.hpp). Local
+// SGD: averaging every step with the optimizer state is synchronous SGD step for step (a
+// property of the arithmetic, not of the code: the mean of the replicas' momentum updates
+// is the update of the mean gradient); apart between averages, the ranks meet, evaluate,
+// checkpoint and stop only at averages, and a checkpoint resumes bit for bit with each
+// replica's own optimizer state; on Fashion-MNIST it trains to sync's accuracy.
+#include <doctest/doctest.h>
+
+#include <csignal>
+#include <filesystem>
+#include <set>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+void run(const std::string& args) {
+  auto r = e2e::dtrain(args + kQuiet);
+  INFO(args << ": " << r.err);
+  REQUIRE(r.code == 0);
+}
+
+// Synthetic data, the MLP, 2 ranks; a schedule independent of max_steps.
+std::string job(const std::string& dir, const std::string& optimizer) {
+  auto path = dir + "/job.yaml";
+  std::ofstream(path) << "name: modes-check\nseed: 11\n"
+                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
+                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
+                         "model: {arch: mlp, hidden: [64, 32]}\n"
+                         "optimizer: " << optimizer << "\n"
+                         "schedule: {decay: step, step_size: 10}\n"
+                         "train: {max_steps: 24, log_every: 1, threads: 1, eval_every: 0}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+std::set<int64_t> checkpoint_steps(const std::string& run_dir) {
+  std::set<int64_t> out;
+  for (const auto& e : std::filesystem::directory_iterator(run_dir + "/checkpoints"))
+    if (e.path().filename().string().rfind("step-", 0) == 0 &&
+        std::filesystem::exists(e.path() / "manifest.json"))
+      out.insert(std::stoll(e.path().filename().string().substr(5)));
+  return out;
+}
+}  // namespace
+
+TEST_SUITE("modes") {
+  TEST_CASE("local_sgd averaging every step, optimizer state too, is synchronous SGD") {
+    auto dir = temp_dir("modes-every1");
+    const auto path = job(dir, "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.01}");
+    run("run " + path + " --nproc 2 --run-dir " + dir + "/sync");
+    run("run " + path + " --nproc 2 --run-dir " + dir + "/local --set parallel.mode=local_sgd"
+        " --set parallel.average_every=1 --set parallel.average_optimizer=true");
+    check_losses_close(train_losses(dir + "/sync"), train_losses(dir + "/local"), 1e-5,
+                       "local_sgd every 1");
+    // Without momentum nothing else is carried between steps: equal too.
+    const auto plain = job(dir, "{name: sgd, lr: 0.1}");
+    run("run " + plain + " --nproc 2 --run-dir " + dir + "/sync-plain");
+    run("run " + plain + " --nproc 2 --run-dir " + dir + "/local-plain"
+        " --set parallel.mode=local_sgd --set parallel.average_every=1");
+    check_losses_close(train_losses(dir + "/sync-plain"), train_losses(dir + "/local-plain"), 1e-5,
+                       "local_sgd every 1, plain SGD");
+  }
+
+  TEST_CASE("local_sgd: apart between averages, checkpoints only where they meet, exact resume") {
+    auto dir = temp_dir("modes-resume");
+    const auto path = job(dir, "{name: adamw, lr: 0.003, weight_decay: 0.01}");
+    // Synchronous steps 1-2, then averages after steps 6, 10, 14, 18, 22 and the last, 24.
+    const std::string local = " --set parallel.mode=local_sgd --set parallel.average_every=4"
+                              " --set parallel.local_after=2 --set checkpoint.every_steps=5"
+                              " --set checkpoint.keep_last=10";
+    run("run " + path + " --nproc 2 --run-dir " + dir + "/whole" + local);
+    run("run " + path + " --nproc 2 --run-dir " + dir + "/sync");
+    const auto whole = train_losses(dir + "/whole"), sync = train_losses(dir + "/sync");
+    REQUIRE(whole.size() == 24);
+    CHECK(whole.at(1) == sync.at(1));
+    CHECK(whole.at(2) == sync.at(2));
+    CHECK(whole.at(4) != sync.at(4));  // replica 0's own loss, on its half of the batch
+    // Checkpoints asked for every 5 steps wait for the next average.
+    CHECK(checkpoint_steps(dir + "/whole") == std::set<int64_t>{6, 10, 18, 22, 24});
+    // Each replica's Adam state is its own, in its own file.
+    {
+      dtrain::CheckpointReader reader(dir + "/whole/checkpoints/step-00000010");
+      REQUIRE(reader.has("sync.dp0"));
+      REQUIRE(reader.has("sync.dp1"));
+      auto named = [&](const std::string& kind) {
+        for (auto& [name, t] : reader.all(kind))
+          if (name == "1.weight.local_exp_avg") return t;
+        FAIL("no 1.weight.local_exp_avg in " << kind);
+        return torch::Tensor();
+      };
+      const auto a = named("sync.dp0"), b = named("sync.dp1");
+      CHECK(a.sizes() == torch::IntArrayRef{64, 64});
+      CHECK(!torch::equal(a, b));
+    }
+    // Stopped at step 10 (an average) and resumed: bit for bit.
+    const auto legs = dir + "/legs";
+    run("run " + path + " --nproc 2 --run-dir " + legs + local + " --set train.max_steps=10");
+    const auto second = e2e::dtrain("run " + path + " --nproc 2 --run-dir " + legs +
+                                    " --resume auto" + local + kQuiet);
+    INFO(second.err);
+    REQUIRE(second.code == 0);
+    CHECK(second.err.find("starts from data rank 0's") == std::string::npos);
+    const auto got = train_losses(legs);
+    REQUIRE(got.size() == 24);
+    for (const auto& [step, loss] : whole) {
+      INFO("step " << step);
+      CHECK(got.at(step) == loss);
+    }
+    // At another data size each replica's state means nothing: data rank 0's, and said so.
+    const auto other = e2e::dtrain("run " + path + " --nproc 4 --run-dir " + dir + "/whole"
+                                   " --resume auto" + local + " --set train.max_steps=30" + kQuiet);
+    INFO(other.err);
+    CHECK(other.code == 0);
+    CHECK(other.err.find("each data replica's optimizer state starts from data rank 0's (the "
+                         "checkpoint was written at data size 2") != std::string::npos);
+  }
+
+  TEST_CASE("local_sgd: a replica's divergence ends the run where the replicas meet, exit 3") {
+    auto dir = temp_dir("modes-diverge");
+    const auto path = job(dir, "{name: sgd, lr: 1e6}");
+    auto r = e2e::dtrain("run " + path + " --nproc 2 --run-dir " + dir + "/a"
+                         " --set parallel.mode=local_sgd --set parallel.average_every=8"
+                         " --set checkpoint.every_steps=1" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("between averages of the data replicas (parallel.mode: local_sgd), found "
+                     "where they met after step 8") != std::string::npos);
+    const auto s = metrics(dir + "/a").back();
+    CHECK(s["status"] == "diverged");
+    CHECK(s["diverged_step"] == 8);
+    CHECK((!std::filesystem::exists(dir + "/a/checkpoints") ||
+           checkpoint_steps(dir + "/a").empty()));
+  }
+
+  TEST_CASE("local_sgd: SIGTERM stops every rank where they meet, with a checkpoint there") {
+    auto dir = temp_dir("modes-stop");
+    const auto path = job(dir, "{name: sgd, lr: 0.05, momentum: 0.9}");
+    // Rank 1 is slow: between averages rank 0 runs ahead and waits for it where they meet.
+    auto bg = start_dtrain("run " + path + " --run-dir " + dir + "/a --nproc 2"
+                           " --set train.max_steps=100000 --set train.log_every=10"
+                           " --set parallel.mode=local_sgd --set parallel.average_every=8"
+                           " --set train.debug_slow_rank=1 --set train.debug_slow_ms=2" + kQuiet);
+    REQUIRE(wait_for_step(dir + "/a", 30, std::chrono::seconds(60)));
+    ::kill(bg.pid, SIGTERM);
+    const int code = wait_for(bg.pid, std::chrono::seconds(30));
+    INFO(slurp(bg.err));
+    CHECK(code == 143);
+    const auto summary = metrics(dir + "/a").back();
+    CHECK(summary["status"] == "stopped");
+    const int64_t at = summary["steps"];
+    CHECK(at % 8 == 0);
+    CHECK(checkpoint_steps(dir + "/a") == std::set<int64_t>{at});
+  }
+
+  TEST_CASE("local_sgd: Fashion-MNIST MLP and CNN within 2 points of sync, fewer bytes") {
+    auto dir = temp_dir("modes-accuracy");
+    struct Case {
+      std::string config, steps;
+    };
+    for (const Case& k : {Case{"fashion_mnist_mlp.yaml", "937"}, Case{"fashion_mnist_cnn.yaml", "300"}}) {
+      CAPTURE(k.config);
+      std::map<std::string, nlohmann::json> summary;
+      for (const std::string mode : {"sync", "local_sgd"}) {
+        const auto out = dir + "/" + k.config + "-" + mode;
+        run("run " + config(k.config) + " --nproc 2 --run-dir " + out + " --set train.max_steps=" +
+            k.steps + " --set train.log_every=100 --set parallel.mode=" + mode);
+        summary[mode] = metrics(out).back();
+      }
+      const double sync = summary["sync"]["final_accuracy"], local = summary["local_sgd"]["final_accuracy"];
+      INFO("accuracy: sync " << sync << ", local_sgd " << local);
+      CHECK(sync > 0.8);
+      CHECK(local > sync - 0.02);
+      // Parameters and momentum every 8 steps against the gradient every step: 8x fewer
+      // (a parameter is a gradient's size; the momentum stays with its replica).
+      const double ratio = summary["sync"]["comm_bytes_per_sample"].get<double>() /
+                           summary["local_sgd"]["comm_bytes_per_sample"].get<double>();
+      CHECK(ratio == doctest::Approx(8.0).epsilon(0.05));
+    }
+  }
+
+  TEST_CASE("modes: what local_sgd cannot combine with is refused, naming the keys") {
+    auto dir = temp_dir("modes-refuse");
+    const auto path = job(dir, "{name: sgd, lr: 0.05}");
+    for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
+             {" --set parallel.zero=1", "parallel.mode: local_sgd with parallel.zero 1 is not supported"},
+             {" --set parallel.compression=sign", "with parallel.compression sign is not supported"},
+             {" --set parallel.local_after=-1", "parallel.local_after"}}) {
+      auto r = e2e::dtrain("validate " + path + " --nproc 2 --set parallel.mode=local_sgd" + sets);
+      INFO(sets << ": " << r.err);
+      CHECK(r.code == 2);
+      CHECK(r.err.find(says) != std::string::npos);
+    }
+    auto r = e2e::dtrain("validate " + path + " --set parallel.mode=async_ps");
+    CHECK(r.code == 2);
+    CHECK(r.err.find("parallel.mode: 'async_ps' is not supported") != std::string::npos);
+  }
+}
