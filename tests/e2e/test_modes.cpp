@@ -123,6 +123,49 @@ TEST_SUITE("modes") {
                          "checkpoint was written at data size 2") != std::string::npos);
   }
 
+  TEST_CASE("local_sgd on a GPT at data 2 x pipeline 2 x tensor 2: sync at every step, exact resume") {
+    REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
+    auto dir = temp_dir("modes-gpt");
+    auto gpt = [&](const std::string& optimizer) {
+      auto path = dir + "/gpt.yaml";
+      std::ofstream(path) << "name: modes-gpt\nseed: 5\n"
+                             "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
+                             " seq_len: 32, workers: 1}\n"
+                             "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}\n"
+                             "optimizer: " << optimizer << "\n"
+                             "schedule: {decay: step, step_size: 10}\n"
+                             "train: {max_steps: 16, log_every: 1, threads: 1, eval_every: 8}\n"
+                             "checkpoint: {every_steps: 8}\n"
+                             "parallel: {pipeline: 2, tensor: 2}\n"
+                             "dist: {timeout_s: 60}\n";
+      return path;
+    };
+    // Momentum SGD without clipping is linear in the gradient: averaging the replicas'
+    // parameters and momentum every step is the synchronous step (the tied embedding and
+    // head summed over their stages either way).
+    const auto linear = gpt("{name: sgd, lr: 0.1, momentum: 0.9, grad_clip: 0}");
+    run("run " + linear + " --nproc 8 --run-dir " + dir + "/sync");
+    run("run " + linear + " --nproc 8 --run-dir " + dir + "/every1 --set parallel.mode=local_sgd"
+        " --set parallel.average_every=1 --set parallel.average_optimizer=true");
+    check_losses_close(train_losses(dir + "/sync"), train_losses(dir + "/every1"), 1e-5,
+                       "3-D local_sgd every 1");
+    // Apart for 4 steps at a time, each replica's AdamW state split over tensor ranks.
+    const auto adam = gpt("{name: adamw, lr: 0.003, weight_decay: 0.1}");
+    const std::string local = " --set parallel.mode=local_sgd --set parallel.average_every=4";
+    run("run " + adam + " --nproc 8 --run-dir " + dir + "/whole" + local);
+    run("run " + adam + " --nproc 8 --run-dir " + dir + "/legs" + local + " --set train.max_steps=8");
+    const auto second = e2e::dtrain("run " + adam + " --nproc 8 --run-dir " + dir + "/legs"
+                                    " --resume auto" + local + kQuiet);
+    INFO(second.err);
+    REQUIRE(second.code == 0);
+    const auto whole = train_losses(dir + "/whole"), got = train_losses(dir + "/legs");
+    REQUIRE(got.size() == 16);
+    for (const auto& [step, loss] : whole) {
+      INFO("step " << step);
+      CHECK(got.at(step) == loss);
+    }
+  }
+
   TEST_CASE("local_sgd: a replica's divergence ends the run where the replicas meet, exit 3") {
     auto dir = temp_dir("modes-diverge");
     const auto path = job(dir, "{name: sgd, lr: 1e6}");
