@@ -30,12 +30,24 @@ struct DataConfig {
   int64_t seq_len = 0;
   double eval_fraction = 0.05;
   int64_t vocab = 0;
+  std::string eval_path = "";
+  std::string token_format = "auto";
 
   template <class V> void visit(V&& v) {
-    v("dataset", dataset, Choices{"fashion_mnist", "mnist", "synthetic", "text", "synthetic_tokens"},
+    v("dataset", dataset,
+      Choices{"fashion_mnist", "mnist", "synthetic", "text", "tokens", "synthetic_tokens"},
       "what to train on: images (fashion_mnist, mnist: IDX files; synthetic: random) or "
-      "token windows (text: a file or folder read as bytes; synthetic_tokens: random)");
-    v("path", path, "the IDX folder (fashion_mnist, mnist), or the text file or folder (text)");
+      "token windows (text: a file or folder read as bytes; tokens: uint16 token shards, "
+      "llm.c's or nanoGPT's; synthetic_tokens: random)");
+    v("path", path,
+      "the IDX folder (fashion_mnist, mnist), the text file or folder (text), or the token "
+      "shards (tokens: a file, a folder or a glob such as data/train_*.bin)");
+    v("eval_path", eval_path,
+      "tokens: the held-out shards (a file, a folder or a glob); empty = every n-th window "
+      "of data.path (data.eval_fraction)");
+    v("token_format", token_format, Choices{"auto", "llmc", "nanogpt"},
+      "tokens: llmc (llm.c's shards: a 1024-byte header, then uint16 tokens), nanogpt (raw "
+      "uint16 tokens), or auto (llm.c's when a file starts with its magic number)");
     v("batch_size", batch_size,
       "the global batch per optimizer step, over all data-parallel ranks and micro-batches");
     v("shuffle", shuffle, "a new order every epoch, from (seed, epoch)");
@@ -45,10 +57,11 @@ struct DataConfig {
     v("test_samples", test_samples, "synthetic, synthetic_tokens: held-out samples");
     v("input_shape", input_shape, "synthetic: one sample's shape, e.g. [1, 28, 28]");
     v("classes", classes, "synthetic: number of classes");
-    v("seq_len", seq_len, "text, synthetic_tokens: tokens per window; 0 = model.seq_len");
+    v("seq_len", seq_len, "text, tokens, synthetic_tokens: tokens per window; 0 = model.seq_len");
     v("eval_fraction", eval_fraction,
-      "text: share of the windows held out for evaluation, spread over the corpus");
-    v("vocab", vocab, "synthetic_tokens: token values in [0, vocab); 0 = model.vocab");
+      "text, tokens: share of the windows held out for evaluation, spread over the corpus");
+    v("vocab", vocab,
+      "synthetic_tokens, tokens: token values in [0, vocab); 0 = model.vocab");
   }
 };
 

@@ -79,6 +79,9 @@ DataSplits load_data(const DataConfig& cfg, uint64_t seed);
 // round(1 / eval_fraction)-th window is held out for evaluation, so the held-out text is
 // spread over the whole corpus.
 DataSplits load_text(const DataConfig& cfg);
+// dataset: tokens, llm.c's or nanoGPT's uint16 token shards, memory-mapped (tokens.cpp);
+// held out: data.eval_path's shards, else every round(1 / eval_fraction)-th window.
+DataSplits load_tokens(const DataConfig& cfg);
 // dataset: synthetic_tokens, uniform random tokens (benchmarks).
 DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed);
 // The bytes of a file, or of every text file in a folder (sorted by name; symbolic links,

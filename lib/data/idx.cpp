@@ -157,6 +157,7 @@ std::vector<double> TensorDataset::fingerprint() const {
 DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
   if (cfg.dataset == "synthetic") return synthetic(cfg, seed);
   if (cfg.dataset == "text") return load_text(cfg);
+  if (cfg.dataset == "tokens") return load_tokens(cfg);
   if (cfg.dataset == "synthetic_tokens") return synthetic_tokens(cfg, seed);
   // Per-dataset pixel statistics (the usual published values).
   const bool fashion = cfg.dataset == "fashion_mnist";

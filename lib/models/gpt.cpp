@@ -262,7 +262,7 @@ void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
 }
 
 void gpt_fits(const ModelConfig& cfg, const ModelContext& ctx) {
-  fail_if<ConfigError>(ctx.vocab == 0, "model.arch: gpt needs token data (data.dataset: text or "
+  fail_if<ConfigError>(ctx.vocab == 0, "model.arch: gpt needs token data (data.dataset: text, tokens or "
                        "synthetic_tokens)");
   fail_if<ConfigError>(ctx.vocab > cfg.vocab, "model.vocab: {} is smaller than the data's {} "
                        "token values", cfg.vocab, ctx.vocab);

@@ -231,11 +231,17 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
                        "train.grad_accum {} (world size {}); use a multiple of {}",
                        cfg.data.batch_size, layout.data, cfg.train.grad_accum, world_size,
                        per_step);
-  const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "synthetic_tokens";
+  fail_if<ConfigError>(!cfg.data.eval_path.empty() && cfg.data.dataset != "tokens",
+                       "data.eval_path: held-out shards are read for data.dataset tokens only, "
+                       "not {} (text holds out every n-th window: data.eval_fraction)",
+                       cfg.data.dataset);
+  const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "tokens" ||
+                      cfg.data.dataset == "synthetic_tokens";
   fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
                        "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,
                        cfg.data.dataset, tokens ? "token windows need a language model: gpt"
-                                                : "a language model needs text or synthetic_tokens");
+                                                : "a language model needs text, tokens or "
+                                                  "synthetic_tokens");
   return layout;
 }
 
