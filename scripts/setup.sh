@@ -17,7 +17,8 @@ packages=(build-essential cmake pkg-config
 for arg in "$@"; do
   case "$arg" in
     --test) packages+=(slurm-wlm munge openmpi-bin python3-torch   # launchers: SLURM, mpirun, torchrun
-                       python3-matplotlib) ;;                         # scripts/plot.py
+                       python3-matplotlib                             # scripts/plot.py
+                       python3-protobuf) ;;   # decodes TensorBoard's files independently
     --bench) packages+=(python3 python3-torch python3-numpy) ;;
     *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
   esac

@@ -305,10 +305,14 @@ struct CheckpointConfig {
 
 struct LoggingConfig {
   std::string progress = "auto";
+  bool tensorboard = false;
 
   template <class V> void visit(V&& v) {
     v("progress", progress, Choices{"auto", "on", "off"},
       "the live progress line: auto = only on a terminal");
+    v("tensorboard", tensorboard,
+      "also write every train and eval figure as a TensorBoard scalar to RUN_DIR/tb "
+      "(tensorboard --logdir RUN_DIR/tb)");
   }
 };
 

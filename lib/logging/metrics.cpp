@@ -11,21 +11,26 @@
 
 #include <fmt/format.h>
 
+#include "logging/tensorboard.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
 
-MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step)
+MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step,
+                       const std::string& tensorboard_dir)
     : path_(path) {
   std::string kept;
+  std::vector<nlohmann::json> kept_lines;
   if (resume_step) {
     std::ifstream in(path);
     std::string line;
     while (std::getline(in, line)) {
       try {
         auto j = nlohmann::json::parse(line);
-        if (j.value("kind", "") != "summary" && j.value("step", int64_t(0)) <= *resume_step)
+        if (j.value("kind", "") != "summary" && j.value("step", int64_t(0)) <= *resume_step) {
           kept += line + "\n";
+          kept_lines.push_back(std::move(j));
+        }
       } catch (const nlohmann::json::exception&) {  // a line cut short by a crash
       }
     }
@@ -34,6 +39,10 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_st
   if (fd_ < 0)
     throw RunDirError(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));
   append(kept);
+  if (!tensorboard_dir.empty()) {
+    tensorboard_ = std::make_unique<EventWriter>(tensorboard_dir);
+    for (const auto& j : kept_lines) tensorboard_->write(j);
+  }
 }
 
 MetricsLog::~MetricsLog() {
@@ -43,6 +52,13 @@ MetricsLog::~MetricsLog() {
 void MetricsLog::write(const nlohmann::json& line) {
   if (failed_) return;
   append(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  if (!tensorboard_) return;
+  try {
+    tensorboard_->write(line);
+  } catch (const RunDirError&) {
+    failed_ = true;
+    throw;
+  }
 }
 
 void MetricsLog::append(const std::string& text) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -11,12 +12,16 @@
 
 namespace dtrain {
 
+class EventWriter;
+
 class MetricsLog {
  public:
   // A fresh run truncates the file; a resumed run keeps the lines up to `resume_step` and
   // drops anything a crashed attempt wrote after it (and old summaries), so the log reads
-  // as one run.
-  MetricsLog(const std::string& path, std::optional<int64_t> resume_step);
+  // as one run. With `tensorboard_dir`, the train and eval lines also go to TensorBoard's
+  // event file there (tensorboard.hpp), the kept ones first.
+  MetricsLog(const std::string& path, std::optional<int64_t> resume_step,
+             const std::string& tensorboard_dir = "");
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
@@ -28,6 +33,7 @@ class MetricsLog {
  private:
   void append(const std::string& text);
   std::string path_;
+  std::unique_ptr<EventWriter> tensorboard_;
   int fd_ = -1;
   off_t size_ = 0;      // bytes of whole lines written
   bool failed_ = false;

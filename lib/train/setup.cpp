@@ -179,7 +179,8 @@ void setup(Context& c) {
     write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
     c.metrics = std::make_unique<MetricsLog>(
         (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
-        resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt);
+        resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt,
+        cfg.logging.tensorboard ? (fs::path(cfg.run_dir) / "tb").string() : "");
     return int64_t(0);
   });
   int64_t local = 0, full = 0;
