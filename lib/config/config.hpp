@@ -11,6 +11,7 @@
 namespace dtrain {
 
 using Ints = std::vector<int64_t>;
+using Names = std::vector<std::string>;  // a list of names, each one of the key's Choices
 using Choices = std::vector<std::string>;
 
 // The longest token window dtrain accepts (data.seq_len, model.seq_len): 16M tokens.
@@ -32,6 +33,8 @@ struct DataConfig {
   int64_t vocab = 0;
   std::string eval_path = "";
   std::string token_format = "auto";
+  Names augment = {};
+  int64_t crop_padding = 2;
 
   template <class V> void visit(V&& v) {
     v("dataset", dataset,
@@ -62,6 +65,12 @@ struct DataConfig {
       "text, tokens: share of the windows held out for evaluation, spread over the corpus");
     v("vocab", vocab,
       "synthetic_tokens, tokens: token values in [0, vocab); 0 = model.vocab");
+    v("augment", augment, Choices{"random_crop", "hflip", "erase"},
+      "images, training only: random_crop (shifted by up to crop_padding pixels, the edge "
+      "filled with black), hflip (mirrored half the time), erase (a random rectangle blanked "
+      "half the time); drawn per sample from the seed, so any layout and a resume see the "
+      "same");
+    v("crop_padding", crop_padding, "random_crop: the largest shift, pixels");
   }
 };
 
@@ -116,6 +125,7 @@ struct OptimizerConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   double grad_clip = 0.0;
+  double label_smoothing = 0.0;
 
   template <class V> void visit(V&& v) {
     v("name", name, Choices{"sgd", "adamw"}, "the update rule (torch.optim's)");
@@ -131,6 +141,9 @@ struct OptimizerConfig {
     v("eps", eps, "adamw: added to the denominator");
     v("grad_clip", grad_clip,
       "largest global gradient norm (over every rank and shard); 0 = no clipping");
+    v("label_smoothing", label_smoothing,
+      "classification: the training loss's target puts this share on the other classes "
+      "(PyTorch's CrossEntropyLoss(label_smoothing)); evaluation's loss is plain");
   }
 };
 

@@ -144,6 +144,11 @@ void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
             Ints v;
             for (const auto& item : node) v.push_back(item.as<int64_t>());
             *p = v;
+          } else if constexpr (std::is_same_v<T, Names>) {
+            if (!node.IsSequence()) throw bad("a list of names such as [random_crop, hflip]");
+            Names v;
+            for (const auto& item : node) v.push_back(item.as<std::string>());
+            *p = v;
           } else {
             if (!node.IsScalar()) throw bad("a single value");
             *p = node.as<T>();
@@ -158,15 +163,18 @@ void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
           if constexpr (std::is_same_v<T, int64_t>) throw bad("an integer");
           if constexpr (std::is_same_v<T, double>) throw bad("a number");
           if constexpr (std::is_same_v<T, Ints>) throw bad("a list of integers such as [512, 256]");
+          if constexpr (std::is_same_v<T, Names>) throw bad("a list of names such as [random_crop, hflip]");
           throw bad("a string");
         },
         f.value);
   }
   if (!f.choices.empty()) {
-    const auto& s = *std::get<std::string*>(f.value);
-    if (std::find(f.choices.begin(), f.choices.end(), s) == f.choices.end())
-      throw ConfigError(fmt::format("{}: {}: '{}' is not one of {}", at, f.key, s,
-                                    fmt::join(f.choices, " | ")));
+    const Names values = std::holds_alternative<Names*>(f.value) ? *std::get<Names*>(f.value)
+                                                                 : Names{*std::get<std::string*>(f.value)};
+    for (const auto& s : values)
+      if (std::find(f.choices.begin(), f.choices.end(), s) == f.choices.end())
+        throw ConfigError(fmt::format("{}: {}: '{}' is not one of {}", at, f.key, s,
+                                      fmt::join(f.choices, " | ")));
   }
 }
 
@@ -214,9 +222,9 @@ struct Emitter {
   template <class T>
   void operator()(const char* key, const T& value, const Choices&, const char*) {
     *out << YAML::Key << key << YAML::Value;
-    if constexpr (std::is_same_v<T, Ints>) {
+    if constexpr (std::is_same_v<T, Ints> || std::is_same_v<T, Names>) {
       *out << YAML::Flow << YAML::BeginSeq;
-      for (auto x : value) *out << x;
+      for (const auto& x : value) *out << x;
       *out << YAML::EndSeq;
     } else if constexpr (std::is_same_v<T, double>) {
       *out << fmt::format("{}", value);  // shortest form that reads back exactly
@@ -391,6 +399,7 @@ std::string value_text(const Field& f) {
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
         else if constexpr (std::is_same_v<T, Ints>) return fmt::format("[{}]", fmt::join(*p, ", "));
+        else if constexpr (std::is_same_v<T, Names>) return fmt::format("[{}]", fmt::join(*p, ", "));
         else if constexpr (std::is_same_v<T, std::string>) return p->empty() ? "\"\"" : *p;
         else return fmt::format("{}", *p);
       },
@@ -408,6 +417,8 @@ std::string key_reference() {
           else if constexpr (std::is_same_v<T, int64_t>) return "integer";
           else if constexpr (std::is_same_v<T, double>) return "number";
           else if constexpr (std::is_same_v<T, Ints>) return "list of integers";
+          else if constexpr (std::is_same_v<T, Names>)
+            return fmt::format("list of: {}", fmt::join(f.choices, " \\| "));
           else return f.choices.empty() ? "text" : fmt::format("{}", fmt::join(f.choices, " \\| "));
         },
         f.value);
@@ -526,6 +537,9 @@ void check_ranges(const JobConfig& c) {
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
   need(p.local_after >= 0, "parallel.local_after", ">= 0", p.local_after);
+  need(c.optimizer.label_smoothing >= 0 && c.optimizer.label_smoothing < 1,
+       "optimizer.label_smoothing", "in [0, 1)", c.optimizer.label_smoothing);
+  need(d.crop_padding >= 0, "data.crop_padding", ">= 0", d.crop_padding);
 
   const auto& pr = c.precision;
   if (pr.loss_scale != "dynamic") {

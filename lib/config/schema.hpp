@@ -12,8 +12,8 @@ namespace dtrain {
 // One leaf key of the job spec, e.g. "data.batch_size", pointing into a JobConfig.
 struct Field {
   std::string key;
-  std::variant<bool*, int64_t*, double*, std::string*, Ints*> value;
-  Choices choices;  // non-empty for enum-like string keys
+  std::variant<bool*, int64_t*, double*, std::string*, Ints*, Names*> value;
+  Choices choices;  // non-empty for enum-like string keys (and each of a Names' items)
   std::string doc;  // what it means (config.hpp's visit())
 };
 

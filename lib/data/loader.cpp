@@ -13,9 +13,9 @@
 namespace dtrain {
 
 Loader::Loader(const Dataset& data, ShardedSampler sampler, int64_t first, int64_t end,
-               int64_t workers, int64_t prefetch, bool pin)
+               int64_t workers, int64_t prefetch, bool pin, Augment augment)
     : data_(data), sampler_(sampler), next_take_(first), end_(end), prefetch_(prefetch),
-      pin_(pin), next_claim_(first) {
+      pin_(pin), augment_(std::move(augment)), next_claim_(first) {
   for (int64_t i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
 }
 
@@ -45,7 +45,9 @@ std::shared_ptr<const std::vector<int64_t>> Loader::order_for(int64_t epoch) {
 Batch Loader::make(int64_t global_step) {
   const int64_t spe = sampler_.steps_per_epoch();
   auto order = order_for(global_step / spe);
-  Batch b = data_.gather(sampler_.rank_indices(*order, global_step % spe));
+  const auto indices = sampler_.rank_indices(*order, global_step % spe);
+  Batch b = data_.gather(indices);
+  if (!augment_.empty()) b.x = augment_.apply(b.x, indices, global_step / spe);
   if (pin_) b = {b.x.pin_memory(), b.y.pin_memory()};
   return b;
 }

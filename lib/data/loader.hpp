@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "data/augment.hpp"
 #include "data/dataset.hpp"
 #include "data/sampler.hpp"
 
@@ -20,8 +21,9 @@ class Loader {
  public:
   // Streams global steps [first, end); workers == 0 loads on the caller's thread. `pin`:
   // batches in page-locked memory, which a GPU copies from without blocking (CUDA only).
+  // `augment`: applied to each batch's images in the loader's threads.
   Loader(const Dataset& data, ShardedSampler sampler, int64_t first, int64_t end,
-         int64_t workers, int64_t prefetch, bool pin = false);
+         int64_t workers, int64_t prefetch, bool pin = false, Augment augment = {});
   ~Loader();
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
@@ -38,6 +40,7 @@ class Loader {
   ShardedSampler sampler_;
   int64_t next_take_, end_, prefetch_;
   bool pin_;
+  Augment augment_;
 
   std::mutex mu_;
   std::condition_variable can_work_, ready_cv_;

@@ -15,8 +15,10 @@ class Classification : public Task {
   const char* name() const override { return "classification"; }
   const char* metric() const override { return "accuracy"; }
   bool higher_is_better() const override { return true; }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm&) const override {
-    return F::cross_entropy(out.to(torch::kFloat32), b.y);
+  torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm&,
+                     double label_smoothing) const override {
+    return F::cross_entropy(out.to(torch::kFloat32), b.y,
+                            F::CrossEntropyFuncOptions().label_smoothing(label_smoothing));
   }
   void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s, Comm&) const override {
     auto logits = out.to(torch::kFloat32);
@@ -33,7 +35,8 @@ class LanguageModel : public Task {
   const char* name() const override { return "language_model"; }
   const char* metric() const override { return "perplexity"; }
   bool higher_is_better() const override { return false; }
-  torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm& tensor) const override {
+  torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm& tensor,
+                     double /*label_smoothing: refused*/) const override {
     return per_token(out, b, tensor).mean();
   }
   void accumulate(const torch::Tensor& out, const Batch& b, EvalSums& s,

@@ -29,8 +29,10 @@ class Task {
   virtual const char* metric() const = 0;  // "accuracy" | "perplexity"
   virtual bool higher_is_better() const = 0;
   // The mean loss over one micro-batch, in fp32: what training differentiates. `tensor`
-  // is the group a language model's vocabulary (its logits) is split over.
-  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& batch, Comm& tensor) const = 0;
+  // is the group a language model's vocabulary (its logits) is split over;
+  // `label_smoothing` (classification only, validated) softens the targets.
+  virtual torch::Tensor loss(const torch::Tensor& out, const Batch& batch, Comm& tensor,
+                             double label_smoothing = 0) const = 0;
   virtual void accumulate(const torch::Tensor& out, const Batch& batch, EvalSums& sums,
                           Comm& tensor) const = 0;
   virtual double metric_value(const EvalSums& sums) const = 0;

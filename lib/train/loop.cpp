@@ -244,7 +244,8 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
     return {0, nlohmann::json()};
   }
   Loader loader(*c.data.train, *c.sampler, st.step, c.total_steps, cfg.data.workers,
-                cfg.data.prefetch, /*pin=*/c.device().is_cuda());
+                cfg.data.prefetch, /*pin=*/c.device().is_cuda(),
+                Augment{cfg.data.augment, cfg.data.crop_padding, uint64_t(cfg.seed)});
   const Cadence cadence{cfg, *c.mode, c.steps_per_epoch(), c.total_steps};
   StepReader reader(c, cadence);
   try {

@@ -83,7 +83,7 @@ class Pipeline : public MicroBatchRunner {
         auto out = c_.chunks[size_t(a.chunk)]->forward(x);
         if (g == stages_ - 1) {
           Batch mb{torch::Tensor(), micro(batch.y, a.micro)};
-          auto loss = c_.task->loss(out, mb, *c_.mesh.tensor());
+          auto loss = c_.task->loss(out, mb, *c_.mesh.tensor(), c_.cfg.optimizer.label_smoothing);
           losses[size_t(a.micro)] = loss.detach();
           out = factor != 1.0 ? loss * factor : loss;
         } else {

@@ -36,7 +36,8 @@ class WholeModel : public MicroBatchRunner {
       {
         AutocastGuard guard(c_.cfg.precision.dtype, c_.device().type());
         DropoutScope draw(micro_batch_draw(c_, a * micro, micro));
-        loss = c_.task->loss(model.forward(mb.x), mb, *c_.mesh.tensor());
+        loss = c_.task->loss(model.forward(mb.x), mb, *c_.mesh.tensor(),
+                             c_.cfg.optimizer.label_smoothing);
       }
       losses.push_back(loss.detach());
       if (factor != 1.0) loss = loss * factor;

@@ -30,6 +30,11 @@ void check_supported(const JobConfig& c) {
   refuse(c.parallel.mode == "async_ps", "parallel.mode", "'" + c.parallel.mode + "'");
 }
 
+bool tokens_data(const JobConfig& cfg) {
+  const auto& d = cfg.data.dataset;
+  return d == "text" || d == "tokens" || d == "synthetic_tokens";
+}
+
 // Local SGD against what needs every data replica at every step.
 void check_local_sgd(const JobConfig& c) {
   const auto& p = c.parallel;
@@ -231,12 +236,17 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
                        "train.grad_accum {} (world size {}); use a multiple of {}",
                        cfg.data.batch_size, layout.data, cfg.train.grad_accum, world_size,
                        per_step);
+  fail_if<ConfigError>(tokens_data(cfg) && !cfg.data.augment.empty(),
+                       "data.augment: augmentation is for images; data.dataset {} holds tokens",
+                       cfg.data.dataset);
+  fail_if<ConfigError>(tokens_data(cfg) && cfg.optimizer.label_smoothing > 0,
+                       "optimizer.label_smoothing: for classification only; data.dataset {} "
+                       "trains a language model", cfg.data.dataset);
   fail_if<ConfigError>(!cfg.data.eval_path.empty() && cfg.data.dataset != "tokens",
                        "data.eval_path: held-out shards are read for data.dataset tokens only, "
                        "not {} (text holds out every n-th window: data.eval_fraction)",
                        cfg.data.dataset);
-  const bool tokens = cfg.data.dataset == "text" || cfg.data.dataset == "tokens" ||
-                      cfg.data.dataset == "synthetic_tokens";
+  const bool tokens = tokens_data(cfg);
   fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
                        "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,
                        cfg.data.dataset, tokens ? "token windows need a language model: gpt"

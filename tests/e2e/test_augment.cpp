@@ -1,0 +1,72 @@
+// Augmentation and label smoothing through `dtrain run`: an augmented run is the same at 2
+// ranks as on one (each sample's draws are its own), resumes bit for bit, and differs from
+// the plain run; what does not apply to the data is refused naming the key.
+#include <doctest/doctest.h>
+
+#include <fstream>
+
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+const char* kQuiet = " --set logging.progress=off";
+
+std::string cnn_job(const std::string& dir) {
+  auto path = dir + "/cnn.yaml";
+  std::ofstream(path) << "name: augment-check\nseed: 9\n"
+                         "data: {dataset: synthetic, samples: 1024, test_samples: 128,"
+                         " input_shape: [1, 12, 12], classes: 4, batch_size: 32, workers: 2,"
+                         " augment: [random_crop, hflip, erase], crop_padding: 2}\n"
+                         "model: {arch: cnn, channels: [8], fc: [16]}\n"
+                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, label_smoothing: 0.1}\n"
+                         "schedule: {decay: step, step_size: 10}\n"
+                         "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 10}\n"
+                         "checkpoint: {every_steps: 10}\n"
+                         "dist: {timeout_s: 30}\n";
+  return path;
+}
+
+void run(const std::string& args) {
+  auto r = e2e::dtrain(args + kQuiet);
+  INFO(args << ": " << r.err);
+  REQUIRE(r.code == 0);
+}
+}  // namespace
+
+TEST_SUITE("augment") {
+  TEST_CASE("augmented runs: the same at 2 ranks as on one, exact resume, unlike the plain run") {
+    auto dir = temp_dir("augment");
+    const auto job = cnn_job(dir);
+    run("run " + job + " --run-dir " + dir + "/one");
+    run("run " + job + " --nproc 2 --run-dir " + dir + "/two");
+    check_losses_close(train_losses(dir + "/one"), train_losses(dir + "/two"), 1e-4,
+                       "augmented, 2 ranks against 1");
+    run("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
+    run("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
+    const auto two = train_losses(dir + "/two"), legs = train_losses(dir + "/legs");
+    REQUIRE(legs.size() == 20);
+    for (const auto& [step, loss] : two) {
+      INFO("step " << step);
+      CHECK(legs.at(step) == loss);
+    }
+    run("run " + job + " --run-dir " + dir + "/plain --set data.augment=[]");
+    run("run " + job + " --run-dir " + dir + "/sharp --set optimizer.label_smoothing=0");
+    const auto one = train_losses(dir + "/one");
+    CHECK(train_losses(dir + "/plain").at(1) != one.at(1));  // other pixels
+    CHECK(train_losses(dir + "/sharp").at(1) != one.at(1));  // another loss
+  }
+
+  TEST_CASE("augmentation and label smoothing on token data are refused, naming the key") {
+    auto dir = temp_dir("augment-refuse");
+    for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
+             {" --set data.augment=[hflip]", "data.augment: augmentation is for images"},
+             {" --set optimizer.label_smoothing=0.1", "optimizer.label_smoothing: for classification only"},
+             {" --set data.augment=[rotate]", "data.augment: 'rotate' is not one of random_crop | hflip | erase"}}) {
+      auto r = e2e::dtrain("validate " + config("gpt_text.yaml") + sets);
+      INFO(sets << ": " << r.err);
+      CHECK(r.code == 2);
+      CHECK(r.err.find(says) != std::string::npos);
+    }
+  }
+}
