@@ -74,10 +74,14 @@ struct TokenShard {
   std::shared_ptr<MappedFile> file;
   int64_t offset = 0;  // bytes before the first token
   int64_t count = 0;   // tokens
-  uint16_t at(int64_t i) const {
-    uint16_t v;
-    std::memcpy(&v, file->data() + offset + 2 * i, 2);  // little-endian, as x86 and ARM
-    return v;
+  // Tokens [from, from + n) into `out`, widened (little-endian, as x86 and ARM).
+  void read(int64_t from, int64_t n, int64_t* out) const {
+    const unsigned char* p = file->data() + offset + 2 * from;
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, p + 2 * i, 2);
+      out[i] = v;
+    }
   }
 };
 
@@ -157,13 +161,12 @@ class TokenShards : public Dataset {
     auto* px = x.data_ptr<int64_t>();
     auto* py = y.data_ptr<int64_t>();
     const auto* pi = idx.data_ptr<int64_t>();
-    for (int64_t r = 0; r < n; ++r) {
+    std::vector<int64_t> window(size_t(seq_ + 1));
+    for (int64_t r = 0; r < n; ++r) {  // each token read once: x the first seq, y the last
       const auto& [s, start] = windows_[size_t(pi[r])];
-      const auto& shard = shards_[size_t(s)];
-      for (int64_t t = 0; t < seq_; ++t) {
-        px[r * seq_ + t] = shard.at(start + t);
-        py[r * seq_ + t] = shard.at(start + t + 1);
-      }
+      shards_[size_t(s)].read(start, seq_ + 1, window.data());
+      std::copy(window.begin(), window.end() - 1, px + r * seq_);
+      std::copy(window.begin() + 1, window.end(), py + r * seq_);
     }
     return {x, y};
   }

@@ -82,14 +82,8 @@ struct Cadence {
   bool last(int64_t n) const { return n == total_steps; }
   bool epoch_end(int64_t n) const { return n % steps_per_epoch == 0; }
   bool should_log(int64_t n) const { return n % cfg.train.log_every == 0 || last(n); }
-  bool should_eval(int64_t n) const {
-    const int64_t every = cfg.train.eval_every;
-    return due(n, [&](int64_t m) { return every > 0 ? m % every == 0 : epoch_end(m); });
-  }
-  bool should_save(int64_t n) const {
-    const int64_t every = cfg.checkpoint.every_steps;
-    return due(n, [&](int64_t m) { return every > 0 ? m % every == 0 : epoch_end(m); });
-  }
+  bool should_eval(int64_t n) const { return due(n, cfg.train.eval_every); }
+  bool should_save(int64_t n) const { return due(n, cfg.checkpoint.every_steps); }
   // The first step where the ranks meet after some steps apart (local SGD): the steps
   // before it are read first, so that a replica's divergence among them is voted on there.
   bool rejoins(int64_t n) const { return n > 1 && mode.meets(n) && !mode.meets(n - 1); }
@@ -98,14 +92,13 @@ struct Cadence {
   bool parts(int64_t n) const { return !last(n) && mode.meets(n) && !mode.meets(n + 1); }
 
  private:
-  // Whether the ranks meet after step n and `wanted` holds for it, for a step since they
-  // last met, or n is the last.
-  template <class F>
-  bool due(int64_t n, F wanted) const {
+  // Whether the ranks meet after step n and, since they last met, a step was due by
+  // `every` (0: each epoch's end), or n is the last.
+  bool due(int64_t n, int64_t every) const {
     if (!mode.meets(n)) return false;
     if (last(n)) return true;
     for (int64_t m = n;; --m) {
-      if (wanted(m)) return true;
+      if (every > 0 ? m % every == 0 : epoch_end(m)) return true;
       if (m == 1 || mode.meets(m - 1)) return false;
     }
   }

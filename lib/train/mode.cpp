@@ -46,8 +46,7 @@ class LocalSgdMode : public TrainingMode {
 
   int64_t after_update(int64_t n) override {
     if (!steps_locally(cfg_, n) || !meets(n)) return 0;
-    auto& data = *mesh_.data();
-    if (data.size() == 1) return 0;
+    auto& data = *mesh_.data();  // two or more ranks: make_mode's condition
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> all{params_.data()};
     for (const auto& b : buffers_) all.push_back(b);

@@ -53,6 +53,14 @@ inline Result dtrain(const std::string& args, const std::string& prefix = "") {
   return r;
 }
 
+// `dtrain ARGS` without the progress line, which must succeed (else its stderr is the
+// failure's message).
+inline void run_ok(const std::string& args) {
+  auto r = dtrain(args + " --set logging.progress=off");
+  INFO(args << ": " << r.err);
+  REQUIRE(r.code == 0);
+}
+
 inline std::vector<nlohmann::json> metrics(const std::string& run_dir) {
   std::vector<nlohmann::json> lines;
   std::ifstream in(run_dir + "/metrics.jsonl");

@@ -27,31 +27,26 @@ std::string cnn_job(const std::string& dir) {
   return path;
 }
 
-void run(const std::string& args) {
-  auto r = e2e::dtrain(args + kQuiet);
-  INFO(args << ": " << r.err);
-  REQUIRE(r.code == 0);
-}
 }  // namespace
 
 TEST_SUITE("augment") {
   TEST_CASE("augmented runs: the same at 2 ranks as on one, exact resume, unlike the plain run") {
     auto dir = temp_dir("augment");
     const auto job = cnn_job(dir);
-    run("run " + job + " --run-dir " + dir + "/one");
-    run("run " + job + " --nproc 2 --run-dir " + dir + "/two");
+    run_ok("run " + job + " --run-dir " + dir + "/one");
+    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/two");
     check_losses_close(train_losses(dir + "/one"), train_losses(dir + "/two"), 1e-4,
                        "augmented, 2 ranks against 1");
-    run("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
-    run("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
+    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
+    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
     const auto two = train_losses(dir + "/two"), legs = train_losses(dir + "/legs");
     REQUIRE(legs.size() == 20);
     for (const auto& [step, loss] : two) {
       INFO("step " << step);
       CHECK(legs.at(step) == loss);
     }
-    run("run " + job + " --run-dir " + dir + "/plain --set data.augment=[]");
-    run("run " + job + " --run-dir " + dir + "/sharp --set optimizer.label_smoothing=0");
+    run_ok("run " + job + " --run-dir " + dir + "/plain --set data.augment=[]");
+    run_ok("run " + job + " --run-dir " + dir + "/sharp --set optimizer.label_smoothing=0");
     const auto one = train_losses(dir + "/one");
     CHECK(train_losses(dir + "/plain").at(1) != one.at(1));  // other pixels
     CHECK(train_losses(dir + "/sharp").at(1) != one.at(1));  // another loss

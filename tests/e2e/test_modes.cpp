@@ -21,11 +21,6 @@ using namespace e2e;
 namespace {
 const char* kQuiet = " --set logging.progress=off";
 
-void run(const std::string& args) {
-  auto r = e2e::dtrain(args + kQuiet);
-  INFO(args << ": " << r.err);
-  REQUIRE(r.code == 0);
-}
 
 // Synthetic data, the MLP, 2 ranks; a schedule independent of max_steps.
 std::string job(const std::string& dir, const std::string& optimizer) {
@@ -55,15 +50,15 @@ TEST_SUITE("modes") {
   TEST_CASE("local_sgd averaging every step, optimizer state too, is synchronous SGD") {
     auto dir = temp_dir("modes-every1");
     const auto path = job(dir, "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.01}");
-    run("run " + path + " --nproc 2 --run-dir " + dir + "/sync");
-    run("run " + path + " --nproc 2 --run-dir " + dir + "/local --set parallel.mode=local_sgd"
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/sync");
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/local --set parallel.mode=local_sgd"
         " --set parallel.average_every=1 --set parallel.average_optimizer=true");
     check_losses_close(train_losses(dir + "/sync"), train_losses(dir + "/local"), 1e-5,
                        "local_sgd every 1");
     // Without momentum nothing else is carried between steps: equal too.
     const auto plain = job(dir, "{name: sgd, lr: 0.1}");
-    run("run " + plain + " --nproc 2 --run-dir " + dir + "/sync-plain");
-    run("run " + plain + " --nproc 2 --run-dir " + dir + "/local-plain"
+    run_ok("run " + plain + " --nproc 2 --run-dir " + dir + "/sync-plain");
+    run_ok("run " + plain + " --nproc 2 --run-dir " + dir + "/local-plain"
         " --set parallel.mode=local_sgd --set parallel.average_every=1");
     check_losses_close(train_losses(dir + "/sync-plain"), train_losses(dir + "/local-plain"), 1e-5,
                        "local_sgd every 1, plain SGD");
@@ -76,8 +71,8 @@ TEST_SUITE("modes") {
     const std::string local = " --set parallel.mode=local_sgd --set parallel.average_every=4"
                               " --set parallel.local_after=2 --set checkpoint.every_steps=5"
                               " --set checkpoint.keep_last=10";
-    run("run " + path + " --nproc 2 --run-dir " + dir + "/whole" + local);
-    run("run " + path + " --nproc 2 --run-dir " + dir + "/sync");
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/whole" + local);
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/sync");
     const auto whole = train_losses(dir + "/whole"), sync = train_losses(dir + "/sync");
     REQUIRE(whole.size() == 24);
     CHECK(whole.at(1) == sync.at(1));
@@ -102,7 +97,7 @@ TEST_SUITE("modes") {
     }
     // Stopped at step 10 (an average) and resumed: bit for bit.
     const auto legs = dir + "/legs";
-    run("run " + path + " --nproc 2 --run-dir " + legs + local + " --set train.max_steps=10");
+    run_ok("run " + path + " --nproc 2 --run-dir " + legs + local + " --set train.max_steps=10");
     const auto second = e2e::dtrain("run " + path + " --nproc 2 --run-dir " + legs +
                                     " --resume auto" + local + kQuiet);
     INFO(second.err);
@@ -144,16 +139,16 @@ TEST_SUITE("modes") {
     // parameters and momentum every step is the synchronous step (the tied embedding and
     // head summed over their stages either way).
     const auto linear = gpt("{name: sgd, lr: 0.1, momentum: 0.9, grad_clip: 0}");
-    run("run " + linear + " --nproc 8 --run-dir " + dir + "/sync");
-    run("run " + linear + " --nproc 8 --run-dir " + dir + "/every1 --set parallel.mode=local_sgd"
+    run_ok("run " + linear + " --nproc 8 --run-dir " + dir + "/sync");
+    run_ok("run " + linear + " --nproc 8 --run-dir " + dir + "/every1 --set parallel.mode=local_sgd"
         " --set parallel.average_every=1 --set parallel.average_optimizer=true");
     check_losses_close(train_losses(dir + "/sync"), train_losses(dir + "/every1"), 1e-5,
                        "3-D local_sgd every 1");
     // Apart for 4 steps at a time, each replica's AdamW state split over tensor ranks.
     const auto adam = gpt("{name: adamw, lr: 0.003, weight_decay: 0.1}");
     const std::string local = " --set parallel.mode=local_sgd --set parallel.average_every=4";
-    run("run " + adam + " --nproc 8 --run-dir " + dir + "/whole" + local);
-    run("run " + adam + " --nproc 8 --run-dir " + dir + "/legs" + local + " --set train.max_steps=8");
+    run_ok("run " + adam + " --nproc 8 --run-dir " + dir + "/whole" + local);
+    run_ok("run " + adam + " --nproc 8 --run-dir " + dir + "/legs" + local + " --set train.max_steps=8");
     const auto second = e2e::dtrain("run " + adam + " --nproc 8 --run-dir " + dir + "/legs"
                                     " --resume auto" + local + kQuiet);
     INFO(second.err);
@@ -213,7 +208,7 @@ TEST_SUITE("modes") {
       std::map<std::string, nlohmann::json> summary;
       for (const std::string mode : {"sync", "local_sgd"}) {
         const auto out = dir + "/" + k.config + "-" + mode;
-        run("run " + config(k.config) + " --nproc 2 --run-dir " + out + " --set train.max_steps=" +
+        run_ok("run " + config(k.config) + " --nproc 2 --run-dir " + out + " --set train.max_steps=" +
             k.steps + " --set train.log_every=100 --set parallel.mode=" + mode);
         summary[mode] = metrics(out).back();
       }

@@ -54,11 +54,6 @@ std::string gpt_job(const std::string& dir, const std::string& data) {
   return path;
 }
 
-void run(const std::string& args) {
-  auto r = e2e::dtrain(args + kQuiet);
-  INFO(args << ": " << r.err);
-  REQUIRE(r.code == 0);
-}
 }  // namespace
 
 TEST_SUITE("tokens") {
@@ -73,10 +68,10 @@ TEST_SUITE("tokens") {
     }
     write_nanogpt(dir + "/corpus.bin", tokens);
     write_llmc(dir + "/corpus.llmc", tokens);
-    run("run " + gpt_job(dir, "dataset: text, path: " + text) + " --run-dir " + dir + "/text");
-    run("run " + gpt_job(dir, "dataset: tokens, path: " + dir + "/corpus.bin") + " --run-dir " +
+    run_ok("run " + gpt_job(dir, "dataset: text, path: " + text) + " --run-dir " + dir + "/text");
+    run_ok("run " + gpt_job(dir, "dataset: tokens, path: " + dir + "/corpus.bin") + " --run-dir " +
         dir + "/nanogpt");
-    run("run " + gpt_job(dir, "dataset: tokens, path: " + dir + "/corpus.llmc") + " --run-dir " +
+    run_ok("run " + gpt_job(dir, "dataset: tokens, path: " + dir + "/corpus.llmc") + " --run-dir " +
         dir + "/llmc");
     const auto want = train_losses(dir + "/text");
     REQUIRE(want.size() == 20);
@@ -102,9 +97,9 @@ TEST_SUITE("tokens") {
     write_llmc(dir + "/data/val_000000.bin", corpus_tokens(60000, 5000));
     const auto job = gpt_job(dir, "dataset: tokens, path: '" + dir + "/data/train_*.bin', "
                                   "eval_path: '" + dir + "/data/val_*.bin'");
-    run("run " + job + " --nproc 2 --run-dir " + dir + "/whole");
-    run("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
-    run("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
+    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/whole");
+    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
+    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
     const auto whole = train_losses(dir + "/whole"), legs = train_losses(dir + "/legs");
     REQUIRE(legs.size() == 20);
     for (const auto& [step, loss] : whole) {
