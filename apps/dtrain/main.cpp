@@ -104,7 +104,9 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   if (nproc > 1 && detect_launcher(env) == "single") {
     const auto checked = load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
     check_machine(checked.cfg, checked.dims, nproc);
-    return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv)});
+    const auto& p = checked.cfg.parallel;
+    return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
+                      p.mode == "async_ps" ? p.servers : 0});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = load_job(job.path, job.sets);

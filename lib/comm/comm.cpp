@@ -89,6 +89,9 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
     if (!ops.empty()) throw std::logic_error("send/recv in a group of one process");
     return std::make_unique<DonePending>();
   }
+  int64_t recv_any(torch::Tensor, int) override {
+    throw std::logic_error("recv_any in a group of one process");
+  }
   std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>& members) override {
     if (members != std::vector<int64_t>{0})
       throw std::logic_error("a group of other ranks in a world of one process");
@@ -225,6 +228,15 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
       }
       return std::unique_ptr<Pending>(std::move(all));
     });
+  }
+  int64_t recv_any(torch::Tensor t, int tag) override {
+    std::vector<torch::Tensor> ts{t};
+    c10::intrusive_ptr<c10d::Work> work;
+    guard("recv", [&] {
+      work = pg_->recvAnysource(ts, tag);
+      return pending("recv", work, ts);
+    })->wait();
+    return work->sourceRank();
   }
   std::shared_ptr<Comm> new_group(const std::string& name,
                                   const std::vector<int64_t>& members) override {

@@ -227,6 +227,7 @@ struct ParallelConfig {
   int64_t powersgd_rank = 2;
   int64_t compression_warmup = 0;
   std::string mode = "sync";
+  int64_t servers = 1;
   int64_t staleness = 4;
   int64_t average_every = 8;
   int64_t local_after = 0;
@@ -253,10 +254,15 @@ struct ParallelConfig {
     v("compression_warmup", compression_warmup,
       "steps all-reduced uncompressed before compression starts");
     v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
-      "training mode: sync (every step's gradient averaged), local_sgd (each data replica "
-      "steps alone, the replicas averaged every average_every steps); async_ps is not "
-      "supported yet");
-    v("staleness", staleness, "async_ps: bound on a worker's lag");
+      "training mode: sync (every step's gradient averaged), async_ps (parameter servers apply "
+      "each worker's gradient as it arrives), local_sgd (each data replica steps alone, the "
+      "replicas averaged every average_every steps)");
+    v("servers", servers,
+      "async_ps: ranks that hold the parameters and optimizer state, each a contiguous range "
+      "(the job's first ranks; the rest are workers)");
+    v("staleness", staleness,
+      "async_ps: pushes a worker may be ahead of the slowest worker before its reply is held "
+      "(0 = lock-step)");
     v("average_every", average_every, "local_sgd: steps between averages of the replicas");
     v("local_after", local_after,
       "local_sgd: synchronous steps before the local ones start (post-local SGD)");

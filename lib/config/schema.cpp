@@ -534,6 +534,7 @@ void check_ranges(const JobConfig& c) {
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
   need(p.powersgd_rank >= 1, "parallel.powersgd_rank", ">= 1", p.powersgd_rank);
   need(p.compression_warmup >= 0, "parallel.compression_warmup", ">= 0", p.compression_warmup);
+  need(p.servers >= 1, "parallel.servers", ">= 1", p.servers);
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
   need(p.local_after >= 0, "parallel.local_after", ">= 0", p.local_after);

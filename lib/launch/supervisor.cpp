@@ -284,7 +284,11 @@ int supervise(const SupervisorOptions& o) {
       return forwarded == SIGINT ? 130 : 143;
     }
     if (!first_failure) return kExitOk;
-    const auto [culprit, what] = blame(ws, *first_failure, running);
+    auto [culprit, what] = blame(ws, *first_failure, running);
+    if (o.servers > 0)  // async_ps: which role the rank had
+      what += int64_t(culprit) < o.servers
+                  ? fmt::format(" (it was async_ps server {})", culprit)
+                  : fmt::format(" (it was async_ps worker {})", int64_t(culprit) - o.servers);
     const int status = *ws[culprit].status;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
     // A bad job spec or unreadable data fails the same way on every attempt: no restart,

@@ -17,6 +17,7 @@ struct SupervisorOptions {
   int64_t max_restarts = 0;
   std::string executable;              // path to dtrain (usually /proc/self/exe)
   std::vector<std::string> run_args;   // "run", JOB, options; without --nproc/--max-restarts
+  int64_t servers = 0;                 // async_ps: the first ranks are servers (named so)
 };
 
 // Returns the job's exit code.

@@ -28,15 +28,18 @@ struct Tied {
 
 class NoSync : public GradSync {
  public:
-  NoSync(const FlatParams& params, int64_t micro_batches, Tied tied)
-      : params_(params), factor_(1.0 / double(micro_batches)), tied_(std::move(tied)) {}
+  NoSync(const FlatParams& params, int64_t micro_batches, Tied tied, Shard shard = {})
+      : params_(params), factor_(1.0 / double(micro_batches)), tied_(std::move(tied)),
+        shard_(shard) {}
   double loss_factor() const override { return factor_; }
   void finish() override { tied_.sum(params_); }
+  Shard shard() const override { return shard_; }
 
  private:
   const FlatParams& params_;
   double factor_;
   Tied tied_;
+  Shard shard_;  // async_ps: the range a server updates
 };
 
 // The sum over the group, in place, every value on the wire as it is.
@@ -379,6 +382,11 @@ class LocalSync : public GradSync {
 }  // namespace
 
 void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts) {
+  // async_ps: servers and workers cut the buffers alike, in one range per server.
+  if (mesh.role() != Role::kTrainer) {
+    opts.pad_to = mesh.servers() * kShardAlign;
+    return;
+  }
   const int64_t d = mesh.dims().data;
   if (cfg.zero == 0 || d == 1) return;
   opts.pad_to = d * kShardAlign;
@@ -386,6 +394,8 @@ void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts) 
 }
 
 Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams& params) {
+  if (mesh.role() == Role::kServer) return params.shard(mesh.servers(), mesh.coord().data);
+  if (mesh.role() == Role::kWorker) return {};
   if (cfg.zero == 0 || mesh.dims().data == 1) return {};
   return params.shard(mesh.dims().data, mesh.coord().data);
 }
@@ -394,8 +404,11 @@ std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& 
                                          FlatParams& params, int64_t micro_batches,
                                          const std::vector<size_t>& tied_entries) {
   Tied tied{mesh.embedding(), tied_entries};
-  if (mesh.dims().data == 1) return std::make_unique<NoSync>(params, micro_batches, tied);
   const Shard shard = update_shard(cfg, mesh, params);
+  // A worker's gradient is its own (pushed to the servers, train/async_ps.cpp); a server
+  // computes none and updates its range.
+  if (mesh.dims().data == 1 || mesh.role() != Role::kTrainer)
+    return std::make_unique<NoSync>(params, micro_batches, tied, shard);
   if (cfg.mode == "local_sgd")
     return std::make_unique<LocalSync>(
         cfg,

@@ -106,10 +106,12 @@ inline int64_t ring_all_reduce_bytes(int64_t bytes, int64_t ranks) {
 }
 
 // The part of the flat buffers this rank updates: the whole without ZeRO, else its data
-// rank's equal shard. The one place that decides it (the optimizer and the sync agree).
+// rank's equal shard; under async_ps a server's range (a worker updates nothing). The one
+// place that decides it (the optimizer and the sync agree).
 Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams& params);
 // The flat buffers' options ZeRO sets: padded so that they cut into equal shards, and
-// under ZeRO-2 the gradient held for this rank's shard only.
+// under ZeRO-2 the gradient held for this rank's shard only. Under async_ps, servers and
+// workers pad alike, into one equal range per server.
 void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts);
 
 // Whether step n (from 1) steps each data replica on its own gradient: local SGD, past its

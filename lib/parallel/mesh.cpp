@@ -17,7 +17,7 @@ std::string group_name(Axis axis, const Coord& c) {
 }  // namespace
 
 Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world, bool replica_group)
-    : dims_(dims), coord_(dims.coord_of(world->rank())), world_(std::move(world)) {
+    : dims_(dims), coord_(dims.coord_of(world->rank())), job_(world), world_(std::move(world)) {
   if (dims_.world() != world_->size())
     throw std::logic_error(fmt::format("mesh {} over a world of {}", dims_.str(), world_->size()));
   auto make = [&](Axis axis) {
@@ -40,6 +40,24 @@ Mesh::Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world, bool replica_g
       if (dims_.coord_of(r).data == coord_.data) members.push_back(r);
     replica_ = world_->new_group(fmt::format("replica-d{}", coord_.data), members);
   }
+}
+
+Mesh Mesh::for_role(int64_t servers, std::shared_ptr<Comm> job) {
+  Mesh m;
+  const int64_t rank = job->rank(), size = job->size();
+  m.role_ = rank < servers ? Role::kServer : Role::kWorker;
+  m.servers_ = servers;
+  std::vector<int64_t> members;
+  for (int64_t r = 0; r < size; ++r)
+    if ((r < servers) == (m.role_ == Role::kServer)) members.push_back(r);
+  // Both roles create their group at once, each over its own ranks.
+  m.world_ = job->new_group(m.role_ == Role::kServer ? "servers" : "workers", members);
+  m.job_ = std::move(job);
+  m.dims_.data = int64_t(members.size());
+  m.coord_ = m.dims_.coord_of(m.world_->rank());
+  m.data_ = m.world_;
+  m.tensor_ = m.pipeline_ = make_local_comm();
+  return m;
 }
 
 const std::shared_ptr<Comm>& Mesh::group(Axis a) const {

@@ -45,13 +45,18 @@ struct RunState {
   // The run ends where they next meet, all together; never saved (nothing is saved then).
   int64_t diverged_at = 0;
   int64_t bytes_sent = 0;  // by this process since it started (not saved)
+  // async_ps: the pushes each worker has had applied, its data position (saved). Empty
+  // otherwise, and in a fresh run until the servers start.
+  std::vector<int64_t> worker_pushes;
 };
 
 struct Context {
   Context(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
           const WorldInfo& world, std::shared_ptr<Comm> comm)
       : cfg(cfg), opts(opts), world(world),
-        mesh(dims, std::move(comm), /*replica_group=*/cfg.parallel.mode == "local_sgd") {}
+        mesh(cfg.parallel.mode == "async_ps"
+                 ? Mesh::for_role(cfg.parallel.servers, std::move(comm))
+                 : Mesh(dims, std::move(comm), /*replica_group=*/cfg.parallel.mode == "local_sgd")) {}
 
   JobConfig cfg;
   RunOptions opts;
@@ -84,12 +89,13 @@ struct Context {
   int64_t total_steps = 0;
   bool finished = false;  // resumed at or past total_steps: nothing to train
   std::optional<DirLock> run_dir_lock;           // rank 0: held for the whole run
-  std::unique_ptr<CheckpointStore> checkpoints;  // rank 0
-  std::unique_ptr<MetricsLog> metrics;           // rank 0
+  std::unique_ptr<CheckpointStore> checkpoints;  // rank 0 (async_ps: server 0)
+  std::unique_ptr<MetricsLog> metrics;           // rank 0 (async_ps: server 0)
   std::unique_ptr<Progress> progress;
   RunState state;
 
   bool root() const { return mesh.is_root(); }
+  bool worker() const { return mesh.role() == Role::kWorker; }
   bool holds_first() const { return chunk_stage.front() == 0; }
   bool holds_last() const { return chunk_stage.back() == stages - 1; }
   // The buffers this rank holds (BatchNorm's statistics), by their names in the model.

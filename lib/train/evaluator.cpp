@@ -1,6 +1,11 @@
 #include "train/evaluator.hpp"
 
+#include <chrono>
+
+#include <fmt/format.h>
 #include <torch/torch.h>
+
+#include "train/report.hpp"
 
 namespace dtrain {
 
@@ -24,6 +29,21 @@ EvalResult evaluate(Context& c) {
   if (c.mesh.pipeline()->size() > 1) c.mesh.pipeline()->all_reduce(t);
   EvalSums total{t[0].item<double>(), t[1].item<double>(), t[2].item<double>()};
   return {total.loss / total.count, c.task->metric_value(total)};
+}
+
+void evaluate_and_report(Context& c) {
+  using Clock = std::chrono::steady_clock;
+  auto& st = c.state;
+  const auto t0 = Clock::now();
+  const EvalResult eval = evaluate(c);
+  st.last_eval = eval;
+  if (std::isfinite(eval.metric) &&
+      (!std::isfinite(st.best_metric) || c.task->better(eval.metric, st.best_metric)))
+    st.best_metric = eval.metric, st.best_step = st.step;
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (c.root()) c.metrics->write(eval_line(c, eval, ms));
+  c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval.loss,
+                    c.task->metric(), eval.metric));
 }
 
 }  // namespace dtrain

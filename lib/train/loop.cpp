@@ -10,6 +10,8 @@
 #include "launch/requeue.hpp"
 #include "optim/schedule.hpp"
 #include "train/context.hpp"
+#include "train/async_ps.hpp"
+#include "train/cadence.hpp"
 #include "train/evaluator.hpp"
 #include "train/report.hpp"
 #include "train/signals.hpp"
@@ -70,39 +72,6 @@ void handle_nonfinite(Context& c, const StepStats& s, int64_t step,
 // figures have reached the host by then, so reading them never empties the device's queue.
 // Two, not one, leaves room for a step that the host queues faster than the one before.
 constexpr size_t kReadLag = 2;
-
-// What happens after step n (from 1): the cadence of the job, decided here only. An
-// evaluation or a checkpoint due where the ranks do not meet (between local SGD's averages)
-// waits for the next meeting, where every replica holds the same parameters.
-struct Cadence {
-  const JobConfig& cfg;
-  const TrainingMode& mode;
-  int64_t steps_per_epoch, total_steps;
-
-  bool last(int64_t n) const { return n == total_steps; }
-  bool epoch_end(int64_t n) const { return n % steps_per_epoch == 0; }
-  bool should_log(int64_t n) const { return n % cfg.train.log_every == 0 || last(n); }
-  bool should_eval(int64_t n) const { return due(n, cfg.train.eval_every); }
-  bool should_save(int64_t n) const { return due(n, cfg.checkpoint.every_steps); }
-  // The first step where the ranks meet after some steps apart (local SGD): the steps
-  // before it are read first, so that a replica's divergence among them is voted on there.
-  bool rejoins(int64_t n) const { return n > 1 && mode.meets(n) && !mode.meets(n - 1); }
-  // The last step where the ranks meet before some steps apart: it is read at once, so
-  // that a stop voted there is acted on there, where every replica is the same.
-  bool parts(int64_t n) const { return !last(n) && mode.meets(n) && !mode.meets(n + 1); }
-
- private:
-  // Whether the ranks meet after step n and, since they last met, a step was due by
-  // `every` (0: each epoch's end), or n is the last.
-  bool due(int64_t n, int64_t every) const {
-    if (!mode.meets(n)) return false;
-    if (last(n)) return true;
-    for (int64_t m = n;; --m) {
-      if (every > 0 ? m % every == 0 : epoch_end(m)) return true;
-      if (m == 1 || mode.meets(m - 1)) return false;
-    }
-  }
-};
 
 using Clock = std::chrono::steady_clock;
 
@@ -184,21 +153,6 @@ class StepReader {
   Clock::time_point mark_ = Clock::now();  // the last step's finish, moved on past the rest
 };
 
-// An evaluation after step st.step: its line, and the best metric so far.
-void run_evaluation(Context& c) {
-  auto& st = c.state;
-  const auto t0 = Clock::now();
-  const EvalResult eval = evaluate(c);
-  st.last_eval = eval;
-  if (std::isfinite(eval.metric) &&
-      (!std::isfinite(st.best_metric) || c.task->better(eval.metric, st.best_metric)))
-    st.best_metric = eval.metric, st.best_step = st.step;
-  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  if (c.root()) c.metrics->write(eval_line(c, eval, ms));
-  c.say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", st.step, eval.loss,
-                    c.task->metric(), eval.metric));
-}
-
 // A stop signal (here or on a peer), acted on at a step boundary: a checkpoint, the
 // summary, and under SLURM's warning signal a requeue. Returns the run's result.
 RunResult stop_run(Context& c, const StepReader& reader) {
@@ -229,6 +183,7 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   Context c(cfg, dims, opts, world, std::move(comm));
   setup(c);
   set_setting_up(false);
+  if (c.mesh.role() != Role::kTrainer) return run_async_ps(c);  // a loop of its own
   auto& st = c.state;
   if (c.finished) {
     c.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
@@ -248,7 +203,7 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
       if (cadence.rejoins(n)) reader.read_all();
       reader.queue(train_step(c, loader, cadence.should_log(n), eval_now || save_now));
       if (eval_now || save_now || reader.stop() || cadence.parts(n)) reader.read_all();
-      if (eval_now) reader.not_training([&] { run_evaluation(c); });
+      if (eval_now) reader.not_training([&] { evaluate_and_report(c); });
       if (save_now)
         reader.not_training([&] { save_checkpoint(c, eval_now ? st.last_eval : std::nullopt); });
       if (reader.stop()) return stop_run(c, reader);

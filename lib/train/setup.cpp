@@ -31,7 +31,7 @@ namespace {
 void agree_on_data(Context& c) {
   auto mine = c.data.train->fingerprint();
   for (double v : c.data.test->fingerprint()) mine.push_back(v);
-  auto world = c.mesh.world();
+  auto world = c.mesh.job();
   if (world->size() == 1) return;
   const auto all = world->all_gather(torch::tensor(mine, torch::kFloat64));
   std::vector<int64_t> differ;
@@ -158,13 +158,19 @@ void setup(Context& c) {
     chunk->before_use([sync = c.sync.get()](const torch::nn::Module& m) { sync->before_use(m); });
   if (cfg.precision.dtype == "fp16")
     c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
+  // Each data rank's shard of every global batch (a server reads none: it counts steps).
+  const bool reads = c.mesh.role() != Role::kServer;
   c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
-                    static_cast<uint64_t>(cfg.seed), /*rank=*/c.mesh.coord().data,
-                    /*ranks=*/dims.data);
+                    static_cast<uint64_t>(cfg.seed), /*rank=*/reads ? c.mesh.coord().data : 0,
+                    /*ranks=*/reads ? dims.data : 1);
   c.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
                                           : cfg.train.epochs * c.steps_per_epoch();
   c.progress = std::make_unique<Progress>(c.root() ? cfg.logging.progress : "off", c.total_steps);
   c.mode = make_mode(c.cfg, c.mesh, *c.params, *c.optimizer, c.named_buffers(), c.total_steps);
+  if (c.worker()) {  // async_ps: the servers hold the run; a worker gets its state from them
+    c.runner = make_runner(c);
+    return;
+  }
 
   auto resume_from = open_run_dir(c);
   if (resume_from) restore(c, *resume_from);
@@ -197,8 +203,11 @@ void setup(Context& c) {
       DTRAIN_VERSION, cfg.name, cfg.model.arch, full,
       local != full ? fmt::format(", {} on each tensor rank", local) : "", cfg.data.dataset,
       c.data.train->size(), c.data.test->size(), cfg.data.batch_size, c.total_steps,
-      c.steps_per_epoch(), c.device().str(), cfg.precision.dtype, c.mesh.world()->size(),
-      dims.str(), c.world.launcher, threads, pinning,
+      c.steps_per_epoch(), c.device().str(), cfg.precision.dtype, c.mesh.job()->size(),
+      c.mesh.role() == Role::kTrainer
+          ? dims.str()
+          : fmt::format("async_ps: {} server(s), {} worker(s), staleness {}", c.mesh.servers(),
+                        c.mesh.job()->size() - c.mesh.servers(), cfg.parallel.staleness), c.world.launcher, threads, pinning,
       blas.empty() ? "unknown" : blas,
       resume_from ? fmt::format(", resumed at step {} from {}", c.state.step, *resume_from) : "",
       cfg.run_dir));

@@ -142,12 +142,15 @@ SavedTrainer read_trainer_state(const nlohmann::json& t, const std::string& fold
     out.rng_cpu = hex("rng_torch_cpu");
     if (t.contains("rng_torch_cuda")) out.rng_cuda = hex("rng_torch_cuda");
     if (t.contains("loss_scaler")) out.loss_scaler = t.at("loss_scaler");
+    if (t.contains("worker_pushes")) out.worker_pushes = t.at("worker_pushes").get<std::vector<int64_t>>();
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}: {}", file, e.what()));
   }
   fail_if<CheckpointError>(out.step < 0 || out.best_step < 0 || out.best_step > out.step,
                            "{}: step {} and best_step {} are out of range", file, out.step,
                            out.best_step);
+  for (int64_t pushes : out.worker_pushes)
+    fail_if<CheckpointError>(pushes < 0, "{}: worker_pushes holds {}, a negative count", file, pushes);
   fail_if<CheckpointError>(out.global_batch < 1 || out.train_samples < 1,
                            "{}: global_batch {} and train_samples {} must be positive", file,
                            out.global_batch, out.train_samples);
@@ -306,6 +309,7 @@ void restore(Context& c, const std::string& folder) {
   st.best_step = t.best_step;
   st.last_loss = t.last_loss;
   st.last_saved = st.step;
+  st.worker_pushes = t.worker_pushes;
   try {
     const SavedTensors model = saved.tensors("model");
     const int64_t tensor_rank = c.mesh.coord().tensor;
@@ -456,6 +460,7 @@ void save_checkpoint(Context& c, const std::optional<EvalResult>& eval) {
       state.trainer["rng_torch_cuda"] =
           to_hex(at::globalContext().defaultGenerator(c.device()).get_state());
     if (c.scaler) state.trainer["loss_scaler"] = c.scaler->state();
+    if (!st.worker_pushes.empty()) state.trainer["worker_pushes"] = st.worker_pushes;
     state.config_yaml = to_yaml(c.cfg);
     state.run_id = c.world.run_id;
     std::optional<Metric> metric;

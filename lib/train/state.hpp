@@ -5,6 +5,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "train/context.hpp"
 
@@ -26,6 +27,7 @@ struct SavedTrainer {
   torch::Tensor rng_cpu;                  // LibTorch's CPU generator state
   torch::Tensor rng_cuda;                 // the GPU's generator state: a run on CUDA
   nlohmann::json loss_scaler;             // fp16: the scaler's state (null otherwise)
+  std::vector<int64_t> worker_pushes;     // async_ps: each worker's applied pushes
 };
 SavedTrainer read_trainer_state(const nlohmann::json& trainer, const std::string& folder);
 

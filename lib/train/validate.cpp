@@ -19,17 +19,6 @@
 namespace dtrain {
 namespace {
 
-// What this build of dtrain can run; a value outside it is refused up front rather than
-// half-run. Each line names the key so the user knows what to change.
-void check_supported(const JobConfig& c) {
-  auto refuse = [](bool bad, const std::string& key, const std::string& value) {
-    if (bad)
-      throw ConfigError(fmt::format("{}: {} is not supported by this version of dtrain", key,
-                                    value));
-  };
-  refuse(c.parallel.mode == "async_ps", "parallel.mode", "'" + c.parallel.mode + "'");
-}
-
 bool tokens_data(const JobConfig& cfg) {
   const auto& d = cfg.data.dataset;
   return d == "text" || d == "tokens" || d == "synthetic_tokens";
@@ -51,6 +40,32 @@ void check_local_sgd(const JobConfig& c) {
          "its statistics span every data replica at every step");
   refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
          "each replica's loss scale would move apart from the others'");
+}
+
+// The asynchronous parameter server: the world must hold a worker past the servers, and
+// each worker computes on a whole model with a plain fp32/bf16 gradient.
+void check_async_ps(const JobConfig& c, int64_t world_size) {
+  const auto& p = c.parallel;
+  if (p.mode != "async_ps") return;
+  fail_if<ConfigError>(world_size <= p.servers,
+                       "parallel.servers: {} server(s) leave no worker in a world of {} "
+                       "process(es); async_ps needs at least parallel.servers + 1 (e.g. "
+                       "--nproc {})", p.servers, world_size, p.servers + 1);
+  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
+    fail_if<ConfigError>(bad, "parallel.mode: async_ps with {} is not supported: {}; choose one",
+                         what, why);
+  };
+  refuse(p.tensor > 1 || p.pipeline > 1,
+         fmt::format("parallel.tensor {} x parallel.pipeline {}", p.tensor, p.pipeline),
+         "each worker computes the whole model's gradient");
+  refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
+         "the servers already shard the optimizer state (parallel.servers)");
+  refuse(p.compression != "none", "parallel.compression " + p.compression,
+         "pushes carry the gradient as it is");
+  refuse(p.sync_batchnorm, "parallel.sync_batchnorm",
+         "its statistics span every worker at every step");
+  refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
+         "each worker's loss scale would move apart from the servers' (use bf16)");
 }
 
 // Gradient compression against what it combines with.
@@ -220,11 +235,17 @@ void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
 
 ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   check_ranges(cfg);
-  const auto layout = ParallelDims::resolve(cfg.parallel, world_size);
-  check_supported(cfg);
+  check_async_ps(cfg, world_size);
+  // Under async_ps the data-parallel ranks are the workers: the world past the servers.
+  const auto layout = ParallelDims::resolve(
+      cfg.parallel, cfg.parallel.mode == "async_ps" ? world_size - cfg.parallel.servers : world_size);
   check_compression(cfg);
   check_local_sgd(cfg);
-  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
+  const DevicePlan plan = plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
+  fail_if<ConfigError>(cfg.parallel.mode == "async_ps" && plan.device.is_cuda(),
+                       "parallel.mode: async_ps runs on the CPU in this version (its pushes go to "
+                       "whichever server answers first, a receive-from-any that Gloo has for CPU "
+                       "tensors and NCCL lacks); set train.device: cpu");
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);
   fail_if<ConfigError>(cfg.train.recompute == "blocks" && !model_spec(cfg.model.arch).blocks,
@@ -233,8 +254,11 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   const int64_t per_step = layout.data * cfg.train.grad_accum;
   fail_if<ConfigError>(cfg.data.batch_size % per_step != 0,
                        "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
-                       "train.grad_accum {} (world size {}); use a multiple of {}",
+                       "train.grad_accum {} (world size {}{}); use a multiple of {}",
                        cfg.data.batch_size, layout.data, cfg.train.grad_accum, world_size,
+                       cfg.parallel.mode == "async_ps"
+                           ? fmt::format(", {} of them parallel.servers", cfg.parallel.servers)
+                           : "",
                        per_step);
   fail_if<ConfigError>(tokens_data(cfg) && !cfg.data.augment.empty(),
                        "data.augment: augmentation is for images; data.dataset {} holds tokens",
