@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Training modes side by side in one run (parallel.mode; async_ps is not built yet).
-#   speed:    the Fashion-MNIST MLP at --nproc 2 and 4: samples/s and bytes each rank sends
-#             per sample for sync and local_sgd (average every 8), each mode's ratio to
-#             sync; then the same with one worker slowed (rank 1 sleeps SLOW_MS before each
-#             step, train.debug_slow_rank), where sync waits for it at every step and
-#             local SGD only where the replicas meet.
-#   accuracy: the MLP and the CNN (configs/fashion_mnist_*.yaml) for EPOCHS epochs at 2
-#             ranks: test accuracy of local_sgd against sync for the same samples.
+# Training modes side by side in one run (parallel.mode).
+#   speed:    the Fashion-MNIST MLP with 2 and 4 workers: samples/s and the bytes all ranks
+#             put on the wire per sample for sync, local_sgd (average every 8) and async_ps
+#             (one more process: its server; staleness 4), each mode's ratio to sync; then
+#             the same with one worker slowed (rank 1 sleeps SLOW_MS before each step,
+#             train.debug_slow_rank), where sync waits for it at every step, local SGD only
+#             where the replicas meet, and async_ps only as far as the staleness bound.
+#   accuracy: the MLP and the CNN (configs/fashion_mnist_*.yaml) for EPOCHS epochs with 2
+#             workers: test accuracy of local_sgd and async_ps against sync, same samples.
 #   scripts/bench_modes.sh [speed|accuracy|all] [EPOCHS]     (default: all 1)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -15,11 +16,17 @@ WHAT=${1:-all} EPOCHS=${2:-1}
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_modes: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
-MODES=(sync local_sgd)
+MODES=(sync local_sgd async_ps)
+STALENESS=${STALENESS:-4}
 SLOW_MS=${SLOW_MS:-4}
 EVERY=${EVERY:-8}
 
-# One run; prints "samples_per_s comm_bytes_per_sample final_accuracy" from its summary.
+# Processes for WORKERS workers in MODE: async_ps adds its server.
+procs() { [ "$1" = async_ps ] && echo $(($2 + 1)) || echo "$2"; }
+
+# One run; prints "samples_per_s wire_bytes_per_sample final_accuracy" from its summary:
+# the bytes all ranks sent (a sync or local_sgd summary counts its rank's, the same on every
+# rank; an async_ps summary counts every push and reply).
 run() {  # JOB NAME NPROC EXTRA...
   local job=$1 name=$2 nproc=$3; shift 3
   rm -rf "$OUT_DIR/$name"
@@ -28,7 +35,9 @@ run() {  # JOB NAME NPROC EXTRA...
   python3 - "$OUT_DIR/$name/metrics.jsonl" <<'PYEOF'
 import json, sys
 s = [json.loads(l) for l in open(sys.argv[1])][-1]
-print(s["samples_per_s"], s["comm_bytes_per_sample"], s.get("final_accuracy", float("nan")))
+per_rank = "servers" not in s["layout"]
+wire = s["comm_bytes_per_sample"] * (s["world_size"] if per_rank else 1)
+print(s["samples_per_s"], wire, s.get("final_accuracy", float("nan")))
 PYEOF
 }
 
@@ -36,36 +45,39 @@ speed_table() {  # TITLE EXTRA...
   local title=$1; shift
   echo
   echo "$title"
-  printf '%-6s %-10s %12s %9s %15s %9s\n' nproc mode samples/s "vs sync" bytes/sample "fewer"
-  for nproc in 2 4; do
+  printf '%-7s %-10s %12s %9s %15s %9s\n' workers mode samples/s "vs sync" bytes/sample "fewer"
+  for workers in 2 4; do
     local base_s="" base_b=""
     for mode in "${MODES[@]}"; do
-      read -r sps bytes _ < <(run "$ROOT/configs/fashion_mnist_mlp.yaml" "speed-$nproc-$mode" "$nproc" \
+      read -r sps bytes _ < <(run "$ROOT/configs/fashion_mnist_mlp.yaml" "speed-$workers-$mode" \
+        "$(procs $mode $workers)" \
         --set train.max_steps=600 --set train.log_every=100 --set train.eval_every=100000 \
-        --set parallel.mode=$mode --set parallel.average_every=$EVERY "$@")
+        --set parallel.mode=$mode --set parallel.average_every=$EVERY \
+        --set parallel.staleness=$STALENESS "$@")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
-      python3 -c "import sys; n,m,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{n:<6} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.1f}x')" \
-        $nproc $mode "$sps" "$bytes" "$base_s" "$base_b"
+      python3 -c "import sys; n,m,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{n:<7} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.2f}x')" \
+        $workers $mode "$sps" "$bytes" "$base_s" "$base_b"
     done
   done
 }
 
 if [ "$WHAT" = speed ] || [ "$WHAT" = all ]; then
-  speed_table "speed, MLP, local_sgd averaging every $EVERY steps ($(nproc) cores, loopback)"
+  speed_table "speed, MLP, local_sgd averaging every $EVERY steps, async_ps 1 server at staleness $STALENESS ($(nproc) cores, loopback)"
   speed_table "speed, the same with rank 1 sleeping $SLOW_MS ms before each step" \
     --set train.debug_slow_rank=1 --set train.debug_slow_ms=$SLOW_MS
 fi
 
 if [ "$WHAT" = accuracy ] || [ "$WHAT" = all ]; then
   echo
-  echo "accuracy, Fashion-MNIST, $EPOCHS epoch(s), --nproc 2, local_sgd averaging every $EVERY steps"
+  echo "accuracy, Fashion-MNIST, $EPOCHS epoch(s), 2 workers, local_sgd averaging every $EVERY steps, async_ps staleness $STALENESS"
   printf '%-5s %-10s %9s %9s\n' model mode accuracy "vs sync"
   for model in mlp cnn; do
     base=""
     for mode in "${MODES[@]}"; do
-      read -r _ _ acc < <(run "$ROOT/configs/fashion_mnist_$model.yaml" "acc-$model-$mode" 2 \
-        --set train.epochs="$EPOCHS" --set train.log_every=200 --set parallel.mode=$mode \
-        --set parallel.average_every=$EVERY)
+      read -r _ _ acc < <(run "$ROOT/configs/fashion_mnist_$model.yaml" "acc-$model-$mode" \
+        "$(procs $mode 2)" --set train.epochs="$EPOCHS" --set train.log_every=200 \
+        --set parallel.mode=$mode --set parallel.average_every=$EVERY \
+        --set parallel.staleness=$STALENESS)
       [ -z "$base" ] && base=$acc
       python3 -c "import sys; m,h,a,b=sys.argv[1:]; a,b=float(a),float(b); print(f'{m:<5} {h:<10} {100*a:8.2f}% {100*(a-b):+7.2f} pt')" $model $mode "$acc" "$base"
     done
