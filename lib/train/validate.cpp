@@ -19,6 +19,13 @@
 namespace dtrain {
 namespace {
 
+// A training mode that cannot run with `what`: one line naming both and why.
+void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,
+                      const std::string& why) {
+  fail_if<ConfigError>(bad, "parallel.mode: {} with {} is not supported: {}; choose one", mode,
+                       what, why);
+}
+
 bool tokens_data(const JobConfig& cfg) {
   const auto& d = cfg.data.dataset;
   return d == "text" || d == "tokens" || d == "synthetic_tokens";
@@ -29,8 +36,7 @@ void check_local_sgd(const JobConfig& c) {
   const auto& p = c.parallel;
   if (p.mode != "local_sgd") return;
   auto refuse = [](bool bad, const std::string& what, const std::string& why) {
-    fail_if<ConfigError>(bad, "parallel.mode: local_sgd with {} is not supported: {}; choose one",
-                         what, why);
+    refuse_with_mode("local_sgd", bad, what, why);
   };
   refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
          "each data replica steps on its own whole optimizer state");
@@ -52,8 +58,7 @@ void check_async_ps(const JobConfig& c, int64_t world_size) {
                        "process(es); async_ps needs at least parallel.servers + 1 (e.g. "
                        "--nproc {})", p.servers, world_size, p.servers + 1);
   auto refuse = [](bool bad, const std::string& what, const std::string& why) {
-    fail_if<ConfigError>(bad, "parallel.mode: async_ps with {} is not supported: {}; choose one",
-                         what, why);
+    refuse_with_mode("async_ps", bad, what, why);
   };
   refuse(p.tensor > 1 || p.pipeline > 1,
          fmt::format("parallel.tensor {} x parallel.pipeline {}", p.tensor, p.pipeline),

@@ -236,8 +236,5 @@ TEST_SUITE("modes") {
       CHECK(r.code == 2);
       CHECK(r.err.find(says) != std::string::npos);
     }
-    auto r = e2e::dtrain("validate " + path + " --set parallel.mode=async_ps");
-    CHECK(r.code == 2);
-    CHECK(r.err.find("parallel.mode: 'async_ps' is not supported") != std::string::npos);
   }
 }
