@@ -219,7 +219,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     return guard("send/recv", [&] {
       auto all = std::make_unique<PendingAll>();
       for (auto& op : ops) {
-        const Staged st = staged(op.tensor);
+        const Staged st = p2p_staged(op.tensor);
         std::vector<torch::Tensor> ts{st.dev};
         const bool send = op.kind == P2POp::kSend;
         auto work = send ? pg_->send(ts, int(op.peer), op.tag) : pg_->recv(ts, int(op.peer), op.tag);
@@ -230,11 +230,12 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     });
   }
   int64_t recv_any(torch::Tensor t, int tag) override {
-    std::vector<torch::Tensor> ts{t};
+    const Staged st = p2p_staged(t);
+    std::vector<torch::Tensor> ts{st.dev};
     c10::intrusive_ptr<c10d::Work> work;
     guard("recv", [&] {
       work = pg_->recvAnysource(ts, tag);
-      return pending("recv", work, ts);
+      return pending("recv", work, ts, 1.0, st.back);
     })->wait();
     return work->sourceRank();
   }
@@ -297,6 +298,14 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   Staged staged(const torch::Tensor& t) const {
     if (!stage_ || t.device() == *stage_) return {t, torch::Tensor()};
     return {t.to(*stage_), t};
+  }
+
+  // A point-to-point transfer's tensor: as staged(); and a CUDA tensor through host memory
+  // for Gloo, whose send and recv hand the tensor's pointer to TCP as it is (its
+  // collectives have CUDA paths of their own).
+  Staged p2p_staged(const torch::Tensor& t) const {
+    if (stage_ || !t.is_cuda()) return staged(t);
+    return {t.to(torch::kCPU), t};
   }
 
   template <class F>

@@ -67,7 +67,13 @@ DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_w
   // binding, the user) giving each its own through CUDA_VISIBLE_DEVICES: they share it.
   const bool shared = plan.device.is_cuda() && visible == 1 && local_world > 1 &&
                       std::getenv("CUDA_VISIBLE_DEVICES") == nullptr;
-  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared);
+  // async_ps's servers receive from whichever worker pushes first: Gloo has that, NCCL not.
+  fail_if<ConfigError>(cfg.parallel.mode == "async_ps" && cfg.dist.backend == "nccl",
+                       "dist.backend: nccl has no receive-from-any, which parallel.mode async_ps's "
+                       "servers need; use gloo or auto");
+  plan.backend = cfg.parallel.mode == "async_ps"
+                     ? "gloo"
+                     : pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared);
   fail_if<ConfigError>(cfg.precision.dtype == "fp16" && !plan.device.is_cuda(),
                        "precision.dtype: fp16 needs a CUDA device (train.device is the CPU "
                        "here); use bf16 for mixed precision on the CPU");

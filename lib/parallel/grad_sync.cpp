@@ -382,9 +382,10 @@ class LocalSync : public GradSync {
 }  // namespace
 
 void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts) {
-  // async_ps: servers and workers cut the buffers alike, in one range per server.
+  // async_ps: servers and workers cut the buffers alike, in one range per server (one
+  // server's is the whole buffer, laid out as one process's).
   if (mesh.role() != Role::kTrainer) {
-    opts.pad_to = mesh.servers() * kShardAlign;
+    if (mesh.servers() > 1) opts.pad_to = mesh.servers() * kShardAlign;
     return;
   }
   const int64_t d = mesh.dims().data;

@@ -246,11 +246,7 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
       cfg.parallel, cfg.parallel.mode == "async_ps" ? world_size - cfg.parallel.servers : world_size);
   check_compression(cfg);
   check_local_sgd(cfg);
-  const DevicePlan plan = plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
-  fail_if<ConfigError>(cfg.parallel.mode == "async_ps" && plan.device.is_cuda(),
-                       "parallel.mode: async_ps runs on the CPU in this version (its pushes go to "
-                       "whichever server answers first, a receive-from-any that Gloo has for CPU "
-                       "tensors and NCCL lacks); set train.device: cpu");
+  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);
   fail_if<ConfigError>(cfg.train.recompute == "blocks" && !model_spec(cfg.model.arch).blocks,

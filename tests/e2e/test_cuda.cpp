@@ -159,6 +159,27 @@ TEST_SUITE("cuda") {
     }
   }
 
+  TEST_CASE("cuda: async_ps on one GPU (Gloo, through host memory): one worker is one process, lock-step SGD is sync") {
+    require_gpu();
+    auto dir = temp_dir("cuda-async");
+    auto job = mlp_job(dir, 0.0);
+    const std::string steps = " --set train.max_steps=36" + std::string(kQuiet);
+    const std::string async = " --set parallel.mode=async_ps";
+    auto run = [&](const std::string& name, const std::string& sets) {
+      auto r = dtrain("run " + job + " --run-dir " + dir + "/" + name + steps + sets);
+      INFO(name << ": " << r.err);
+      REQUIRE(r.code == 0);
+      return train_losses(dir + "/" + name);
+    };
+    check_losses_close(run("one", ""), run("ps1", " --nproc 2" + async), 1e-5, "1 worker");
+    const std::string sgd = " --set optimizer.name=sgd --set optimizer.lr=0.1"
+                            " --set optimizer.momentum=0 --set optimizer.weight_decay=0";
+    check_losses_close(run("sync2", " --nproc 2 --set dist.backend=gloo" + sgd),
+                       run("ps2", " --nproc 3 --set parallel.staleness=0" + async + sgd), 1e-4,
+                       "2 workers, lock-step");
+    CHECK(metrics(dir + "/ps2").back()["device"].get<std::string>().rfind("cuda", 0) == 0);
+  }
+
   TEST_CASE("cuda: bf16 and fp16 train a GPT; fp16 logs and checkpoints its loss scale") {
     require_gpu();
     auto dir = temp_dir("cuda-amp");
