@@ -44,10 +44,12 @@ c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t loc
 }
 
 std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl,
-                         bool gpu_shared) {
+                         bool gpu_shared, bool any_source) {
   const bool cuda = type == c10::kCUDA;
-  if (backend == "auto") return cuda && nccl && !gpu_shared ? "nccl" : "gloo";
+  if (backend == "auto") return cuda && nccl && !gpu_shared && !any_source ? "nccl" : "gloo";
   if (backend == "nccl") {
+    fail_if<ConfigError>(any_source, "dist.backend: nccl has no receive-from-any, which "
+                                     "parallel.mode async_ps's servers need; use gloo or auto");
     fail_if<ConfigError>(!cuda, "dist.backend: nccl moves CUDA tensors, but train.device is the "
                                 "CPU; use gloo or auto");
     fail_if<ConfigError>(!nccl, "dist.backend: nccl, but this build of dtrain has no NCCL "
@@ -67,13 +69,8 @@ DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_w
   // binding, the user) giving each its own through CUDA_VISIBLE_DEVICES: they share it.
   const bool shared = plan.device.is_cuda() && visible == 1 && local_world > 1 &&
                       std::getenv("CUDA_VISIBLE_DEVICES") == nullptr;
-  // async_ps's servers receive from whichever worker pushes first: Gloo has that, NCCL not.
-  fail_if<ConfigError>(cfg.parallel.mode == "async_ps" && cfg.dist.backend == "nccl",
-                       "dist.backend: nccl has no receive-from-any, which parallel.mode async_ps's "
-                       "servers need; use gloo or auto");
-  plan.backend = cfg.parallel.mode == "async_ps"
-                     ? "gloo"
-                     : pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared);
+  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared,
+                              /*any_source=*/cfg.parallel.mode == "async_ps");
   fail_if<ConfigError>(cfg.precision.dtype == "fp16" && !plan.device.is_cuda(),
                        "precision.dtype: fp16 needs a CUDA device (train.device is the CPU "
                        "here); use bf16 for mixed precision on the CPU");

@@ -24,10 +24,12 @@ c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t loc
                         int64_t visible);
 
 // dist.backend for tensors on `type`: auto is NCCL for CUDA (where LibTorch has it), Gloo
-// otherwise, and Gloo when local ranks share one GPU (`gpu_shared`), which NCCL refuses.
-// Throws ConfigError naming dist.backend for NCCL without CUDA, without NCCL, or shared.
+// otherwise, and Gloo when local ranks share one GPU (`gpu_shared`), which NCCL refuses, or
+// when the job receives from whichever rank sends first (`any_source`: async_ps's servers),
+// which NCCL cannot. Throws ConfigError naming dist.backend for NCCL without CUDA, without
+// NCCL, shared, or asked to receive from any rank.
 std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl_built,
-                         bool gpu_shared = false);
+                         bool gpu_shared = false, bool any_source = false);
 
 // The job's device and backend on this machine; throws ConfigError (train.device,
 // dist.backend, precision.dtype) for what cannot run here, e.g. fp16 on the CPU.

@@ -39,8 +39,9 @@ class Mesh {
   Role role() const { return role_; }
   // Every rank of the job: the world, or under async_ps the servers' and workers' together.
   const std::shared_ptr<Comm>& job() const { return job_; }
-  // async_ps: the servers among the job's ranks (0 otherwise).
+  // async_ps: the servers among the job's ranks (0 otherwise), and the workers, the rest.
   int64_t servers() const { return servers_; }
+  int64_t workers() const { return job_->size() - servers_; }
   const Coord& coord() const { return coord_; }
   int64_t rank() const { return job_->rank(); }  // in the job
   // Rank 0 of the job: it writes the run's files (under async_ps, server 0).

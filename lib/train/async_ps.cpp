@@ -45,8 +45,10 @@ struct PushHeader {
 struct ReplyHeader {
   enum : int64_t { kVersion, kCommand, kPushes, kSize };
 };
-constexpr double kGoOn = -1;
-constexpr size_t kOrdersInFlight = 64;  // a reply's command: push again; else the exit code to end with
+constexpr double kGoOn = -1;  // a reply's command: push again; else the exit code to end with
+// Orders in flight to the other servers before server 0 waits for the oldest: a follower
+// takes them one by one, so more than a few means it is behind.
+constexpr size_t kOrdersInFlight = 64;
 // An order, server 0 -> the other servers.
 struct Order {
   enum : int64_t { kKind, kWorker, kArg, kNorm, kSize };
@@ -58,7 +60,6 @@ struct Order {
 
 torch::Tensor f64(std::vector<double> v) { return torch::tensor(v, torch::kFloat64); }
 
-int64_t workers_of(const Context& c) { return c.mesh.job()->size() - c.mesh.servers(); }
 int64_t rank_of_worker(const Context& c, int64_t w) { return c.mesh.servers() + w; }
 std::string worker_name(const Context& c, int64_t w) {
   return fmt::format("async_ps worker {} (rank {})", w, rank_of_worker(c, w));
@@ -114,8 +115,8 @@ void wait_for(Pending& p, const std::string& who, const Context& c) {
 class ServerRange {
  public:
   explicit ServerRange(Context& c)
-      : c_(c), mine_(server_ranges(c)[size_t(c.mesh.coord().data)]), workers_(workers_of(c)),
-        buffers_(float_buffers(c)) {}
+      : c_(c), mine_(server_ranges(c)[size_t(c.mesh.coord().data)]), workers_(c.mesh.workers()),
+        buffers_(float_buffers(c)), buffer_numel_(pack(buffers_).numel()) {}
 
   // Push k (from 1) of the run, a worker's mean gradient whose whole norm is `norm`:
   // clipped as that worker's own gradient (each push's move stays within train's
@@ -129,12 +130,15 @@ class ServerRange {
               1.0, mine_);
     c_.optimizer->step(lr_at(c_.cfg.schedule, c_.cfg.optimizer.lr, step, c_.total_steps) /
                        double(workers_));
+    ++applied_;
   }
   // Every server's range into every server's parameters, before an evaluation or a
-  // checkpoint: a collective over the servers.
+  // checkpoint: a collective over the servers, once per version (every server applies
+  // the same pushes, so all skip alike when an evaluation and a checkpoint share a step).
   void gather() {
     auto& servers = *c_.mesh.world();
-    if (servers.size() == 1) return;
+    if (servers.size() == 1 || gathered_ == applied_) return;
+    gathered_ = applied_;
     servers.all_gather_into(c_.params->data(), range_of(c_.params->data(), mine_).clone());
     if (buffers_.empty()) return;
     auto flat = pack(buffers_);
@@ -145,7 +149,7 @@ class ServerRange {
   void take_buffers(const torch::Tensor& flat) {
     if (!buffers_.empty()) unpack(flat, buffers_);
   }
-  int64_t buffer_numel() const { return pack(buffers_).numel(); }
+  int64_t buffer_numel() const { return buffer_numel_; }
   // This range's parameters as they are now (a reply's, which must not change in flight).
   torch::Tensor snapshot() const { return range_of(c_.params->data(), mine_).clone(); }
   torch::Tensor new_grad() const { return torch::empty({mine_.numel}, c_.params->grad().options()); }
@@ -155,6 +159,8 @@ class ServerRange {
   Shard mine_;
   int64_t workers_;
   std::vector<torch::Tensor> buffers_;
+  int64_t buffer_numel_;
+  int64_t applied_ = 0, gathered_ = 0;  // pushes applied here; as of the last gather
 };
 
 // A worker: pull, then push and pull until told to end.
@@ -224,7 +230,7 @@ RunResult run_follower(Context& c) {
   auto order = f64(std::vector<double>(Order::kSize, 0.0));
   auto grad = range.new_grad();
   // The last reply to each worker, in flight (done once the worker pushes again).
-  std::vector<std::unique_ptr<Pending>> replies(size_t(workers_of(c)));
+  std::vector<std::unique_ptr<Pending>> replies(size_t(c.mesh.workers()));
   while (true) {
     {
       auto p = job.exchange_async({{P2POp::kRecv, order, 0, kOrderTag}});
@@ -259,7 +265,7 @@ RunResult run_follower(Context& c) {
 class Sequencer {
  public:
   explicit Sequencer(Context& c)
-      : c_(c), range_(c), workers_(size_t(workers_of(c))),
+      : c_(c), range_(c), workers_(size_t(c.mesh.workers())),
         cadence_{c.cfg, *c.mode, c.steps_per_epoch(), c.total_steps} {
     for (auto& wk : workers_) {
       wk.header = torch::zeros({PushHeader::kSize}, torch::kFloat64);
@@ -284,9 +290,7 @@ class Sequencer {
     }
     for (size_t w = 0; w < workers_.size(); ++w) workers_[w].pushes = st.worker_pushes[w];
     version_ = st.step * n_workers;
-    if (c_.finished) {
-      c_.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step "
-                         "{}; checkpoints and logs unchanged", st.step, c_.total_steps));
+    if (c_.finished) {  // said by run_training
       for (auto& wk : workers_) wk.awaiting = true;  // each waits for its first reply
       end(0);
       return {0, nlohmann::json()};
@@ -301,8 +305,7 @@ class Sequencer {
     } catch (const Error& e) {
       auto summary = summary_of("failed");
       summary["reason"] = first_line(e.what());
-      c_.progress->finish();
-      c_.metrics->write(summary);
+      write_summary(c_, summary);
       throw;
     }
   }
@@ -448,8 +451,7 @@ class Sequencer {
     summary["diverged_rank"] = peer(w);
     summary["reason"] = why;
     end(kExitBadData);
-    c_.progress->finish();
-    c_.metrics->write(summary);
+    write_summary(c_, summary);
     throw DivergedError("training diverged: " + why);
   }
 
@@ -516,8 +518,7 @@ class Sequencer {
     if (!cadence_.last(n)) return std::nullopt;
     auto summary = summary_of("completed");
     end(0);
-    c_.progress->finish();
-    c_.metrics->write(summary);
+    write_summary(c_, summary);
     c_.say(fmt::format("done: {} steps ({} pushes), final loss {:.4f}, {:.0f} samples/s{}", n,
                        version_, st.last_loss, summary["samples_per_s"].get<double>(),
                        st.last_eval ? fmt::format(", eval {} {:.4f} (best {:.4f} at step {})",

@@ -23,13 +23,6 @@
 namespace dtrain {
 namespace {
 
-// The run's last line: the progress display ends first, so the two never interleave.
-void write_summary(const Context& c, const nlohmann::json& summary) {
-  if (!c.root()) return;
-  c.progress->finish();
-  c.metrics->write(summary);
-}
-
 // A step with a non-finite loss or gradient. train.on_nonfinite: stop ends the run;
 // skip goes on (the step made no update) unless train.max_skipped steps in a row were
 // skipped. Either way nothing non-finite is checkpointed: the last good checkpoint stays
@@ -183,14 +176,13 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   Context c(cfg, dims, opts, world, std::move(comm));
   setup(c);
   set_setting_up(false);
-  if (c.mesh.role() != Role::kTrainer) return run_async_ps(c);  // a loop of its own
   auto& st = c.state;
-  if (c.finished) {
+  if (c.finished)  // rank 0 knows it (under async_ps, server 0: it tells the workers)
     c.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
                       "(train.max_steps, or train.epochs x {} steps); checkpoints and logs unchanged",
                       st.step, c.total_steps, c.steps_per_epoch()));
-    return {0, nlohmann::json()};
-  }
+  if (c.mesh.role() != Role::kTrainer) return run_async_ps(c);  // a loop of its own
+  if (c.finished) return {0, nlohmann::json()};
   Loader loader(*c.data.train, *c.sampler, st.step, c.total_steps, cfg.data.workers,
                 cfg.data.prefetch, /*pin=*/c.device().is_cuda(),
                 Augment{cfg.data.augment, cfg.data.crop_padding, uint64_t(cfg.seed)});

@@ -66,6 +66,12 @@ nlohmann::json train_line(const Context& c, int64_t step, const StepStats& last,
   return line;
 }
 
+void write_summary(const Context& c, const nlohmann::json& summary) {
+  if (!c.root()) return;
+  c.progress->finish();
+  c.metrics->write(summary);
+}
+
 nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms) {
   const int64_t step = c.state.step;
   return {{"kind", "eval"},

@@ -51,5 +51,8 @@ nlohmann::json eval_line(const Context& c, const EvalResult& e, double eval_ms);
 // `step_ms`: this process's step times, for the steady-state rate.
 nlohmann::json summary_line(const Context& c, const std::string& status,
                             const std::vector<double>& step_ms, double data_wait_total_ms);
+// The run's last line (rank 0): the progress display ends first, so the two never
+// interleave.
+void write_summary(const Context& c, const nlohmann::json& summary);
 
 }  // namespace dtrain

@@ -207,7 +207,8 @@ void setup(Context& c) {
       c.mesh.role() == Role::kTrainer
           ? dims.str()
           : fmt::format("async_ps: {} server(s), {} worker(s), staleness {}", c.mesh.servers(),
-                        c.mesh.job()->size() - c.mesh.servers(), cfg.parallel.staleness), c.world.launcher, threads, pinning,
+                        c.mesh.workers(), cfg.parallel.staleness),
+      c.world.launcher, threads, pinning,
       blas.empty() ? "unknown" : blas,
       resume_from ? fmt::format(", resumed at step {} from {}", c.state.step, *resume_from) : "",
       cfg.run_dir));

@@ -147,33 +147,24 @@ TEST_SUITE("async") {
       CHECK(std::filesystem::exists(dir + fmt::format("/a/checkpoints/step-{:08d}/trainer.json", step)));
     }
     {
-      auto bg = start_dtrain("run " + path + " --run-dir " + dir + "/b" + common);
-      REQUIRE(wait_for_step(dir + "/b", 20, std::chrono::seconds(60)));
-      pid_t victim = worker_pid(bg.pid, 2);
-      REQUIRE(victim > 0);
-      ::kill(victim, SIGKILL);
-      const int code = wait_for(bg.pid, std::chrono::seconds(60));
-      const auto err = slurp(bg.err);
-      INFO(err);
-      CHECK(code == 4);
-      CHECK(err.find("dtrain: error: rank 2 was killed by signal 9") != std::string::npos);
-      CHECK(err.find("(it was async_ps worker 1)") != std::string::npos);
+      const auto r = kill_worker_at("run " + path + " --run-dir " + dir + "/b" + common,
+                                    dir + "/b", 20, 2, std::chrono::seconds(60));
+      INFO(r.err);
+      CHECK(r.code == 4);
+      CHECK(r.err.find("dtrain: error: rank 2 was killed by signal 9") != std::string::npos);
+      CHECK(r.err.find("(it was async_ps worker 1)") != std::string::npos);
     }
     {
       // With a restart allowed, a killed server comes back from its checkpoint: the job
       // ends at max_steps.
-      auto bg = start_dtrain("run " + path + " --run-dir " + dir + "/c --max-restarts 1" + common +
-                             " --set train.max_steps=300 --set checkpoint.every_steps=50");
-      REQUIRE(wait_for_step(dir + "/c", 120, std::chrono::seconds(60)));
-      pid_t victim = worker_pid(bg.pid, 0);
-      REQUIRE(victim > 0);
-      ::kill(victim, SIGKILL);
-      const int code = wait_for(bg.pid, std::chrono::seconds(120));
-      const auto err = slurp(bg.err);
-      INFO(err);
-      CHECK(code == 0);
-      CHECK(err.find("(it was async_ps server 0)") != std::string::npos);
-      CHECK(err.find("restarting all 3 workers") != std::string::npos);
+      const auto r = kill_worker_at("run " + path + " --run-dir " + dir + "/c --max-restarts 1" +
+                                        common + " --set train.max_steps=300"
+                                        " --set checkpoint.every_steps=50",
+                                    dir + "/c", 120, 0, std::chrono::seconds(120));
+      INFO(r.err);
+      CHECK(r.code == 0);
+      CHECK(r.err.find("(it was async_ps server 0)") != std::string::npos);
+      CHECK(r.err.find("restarting all 3 workers") != std::string::npos);
       const auto s = summary(dir + "/c");
       CHECK(s["status"] == "completed");
       CHECK(s["steps"] == 300);

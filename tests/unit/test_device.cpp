@@ -87,6 +87,14 @@ TEST_CASE("device: dist.backend auto is NCCL for CUDA where built, Gloo otherwis
   const auto on_cpu = backend_error("nccl", c10::kCPU, true);
   CHECK(on_cpu.find("dist.backend") != std::string::npos);
   CHECK(on_cpu.find("CPU") != std::string::npos);
+  // async_ps's servers receive from any rank: Gloo has that, NCCL not.
+  CHECK(pick_backend("auto", c10::kCUDA, true, false, /*any_source=*/true) == "gloo");
+  try {
+    pick_backend("nccl", c10::kCUDA, true, false, /*any_source=*/true);
+    FAIL("nccl with receive-from-any was accepted");
+  } catch (const ConfigError& e) {
+    CHECK(std::string(e.what()).find("receive-from-any") != std::string::npos);
+  }
   // Local processes sharing one GPU: NCCL refuses that, so auto is Gloo.
   CHECK(pick_backend("auto", c10::kCUDA, true, /*gpu_shared=*/true) == "gloo");
   const auto shared = backend_error("nccl", c10::kCUDA, true);
