@@ -68,6 +68,15 @@ struct DataSplits {
   int64_t vocab = 0;    // token data: distinct token values
 };
 
+// What a data set holds, from its keys alone (validation, before it is read): token
+// windows (text, tokens, synthetic_tokens) or labelled samples, their shape and classes.
+struct DataKind {
+  bool tokens = false;
+  Ints sample_shape;    // images: as decoded; tokens: {data.seq_len} (0: model.seq_len)
+  int64_t classes = 0;  // labelled samples
+};
+DataKind data_kind(const DataConfig& cfg);
+
 // Reads an IDX file (.gz or plain) into a uint8 tensor of its dimensions; checks the magic
 // number, the element type, `expected_dims` and the data size. Throws DataError naming the file.
 torch::Tensor read_idx(const std::string& path, int64_t expected_dims);

@@ -154,6 +154,13 @@ std::vector<double> TensorDataset::fingerprint() const {
           (y.to(torch::kFloat64) * place).sum().item<double>()};
 }
 
+DataKind data_kind(const DataConfig& cfg) {
+  const auto& d = cfg.dataset;
+  if (d == "text" || d == "tokens" || d == "synthetic_tokens") return {true, {cfg.seq_len}, 0};
+  if (d == "fashion_mnist" || d == "mnist") return {false, {1, 28, 28}, 10};
+  return {false, cfg.input_shape, cfg.classes};
+}
+
 DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
   if (cfg.dataset == "synthetic") return synthetic(cfg, seed);
   if (cfg.dataset == "text") return load_text(cfg);

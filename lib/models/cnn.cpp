@@ -2,6 +2,8 @@
 // max-pool, then the dense layers. The shipped job is conv32-pool-conv64-pool-fc128-fc10,
 // the shape of scripts/baselines' PyTorch CNN, so the two run the same kernels. It has no
 // tensor-parallel form; data and pipeline parallelism are what it scales with.
+#include <cmath>
+
 #include <fmt/format.h>
 #include <torch/nn.h>
 
@@ -12,6 +14,8 @@
 
 namespace dtrain {
 namespace nn = torch::nn;
+
+namespace {
 
 void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims) {
   fail_if<ConfigError>(dims.tensor != 1, "parallel.tensor: the cnn model has no tensor-parallel "
@@ -46,32 +50,73 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   cnn_fits(cfg, ctx);
   const auto& shape = ctx.sample_shape;
   int64_t c = shape[0], h = shape[1], w = shape[2];
-  auto m = std::make_shared<LayerStack>();
+  auto m = std::make_shared<LayerStack>(ctx, cnn_parts(cfg));
   for (auto out : cfg.channels) {
     // With BatchNorm right after, the conv bias would be cancelled by the mean: leave it out.
-    m->add(nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)),
+    m->add([&] { return nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)); },
            /*new_part=*/true);
     if (cfg.batch_norm && ctx.sync_batchnorm)
-      m->add(SyncBatchNorm2d(out, ctx.sync_batchnorm));
+      m->add([&] { return SyncBatchNorm2d(out, ctx.sync_batchnorm); });
     else if (cfg.batch_norm)
-      m->add(nn::BatchNorm2d(out));
-    m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
-    m->add(nn::MaxPool2d(nn::MaxPool2dOptions(2)));
+      m->add([&] { return nn::BatchNorm2d(out); });
+    m->add([] { return nn::ReLU(nn::ReLUOptions().inplace(true)); });
+    m->add([] { return nn::MaxPool2d(nn::MaxPool2dOptions(2)); });
     c = out, h /= 2, w /= 2;
   }
-  m->add(nn::Flatten(), /*new_part=*/true);  // joins the first dense layer's part
+  m->add([] { return nn::Flatten(); }, /*new_part=*/true);  // joins the first dense layer's part
   int64_t in = c * h * w;
   bool first_dense = true;
   int64_t fc_index = 0;
   for (auto width : cfg.fc) {
-    m->add(nn::Linear(in, width), !first_dense);
-    m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
-    if (cfg.dropout > 0)
-      m->add(SeededDropout(cfg.dropout, dropout_site(fmt::format("fc.{}", fc_index++))));
+    m->add([&] { return nn::Linear(in, width); }, !first_dense);
+    m->add([] { return nn::ReLU(nn::ReLUOptions().inplace(true)); });
+    if (cfg.dropout > 0) {
+      const auto site = dropout_site(fmt::format("fc.{}", fc_index++));
+      m->add([&] { return SeededDropout(cfg.dropout, site); });
+    }
     in = width, first_dense = false;
   }
-  m->add(nn::Linear(in, ctx.classes), !first_dense);
+  m->add([&] { return nn::Linear(in, ctx.classes); }, !first_dense);
   return m;
+}
+
+// Parameters and, per sample, the activations backward keeps: each conv stage's conv,
+// ReLU and pool outputs, each dense layer's and its ReLU's (fp32).
+ModelSize cnn_size(const ModelConfig& cfg, const SizeContext& ctx) {
+  double params = 0, widths = 0, in = 1;
+  for (auto x : ctx.sample_shape) in *= double(x);
+  if (ctx.sample_shape.size() == 3) {
+    double c = double(ctx.sample_shape[0]), h = double(ctx.sample_shape[1]),
+           w = double(ctx.sample_shape[2]);
+    for (auto out : cfg.channels) {
+      params += c * double(out) * 9 + double(out) * (cfg.batch_norm ? 3 : 1);
+      widths += double(out) * h * w * 3;  // conv, ReLU, pool
+      c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
+    }
+    in = c * h * w;
+  }
+  for (auto width : cfg.fc) {
+    params += in * double(width) + double(width);
+    widths += 2 * double(width);
+    in = double(width);
+  }
+  params += in * double(ctx.classes) + double(ctx.classes);
+  return {params, 4 * ctx.rows * widths};
+}
+
+}  // namespace
+
+ModelSpec cnn_spec() {
+  ModelSpec s;
+  s.task = &classification_task();
+  s.validate = validate_cnn;
+  s.build = build_cnn;
+  s.parts = cnn_parts;
+  s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };
+  s.size = cnn_size;
+  s.format = torch::MemoryFormat::ChannelsLast;
+  s.fits = cnn_fits;
+  return s;
 }
 
 }  // namespace dtrain

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include "util/hash.hpp"
+
 namespace dtrain {
 namespace {
 
@@ -82,11 +84,7 @@ DropoutScope::~DropoutScope() {
 
 const DropoutDraw* current_dropout_draw() { return t_has_draw ? &t_draw : nullptr; }
 
-uint64_t dropout_site(const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a
-  for (unsigned char ch : name) h = (h ^ ch) * 0x100000001b3ULL;
-  return h;
-}
+uint64_t dropout_site(const std::string& name) { return fnv1a(name); }
 
 torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t site,
                              const LayerSlice& slice) {

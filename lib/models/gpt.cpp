@@ -1,7 +1,8 @@
 // The gpt family: a decoder-only transformer (GPT-2's shape). Token and learned position
 // embeddings; pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP;
-// a final LayerNorm; the LM head tied to the token embedding. Initialisation as GPT-2:
-// N(0, 0.02) weights, zero biases, residual projections N(0, 0.02 / sqrt(2 * layers)).
+// a final LayerNorm; the LM head tied to the token embedding. Initialisation as GPT-2
+// (gpt_init): N(0, 0.02) weights, zero biases, residual projections N(0, 0.02 / sqrt(2 *
+// layers)), LayerNorms' gains 1.
 // Names follow GPT-2's checkpoints: wte, wpe, h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2,
 // mlp.c_fc, mlp.c_proj}, ln_f.
 //
@@ -51,30 +52,27 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
 
 namespace {
 
-LinearInit normal_init(double std) {
-  return [std](torch::Tensor& w, torch::Tensor& b) {
-    nn::init::normal_(w, 0.0, std);
-    if (b.defined()) nn::init::zeros_(b);
-  };
+ParallelLinearOptions linear(int64_t in, int64_t out, const torch::TensorOptions& options,
+                             int64_t blocks = 1) {
+  ParallelLinearOptions o{in, out};
+  o.blocks = blocks;
+  o.options = options;
+  return o;
 }
 
 class AttentionImpl : public nn::Module {
  public:
-  AttentionImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor, int64_t block)
-      : heads_(cfg.heads / tensor->size()),
+  AttentionImpl(const ModelConfig& cfg, const ModelContext& ctx, int64_t block)
+      : heads_(cfg.heads / ctx.tensor->size()),
         head_dim_(cfg.dim / cfg.heads),
         dropout_(cfg.dropout),
         weights_site_(dropout_site(fmt::format("h.{}.attn.weights", block))),
         out_site_(dropout_site(fmt::format("h.{}.attn.out", block))),
-        heads_slice_{1, tensor->rank(), tensor->size()} {
-    const double proj_std = 0.02 / std::sqrt(2.0 * double(cfg.layers));
+        heads_slice_{1, ctx.tensor->rank(), ctx.tensor->size()} {
     c_attn = register_module(
-        "c_attn", ColumnParallelLinear(
-                      ParallelLinearOptions{cfg.dim, 3 * cfg.dim, true, normal_init(0.02), 3},
-                      tensor));
+        "c_attn", ColumnParallelLinear(linear(cfg.dim, 3 * cfg.dim, ctx.options, 3), ctx.tensor));
     c_proj = register_module(
-        "c_proj", RowParallelLinear(
-                      ParallelLinearOptions{cfg.dim, cfg.dim, true, normal_init(proj_std)}, tensor));
+        "c_proj", RowParallelLinear(linear(cfg.dim, cfg.dim, ctx.options), ctx.tensor));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t batch = x.size(0), seq = x.size(1), width = heads_ * head_dim_;
@@ -108,15 +106,12 @@ TORCH_MODULE(Attention);
 
 class MlpImpl : public nn::Module {
  public:
-  MlpImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor, int64_t block)
+  MlpImpl(const ModelConfig& cfg, const ModelContext& ctx, int64_t block)
       : dropout_(cfg.dropout), site_(dropout_site(fmt::format("h.{}.mlp.out", block))) {
-    const double proj_std = 0.02 / std::sqrt(2.0 * double(cfg.layers));
-    c_fc = register_module("c_fc", ColumnParallelLinear(
-                                       ParallelLinearOptions{cfg.dim, 4 * cfg.dim, true,
-                                                             normal_init(0.02)}, tensor));
-    c_proj = register_module("c_proj", RowParallelLinear(
-                                           ParallelLinearOptions{4 * cfg.dim, cfg.dim, true,
-                                                                 normal_init(proj_std)}, tensor));
+    c_fc = register_module(
+        "c_fc", ColumnParallelLinear(linear(cfg.dim, 4 * cfg.dim, ctx.options), ctx.tensor));
+    c_proj = register_module(
+        "c_proj", RowParallelLinear(linear(4 * cfg.dim, cfg.dim, ctx.options), ctx.tensor));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto y = c_proj->forward(torch::gelu(c_fc->forward(x), "tanh"));  // GPT-2's GELU
@@ -134,11 +129,11 @@ TORCH_MODULE(Mlp);
 
 class BlockImpl : public nn::Module {
  public:
-  BlockImpl(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor, int64_t index) {
+  BlockImpl(const ModelConfig& cfg, const ModelContext& ctx, int64_t index) {
     ln_1 = register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
-    attn = register_module("attn", Attention(cfg, tensor, index));
+    attn = register_module("attn", Attention(cfg, ctx, index));
     ln_2 = register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
-    mlp = register_module("mlp", Mlp(cfg, tensor, index));
+    mlp = register_module("mlp", Mlp(cfg, ctx, index));
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn->forward(ln_1->forward(x));
@@ -156,16 +151,31 @@ TORCH_MODULE(Block);
 // a stage that holds the head but not the embeddings keeps its own copy of wte.
 class Gpt : public Network {
  public:
-  Gpt(const ModelConfig& cfg, const std::shared_ptr<Comm>& tensor)
-      : dropout_(cfg.dropout), layers_(cfg.layers) {
-    torch::NoGradGuard no_grad;
-    wte = register_module("wte", VocabParallelEmbedding(cfg.vocab, cfg.dim, 0.02, tensor));
-    wpe = register_module("wpe", nn::Embedding(cfg.seq_len, cfg.dim));
-    nn::init::normal_(wpe->weight, 0.0, 0.02);
+  Gpt(const ModelConfig& cfg, const ModelContext& ctx) : dropout_(cfg.dropout) {
+    const int64_t parts = cfg.layers + 2;
+    auto count = [](const nn::Module& m) {
+      int64_t n = 0;
+      for (const auto& p : m.parameters()) n += p.numel();
+      return n;
+    };
+    sizes_.assign(size_t(parts), 0);
+    embeddings_ = ctx.holds(0, parts), head_ = ctx.holds(parts - 1, parts);
+    if (embeddings_ || head_)
+      wte = register_module("wte", VocabParallelEmbedding(cfg.vocab, cfg.dim, ctx.tensor, ctx.options));
+    if (embeddings_) {
+      wpe = register_module("wpe", nn::Embedding(cfg.seq_len, cfg.dim));
+      sizes_[0] = count(*wte) + count(*wpe);  // the head's weight is counted here
+    }
     h = register_module("h", std::make_shared<nn::Module>());
-    for (int64_t i = 0; i < cfg.layers; ++i)
-      blocks_.push_back(h->register_module(std::to_string(i), Block(cfg, tensor, i)));
-    ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+    for (int64_t i = 0; i < cfg.layers; ++i) {
+      if (!ctx.holds(i + 1, parts)) continue;
+      blocks_.push_back(h->register_module(std::to_string(i), Block(cfg, ctx, i)));
+      sizes_[size_t(i + 1)] = count(*blocks_.back());
+    }
+    if (head_) {
+      ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+      sizes_.back() = count(*ln_f);
+    }
   }
 
   // Token ids [batch, seq] (or, past the first stage, hidden states [batch, seq, dim]) ->
@@ -191,30 +201,7 @@ class Gpt : public Network {
     return wte->logits(ln_f->forward(x));  // the head is the embedding, tied
   }
 
-  std::vector<int64_t> part_params() const override {
-    auto count = [](const nn::Module& m) {
-      int64_t n = 0;
-      for (const auto& p : m.parameters()) n += p.numel();
-      return n;
-    };
-    std::vector<int64_t> sizes{count(*wte) + count(*wpe)};
-    for (const auto& block : blocks_) sizes.push_back(count(*block));
-    sizes.push_back(count(*ln_f));  // the head's weight is counted with the embeddings
-    return sizes;
-  }
-
-  void keep_parts(int64_t first, int64_t last) override {
-    embeddings_ = first == 0, head_ = last == layers_ + 2;
-    std::vector<Block> kept;
-    for (int64_t i = 0; i < layers_; ++i) {
-      if (i + 1 >= first && i + 1 < last) kept.push_back(blocks_[size_t(i)]);
-      else h->unregister_module(std::to_string(i));
-    }
-    blocks_ = std::move(kept);
-    if (!embeddings_) unregister_module("wpe"), wpe = nullptr;
-    if (!embeddings_ && !head_) unregister_module("wte"), wte = nullptr;
-    if (!head_) unregister_module("ln_f"), ln_f = nullptr;
-  }
+  std::vector<int64_t> part_params() const override { return sizes_; }
 
   std::vector<std::string> tied_parameters() const override { return {"wte.weight"}; }
   void recompute_blocks(bool on) override { recompute_ = on; }
@@ -226,15 +213,12 @@ class Gpt : public Network {
 
  private:
   double dropout_;
-  int64_t layers_;
   std::vector<Block> blocks_;  // the held ones, in order
   bool embeddings_ = true, head_ = true, recompute_ = false;
+  std::vector<int64_t> sizes_;  // each part's parameters (the held ones')
 };
 
-}  // namespace
-
 int64_t gpt_parts(const ModelConfig& cfg) { return cfg.layers + 2; }
-
 void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims) {
   auto need = [](bool ok, const char* key, const std::string& rule) {
     if (!ok) throw ConfigError(fmt::format("{}: {}", key, rule));
@@ -272,7 +256,49 @@ void gpt_fits(const ModelConfig& cfg, const ModelContext& ctx) {
 
 NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx) {
   gpt_fits(cfg, ctx);
-  return std::make_shared<Gpt>(cfg, ctx.tensor);
+  return std::make_shared<Gpt>(cfg, ctx);
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// GPT-2's initialisation, by name.
+InitRule gpt_init(int64_t layers) {
+  const double proj_std = 0.02 / std::sqrt(2.0 * double(layers));
+  return [proj_std](const std::string& name, const std::vector<int64_t>& shape, const ShapeOf&) {
+    if (shape.size() == 1) return Init::constant(ends_with(name, ".weight") ? 1 : 0);
+    return Init::normal(ends_with(name, ".c_proj.weight") ? proj_std : 0.02);
+  };
+}
+
+// Parameters, and the activations one micro-batch leaves for backward: per layer, fp32,
+// Megatron-LM's 34 s b h + 5 a s^2 b (in fp16 bytes), doubled, the second term (the
+// attention scores) only where attention is not fused; with recompute a block keeps only
+// its input. Then the logits, their log-softmax and gradient.
+ModelSize gpt_size(const ModelConfig& m, const SizeContext& ctx) {
+  const double d = double(m.dim), s = double(m.seq_len), v = double(m.vocab), l = double(m.layers);
+  const double params = v * d + s * d + l * (12 * d * d + 13 * d) + 2 * d;
+  const double rows = ctx.rows, tensor = double(ctx.dims.tensor);
+  const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
+  const double per_layer =
+      ctx.recompute ? 4 * rows * s * d : 2 * rows * s * (34 * d + scores) / tensor;
+  return {params, l / double(ctx.dims.pipeline) * per_layer + 12 * rows * s * v / tensor};
+}
+
+}  // namespace
+
+ModelSpec gpt_spec() {
+  ModelSpec s;
+  s.task = &language_model_task();
+  s.validate = validate_gpt;
+  s.build = build_gpt;
+  s.parts = gpt_parts;
+  s.init = [](const ModelConfig& cfg) { return gpt_init(cfg.layers); };
+  s.size = gpt_size;
+  s.blocks = true;
+  s.fits = gpt_fits;
+  return s;
 }
 
 }  // namespace dtrain

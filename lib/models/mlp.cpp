@@ -24,7 +24,6 @@ int64_t product(const Ints& v) {
   return p;
 }
 bool column_parallel(size_t layer) { return layer % 2 == 0; }
-}  // namespace
 
 void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
   for (size_t i = 0; i < cfg.hidden.size(); ++i) {
@@ -43,31 +42,61 @@ void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
 int64_t mlp_parts(const ModelConfig& cfg) { return int64_t(cfg.hidden.size()) + 1; }
 
 NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
-  auto m = std::make_shared<LayerStack>();
-  m->add(nn::Flatten());
+  auto m = std::make_shared<LayerStack>(ctx, mlp_parts(cfg));
+  m->add([] { return nn::Flatten(); });
   int64_t in = product(ctx.sample_shape);
+  auto linear = [&](bool column, int64_t out, const std::shared_ptr<Comm>& tensor) {
+    return [=, &ctx]() -> nn::AnyModule {
+      ParallelLinearOptions o{in, out};
+      o.options = ctx.options;
+      if (column) return nn::AnyModule(ColumnParallelLinear(o, tensor));
+      return nn::AnyModule(RowParallelLinear(o, tensor));
+    };
+  };
   for (size_t i = 0; i < cfg.hidden.size(); ++i) {
     const int64_t w = cfg.hidden[i];
     const bool new_part = i > 0;
-    if (column_parallel(i))
-      m->add(ColumnParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor), new_part);
-    else
-      m->add(RowParallelLinear(ParallelLinearOptions{in, w}, ctx.tensor), new_part);
-    m->add(nn::ReLU(nn::ReLUOptions().inplace(true)));
+    m->add(linear(column_parallel(i), w, ctx.tensor), new_part);
+    m->add([] { return nn::ReLU(nn::ReLUOptions().inplace(true)); });
     if (cfg.dropout > 0) {  // a column-parallel layer's output is this rank's part of it
       const LayerSlice slice = column_parallel(i) ? LayerSlice{1, ctx.tensor->rank(), ctx.tensor->size()}
                                                   : LayerSlice{};
-      m->add(SeededDropout(cfg.dropout, dropout_site(fmt::format("hidden.{}", i)), slice));
+      m->add([&] { return SeededDropout(cfg.dropout, dropout_site(fmt::format("hidden.{}", i)), slice); });
     }
     in = w;
   }
   const bool new_part = !cfg.hidden.empty();
   if (!cfg.hidden.empty() && column_parallel(cfg.hidden.size() - 1))
-    m->add(RowParallelLinear(ParallelLinearOptions{in, ctx.classes}, ctx.tensor), new_part);
+    m->add(linear(false, ctx.classes, ctx.tensor), new_part);
   else
-    m->add(ColumnParallelLinear(ParallelLinearOptions{in, ctx.classes}, make_local_comm()),
-           new_part);
+    m->add(linear(true, ctx.classes, make_local_comm()), new_part);
   return m;
+}
+
+// Parameters and, per sample, the activations backward keeps: each layer's output and its
+// ReLU's (fp32).
+ModelSize mlp_size(const ModelConfig& cfg, const SizeContext& ctx) {
+  double in = double(product(ctx.sample_shape)), params = 0, widths = 0;
+  for (auto width : cfg.hidden) {
+    params += in * double(width) + double(width);
+    widths += 2 * double(width);
+    in = double(width);
+  }
+  params += in * double(ctx.classes) + double(ctx.classes);
+  return {params, 4 * ctx.rows * widths};
+}
+
+}  // namespace
+
+ModelSpec mlp_spec() {
+  ModelSpec s;
+  s.task = &classification_task();
+  s.validate = validate_mlp;
+  s.build = build_mlp;
+  s.parts = mlp_parts;
+  s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };
+  s.size = mlp_size;
+  return s;
 }
 
 }  // namespace dtrain

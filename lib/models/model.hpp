@@ -1,5 +1,6 @@
-// Models by name: a registry where each model brings its task, its checks and its
-// factory. A new model is one new file plus one line in registry.cpp.
+// Models by name: a registry where each model brings its task, its checks, its factory,
+// its initialisation and its memory estimate (ModelSpec). A new model is one new file (its
+// spec) plus one line in registry.cpp and its name in model.arch's choices (config.hpp).
 #pragma once
 #include <functional>
 #include <memory>
@@ -10,6 +11,7 @@
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
+#include "models/init.hpp"
 #include "models/task.hpp"
 #include "parallel/dims.hpp"
 
@@ -26,12 +28,9 @@ class Network : public torch::nn::Module {
   // next-token logits), or a pipeline stage's share on the previous stage's output.
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
   // The parameters of each part of the whole model, in order (a tied weight counted with
-  // its first part): what stages are balanced by. Valid before keep_parts().
+  // its first part): what stages are balanced by. Meaningful on a network built with every
+  // part (its outline: ModelContext::options on the meta device).
   virtual std::vector<int64_t> part_params() const = 0;
-  // Keeps parts [first, last) and drops the others, their parameters and buffers with
-  // them. Called once, right after the model is built: every process builds and
-  // initialises the whole model alike, so a stage's weights are the unsplit model's.
-  virtual void keep_parts(int64_t first, int64_t last) = 0;
   // Parameters that more than one part uses (GPT's token embedding, the head's weight
   // too). Where those parts sit on different stages each holds a copy; the pipeline keeps
   // the copies equal by summing their gradients.
@@ -63,6 +62,29 @@ struct ModelContext {
   std::shared_ptr<Comm> sync_batchnorm;
   // The tensor-parallel group the model's split layers use (a local Comm for tensor 1).
   std::shared_ptr<Comm> tensor = make_local_comm();
+  // The parts of the whole model the network holds, [first_part, last_part) (-1: to the
+  // last): a pipeline stage's. Only those are created; names stay the whole model's.
+  int64_t first_part = 0, last_part = -1;
+  // Where the big parameters are created, uninitialised (init_parameters fills them): the
+  // CPU, a GPU, or the meta device for the outline (every part's shapes and names, no
+  // memory).
+  torch::TensorOptions options = {};
+  bool holds(int64_t part, int64_t parts) const {
+    return part >= first_part && part < (last_part < 0 ? parts : last_part);
+  }
+};
+
+// What validation asks of a model's size: its parameters, whole, and the activations one
+// micro-batch leaves on one rank for backward (fp32 bytes).
+struct ModelSize {
+  double params = 0, activation_bytes = 0;
+};
+struct SizeContext {
+  Ints sample_shape;       // as the data says
+  int64_t classes = 0;
+  double rows = 1;         // samples per micro-batch on a data rank
+  ParallelDims dims;       // the layout: tensor splits layers, pipeline splits blocks
+  bool recompute = false;  // train.recompute: blocks
 };
 
 struct ModelSpec {
@@ -70,10 +92,14 @@ struct ModelSpec {
   // Checks that need only the job spec (run at validation, before any data or process
   // group): the model's own keys and whether its layers split over dims.tensor.
   std::function<void(const ModelConfig&, const ParallelDims&)> validate;
-  // Builds the network (after fits()).
+  // Builds the network's held parts (after fits()), parameters uninitialised.
   std::function<NetworkPtr(const ModelConfig&, const ModelContext&)> build;
   // How many parts (Network::part_params) the network has: what a pipeline splits.
   std::function<int64_t(const ModelConfig&)> parts;
+  // How each parameter starts, by name (models/init.hpp).
+  std::function<InitRule(const ModelConfig&)> init;
+  // Its size, for the memory check.
+  std::function<ModelSize(const ModelConfig&, const SizeContext&)> size;
   // The memory format the model's kernels run fastest on: ChannelsLast for convolutional
   // models (oneDNN on CPU: the CNN's step 1.4x faster), Contiguous otherwise.
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
@@ -89,40 +115,42 @@ struct ModelSpec {
 const ModelSpec& model_spec(const std::string& arch);
 std::vector<std::string> model_names();
 
-// The factories, one per file.
-NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx);
-NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx);
-NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx);
-void cnn_fits(const ModelConfig& cfg, const ModelContext& ctx);
-void gpt_fits(const ModelConfig& cfg, const ModelContext& ctx);
-void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims);
-void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims);
-void validate_gpt(const ModelConfig& cfg, const ParallelDims& dims);
-int64_t mlp_parts(const ModelConfig& cfg);
-int64_t cnn_parts(const ModelConfig& cfg);
-int64_t gpt_parts(const ModelConfig& cfg);
+// The specs, one per file.
+ModelSpec mlp_spec();
+ModelSpec cnn_spec();
+ModelSpec gpt_spec();
 
-// A network that runs its child modules in order (mlp, cnn). Children are registered as
-// "0", "1", ..., the names torch::nn::Sequential gives them, and keep those names when a
-// stage holds some of them. A part is a run of children: add(m, /*new_part=*/true) starts
-// one.
+// A whole model, initialised where it stands from `seed` (tools and tests: a run builds
+// its parts into flat buffers instead).
+NetworkPtr build_initialised(const ModelConfig& cfg, const ModelContext& ctx, uint64_t seed);
+
+// A network that runs its child modules in order (mlp, cnn). Children are named "0", "1",
+// ..., in the whole stack's order (the names torch::nn::Sequential gives them), whichever
+// parts are held. A part is a run of children: add(make, /*new_part=*/true) starts one;
+// `make` builds the child, and is called only for the parts held.
 class LayerStack : public Network {
  public:
-  template <class M>
-  void add(M module, bool new_part = false) {
-    register_module(std::to_string(layers_.size()), module.ptr());
-    if (new_part || part_of_.empty()) ++parts_;
-    part_of_.push_back(parts_ - 1);
+  explicit LayerStack(const ModelContext& ctx, int64_t parts)
+      : ctx_(ctx), sizes_(size_t(parts), 0) {}
+  template <class Make>
+  void add(Make make, bool new_part = false) {
+    if (new_part || children_ == 0) ++part_;
+    const int64_t index = children_++;
+    if (!ctx_.holds(part_, int64_t(sizes_.size()))) return;
+    auto module = make();
+    auto held = module.ptr();
+    register_module(std::to_string(index), held);
+    for (const auto& p : held->parameters()) sizes_[size_t(part_)] += p.numel();
     layers_.emplace_back(std::move(module));
   }
   torch::Tensor forward(const torch::Tensor& x) override;
-  std::vector<int64_t> part_params() const override;
-  void keep_parts(int64_t first, int64_t last) override;
+  std::vector<int64_t> part_params() const override { return sizes_; }
 
  private:
-  std::vector<torch::nn::AnyModule> layers_;  // the held ones (all, until keep_parts)
-  std::vector<int64_t> part_of_;              // each held child's part
-  int64_t parts_ = 0;
+  ModelContext ctx_;
+  std::vector<torch::nn::AnyModule> layers_;  // the held ones
+  std::vector<int64_t> sizes_;                // each part's parameters (held ones)
+  int64_t children_ = 0, part_ = -1;
 };
 
 }  // namespace dtrain

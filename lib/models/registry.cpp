@@ -10,17 +10,11 @@ namespace dtrain {
 namespace {
 
 const std::map<std::string, ModelSpec>& registry() {
-  static const std::map<std::string, ModelSpec> specs = [] {
-    std::map<std::string, ModelSpec> m;
-    m["mlp"] = {&classification_task(), validate_mlp, build_mlp, mlp_parts};
-    m["cnn"] = {&classification_task(), validate_cnn, build_cnn, cnn_parts,
-                torch::MemoryFormat::ChannelsLast};
-    m["cnn"].fits = cnn_fits;
-    m["gpt"] = {&language_model_task(), validate_gpt, build_gpt, gpt_parts};
-    m["gpt"].blocks = true;
-    m["gpt"].fits = gpt_fits;
-    return m;
-  }();
+  static const std::map<std::string, ModelSpec> specs{
+      {"mlp", mlp_spec()},
+      {"cnn", cnn_spec()},
+      {"gpt", gpt_spec()},
+  };
   return specs;
 }
 
@@ -48,27 +42,11 @@ torch::Tensor LayerStack::forward(const torch::Tensor& x) {
   return y;
 }
 
-std::vector<int64_t> LayerStack::part_params() const {
-  std::vector<int64_t> sizes(size_t(parts_), 0);
-  for (size_t i = 0; i < layers_.size(); ++i)
-    for (const auto& p : layers_[i].ptr()->parameters()) sizes[size_t(part_of_[i])] += p.numel();
-  return sizes;
+NetworkPtr build_initialised(const ModelConfig& cfg, const ModelContext& ctx, uint64_t seed) {
+  const auto& spec = model_spec(cfg.arch);
+  auto net = spec.build(cfg, ctx);
+  init_parameters(*net, spec.init(cfg), seed, ctx.tensor->rank());
+  return net;
 }
-
-void LayerStack::keep_parts(int64_t first, int64_t last) {
-  std::vector<torch::nn::AnyModule> kept;
-  std::vector<int64_t> kept_part;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (part_of_[i] >= first && part_of_[i] < last) {
-      kept.push_back(layers_[i]);
-      kept_part.push_back(part_of_[i]);
-    } else {
-      unregister_module(std::to_string(i));
-    }
-  }
-  layers_ = std::move(kept);
-  part_of_ = std::move(kept_part);
-}
-
 
 }  // namespace dtrain

@@ -15,6 +15,8 @@ class Classification : public Task {
   const char* name() const override { return "classification"; }
   const char* metric() const override { return "accuracy"; }
   bool higher_is_better() const override { return true; }
+  bool on_tokens() const override { return false; }
+  int64_t items_per_sample(const Ints&) const override { return 1; }
   torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm&,
                      double label_smoothing) const override {
     return F::cross_entropy(out.to(torch::kFloat32), b.y,
@@ -35,6 +37,8 @@ class LanguageModel : public Task {
   const char* name() const override { return "language_model"; }
   const char* metric() const override { return "perplexity"; }
   bool higher_is_better() const override { return false; }
+  bool on_tokens() const override { return true; }
+  int64_t items_per_sample(const Ints& sample_shape) const override { return sample_shape.at(0); }
   torch::Tensor loss(const torch::Tensor& out, const Batch& b, Comm& tensor,
                      double /*label_smoothing: refused*/) const override {
     return per_token(out, b, tensor).mean();

@@ -11,6 +11,7 @@
 #include <torch/types.h>
 
 #include "comm/comm.hpp"
+#include "config/config.hpp"
 #include "data/dataset.hpp"
 
 namespace dtrain {
@@ -28,6 +29,10 @@ class Task {
   virtual const char* name() const = 0;    // "classification" | "language_model"
   virtual const char* metric() const = 0;  // "accuracy" | "perplexity"
   virtual bool higher_is_better() const = 0;
+  // What it trains on: token windows (a language model) or labelled samples.
+  virtual bool on_tokens() const = 0;
+  // The items a sample counts for the throughput: a window's tokens, or 1.
+  virtual int64_t items_per_sample(const Ints& sample_shape) const = 0;
   // The mean loss over one micro-batch, in fp32: what training differentiates. `tensor`
   // is the group a language model's vocabulary (its logits) is split over;
   // `label_smoothing` (classification only, validated) softens the targets.

@@ -49,17 +49,23 @@ class FlatOptimizer : public Optimizer {
       group_for_fused();  // none when the shard holds nothing: then the (empty) unfused update
       return;             // the groups carry the decay
     }
-    // Decay groups as a 0/1 mask over the shard, only when they differ.
+    // Decay groups as a 0/1 mask over the shard (no more: under ZeRO the rest is another
+    // rank's), only when the model's groups differ.
     if (cfg.weight_decay != 0) {
-      auto mask = torch::zeros({total}, params.data().options());
       bool all = true, none = true;
       for (const auto& e : params.entries()) {
         const bool d = decays(cfg, e.full_shape);
-        mask.narrow(0, e.offset, e.numel).fill_(d ? 1.0 : 0.0);
         all = all && d, none = none && !d;
       }
       decay_ = none ? Decay::kNone : all ? Decay::kAll : Decay::kMasked;
-      if (decay_ == Decay::kMasked) mask_ = mask.narrow(0, shard_.offset, shard_.numel);
+      if (decay_ == Decay::kMasked) {
+        mask_ = torch::zeros({shard_.numel}, params.data().options());
+        const int64_t lo = shard_.offset, hi = shard_.offset + shard_.numel;
+        for (const auto& e : params.entries()) {
+          const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
+          if (from < to && decays(cfg, e.full_shape)) mask_.narrow(0, from - lo, to - from).fill_(1.0);
+        }
+      }
     }
   }
   bool fused() const override { return !groups_.empty(); }
@@ -135,8 +141,11 @@ class FlatOptimizer : public Optimizer {
 // d = nesterov ? d + m*buf : buf; p -= lr*d.
 class Sgd : public FlatOptimizer {
  public:
+  // Without momentum there is no buffer (torch.optim.SGD keeps none either).
   Sgd(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard, {"momentum_buffer"}) {}
+      : FlatOptimizer(cfg, params, shard,
+                      cfg.momentum != 0 ? std::vector<std::string>{"momentum_buffer"}
+                                        : std::vector<std::string>{}) {}
 
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;

@@ -10,6 +10,7 @@
 #include "comm/comm.hpp"
 #include "config/config.hpp"
 #include "parallel/flat_params.hpp"
+#include "util/hash.hpp"
 
 namespace dtrain {
 namespace {
@@ -260,11 +261,7 @@ void orthonormalise(torch::Tensor p) {
 
 // A stable seed from a parameter's name: every data rank (and every tensor rank holding a
 // replicated parameter) starts its matrix from the same Q.
-uint64_t seed_of(const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
-  return h;
-}
+uint64_t seed_of(const std::string& name) { return fnv1a(name); }
 
 // PowerSGD (Vogels et al., 2019; PyTorch DDP's powerSGD_hook): each matrix M (a parameter
 // of two or more dimensions, as [size(0), the rest]) goes as a rank-r product, by one step

@@ -67,6 +67,15 @@ torch::Tensor Placement::assemble(const std::vector<torch::Tensor>& ranks) const
   return torch::cat(pieces, dim);
 }
 
+std::map<std::string, Placement> placements_of(const torch::nn::Module& model) {
+  std::map<std::string, Placement> placements;
+  for (const auto& m : model.named_modules(/*name_prefix=*/"", /*include_self=*/true))
+    if (auto* placed = dynamic_cast<const PlacedModule*>(m.value().get()))
+      for (const auto& p : m.value()->named_parameters(/*recurse=*/false))
+        placements[m.key().empty() ? p.key() : m.key() + "." + p.key()] = placed->placement_of(p.key());
+  return placements;
+}
+
 FlatParams::FlatParams(torch::nn::Module& model, const FlatOptions& opts)
     : FlatParams(std::vector<torch::nn::Module*>{&model}, opts) {}
 
@@ -75,13 +84,7 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   std::unordered_set<const c10::TensorImpl*> seen;
   int64_t total = 0;
   for (auto* model : modules) {
-    // Placements declared by the modules that split their parameters.
-    std::map<std::string, Placement> placements;
-    for (const auto& m : model->named_modules(/*name_prefix=*/"", /*include_self=*/true))
-      if (auto* placed = dynamic_cast<const PlacedModule*>(m.value().get()))
-        for (const auto& p : m.value()->named_parameters(/*recurse=*/false))
-          placements[m.key().empty() ? p.key() : m.key() + "." + p.key()] =
-              placed->placement_of(p.key());
+    const auto placements = placements_of(*model);
     for (const auto& p : model->named_parameters(/*recurse=*/true)) {
       if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;  // a tied parameter
       auto it = placements.find(p.key());
@@ -95,7 +98,10 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   torch::NoGradGuard no_grad;
   auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);
   const int64_t padded = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
-  data_ = torch::zeros({padded}, options);
+  // Empty, not zeros: each page is first written by its own parameter, so a model that is
+  // initialised here costs one copy of the weights, not two.
+  data_ = torch::empty({padded}, options);
+  data_.narrow(0, total, padded - total).zero_();
   if (padded % opts.grad_ranks != 0)
     throw std::logic_error("FlatOptions: pad_to must make the buffers cut in grad_ranks shards");
   grad_held_ = {opts.grad_rank * (padded / opts.grad_ranks), padded / opts.grad_ranks};
@@ -103,7 +109,7 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& p = params_[i];
     auto slot = view(data_, i);
-    slot.copy_(p);
+    if (opts.keep_values) slot.copy_(p);
     p.set_data(slot);
     // Backward accumulates straight into the flat gradient, unless it is a shard.
     if (opts.grad_ranks == 1) p.mutable_grad() = view(grad_, i);

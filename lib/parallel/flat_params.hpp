@@ -84,6 +84,10 @@ class PlacedModule {
   virtual Placement placement_of(const std::string& param_name) const = 0;
 };
 
+// The placements the modules of `model` declare for their own parameters (PlacedModule),
+// by the parameters' names in `model`; a parameter not listed is replicated.
+std::map<std::string, Placement> placements_of(const torch::nn::Module& model);
+
 // A contiguous part of the flat buffers: what one data-parallel rank updates under ZeRO,
 // [offset, offset + numel). The whole buffer by default.
 struct Shard {
@@ -105,6 +109,10 @@ struct FlatOptions {
   // parameters' gradients are autograd's own tensors, which the gradient sync copies out
   // and frees as backward makes them (grad_sync.cpp).
   int64_t grad_ranks = 1, grad_rank = 0;
+  // Whether the parameters' values are copied in. A model built to be initialised in the
+  // buffer (models/init.hpp) skips it: its parameters were never written, and copying
+  // them would only cost time.
+  bool keep_values = true;
 };
 
 class FlatParams {

@@ -56,34 +56,12 @@ torch::Tensor reduce_from_tensor_region(const torch::Tensor& x,
   return ReduceFromRegion::apply(x, tensor.get());
 }
 
-void torch_linear_init(torch::Tensor& weight, torch::Tensor& bias) {
-  // torch::nn::LinearImpl::reset_parameters, draw for draw.
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
-  if (bias.defined()) {
-    const double bound = 1 / std::sqrt(double(weight.size(1)));
-    torch::nn::init::uniform_(bias, -bound, bound);
-  }
-}
-
-namespace {
-// Draws the full layer and returns it; the caller keeps its part.
-std::pair<torch::Tensor, torch::Tensor> full_layer(const ParallelLinearOptions& o) {
-  torch::NoGradGuard no_grad;
-  auto w = torch::empty({o.out, o.in});
-  torch::Tensor b = o.bias ? torch::empty({o.out}) : torch::Tensor();
-  o.init(w, b);
-  return {w, b};
-}
-}  // namespace
-
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ParallelLinearOptions& opts,
                                                    std::shared_ptr<Comm> tensor)
     : opts_(opts), tensor_(std::move(tensor)) {
-  parts_dividing(tensor_, opts.out / opts.blocks, "output features");
-  auto [w, b] = full_layer(opts);
-  const auto place = placement_of("weight");
-  weight = register_parameter("weight", place.shard(w, tensor_->rank()));
-  if (opts.bias) bias = register_parameter("bias", place.shard(b, tensor_->rank()));
+  const int64_t out = opts.out / parts_dividing(tensor_, opts.out / opts.blocks, "output features");
+  weight = register_parameter("weight", torch::empty({out, opts.in}, opts.options));
+  if (opts.bias) bias = register_parameter("bias", torch::empty({out}, opts.options));
 }
 
 Placement ColumnParallelLinearImpl::placement_of(const std::string&) const {
@@ -101,10 +79,9 @@ torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
 RowParallelLinearImpl::RowParallelLinearImpl(const ParallelLinearOptions& opts,
                                              std::shared_ptr<Comm> tensor)
     : opts_(opts), tensor_(std::move(tensor)) {
-  parts_dividing(tensor_, opts.in, "input features");
-  auto [w, b] = full_layer(opts);
-  weight = register_parameter("weight", placement_of("weight").shard(w, tensor_->rank()));
-  if (opts.bias) bias = register_parameter("bias", b);
+  const int64_t in = opts.in / parts_dividing(tensor_, opts.in, "input features");
+  weight = register_parameter("weight", torch::empty({opts.out, in}, opts.options));
+  if (opts.bias) bias = register_parameter("bias", torch::empty({opts.out}, opts.options));
 }
 
 Placement RowParallelLinearImpl::placement_of(const std::string& param) const {

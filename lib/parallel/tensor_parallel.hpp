@@ -10,9 +10,9 @@
 // Everything outside the pair (norms, embeddings, residuals) is replicated and gets the
 // same gradient on every tensor rank, because f sums the gradient that flows back into it.
 //
-// Initialisation: every rank draws the full weight with the same generator, in the same
-// order as the unsplit layer would, and keeps its part; so tensor N starts from exactly the
-// model one process trains.
+// The layers create their part of the weights uninitialised: the model's rule fills them by
+// name, each rank its part of the whole tensor (models/init.hpp), so tensor N starts from
+// exactly the model one process trains.
 #pragma once
 #include <functional>
 #include <memory>
@@ -28,17 +28,14 @@ torch::Tensor copy_to_tensor_region(const torch::Tensor& x, const std::shared_pt
 torch::Tensor reduce_from_tensor_region(const torch::Tensor& x,
                                         const std::shared_ptr<Comm>& tensor);
 
-// Fills a full weight [out, in] and bias [out] (undefined when the layer has none).
-using LinearInit = std::function<void(torch::Tensor& weight, torch::Tensor& bias)>;
-// LibTorch's own nn::Linear initialisation (Kaiming-uniform weight, uniform bias).
-void torch_linear_init(torch::Tensor& weight, torch::Tensor& bias);
-
 struct ParallelLinearOptions {
   int64_t in, out;
   bool bias = true;
-  LinearInit init = torch_linear_init;
   // Column-parallel: the output is `blocks` equal blocks split separately (fused QKV: 3).
   int64_t blocks = 1;
+  // Where the weights are created: the CPU, a GPU, or the meta device for a model built
+  // for its shapes only.
+  torch::TensorOptions options = {};
 };
 
 // y[..., out / T] = x[..., in] W^T + b, with W split along its rows (output features).

@@ -9,15 +9,13 @@
 namespace dtrain {
 namespace F = torch::nn::functional;
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, double std,
-                                                       std::shared_ptr<Comm> tensor)
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim,
+                                                       std::shared_ptr<Comm> tensor,
+                                                       torch::TensorOptions options)
     : vocab_(vocab), tensor_(std::move(tensor)) {
   fail_if<ConfigError>(vocab % tensor_->size() != 0, "model.vocab: {} does not split over "
                        "parallel.tensor {}", vocab, tensor_->size());
-  torch::NoGradGuard no_grad;
-  auto full = torch::empty({vocab, dim});
-  torch::nn::init::normal_(full, 0.0, std);
-  weight = register_parameter("weight", placement_of("weight").shard(full, tensor_->rank()));
+  weight = register_parameter("weight", torch::empty({vocab / tensor_->size(), dim}, options));
 }
 
 Placement VocabParallelEmbeddingImpl::placement_of(const std::string&) const {

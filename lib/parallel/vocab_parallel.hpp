@@ -14,11 +14,12 @@
 namespace dtrain {
 
 // Embedding rows [rank * V/T, (rank + 1) * V/T) on each rank; a lookup is summed over the
-// group (each token's row lives on exactly one rank). Initialised N(0, std) from the
-// full table, drawn on every rank, so any T starts from the same table.
+// group (each token's row lives on exactly one rank). Created uninitialised, where
+// `options` says: the model's rule fills it (models/init.hpp).
 class VocabParallelEmbeddingImpl : public torch::nn::Module, public PlacedModule {
  public:
-  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, double std, std::shared_ptr<Comm> tensor);
+  VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, std::shared_ptr<Comm> tensor,
+                             torch::TensorOptions options = {});
   torch::Tensor forward(const torch::Tensor& ids);
   // This rank's logits [..., V / T] for hidden states x [..., dim]: the tied LM head.
   torch::Tensor logits(const torch::Tensor& x);

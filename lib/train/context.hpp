@@ -105,7 +105,7 @@ struct Context {
   torch::MemoryFormat format() const { return spec->format; }
   int64_t steps_per_epoch() const { return sampler->steps_per_epoch(); }
   // Items per sample: 1, or the tokens of a window (for tokens/s).
-  int64_t items_per_sample() const { return task == &language_model_task() ? data.sample_shape[0] : 1; }
+  int64_t items_per_sample() const { return task->items_per_sample(data.sample_shape); }
   void say(const std::string& line) const {
     if (root()) progress->print(line);
   }

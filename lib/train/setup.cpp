@@ -52,39 +52,37 @@ void agree_on_data(Context& c) {
                                                 : ""));
 }
 
-// This rank's chunks of the model. Every process builds and initialises the whole model on
-// the CPU, from the CPU generator, so each stage starts from the unsplit model's weights
-// whatever the device and layout, and the generator is where one process's would be; each
-// chunk then keeps its stage's parts and moves to the device.
+// This rank's chunks of the model: only the parts its stages hold, their parameters
+// created uninitialised on the device (the flat buffers take them, then init_parameters
+// fills them by name: setup()). The whole model's outline, on the meta device, says how
+// big each part is (the stages' split) and every name. LibTorch's own layers draw their
+// initial weights from the default generator as they are built (values init_parameters
+// replaces): the generator is put back, so it is the seed's whatever a rank builds.
 void build_chunks(Context& c, const ModelContext& mc) {
   const auto& cfg = c.cfg;
   const int64_t ranks = c.mesh.dims().pipeline, chunks = cfg.parallel.virtual_stages;
   c.stages = ranks * chunks;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
-  auto set_state = [&](const torch::Tensor& state) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  };
-  const auto before = gen.get_state();
-  auto whole = c.spec->build(cfg.model, mc);
-  const auto after = gen.get_state();
-  for (const auto& p : whole->named_parameters()) c.model_names.push_back(p.key());
-  for (const auto& b : whole->named_buffers()) c.model_names.push_back(b.key());
-  const auto split = split_stages(whole->part_params(), c.stages, cfg.parallel.stages);
+  const auto seeded = gen.get_state();
+  ModelContext outline_ctx = mc;
+  outline_ctx.options = torch::TensorOptions().device(torch::kMeta);
+  const auto outline = c.spec->build(cfg.model, outline_ctx);
+  for (const auto& p : outline->named_parameters()) c.model_names.push_back(p.key());
+  for (const auto& b : outline->named_buffers()) c.model_names.push_back(b.key());
+  const auto split = split_stages(outline->part_params(), c.stages, cfg.parallel.stages);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const int64_t stage = chunk * ranks + c.mesh.coord().pipeline;
-    NetworkPtr net = whole;
-    if (chunk > 0) {  // another copy, built alike
-      set_state(before);
-      net = c.spec->build(cfg.model, mc);
-    }
-    if (c.stages > 1) net->keep_parts(split[size_t(stage)].first, split[size_t(stage)].last);
+    ModelContext held = mc;
+    held.options = torch::TensorOptions().device(c.device());
+    held.first_part = split[size_t(stage)].first, held.last_part = split[size_t(stage)].last;
+    auto net = c.spec->build(cfg.model, held);
     net->recompute_blocks(cfg.train.recompute == "blocks");
-    net->to(c.device());
+    net->to(c.device());  // LibTorch's own layers, and the buffers
     c.chunks.push_back(net);
     c.chunk_stage.push_back(stage);
   }
-  set_state(after);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(seeded);
 }
 
 // The tied parameters' entries, where the two parts that use them sit on different ranks.
@@ -145,10 +143,12 @@ void setup(Context& c) {
   FlatOptions flat;
   flat.format = c.spec->format;
   flat.device = c.device();
+  flat.keep_values = false;  // initialised in the buffer, below
   shard_flat(cfg.parallel, c.mesh, flat);
   std::vector<torch::nn::Module*> modules;
   for (auto& chunk : c.chunks) modules.push_back(chunk.get());
   c.params = std::make_unique<FlatParams>(modules, flat);
+  init_parameters(*c.params, c.spec->init(cfg.model), uint64_t(cfg.seed), c.mesh.coord().tensor);
   find_tied(c);
   c.optimizer = make_optimizer(cfg.optimizer, *c.params, update_shard(cfg.parallel, c.mesh, *c.params));
   // The gradient sync (its hooks on the parameters): before a resume, which restores its

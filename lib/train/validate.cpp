@@ -26,11 +26,6 @@ void refuse_with_mode(const std::string& mode, bool bad, const std::string& what
                        what, why);
 }
 
-bool tokens_data(const JobConfig& cfg) {
-  const auto& d = cfg.data.dataset;
-  return d == "text" || d == "tokens" || d == "synthetic_tokens";
-}
-
 // Local SGD against what needs every data replica at every step.
 void check_local_sgd(const JobConfig& c) {
   const auto& p = c.parallel;
@@ -119,13 +114,6 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
                          cfg.train.grad_accum, layout.pipeline);
 }
 
-// Inputs and classes of an image dataset, as its keys say (fashion_mnist and mnist are 28 x
-// 28 grey images of 10 classes).
-std::pair<Ints, int64_t> image_shape(const DataConfig& d) {
-  if (d.dataset == "fashion_mnist" || d.dataset == "mnist") return {{1, 28, 28}, 10};
-  return {d.input_shape, d.classes};
-}
-
 // A rough estimate, in bytes, of one process's memory: its share of the parameters, their
 // gradients and the optimizer's state, and the activations of the micro-batches it holds at
 // once (a pipeline under GPipe holds them all). Doubles: the keys can be absurd.
@@ -135,51 +123,24 @@ struct MemoryEstimate {
 };
 
 MemoryEstimate estimate_memory(const JobConfig& cfg, const ParallelDims& dims) {
-  const auto& m = cfg.model;
   const auto& p = cfg.parallel;
-  const double rows = double(cfg.data.batch_size) / double(dims.data * cfg.train.grad_accum);
+  const auto kind = data_kind(cfg.data);
+  SizeContext sc;
+  sc.sample_shape = kind.sample_shape;
+  sc.classes = kind.classes;
+  sc.rows = double(cfg.data.batch_size) / double(dims.data * cfg.train.grad_accum);
+  sc.dims = dims;
+  sc.recompute = cfg.train.recompute == "blocks";
+  const ModelSize size = model_spec(cfg.model.arch).size(cfg.model, sc);
   // Micro-batches held at once: all under GPipe, the pipeline's depth under 1F1B, about
   // twice it interleaved.
   const double depth = double(dims.pipeline) * (p.schedule == "interleaved_1f1b" ? 2 : 1);
   const double held = dims.pipeline == 1 ? 1
                       : p.schedule == "gpipe" ? double(cfg.train.grad_accum)
                                               : std::min(depth, double(cfg.train.grad_accum));
-  double params = 0, activations = 0;  // the whole model's; one micro-batch's
-  if (m.arch == "gpt") {
-    const double d = double(m.dim), s = double(m.seq_len), v = double(m.vocab), l = double(m.layers);
-    params = v * d + s * d + l * (12 * d * d + 13 * d) + 2 * d;
-    // Per layer, fp32: Megatron-LM's 34 s b h + 5 a s^2 b (in fp16 bytes), doubled, the
-    // second term (the attention scores) only where attention is not fused; with recompute
-    // a block keeps only its input. The logits, their log-softmax and gradient.
-    const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
-    const double per_layer = cfg.train.recompute == "blocks"
-                                 ? 4 * rows * s * d
-                                 : 2 * rows * s * (34 * d + scores) / double(dims.tensor);
-    activations = l / double(dims.pipeline) * per_layer + 12 * rows * s * v / double(dims.tensor);
-  } else {
-    auto [shape, classes] = image_shape(cfg.data);
-    double in = 1, width_sum = 0;
-    for (auto x : shape) in *= double(x);
-    if (m.arch == "cnn" && shape.size() == 3) {
-      double c = double(shape[0]), h = double(shape[1]), w = double(shape[2]);
-      for (auto out : m.channels) {
-        params += c * double(out) * 9 + double(out) * (m.batch_norm ? 3 : 1);
-        width_sum += double(out) * h * w * 3;  // conv, ReLU, pool
-        c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
-      }
-      in = c * h * w;
-    }
-    for (auto width : m.arch == "cnn" ? m.fc : m.hidden) {
-      params += in * double(width) + double(width);
-      width_sum += 2 * double(width);
-      in = double(width);
-    }
-    params += in * double(classes) + double(classes);
-    activations = 4 * rows * width_sum;
-  }
   const double optimizer = cfg.optimizer.name == "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0;
-  const double share = params / double(dims.tensor * dims.pipeline);
-  return {4 * share, (4 + optimizer) * share, held * activations};
+  const double share = size.params / double(dims.tensor * dims.pipeline);
+  return {4 * share, (4 + optimizer) * share, held * size.activation_bytes};
 }
 
 // MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).
@@ -261,22 +222,26 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
                            ? fmt::format(", {} of them parallel.servers", cfg.parallel.servers)
                            : "",
                        per_step);
-  fail_if<ConfigError>(tokens_data(cfg) && !cfg.data.augment.empty(),
+  const bool tokens = data_kind(cfg.data).tokens;
+  fail_if<ConfigError>(tokens && !cfg.data.augment.empty(),
                        "data.augment: augmentation is for images; data.dataset {} holds tokens",
                        cfg.data.dataset);
-  fail_if<ConfigError>(tokens_data(cfg) && cfg.optimizer.label_smoothing > 0,
+  fail_if<ConfigError>(tokens && cfg.optimizer.label_smoothing > 0,
                        "optimizer.label_smoothing: for classification only; data.dataset {} "
                        "trains a language model", cfg.data.dataset);
   fail_if<ConfigError>(!cfg.data.eval_path.empty() && cfg.data.dataset != "tokens",
                        "data.eval_path: held-out shards are read for data.dataset tokens only, "
                        "not {} (text holds out every n-th window: data.eval_fraction)",
                        cfg.data.dataset);
-  const bool tokens = tokens_data(cfg);
-  fail_if<ConfigError>(tokens != (model_spec(cfg.model.arch).task == &language_model_task()),
-                       "model.arch: {} does not train on data.dataset {} ({})", cfg.model.arch,
-                       cfg.data.dataset, tokens ? "token windows need a language model: gpt"
-                                                : "a language model needs text, tokens or "
-                                                  "synthetic_tokens");
+  if (tokens != model_spec(cfg.model.arch).task->on_tokens()) {
+    std::vector<std::string> fitting;
+    for (const auto& name : model_names())
+      if (model_spec(name).task->on_tokens() == tokens) fitting.push_back(name);
+    throw ConfigError(fmt::format("model.arch: {} does not train on data.dataset {} ({}; model.arch "
+                                  "{} does)", cfg.model.arch, cfg.data.dataset,
+                                  tokens ? "it holds token windows" : "it holds labelled samples",
+                                  fmt::join(fitting, " | ")));
+  }
   return layout;
 }
 

@@ -95,7 +95,10 @@ void check_layouts(const std::string& dir, const std::string& job,
         got = torch::cat({got.chunk(3)[0], got.chunk(3)[2]});
         want = torch::cat({want.chunk(3)[0], want.chunk(3)[2]});
       }
-      CHECK(torch::allclose(got, want, /*rtol=*/1e-4, /*atol=*/1e-5));
+      // AdamW divides each element's gradient by its own scale: where an element's
+      // gradient nearly cancels, the data ranks' order of summation (1e-7 on the
+      // gradient) moves it by up to ~lr / 100 over these steps (plain SGD: 7e-8).
+      CHECK(torch::allclose(got, want, /*rtol=*/1e-4, /*atol=*/5e-5));
     }
   }
 }

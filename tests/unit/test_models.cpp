@@ -1,8 +1,10 @@
 // The model registry: output shapes and parameter counts worked out by hand from the layer
-// sizes, BatchNorm buffers, and shapes that do not fit refused with ConfigError.
+// sizes, BatchNorm buffers, and shapes that do not fit refused with ConfigError; initial
+// weights as functions of the seed and the parameter's name, whatever part a rank holds.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -31,11 +33,13 @@ struct Shape {
   Ints sample;
   int64_t classes;
 };
-NetworkPtr build_model(const ModelConfig& cfg, const Shape& shape) {
+NetworkPtr build_model(const ModelConfig& cfg, const Shape& shape, int64_t first_part = 0,
+                       int64_t last_part = -1) {
   ModelContext ctx;
   ctx.sample_shape = shape.sample;
   ctx.classes = shape.classes;
-  return model_spec(cfg.arch).build(cfg, ctx);
+  ctx.first_part = first_part, ctx.last_part = last_part;
+  return build_initialised(cfg, ctx, /*seed=*/11);
 }
 }  // namespace
 
@@ -149,11 +153,13 @@ ModelConfig small_gpt() {
   cfg.seq_len = 12;
   return cfg;
 }
-NetworkPtr build_gpt_for(const ModelConfig& cfg, int64_t seq, int64_t vocab) {
+NetworkPtr build_gpt_for(const ModelConfig& cfg, int64_t seq, int64_t vocab,
+                         int64_t first_part = 0, int64_t last_part = -1) {
   ModelContext ctx;
   ctx.sample_shape = {seq};
   ctx.vocab = vocab;
-  return model_spec("gpt").build(cfg, ctx);
+  ctx.first_part = first_part, ctx.last_part = last_part;
+  return build_initialised(cfg, ctx, /*seed=*/11);
 }
 }  // namespace
 
@@ -178,6 +184,8 @@ TEST_CASE("models: gpt parameters, names and a head tied to the token embedding"
   CHECK(named["h.0.mlp.c_proj.weight"].std().item<double>() ==
         doctest::Approx(0.02 / 2.0).epsilon(0.1));
   CHECK(named["h.0.attn.c_attn.bias"].abs().sum().item<double>() == 0);
+  CHECK(named["h.1.ln_2.weight"].eq(1).all().item<bool>());
+  CHECK(named["ln_f.bias"].eq(0).all().item<bool>());
 
   auto idx = torch::randint(50, {3, 12}, torch::kInt64);
   auto logits = m->forward(idx);
@@ -250,12 +258,12 @@ TEST_CASE("models: split into parts, stages run in turn give the whole model's o
                              {small_gpt(), {{12}, 0}, torch::randint(50, {3, 12}, torch::kInt64)}};
   for (auto& a : archs) {
     CAPTURE(a.cfg.arch);
-    auto build = [&] {
-      torch::manual_seed(11);
-      if (a.cfg.arch == "gpt") return build_gpt_for(a.cfg, 12, 50);
-      return build_model(a.cfg, a.shape);
+    // Parts [first, last), initialised by name from one seed: no stage sees the others'.
+    auto build = [&](int64_t first, int64_t last) {
+      if (a.cfg.arch == "gpt") return build_gpt_for(a.cfg, 12, 50, first, last);
+      return build_model(a.cfg, a.shape, first, last);
     };
-    auto whole = build();
+    auto whole = build(0, -1);
     whole->eval();
     const auto sizes = whole->part_params();
     const int64_t parts = model_spec(a.cfg.arch).parts(a.cfg);
@@ -268,15 +276,14 @@ TEST_CASE("models: split into parts, stages run in turn give the whole model's o
     const auto names = whole->named_parameters();
     for (int64_t cut = 1; cut < parts; ++cut) {
       CAPTURE(cut);
-      auto first = build(), second = build();
-      first->keep_parts(0, cut);
-      second->keep_parts(cut, parts);
+      auto first = build(0, cut), second = build(cut, parts);
       first->eval(), second->eval();
       CHECK(torch::equal(second->forward(first->forward(a.input)), expected));
       int64_t held = 0;
       for (auto* stage : {&first, &second})
         for (const auto& p : (*stage)->named_parameters()) {
           REQUIRE_MESSAGE(names.contains(p.key()), p.key());
+          CHECK(torch::equal(p.value(), names[p.key()]));  // the whole model's weights
           const auto tied = (*stage)->tied_parameters();
           const bool counted_elsewhere = stage == &second && first->named_parameters().contains(p.key());
           CHECK((!counted_elsewhere || std::count(tied.begin(), tied.end(), p.key()) == 1));
@@ -285,4 +292,50 @@ TEST_CASE("models: split into parts, stages run in turn give the whole model's o
       CHECK(held == count_params(whole));
     }
   }
+}
+
+TEST_CASE("models: a part built alone creates only its own parameters") {
+  auto cfg = small_gpt();
+  auto middle = build_gpt_for(cfg, 12, 50, /*first_part=*/1, /*last_part=*/2);  // block 0
+  std::vector<std::string> names;
+  for (const auto& p : middle->named_parameters()) names.push_back(p.key());
+  CHECK(!names.empty());
+  for (const auto& n : names) CHECK_MESSAGE(n.rfind("h.0.", 0) == 0, n);
+  // The outline: every part's shapes on the meta device, no memory.
+  ModelContext ctx;
+  ctx.sample_shape = {12};
+  ctx.vocab = 50;
+  ctx.options = torch::TensorOptions().device(torch::kMeta);
+  auto outline = model_spec("gpt").build(cfg, ctx);
+  CHECK(outline->named_parameters()["h.1.mlp.c_fc.weight"].device().is_meta());
+  CHECK(outline->part_params() == build_gpt_for(cfg, 12, 50)->part_params());
+}
+
+TEST_CASE("models: initial weights are a function of the seed and each parameter's name") {
+  auto cfg = arch("mlp");
+  cfg.hidden = {6};
+  ModelContext ctx;
+  ctx.sample_shape = {4};
+  ctx.classes = 3;
+  auto a = build_initialised(cfg, ctx, 5), b = build_initialised(cfg, ctx, 5);
+  auto c = build_initialised(cfg, ctx, 6);
+  const auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
+  for (const auto& p : pa) {
+    CAPTURE(p.key());
+    CHECK(torch::equal(p.value(), pb[p.key()]));
+    CHECK(!torch::equal(p.value(), pc[p.key()]));
+  }
+  // torch.nn's Linear bounds: U(+-1 / sqrt(fan_in)) for the weight and the bias.
+  CHECK(pa["1.weight"].abs().max().item<double>() <= 1 / std::sqrt(4.0));
+  CHECK(pa["1.bias"].abs().max().item<double>() <= 1 / std::sqrt(4.0));
+  CHECK(pa["3.weight"].abs().max().item<double>() <= 1 / std::sqrt(6.0));
+  // Two parameters of the same shape draw different values (their names differ).
+  auto gpt = build_gpt_for(small_gpt(), 12, 50)->named_parameters();
+  CHECK(!torch::equal(gpt["h.0.mlp.c_fc.weight"], gpt["h.1.mlp.c_fc.weight"]));
+  // The default generator is not what draws them.
+  torch::manual_seed(1);
+  auto d = build_initialised(cfg, ctx, 5);
+  torch::manual_seed(2);
+  auto e = build_initialised(cfg, ctx, 5);
+  CHECK(torch::equal(d->named_parameters()["1.weight"], e->named_parameters()["1.weight"]));
 }

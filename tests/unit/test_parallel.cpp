@@ -25,12 +25,6 @@
 using namespace dtrain;
 
 namespace {
-// Ranks as threads share LibTorch's default generator: seeding and drawing take turns.
-std::mutex& generator_mu() {
-  static std::mutex mu;
-  return mu;
-}
-
 // Failures seen on rank threads, reported from the test's own thread.
 class RankFailures {
  public:
@@ -209,20 +203,19 @@ TEST_CASE("tensor parallel: column + row layers on 1 and 2 ranks equal the unspl
     CAPTURE(ranks);
     RankFailures failures;
     run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
-      // Every rank draws the full layers from the seed, as every process would. The ranks
-      // here are threads sharing one default generator: they take turns.
-      std::unique_lock<std::mutex> drawing(generator_mu());
-      torch::manual_seed(21);
+      // The layers are created uninitialised (a model's rule fills them: models/init.hpp);
+      // here each takes its part of the unsplit weights.
       ColumnParallelLinear a(ParallelLinearOptions{in, hidden}, tensor);
       RowParallelLinear b(ParallelLinearOptions{hidden, out}, tensor);
-      drawing.unlock();
       const int64_t r = tensor->rank();
       auto fail = [&](const std::string& what) { failures.add(r, what); };
-      // Initialisation: this rank's part of the unsplit weights, exactly.
-      if (!torch::equal(a->weight, ref_a->weight.chunk(ranks, 0)[r])) fail("column weight init");
-      if (!torch::equal(a->bias, ref_a->bias.chunk(ranks, 0)[r])) fail("column bias init");
-      if (!torch::equal(b->weight, ref_b->weight.chunk(ranks, 1)[r])) fail("row weight init");
-      if (!torch::equal(b->bias, ref_b->bias)) fail("row bias init");
+      {
+        torch::NoGradGuard no_grad;
+        a->weight.copy_(ref_a->weight.chunk(ranks, 0)[r]);
+        a->bias.copy_(ref_a->bias.chunk(ranks, 0)[r]);
+        b->weight.copy_(ref_b->weight.chunk(ranks, 1)[r]);
+        b->bias.copy_(ref_b->bias);
+      }
       torch::nn::Sequential both(a, torch::nn::Functional(torch::relu), b);
       FlatParams flat(*both);  // before backward: gradients land in its buffer
       auto xi = x.clone().requires_grad_(true);
@@ -292,13 +285,13 @@ TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ran
     CAPTURE(ranks);
     RankFailures failures;
     run_ranks_as_threads(ranks, [&](std::shared_ptr<Comm> tensor) {
-      std::unique_lock<std::mutex> drawing(generator_mu());
-      torch::manual_seed(33);
-      VocabParallelEmbedding wte(vocab, dim, 0.02, tensor);
-      drawing.unlock();
+      VocabParallelEmbedding wte(vocab, dim, tensor);
       const int64_t r = tensor->rank();
       auto fail = [&](const std::string& what) { failures.add(r, what); };
-      if (!torch::equal(wte->weight, table.chunk(ranks, 0)[r])) fail("init");
+      {
+        torch::NoGradGuard no_grad;
+        wte->weight.copy_(table.chunk(ranks, 0)[r]);
+      }
       auto h = torch::matmul(wte(ids), mix);
       if (!torch::allclose(h, ref_h, 1e-6, 1e-7)) fail("lookup");
       auto logits = wte->logits(h);
@@ -312,6 +305,37 @@ TEST_CASE("vocab parallel: embedding, tied head and cross-entropy on 1 and 2 ran
     }, quick());
     failures.check();
   }
+}
+
+TEST_CASE("tensor parallel: each rank starts from its part of one process's weights") {
+  // Initialised by name (models/init.hpp): a split parameter's part on rank r is the
+  // one-process tensor's part r, exactly, and a replicated one is the whole.
+  ModelConfig cfg;
+  cfg.arch = "gpt";
+  cfg.layers = 2;
+  cfg.heads = 2;
+  cfg.dim = 8;
+  cfg.vocab = 16;
+  cfg.seq_len = 6;
+  ModelContext one;
+  one.sample_shape = {6};
+  one.vocab = 16;
+  const auto whole = build_initialised(cfg, one, /*seed=*/9)->named_parameters();
+  RankFailures failures;
+  run_ranks_as_threads(2, [&](std::shared_ptr<Comm> tensor) {
+    ModelContext ctx = one;
+    ctx.tensor = tensor;
+    auto model = build_initialised(cfg, ctx, /*seed=*/9);
+    const auto placements = placements_of(*model);
+    for (const auto& p : model->named_parameters()) {
+      auto it = placements.find(p.key());
+      const Placement place = it == placements.end() ? Placement::replicated() : it->second;
+      if (!torch::equal(p.value(), place.shard(whole[p.key()], tensor->rank())))
+        failures.add(tensor->rank(), p.key() + " is not its part of the one-process weights");
+    }
+    if (placements.empty()) failures.add(tensor->rank(), "no split parameter");
+  }, quick());
+  failures.check();
 }
 
 TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical across ranks") {
@@ -330,10 +354,7 @@ TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical
     ctx.sample_shape = {6};
     ctx.vocab = 16;
     ctx.tensor = tensor;
-    std::unique_lock<std::mutex> drawing(generator_mu());
-    torch::manual_seed(8);
-    auto model = model_spec("gpt").build(cfg, ctx);
-    drawing.unlock();
+    auto model = build_initialised(cfg, ctx, /*seed=*/8);
     FlatParams flat(*model);
     OptimizerConfig ocfg;
     ocfg.name = "adamw";

@@ -1,0 +1,100 @@
+#include "models/init.hpp"
+
+#include <map>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "util/hash.hpp"
+
+namespace dtrain {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+double fan_in(const std::vector<int64_t>& shape) {
+  double n = 1;
+  for (size_t d = 1; d < shape.size(); ++d) n *= double(shape[d]);
+  return n;
+}
+
+}  // namespace
+
+Init torch_default_init(const std::string& name, const std::vector<int64_t>& shape,
+                        const ShapeOf& shape_of) {
+  if (shape.size() >= 2) return Init::uniform(1 / std::sqrt(fan_in(shape)));
+  if (!ends_with(name, "bias")) return Init::constant(1);  // a norm's gain
+  const auto weight = shape_of(name.substr(0, name.size() - 4) + "weight");
+  if (weight.size() < 2) return Init::constant(0);  // a norm's bias, or no weight
+  return Init::uniform(1 / std::sqrt(fan_in(weight)));
+}
+
+uint64_t parameter_seed(uint64_t seed, const std::string& name) {
+  return mix_seed(seed, fnv1a(name));
+}
+
+void init_parameter(const Init& how, uint64_t seed, const std::string& name,
+                    const std::vector<int64_t>& full_shape, const Placement& placement,
+                    int64_t rank, const torch::Tensor& local) {
+  torch::NoGradGuard no_grad;
+  if (how.kind == Init::kConstant) {
+    local.fill_(how.a);
+    return;
+  }
+  // Drawn in place where the parameter is whole, contiguous and on the CPU; else whole on
+  // the CPU (the draws follow memory order) and this rank's part copied in.
+  const bool in_place = !placement.is_split() && local.is_cpu() && local.is_contiguous();
+  torch::Tensor full = in_place ? local : torch::empty(full_shape, torch::kFloat32);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(seed, name));
+  if (how.kind == Init::kNormal) full.normal_(how.a, how.b, gen);
+  else full.uniform_(how.a, how.b, gen);
+  if (!in_place) local.copy_(placement.is_split() ? placement.shard(full, rank) : full);
+}
+
+namespace {
+
+// A parameter to initialise: this rank's part `local` of `name`.
+struct Target {
+  std::string name;
+  std::vector<int64_t> full_shape;
+  Placement placement;
+  torch::Tensor local;
+};
+
+void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t seed, int64_t rank) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& t : targets) shapes[t.name] = t.full_shape;
+  const ShapeOf shape_of = [&](const std::string& name) {
+    auto it = shapes.find(name);
+    return it == shapes.end() ? std::vector<int64_t>{} : it->second;
+  };
+  for (const auto& t : targets)
+    init_parameter(rule(t.name, t.full_shape, shape_of), seed, t.name, t.full_shape, t.placement,
+                   rank, t.local);
+}
+
+}  // namespace
+
+void init_parameters(FlatParams& params, const InitRule& rule, uint64_t seed, int64_t rank) {
+  std::vector<Target> targets;
+  for (size_t i = 0; i < params.entries().size(); ++i) {
+    const auto& e = params.entries()[i];
+    targets.push_back({e.name, e.full_shape, e.placement, params.view(params.data(), i)});
+  }
+  init_all(targets, rule, seed, rank);
+}
+
+void init_parameters(torch::nn::Module& module, const InitRule& rule, uint64_t seed, int64_t rank) {
+  const auto placements = placements_of(module);
+  std::vector<Target> targets;
+  for (const auto& p : module.named_parameters()) {
+    auto it = placements.find(p.key());
+    const Placement place = it == placements.end() ? Placement::replicated() : it->second;
+    targets.push_back({p.key(), place.full_shape(p.value().sizes().vec()), place, p.value()});
+  }
+  init_all(targets, rule, seed, rank);
+}
+
+}  // namespace dtrain

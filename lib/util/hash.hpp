@@ -1,0 +1,26 @@
+// Stable hashes of names: the same on every machine, build and run (std::hash is not), so
+// values derived from a name (a dropout site, a parameter's initial weights, PowerSGD's
+// first Q) agree across ranks and resumes.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace dtrain {
+
+// FNV-1a, 64 bits.
+inline uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char ch : text) h = (h ^ ch) * 0x100000001b3ULL;
+  return h;
+}
+
+// splitmix64's finaliser: mixes a seed with a name's hash so that nearby seeds give
+// unrelated streams.
+inline uint64_t mix_seed(uint64_t seed, uint64_t hash) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (hash | 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace dtrain

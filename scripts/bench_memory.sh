@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Peak resident memory of training a 253M-parameter GPT (dim 1024, 16 layers, 16 heads,
+# vocabulary 50304, 128-token windows), plain SGD, 2 steps of 4 micro-batches of one
+# window, fp32 on the CPU: plain PyTorch (scripts/baselines/gpt_memory.py) beside dtrain on
+# one process and rank 0 of pipeline 4 and of tensor 4, in one run. The figure is the
+# process's high-water mark (peak_rss_mb of dtrain's last train line, before the final
+# checkpoint; the kernel's ru_maxrss for PyTorch), reported against PyTorch's.
+#   scripts/bench_memory.sh [PYTHON]      # default: Debian's python3 (its torch)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${1:-/usr/bin/python3}"
+OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-memory}"
+[ -x "$ROOT/build/dtrain" ] || { echo "bench_memory: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+mkdir -p "$OUT_DIR"
+rows=$OUT_DIR/rows.jsonl
+: > "$rows"
+job=$OUT_DIR/job.yaml
+cat > "$job" <<'YAML'
+name: gpt-memory
+seed: 1
+data: {dataset: synthetic_tokens, samples: 64, test_samples: 4, seq_len: 128, batch_size: 4, workers: 1}
+model: {arch: gpt, layers: 16, heads: 16, dim: 1024, vocab: 50304, seq_len: 128}
+optimizer: {name: sgd, lr: 0.001, momentum: 0}
+schedule: {decay: constant}
+train: {max_steps: 2, grad_accum: 4, log_every: 1, eval_every: 1000, threads: 1}
+checkpoint: {keep_last: 1}
+YAML
+(cd "$ROOT/scripts/baselines" && "$PY" gpt_memory.py --threads 1) >> "$rows"
+run() {  # label, extra args...
+  local label=$1; shift
+  rm -rf "$OUT_DIR/run"
+  "$ROOT/build/dtrain" run "$job" --run-dir "$OUT_DIR/run" --set logging.progress=off "$@" \
+    > "$OUT_DIR/$label.log" 2>&1 || { tail -n 5 "$OUT_DIR/$label.log" >&2; exit 1; }
+  "$PY" - "$label" "$OUT_DIR/run" >> "$rows" <<'PYEOF'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[2] + "/metrics.jsonl")]
+train = [l for l in lines if l["kind"] == "train"]
+print(json.dumps({"who": sys.argv[1], "peak_rss_mb": train[-1]["peak_rss_mb"],
+                  "last_loss": train[-1]["loss"]}))
+PYEOF
+}
+run "dtrain 1 process"
+run "dtrain pipeline 4" --nproc 4 --set parallel.pipeline=4
+run "dtrain tensor 4" --nproc 4 --set parallel.tensor=4
+"$PY" - "$rows" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+base = rows[0]["peak_rss_mb"]
+print(f"{'who':18} {'rank 0 peak MiB':>16} {'vs PyTorch':>11}")
+for r in rows:
+    print(f"{r['who']:18} {r['peak_rss_mb']:16.0f} {r['peak_rss_mb'] / base:11.2f}")
+PYEOF
