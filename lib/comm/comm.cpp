@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <map>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -436,25 +437,21 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
   return make_group(ctx, "world", world.rank, world.world);
 }
 
-void run_ranks_as_threads(int64_t n, const std::function<void(std::shared_ptr<Comm>)>& body,
-                          const CommOptions& opts) {
-  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int64_t r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, r, true});
-        // NCCL: a group even of one, so a test on one GPU runs NCCL's code path.
-        body(n == 1 && opts.backend != "nccl" ? make_local_comm()
-                                              : make_group(ctx, "world", r, n));
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+std::shared_ptr<Comm> make_in_process_comm(const std::string& rendezvous, int64_t rank,
+                                           int64_t size, const CommOptions& opts) {
+  static std::mutex mu;
+  static std::map<std::string, c10::intrusive_ptr<c10d::Store>> stores;
+  c10::intrusive_ptr<c10d::Store> store;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& slot = stores[rendezvous];
+    if (!slot) slot = c10::make_intrusive<c10d::HashStore>();
+    store = slot;
+  }
+  // NCCL: a group even of one, so a test on one GPU runs NCCL's code path.
+  if (size == 1 && opts.backend != "nccl") return make_local_comm();
+  auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, rank, true});
+  return make_group(ctx, "world", rank, size);
 }
 
 }  // namespace dtrain

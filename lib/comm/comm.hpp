@@ -150,10 +150,10 @@ struct CommOptions {
 // NCCL process group over all ranks.
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts);
 
-// Ranks as threads of this process (tests): runs body(comm) on `n` threads, each with the
-// world Comm of its rank, over an in-memory store and real Gloo on loopback. Rethrows the
-// first exception a rank threw, after all threads have ended.
-void run_ranks_as_threads(int64_t n, const std::function<void(std::shared_ptr<Comm>)>& body,
-                          const CommOptions& opts = {});
+// One rank of a group whose ranks are threads of this process (tests/unit/ranks.hpp):
+// they find each other through an in-memory store shared by the calls that name the same
+// `rendezvous`, and talk over real Gloo on loopback.
+std::shared_ptr<Comm> make_in_process_comm(const std::string& rendezvous, int64_t rank,
+                                           int64_t size, const CommOptions& opts = {});
 
 }  // namespace dtrain

@@ -85,6 +85,8 @@ inline std::map<int64_t, double> train_losses(const std::string& run_dir) {
 }
 
 inline const char* kFashion = "/usr/share/datasets/fashion-mnist";
+// No progress line: the tests read metrics.jsonl and stderr's messages.
+inline const char* kQuiet = " --set logging.progress=off";
 inline std::string config(const std::string& name) { return std::string(DTRAIN_CONFIGS) + "/" + name; }
 
 }  // namespace e2e

@@ -1,4 +1,4 @@
-// parallel.mode: async_ps through `dtrain run --nproc N` (train/async_ps.hpp). The
+// parallel.mode: async_ps through `dtrain run --nproc N` (run/modes/async_ps.cpp). The
 // references do not come from the parameter server: one worker and one server is training
 // on one process, bit for bit (the server applies each push as one process steps); in
 // lock-step (staleness 0) with plain SGD, W pushes at lr / W are one synchronous step of
@@ -18,7 +18,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 const std::string kAsync = " --set parallel.mode=async_ps";
 
 // Synthetic data, the MLP; evaluation every 8 steps.

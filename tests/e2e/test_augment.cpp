@@ -10,7 +10,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 std::string cnn_job(const std::string& dir) {
   auto path = dir + "/cnn.yaml";

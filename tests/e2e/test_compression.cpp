@@ -13,7 +13,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 nlohmann::json run(const std::string& args) {
   auto r = e2e::dtrain(args + kQuiet);

@@ -12,7 +12,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 void require_gpu() {
   if (torch::cuda::is_available() && torch::cuda::device_count() > 0) return;

@@ -20,7 +20,6 @@ using namespace e2e;
 namespace fs = std::filesystem;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 std::string gpt_job(const std::string& dir, const std::string& data) {
   auto path = dir + "/gpt.yaml";

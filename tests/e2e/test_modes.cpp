@@ -1,4 +1,4 @@
-// Training modes beyond lock-step through `dtrain run --nproc N` (train/mode.hpp). Local
+// Training modes beyond lock-step through `dtrain run --nproc N` (run/mode.hpp). Local
 // SGD: averaging every step with the optimizer state is synchronous SGD step for step (a
 // property of the arithmetic, not of the code: the mean of the replicas' momentum updates
 // is the update of the mean gradient); apart between averages, the ranks meet, evaluate,
@@ -19,7 +19,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 
 // Synthetic data, the MLP, 2 ranks; a schedule independent of max_steps.

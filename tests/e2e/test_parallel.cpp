@@ -10,7 +10,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 // Synthetic data, no dropout, one thread per rank: what 1, 2 and 4 ranks must agree on.
 std::string dp_job(const std::string& dir, const std::string& model) {

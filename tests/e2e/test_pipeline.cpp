@@ -15,7 +15,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 // An MLP of 4 parts (3 hidden layers and the classifier), 4 micro-batches a step.
 std::string mlp_job(const std::string& dir) {

@@ -16,7 +16,6 @@ using namespace e2e;
 namespace fs = std::filesystem;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 // A small synthetic MLP job that checkpoints every 10 steps.
 std::string small_job(const std::string& dir, const std::string& extra = "") {

@@ -15,7 +15,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 std::string mlp_job(const std::string& dir) {
   auto path = dir + "/mlp.yaml";

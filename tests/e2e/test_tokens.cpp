@@ -14,7 +14,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 const std::string kCorpus = "/usr/share/games/fortunes/computers";  // 238 KB of text
 
 std::vector<uint16_t> corpus_tokens(size_t from, size_t n) {

@@ -11,7 +11,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 // A small synthetic CNN job with BatchNorm (buffers must survive a resume) and AdamW. One
 // thread: a model this small gains nothing from more, and tests share the machine.
@@ -311,7 +310,7 @@ TEST_SUITE("divergence") {
   }
 
   TEST_CASE("a non-finite step read a few steps late: no line, evaluation or checkpoint after it") {
-    // The host reads each step's loss two steps after queueing it (train/step.hpp). The
+    // The host reads each step's loss two steps after queueing it (run/step.hpp). The
     // steps run meanwhile must leave no trace: the run diverges mid-way (SGD at lr 20 on
     // an MLP; about step 26), between checkpoints every 3 steps and evaluations every 5.
     auto dir = temp_dir("diverge-late");

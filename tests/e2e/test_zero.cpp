@@ -12,7 +12,6 @@
 using namespace e2e;
 
 namespace {
-const char* kQuiet = " --set logging.progress=off";
 
 // Synthetic data, AdamW with clipping and decay groups, a step schedule (independent of
 // max_steps, so that a run cut in legs follows the whole run's learning rates).

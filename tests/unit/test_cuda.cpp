@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "comm/comm.hpp"
+#include "ranks.hpp"
 #include "config/config.hpp"
 #include "launch/device.hpp"
 #include "models/dropout.hpp"
@@ -120,7 +121,7 @@ TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
     o.backend = "nccl";
     o.device = c10::Device(c10::kCUDA, 0);
     o.timeout = std::chrono::seconds(60);
-    run_ranks_as_threads(1, [&](std::shared_ptr<Comm> comm) {
+    test::run_ranks_as_threads(1, [&](std::shared_ptr<Comm> comm) {
       REQUIRE(comm->size() == 1);
       auto dev = torch::arange(8, torch::dtype(torch::kFloat32).device(o.device));
       comm->all_reduce(dev, ReduceOp::kAvg);

@@ -12,7 +12,7 @@
 #include <numeric>
 #include <ostream>
 
-#include "parallel/schedule.hpp"
+#include "pipeline/schedule.hpp"
 
 using namespace dtrain;
 

@@ -10,7 +10,7 @@
 
 #include "config/config.hpp"
 #include "config/schema.hpp"
-#include "train/validate.hpp"
+#include "job/validate.hpp"
 #include "util/error.hpp"
 
 using namespace dtrain;

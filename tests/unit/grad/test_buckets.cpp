@@ -8,7 +8,7 @@
 #include <torch/torch.h>
 
 #include "parallel/flat_params.hpp"
-#include "parallel/grad_buckets.hpp"
+#include "grad/buckets.hpp"
 
 using namespace dtrain;
 
