@@ -9,7 +9,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/schema.hpp"
-#include "train/validate.hpp"
+#include "job/validate.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/device.hpp"
@@ -17,7 +17,8 @@
 #include "launch/requeue.hpp"
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
-#include "train/trainer.hpp"
+#include "run/mode.hpp"
+#include "run/trainer.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/shape.hpp"
@@ -104,9 +105,10 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   if (nproc > 1 && detect_launcher(env) == "single") {
     const auto checked = load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
     check_machine(checked.cfg, checked.dims, nproc);
-    const auto& p = checked.cfg.parallel;
+    const JobConfig cfg = checked.cfg;
+    const auto& mode = mode_spec(cfg.parallel.mode);
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
-                      p.mode == "async_ps" ? p.servers : 0});
+                      [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); }});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = load_job(job.path, job.sets);
@@ -123,7 +125,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   }
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
-  const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world);
+  const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world,
+                                     mode_spec(cfg.parallel.mode).any_source);
   RunOptions opts{resume_from, "", plan.device};
   if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
     opts.requeue_job = slurm_job_to_requeue(env);
@@ -186,95 +189,102 @@ int export_weights(const std::string& path, const std::string& out) {
   return 0;
 }
 
-int run_cli(int argc, char** argv) {
+// Every command and option of the command line.
+struct Cli {
   CLI::App app{"dtrain: distributed training jobs from one YAML file"};
-  app.set_version_flag("--version", std::string(DTRAIN_VERSION));
-  app.require_subcommand(1);
-
   JobArgs job;
-  std::string run_dir, resume;
-  int64_t nproc = 1, max_restarts = 0;
-  bool no_requeue = false;
-  auto* run = app.add_subcommand("run", "train a job");
-  add_job_args(run, job);
-  run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
-  run->add_option("--resume", resume, "auto (newest valid checkpoint, or start fresh) or a "
-                                      "checkpoint folder");
-  run->add_option("--nproc", nproc, "start N local worker processes and supervise them")
-      ->check(CLI::Range(int64_t(1), int64_t(1024)));
-  run->add_flag("--no-requeue", no_requeue,
-               "under SLURM: do not requeue the job after a SIGUSR1 checkpoint (dist.requeue)");
-  run->add_option("--max-restarts", max_restarts,
-                  "with --nproc: restart all workers from the latest checkpoint up to N times")
-      ->check(CLI::Range(int64_t(0), int64_t(1000)));
+  std::string run_dir, resume, nnodes, folder, out;
+  int64_t nproc = 1, max_restarts = 0, check_nproc = 1;
+  bool no_requeue = false, reference = false;
+  CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
+           *export_ = nullptr;
 
-  int64_t check_nproc = 1;
-  auto* validate_cmd = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
-  add_job_args(validate_cmd, job);
-  auto* config_cmd = app.add_subcommand("config", "print the fully resolved job as YAML");
-  add_job_args(config_cmd, job, /*required=*/false);
-  bool reference = false;
-  config_cmd->add_flag("--reference", reference,
-                       "print every job key with its type, default and meaning (Markdown)");
-  for (auto* cmd : {validate_cmd, config_cmd})
-    cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
-                                            "world size, else 1)")
-        ->check(CLI::Range(int64_t(1), int64_t(1 << 20)));
-  std::string nnodes;
-  validate_cmd->add_option("--nnodes", nnodes, "an elastic job's range of nodes, MIN:MAX (as "
-                                               "torchrun's): check every world size in it, "
-                                               "--nproc processes per node");
-
-  std::string folder, out;
-  auto* inspect_cmd = app.add_subcommand("inspect", "what a checkpoint holds");
-  inspect_cmd->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
-                                               "latest checkpoint)")->required();
-  auto* export_cmd = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
-  export_cmd->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
+  Cli() {
+    app.set_version_flag("--version", std::string(DTRAIN_VERSION));
+    app.require_subcommand(1);
+    run = app.add_subcommand("run", "train a job");
+    add_job_args(run, job);
+    run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
+    run->add_option("--resume", resume, "auto (newest valid checkpoint, or start fresh) or a "
+                                        "checkpoint folder");
+    run->add_option("--nproc", nproc, "start N local worker processes and supervise them")
+        ->check(CLI::Range(int64_t(1), int64_t(1024)));
+    run->add_flag("--no-requeue", no_requeue,
+                  "under SLURM: do not requeue the job after a SIGUSR1 checkpoint (dist.requeue)");
+    run->add_option("--max-restarts", max_restarts,
+                    "with --nproc: restart all workers from the latest checkpoint up to N times")
+        ->check(CLI::Range(int64_t(0), int64_t(1000)));
+    validate = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
+    add_job_args(validate, job);
+    config = app.add_subcommand("config", "print the fully resolved job as YAML");
+    add_job_args(config, job, /*required=*/false);
+    config->add_flag("--reference", reference,
+                     "print every job key with its type, default and meaning (Markdown)");
+    for (auto* cmd : {validate, config})
+      cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
+                                              "world size, else 1)")
+          ->check(CLI::Range(int64_t(1), int64_t(1 << 20)));
+    validate->add_option("--nnodes", nnodes, "an elastic job's range of nodes, MIN:MAX (as "
+                                             "torchrun's): check every world size in it, "
+                                             "--nproc processes per node");
+    inspect = app.add_subcommand("inspect", "what a checkpoint holds");
+    inspect->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
                                               "latest checkpoint)")->required();
-  export_cmd->add_option("OUT", out, "output .safetensors file")->required();
+    export_ = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
+    export_->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
+                                              "latest checkpoint)")->required();
+    export_->add_option("OUT", out, "output .safetensors file")->required();
+  }
+};
 
+// `validate`: the job for its world (every size of an elastic range), this machine, and
+// the data as run would read it with the model's checks against it.
+int validate_job(const Cli& cli) {
+  if (!cli.nnodes.empty()) {
+    const auto [lo, hi] = node_range(cli.nnodes, "--nnodes");
+    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
+    resolve(cfg);
+    validate_elastic(cfg, lo, hi, cli.check_nproc);
+  }
+  auto checked = load(cli.job, "", world_for_check(cli.check_nproc));
+  check_machine(checked.cfg, checked.dims,
+                std::min(checked.dims.world(), local_for_check(cli.check_nproc)));
+  check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
+  const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
+  std::cout << fmt::format("{}: ok ({} process(es): {}; {}{})\n", cli.job.path, checked.dims.world(),
+                           checked.dims.str(), plan.device.str(),
+                           checked.dims.world() > 1 ? ", " + plan.backend : "");
+  return 0;
+}
+
+int run_cli(int argc, char** argv) {
+  Cli cli;
   try {
-    app.parse(argc, argv);
+    cli.app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
+    return cli.app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
+    return cli.app.exit(e);
   } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
+    return cli.app.exit(e);
   } catch (const CLI::ParseError& e) {
     throw ConfigError(e.what());
   }
-
-  if (*run) return run_job(job, run_dir, resume, !no_requeue, nproc, max_restarts, argc, argv);
-  if (*validate_cmd) {
-    if (!nnodes.empty()) {
-      const auto [lo, hi] = node_range(nnodes, "--nnodes");
-      JobConfig cfg = load_job(job.path, job.sets);
-      resolve(cfg);
-      validate_elastic(cfg, lo, hi, check_nproc);
-    }
-    auto checked = load(job, "", world_for_check(check_nproc));
-    check_machine(checked.cfg, checked.dims, std::min(checked.dims.world(), local_for_check(check_nproc)));
-    // The data as run would read it, and the model's checks against it.
-    check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
-    const DevicePlan plan = plan_device(checked.cfg, 0, 1);  // what rank 0 would get here
-    std::cout << fmt::format("{}: ok ({} process(es): {}; {}{})\n", job.path, checked.dims.world(),
-                             checked.dims.str(), plan.device.str(),
-                             checked.dims.world() > 1 ? ", " + plan.backend : "");
-    return 0;
-  }
-  if (*config_cmd) {
-    if (reference) {
+  if (*cli.run)
+    return run_job(cli.job, cli.run_dir, cli.resume, !cli.no_requeue, cli.nproc, cli.max_restarts,
+                   argc, argv);
+  if (*cli.validate) return validate_job(cli);
+  if (*cli.config) {
+    if (cli.reference) {
       std::cout << key_reference();
       return 0;
     }
-    fail_if<ConfigError>(job.path.empty(), "config: JOB is required (or --reference)");
-    std::cout << to_yaml(load(job, "", world_for_check(check_nproc)).cfg);
+    fail_if<ConfigError>(cli.job.path.empty(), "config: JOB is required (or --reference)");
+    std::cout << to_yaml(load(cli.job, "", world_for_check(cli.check_nproc)).cfg);
     return 0;
   }
-  if (*inspect_cmd) return inspect(folder);
-  if (*export_cmd) return export_weights(folder, out);
+  if (*cli.inspect) return inspect(cli.folder);
+  if (*cli.export_) return export_weights(cli.folder, cli.out);
   return kExitBadSpec;
 }
 

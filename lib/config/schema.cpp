@@ -450,12 +450,16 @@ void resolve(JobConfig& cfg) {
 }
 
 
-// Range checks in one table-like function: each line names its key and the valid range.
-void check_ranges(const JobConfig& c) {
-  auto need = [](bool ok, const std::string& key, const std::string& rule, const auto& value) {
-    if (!ok) throw ConfigError(fmt::format("{}: must be {} (got {})", key, rule, value));
-  };
-  auto finite = [](double x) { return std::isfinite(x); };
+namespace {
+
+// One range check: the key, the valid range, the value found.
+template <class T>
+void need(bool ok, const std::string& key, const std::string& rule, const T& value) {
+  if (!ok) throw ConfigError(fmt::format("{}: must be {} (got {})", key, rule, value));
+}
+bool finite(double x) { return std::isfinite(x); }
+
+void check_name(const JobConfig& c) {
   // The name becomes a folder (runs/NAME) and a file-name part: nothing that walks out of
   // it, hides it or breaks a shell.
   const bool safe_name =
@@ -466,7 +470,9 @@ void check_ranges(const JobConfig& c) {
   need(safe_name, "name", "1 to 128 letters, digits, '.', '_' or '-', not starting with '.'",
        fmt::format("'{}'", printable(c.name)));
   need(c.seed >= 0, "seed", ">= 0", c.seed);
+}
 
+void check_data(const JobConfig& c) {
   const auto& d = c.data;
   need(d.batch_size >= 1, "data.batch_size", ">= 1", d.batch_size);
   need(d.workers >= 0 && d.workers <= 64, "data.workers", "between 0 and 64", d.workers);
@@ -485,9 +491,12 @@ void check_ranges(const JobConfig& c) {
   need(d.eval_fraction >= 1e-6 && d.eval_fraction <= 0.5, "data.eval_fraction",
        "in [1e-06, 0.5]", d.eval_fraction);
   need(d.vocab >= 0, "data.vocab", ">= 0 (0 = model.vocab)", d.vocab);
+  need(d.crop_padding >= 0, "data.crop_padding", ">= 0", d.crop_padding);
   // The model's own keys are the model's to check (models/*.cpp): keys of other archs
   // are not validated against it.
+}
 
+void check_optimizer(const JobConfig& c) {
   const auto& o = c.optimizer;
   need(finite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
   need(o.momentum >= 0 && o.momentum < 1, "optimizer.momentum", "in [0, 1)", o.momentum);
@@ -499,14 +508,17 @@ void check_ranges(const JobConfig& c) {
   need(finite(o.eps) && o.eps > 0, "optimizer.eps", "> 0", o.eps);
   need(finite(o.grad_clip) && o.grad_clip >= 0, "optimizer.grad_clip", ">= 0 (0 = off)",
        o.grad_clip);
-
+  need(o.label_smoothing >= 0 && o.label_smoothing < 1, "optimizer.label_smoothing", "in [0, 1)",
+       o.label_smoothing);
   const auto& s = c.schedule;
   need(s.warmup_steps >= 0, "schedule.warmup_steps", ">= 0", s.warmup_steps);
   need(s.min_lr >= 0 && s.min_lr <= o.lr, "schedule.min_lr", "between 0 and optimizer.lr",
        s.min_lr);
   need(s.step_size >= 1, "schedule.step_size", ">= 1", s.step_size);
   need(s.gamma > 0 && s.gamma <= 1, "schedule.gamma", "in (0, 1]", s.gamma);
+}
 
+void check_train(const JobConfig& c) {
   const auto& t = c.train;
   need(t.epochs >= 1, "train.epochs", ">= 1", t.epochs);
   need(t.max_steps >= 0, "train.max_steps", ">= 0 (0 = run train.epochs)", t.max_steps);
@@ -518,7 +530,9 @@ void check_ranges(const JobConfig& c) {
   need(t.max_skipped >= 1, "train.max_skipped", ">= 1", t.max_skipped);
   need(t.debug_slow_rank >= -1, "train.debug_slow_rank", ">= -1 (-1 = none)", t.debug_slow_rank);
   need(t.debug_slow_ms >= 0, "train.debug_slow_ms", ">= 0", t.debug_slow_ms);
+}
 
+void check_parallel(const JobConfig& c) {
   const auto& p = c.parallel;
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
   need(p.tensor >= 1, "parallel.tensor", ">= 1", p.tensor);
@@ -538,10 +552,9 @@ void check_ranges(const JobConfig& c) {
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
   need(p.local_after >= 0, "parallel.local_after", ">= 0", p.local_after);
-  need(c.optimizer.label_smoothing >= 0 && c.optimizer.label_smoothing < 1,
-       "optimizer.label_smoothing", "in [0, 1)", c.optimizer.label_smoothing);
-  need(d.crop_padding >= 0, "data.crop_padding", ">= 0", d.crop_padding);
+}
 
+void check_runtime(const JobConfig& c) {
   const auto& pr = c.precision;
   if (pr.loss_scale != "dynamic") {
     double v = 0;
@@ -564,6 +577,18 @@ void check_ranges(const JobConfig& c) {
   need(c.checkpoint.every_steps >= 0, "checkpoint.every_steps", ">= 0 (0 = each epoch)",
        c.checkpoint.every_steps);
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
+}
+
+}  // namespace
+
+// Range checks, section by section: each line names its key and the valid range.
+void check_ranges(const JobConfig& c) {
+  check_name(c);
+  check_data(c);
+  check_optimizer(c);
+  check_train(c);
+  check_parallel(c);
+  check_runtime(c);
 }
 
 }  // namespace dtrain

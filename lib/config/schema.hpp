@@ -45,7 +45,7 @@ std::string key_reference();
 void resolve(JobConfig& cfg);
 
 // Every range and enum check that needs the job spec alone. Throws ConfigError with a
-// message that names the key and what would be valid. (validate() in train/validate.hpp
+// message that names the key and what would be valid. (validate() in job/validate.hpp
 // adds what needs the models, the devices and the world size.)
 void check_ranges(const JobConfig& cfg);
 

@@ -3,6 +3,7 @@
 #include "data/loader.hpp"
 
 #include "util/affinity.hpp"
+#include "util/clock.hpp"
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -83,7 +84,7 @@ void Loader::work() {
 
 Batch Loader::next(double* wait_ms) {
   if (next_take_ >= end_) throw std::logic_error("Loader::next past the end of its range");
-  auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   Batch b;
   if (threads_.empty()) {
     b = make(next_take_++);
@@ -101,9 +102,7 @@ Batch Loader::next(double* wait_ms) {
     ready_.erase(it);
   }
   can_work_.notify_all();
-  if (wait_ms)
-    *wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                   .count();
+  if (wait_ms) *wait_ms = ms_since(t0);
   return b;
 }
 

@@ -1,4 +1,4 @@
-#include "parallel/grad_buckets.hpp"
+#include "grad/buckets.hpp"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "parallel/compression.hpp"
+#include "grad/compression.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -19,7 +19,7 @@
 #pragma once
 #include <memory>
 
-#include "parallel/grad_sync.hpp"
+#include "grad/grad_sync.hpp"
 
 namespace dtrain {
 

@@ -1,34 +1,56 @@
-#include "parallel/grad_sync.hpp"
+#include "grad/grad_sync.hpp"
 
-#include <algorithm>
-#include <map>
-
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "comm/comm.hpp"
-#include "config/config.hpp"
-#include "parallel/compression.hpp"
-#include "parallel/flat_params.hpp"
-#include "parallel/grad_buckets.hpp"
+#include "grad/bucketed.hpp"
+#include "grad/compression.hpp"
+#include "grad/zero.hpp"
 #include "parallel/mesh.hpp"
+#include "util/error.hpp"
 
 namespace dtrain {
-namespace {
 
-// A tied weight's copies (the first stage's embedding, the last stage's head) each get
-// their stage's share of its gradient: summed over the embedding group once the data
-// group's sync is done, both make the same update.
-struct Tied {
-  std::shared_ptr<Comm> group;  // null without a tie across stages
-  std::vector<size_t> entries;
-  void sum(const FlatParams& params) const {
-    for (size_t i : entries) group->all_reduce(params.view(params.grad(), i));
+// Each copy gets its stage's share of the gradient: summed, both make the same update.
+void Tied::sum(const FlatParams& params) const {
+  for (size_t i : entries) group->all_reduce(params.view(params.grad(), i));
+}
+
+std::string Tied::saved_name(const FlatParams& params, const std::string& key) const {
+  if (!copy) return key;
+  for (size_t i : entries)
+    if (key.rfind(params.entries()[i].name + ".", 0) == 0) return key + "_copy";
+  return key;
+}
+
+NamedTensors Tied::owned(const FlatParams& params, const torch::Tensor& flat,
+                         const std::string& suffix, int64_t tensor_rank, PartsOf& parts) const {
+  NamedTensors out;
+  for (auto& [key, t] : params.owned(flat, suffix, tensor_rank, parts)) {
+    const auto saved_as = saved_name(params, key);
+    if (saved_as != key)  // a split part keeps its placement under its new name
+      if (auto part = parts.extract(key)) parts[saved_as] = part.mapped();
+    out.emplace_back(saved_as, t);
   }
-};
+  return out;
+}
+
+void Tied::load(const FlatParams& params, const torch::Tensor& flat, const std::string& suffix,
+                const SavedTensors& saved, int64_t tensor_rank) const {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.entries().size(); ++i) {
+    const auto& e = params.entries()[i];
+    params.view(flat, i).copy_(
+        saved.part(saved_name(params, e.name + suffix), e.full_shape, e.placement, tensor_rank));
+  }
+}
+
+namespace {
 
 class NoSync : public GradSync {
  public:
-  NoSync(const FlatParams& params, int64_t micro_batches, Tied tied, Shard shard = {})
+  NoSync(const FlatParams& params, int64_t micro_batches, Tied tied, Shard shard)
       : params_(params), factor_(1.0 / double(micro_batches)), tied_(std::move(tied)),
         shard_(shard) {}
   double loss_factor() const override { return factor_; }
@@ -39,393 +61,105 @@ class NoSync : public GradSync {
   const FlatParams& params_;
   double factor_;
   Tied tied_;
-  Shard shard_;  // async_ps: the range a server updates
-};
-
-// The sum over the group, in place, every value on the wire as it is.
-class AllReduce : public Reduction {
- public:
-  explicit AllReduce(std::shared_ptr<Comm> comm) : comm_(std::move(comm)) {}
-  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t /*offset*/) override {
-    count(ring_all_reduce_bytes(slice.numel() * slice.element_size(), comm_->size()));
-    return comm_->all_reduce_async(slice);
-  }
-
- private:
-  std::shared_ptr<Comm> comm_;
-};
-
-// ZeRO's reduction: the flat gradient is cut in equal shards, one per data rank, and each
-// part of a ready slice is reduced to the rank whose shard holds it (a slice that crosses a
-// shard boundary is two reductions), so a rank ends with its shard's sum, and a slice is
-// still reduced as soon as backward has made it final (DeepSpeed's stage-2 bucketing does
-// the same). Entries listed as `whole` are all-reduced instead: every rank needs them.
-// On the wire, Gloo's reduce is a ring reduce-scatter then a gather to the root: a rank
-// sends (D-1)/D of a slice plus, unless it owns it, 1/D; 0.75 of the bytes of the
-// all-reduce at 2 ranks, 0.63 at 4. (Gloo in LibTorch 1.13 has no reduce-scatter; an
-// all-reduce whose result each rank keeps a part of would send all of them.)
-class ReduceToOwners : public Reduction {
- public:
-  ReduceToOwners(std::shared_ptr<Comm> comm, int64_t shard_numel,
-                 std::vector<std::pair<int64_t, int64_t>> whole)
-      : comm_(std::move(comm)), shard_(shard_numel), whole_(std::move(whole)) {}
-
-  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) override {
-    const int64_t numel = slice.numel();
-    auto all = std::make_unique<PendingAll>();
-    // Cut at the whole ranges' ends and the shards' boundaries.
-    std::vector<int64_t> cuts{offset, offset + numel};
-    for (const auto& [lo, hi] : whole_)
-      for (int64_t at : {lo, hi}) cuts.push_back(at);
-    for (int64_t at = (offset / shard_ + 1) * shard_; at < offset + numel; at += shard_)
-      cuts.push_back(at);
-    std::sort(cuts.begin(), cuts.end());
-    const int64_t d = comm_->size();
-    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
-      const int64_t from = std::max(cuts[i], offset), to = std::min(cuts[i + 1], offset + numel);
-      if (from >= to) continue;
-      auto part = slice.narrow(0, from - offset, to - from);
-      const int64_t bytes = (to - from) * slice.element_size(), owner = from / shard_;
-      if (in_whole(from)) {
-        count(ring_all_reduce_bytes(bytes, d));
-        all->parts.push_back(comm_->all_reduce_async(part));
-      } else {
-        count(bytes * (d - 1) / d + (owner != comm_->rank() ? bytes / d : 0));
-        all->parts.push_back(comm_->reduce_async(part, owner));
-      }
-    }
-    return all;
-  }
-
- private:
-  bool in_whole(int64_t at) const {
-    return std::any_of(whole_.begin(), whole_.end(),
-                       [&](const auto& r) { return r.first <= at && at < r.second; });
-  }
-  std::shared_ptr<Comm> comm_;
-  int64_t shard_;
-  std::vector<std::pair<int64_t, int64_t>> whole_;  // [begin, end) of the whole entries
-};
-
-// Each bucket reduced as soon as it is final, asynchronously, so the communication
-// overlaps the rest of backward; finish() waits for all of them. During the first
-// `warmup` steps the buckets go to `plain` (an all-reduce) instead of `reduction`
-// (compression's warm-up: 1-bit Adam's lesson, the first steps' gradients move most).
-class BucketedSync : public GradSync {
- public:
-  BucketedSync(FlatParams& params, std::unique_ptr<Reduction> reduction, int64_t ranks,
-               double bucket_mb, int64_t micro_batches, Tied tied,
-               std::unique_ptr<Reduction> plain = nullptr, int64_t warmup = 0)
-      : params_(params),
-        tied_(std::move(tied)),
-        reduction_(std::move(reduction)),
-        plain_(std::move(plain)),
-        warmup_(warmup),
-        active_(reduction_.get()),
-        factor_(1.0 / double(micro_batches * ranks)),
-        buckets_(
-            params, bucket_mb,
-            [this](int64_t offset, int64_t numel) {
-              inflight_.push_back(launch(offset, numel));
-              while (max_inflight_ > 0 && inflight_.size() - waited_ > max_inflight_)
-                inflight_[waited_++]->wait();
-            },
-            [this](size_t entry) { arrived(entry); }) {}
-  // The loss is scaled by 1 / (micro-batches x ranks), so the reduction is a plain sum.
-  double loss_factor() const override { return factor_; }
-  void begin_step(int64_t step) override {
-    active_ = plain_ && step <= warmup_ ? plain_.get() : reduction_.get();
-  }
-  void begin_micro_batch(bool last) override { buckets_.arm(last); }
-  void finish() override {
-    buckets_.flush();  // buckets no hook completed (parameters unused this step)
-    for (size_t i = waited_; i < inflight_.size(); ++i) inflight_[i]->wait();
-    inflight_.clear();
-    waited_ = 0;
-    sent_ = active_->take_sent();
-    sum_tied();
-  }
-  void after_update(const torch::Tensor& skip) override { reduction_->after_step(skip); }
-  NamedTensors state() const override { return reduction_->state(); }
-  PerEntry factors() const override { return reduction_->factors(); }
-  int64_t bytes_per_step() const override { return sent_; }
-
- protected:
-  // A final bucket's reduction, launched (in backward's hook).
-  virtual std::unique_ptr<Pending> launch(int64_t offset, int64_t numel) {
-    return reduce(params_.grad().narrow(0, offset, numel), offset);
-  }
-  std::unique_ptr<Pending> reduce(const torch::Tensor& slice, int64_t offset) {
-    return active_->start(slice, offset);
-  }
-  // An entry's gradient is final (in backward's hook, before its buckets are counted).
-  virtual void arrived(size_t /*entry*/) {}
-  virtual void sum_tied() { tied_.sum(params_); }
-  const GradBuckets& buckets() const { return buckets_; }
-
-  FlatParams& params_;
-  Tied tied_;
-  int64_t sent_ = 0;         // by the last step
-  size_t max_inflight_ = 0;  // buckets reduced at once, beyond which a hook waits; 0: all
-
- private:
-  std::unique_ptr<Reduction> reduction_, plain_;
-  int64_t warmup_;
-  Reduction* active_;
-  double factor_;
-  std::vector<std::unique_ptr<Pending>> inflight_;
-  size_t waited_ = 0;  // inflight_'s first ones, already waited for
-  GradBuckets buckets_;  // last: its hooks use the members above
-};
-
-// ZeRO-1: the optimizer updates this rank's shard from its shard's reduced gradient (and
-// keeps state for the shard only); the updated shards then go to every rank, so that each
-// runs the next forward on the whole of the new parameters. They go in pieces of about a
-// bucket, each broadcast from the rank whose shard holds it, in the order of the flat
-// buffer (the order the forward uses the layers), asynchronously: the forward waits for a
-// layer's pieces only when it reaches that layer (before_use), so the later pieces travel
-// while the earlier layers compute (DeepSpeed's and FSDP's prefetch, by layer). The bytes
-// are the all-gather's.
-class ZeroSync : public BucketedSync {
- public:
-  ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
-           double bucket_mb, int64_t micro_batches)
-      : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, ranges_of(params, tied)),
-                     data->size(), bucket_mb, micro_batches, tied),
-        data_(std::move(data)),
-        shard_(shard) {
-    const int64_t cap = bucket_numel(params, bucket_mb);
-    for (int64_t r = 0; r < data_->size(); ++r)
-      for (int64_t at = r * shard.numel; at < (r + 1) * shard.numel; at += cap)
-        pieces_.push_back({at, std::min(cap, (r + 1) * shard.numel - at), r});
-  }
-  Shard shard() const override { return shard_; }
-  void finish() override {
-    settle();  // the next update writes the shard being sent (a parameter no forward used)
-    BucketedSync::finish();
-  }
-  void after_update(const torch::Tensor& skip) override {
-    BucketedSync::after_update(skip);
-    settle();
-    for (const auto& p : pieces_)
-      gathers_.push_back(data_->broadcast_async(params_.data().narrow(0, p.offset, p.numel), p.owner));
-    const int64_t d = data_->size();
-    sent_ += shard_.numel * params_.data().element_size() * (d - 1);
-  }
-  void before_use(const torch::nn::Module& module) override {
-    if (gathered_ == gathers_.size()) return;
-    const int64_t end = end_of(module);
-    while (gathered_ < gathers_.size() && pieces_[gathered_].offset < end) gathers_[gathered_++]->wait();
-  }
-  void settle() override {
-    while (gathered_ < gathers_.size()) gathers_[gathered_++]->wait();
-    gathers_.clear();
-    gathered_ = 0;
-  }
-
- protected:
-  // The tied entries as [begin, end) ranges: every data rank needs them reduced whole.
-  static std::vector<std::pair<int64_t, int64_t>> ranges_of(const FlatParams& params,
-                                                            const Tied& tied) {
-    std::vector<std::pair<int64_t, int64_t>> out;
-    for (size_t i : tied.entries) {
-      const auto& e = params.entries()[i];
-      out.emplace_back(e.offset, e.offset + e.numel);
-    }
-    return out;
-  }
-  std::shared_ptr<Comm> data_;
   Shard shard_;
-
- private:
-  struct Piece {
-    int64_t offset, numel, owner;
-  };
-  // Where the last of a module's parameters ends in the flat buffer (found from their
-  // addresses, once per module).
-  int64_t end_of(const torch::nn::Module& module) {
-    auto [it, fresh] = ends_.try_emplace(&module, 0);
-    if (fresh) {
-      const auto& base = params_.data();
-      const auto* first = static_cast<const char*>(base.data_ptr());
-      for (const auto& p : module.parameters()) {
-        const auto at = (static_cast<const char*>(p.data_ptr()) - first) / p.element_size();
-        if (at >= 0 && at < base.numel()) it->second = std::max(it->second, at + p.numel());
-      }
-    }
-    return it->second;
-  }
-  std::vector<Piece> pieces_;                     // in offset order
-  std::vector<std::unique_ptr<Pending>> gathers_;  // the pieces' broadcasts
-  size_t gathered_ = 0;                            // gathers_'s first ones, waited for
-  std::map<const torch::nn::Module*, int64_t> ends_;
 };
 
-// ZeRO-2: ZeRO-1, and the reduced gradient is kept for this rank's shard only (FlatParams
-// holds no more). Backward writes each parameter's gradient into a tensor of autograd's
-// own; its hook copies it into its buckets' staging buffers (made as a bucket's first
-// parameter arrives) and frees it; a bucket, once final, is reduced to its owners from
-// there, then this rank's part is copied into its shard and the buffer freed. At most
-// kInFlight buckets are reduced at once (a hook waits for the oldest), so the gradient
-// takes the shard plus a few buckets, not the whole (DeepSpeed's stage 2 the same).
-// Under gradient accumulation the earlier micro-batches' gradients still add up in the
-// parameters' own tensors, whole, until the last one's backward. A tied entry is kept
-// whole until it has been summed across stages.
-class Zero2Sync : public ZeroSync {
- public:
-  static constexpr size_t kInFlight = 4;
-  Zero2Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
-            double bucket_mb, int64_t micro_batches)
-      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches),
-        slices_(buckets().slices()) {
-    max_inflight_ = kInFlight;
-    staged_.resize(slices_.size());
-    buckets_of_.resize(params.entries().size());
-    for (size_t b = 0; b < slices_.size(); ++b) {
-      const auto [offset, numel] = slices_[b];
-      slice_at_[offset] = b;
-      for (size_t k = 0; k < params.entries().size(); ++k) {
-        const auto& e = params.entries()[k];
-        if (e.offset < offset + numel && offset < e.offset + e.numel) buckets_of_[k].push_back(b);
-      }
-    }
-    for (size_t i : tied_.entries)
-      whole_.emplace_back(i, torch::zeros({params.entries()[i].numel}, params.data().options()));
-  }
-
- protected:
-  void arrived(size_t k) override {
-    const auto& p = params_.params()[k];
-    if (!p.grad().defined()) return;
-    torch::NoGradGuard no_grad;
-    const auto g = params_.flatten(p.grad(), k);
-    for (size_t b : buckets_of_[k]) copy_overlap(staging(b), slices_[b].first, g, params_.entries()[k].offset);
-    p.mutable_grad() = torch::Tensor();  // freed
-  }
-  std::unique_ptr<Pending> launch(int64_t offset, int64_t /*numel*/) override {
-    const size_t b = slice_at_.at(offset);
-    auto slice = staging(b);
-    staged_[b] = torch::Tensor();  // the exchange holds it from here
-    return std::make_unique<PendingThen>(reduce(slice, offset), [this, slice, offset] {
-      torch::NoGradGuard no_grad;
-      // This rank's part of it into its shard; a tied entry's part into its whole.
-      copy_overlap(params_.grad(), params_.grad_held().offset, slice, offset);
-      for (auto& [i, whole] : whole_) copy_overlap(whole, params_.entries()[i].offset, slice, offset);
-    });
-  }
-  void sum_tied() override {
-    for (auto& [i, whole] : whole_) {
-      tied_.group->all_reduce(whole);
-      copy_overlap(params_.grad(), params_.grad_held().offset, whole, params_.entries()[i].offset);
-    }
-  }
-
- public:
-  void finish() override {
-    // A parameter whose gradient came from earlier micro-batches only (unused in the last):
-    // its hook did not run while armed.
-    for (size_t k = 0; k < params_.params().size(); ++k) arrived(k);
-    ZeroSync::finish();
-  }
-
- private:
-  // `dst` and `src` lie at `dst_at` and `src_at` of the flat layout: what they share is
-  // copied from `src` into `dst`.
-  static void copy_overlap(const torch::Tensor& dst, int64_t dst_at, const torch::Tensor& src,
-                           int64_t src_at) {
-    const int64_t lo = std::max(dst_at, src_at);
-    const int64_t hi = std::min(dst_at + dst.numel(), src_at + src.numel());
-    if (lo < hi) dst.narrow(0, lo - dst_at, hi - lo).copy_(src.narrow(0, lo - src_at, hi - lo));
-  }
-  torch::Tensor& staging(size_t b) {
-    if (!staged_[b].defined()) staged_[b] = torch::zeros({slices_[b].second}, params_.data().options());
-    return staged_[b];
-  }
-  const std::vector<std::pair<int64_t, int64_t>> slices_;  // the buckets, (offset, numel)
-  std::vector<torch::Tensor> staged_;                      // per bucket, while it fills
-  std::vector<std::vector<size_t>> buckets_of_;            // per entry: the buckets it overlaps
-  std::map<int64_t, size_t> slice_at_;                     // bucket by offset
-  std::vector<std::pair<size_t, torch::Tensor>> whole_;    // tied entries' gradients
-};
-
-// Shards start at a multiple of this many elements (64 bytes in fp32): aligned for the
-// vectorised update.
-constexpr int64_t kShardAlign = 16;
-
-// Local SGD's gradient: `sync` (the data group's) for the synchronous steps, then `local`
-// (this replica's own: NoSync, whose factor takes the mean over the replica's share of the
-// batch). While local, `sync`'s hooks are disarmed, so its buckets launch nothing.
-class LocalSync : public GradSync {
- public:
-  LocalSync(const ParallelConfig& cfg, std::unique_ptr<GradSync> sync,
-            std::unique_ptr<GradSync> local)
-      : cfg_(cfg), sync_(std::move(sync)), local_(std::move(local)), active_(sync_.get()) {}
-  double loss_factor() const override { return active_->loss_factor(); }
-  void begin_step(int64_t step) override {
-    active_ = steps_locally(cfg_, step) ? local_.get() : sync_.get();
-    active_->begin_step(step);
-  }
-  void begin_micro_batch(bool last) override {
-    if (active_ == local_.get()) sync_->begin_micro_batch(false);
-    active_->begin_micro_batch(last);
-  }
-  void finish() override { active_->finish(); }
-  void after_update(const torch::Tensor& skip) override { active_->after_update(skip); }
-  int64_t bytes_per_step() const override { return active_->bytes_per_step(); }
-
- private:
-  const ParallelConfig& cfg_;
-  std::unique_ptr<GradSync> sync_, local_;
-  GradSync* active_;
-};
+// PowerSGD's Q of entry `e` as saved: a split parameter's is its tensor rank's own (the
+// power iteration ran on that rank's part), a replicated one's the same on all.
+std::string factor_key(const FlatParams& params, const Tied& tied, size_t i, int64_t tensor_rank) {
+  const auto& e = params.entries()[i];
+  return tied.saved_name(params, e.name + ".powersgd_q" +
+                                     (e.placement.is_split() ? fmt::format(".tp{}", tensor_rank) : ""));
+}
 
 }  // namespace
 
-void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts) {
-  // async_ps: servers and workers cut the buffers alike, in one range per server (one
-  // server's is the whole buffer, laid out as one process's).
-  if (mesh.role() != Role::kTrainer) {
-    if (mesh.servers() > 1) opts.pad_to = mesh.servers() * kShardAlign;
-    return;
-  }
-  const int64_t d = mesh.dims().data;
-  if (cfg.zero == 0 || d == 1) return;
-  opts.pad_to = d * kShardAlign;
-  if (cfg.zero == 2) opts.grad_ranks = d, opts.grad_rank = mesh.coord().data;
+std::unique_ptr<Pending> AllReduce::start(const torch::Tensor& slice, int64_t /*offset*/) {
+  count(ring_all_reduce_bytes(slice.numel() * slice.element_size(), comm_->size()));
+  return comm_->all_reduce_async(slice);
 }
 
-Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams& params) {
-  if (mesh.role() == Role::kServer) return params.shard(mesh.servers(), mesh.coord().data);
-  if (mesh.role() == Role::kWorker) return {};
-  if (cfg.zero == 0 || mesh.dims().data == 1) return {};
-  return params.shard(mesh.dims().data, mesh.coord().data);
+// The residuals, laid out like the flat gradient, go per data rank as each entry's part
+// (".residual"); a tied weight's copy has its own ("_copy"). The Q matrices go with them,
+// a replicated parameter's from tensor rank 0.
+void BucketedSync::save(StateWriter& out) const {
+  NamedTensors tensors;
+  PartsOf parts;
+  for (const auto& [name, flat] : reduction_->state())
+    for (auto& named : tied_.owned(params_, flat, "." + name, tensor_rank_, parts))
+      tensors.push_back(std::move(named));
+  for (const auto& [i, q] : reduction_->factors())
+    if (params_.entries()[i].placement.is_split() || tensor_rank_ == 0)
+      tensors.emplace_back(factor_key(params_, tied_, i, tensor_rank_), q);
+  if (!tensors.empty()) out.add(StateFile::kReplica, tensors, parts);
+}
+
+// The residuals when the checkpoint was written at this data and pipeline size (a pipeline
+// gives a tied weight's copy a residual of its own), the Q matrices when at this tensor
+// size too; else they start afresh, with a warning.
+void BucketedSync::load(const StateReader& in) {
+  const auto state = reduction_->state();
+  const auto factors = reduction_->factors();
+  if (state.empty() && factors.empty()) return;
+  const auto saved = in.saved_layout(), now = in.layout();
+  if (saved.data != now.data || saved.pipeline != now.pipeline || !in.has(StateFile::kReplica)) {
+    in.warn(fmt::format(
+        "warning: parallel.compression: the residuals start from zero{} ({})",
+        factors.empty() ? "" : " and PowerSGD's Q matrices afresh",
+        !in.has(StateFile::kReplica)
+            ? "the checkpoint holds none"
+            : fmt::format("the checkpoint was written at data size {} x pipeline {}, this run "
+                          "has {} x {}", saved.data, saved.pipeline, now.data, now.pipeline)));
+    return;
+  }
+  const SavedTensors tensors = in.tensors(StateFile::kReplica);
+  for (const auto& [name, flat] : state) tied_.load(params_, flat, "." + name, tensors, tensor_rank_);
+  torch::NoGradGuard no_grad;
+  if (factors.empty()) return;
+  // Each Q is the power iteration's own state on its rank's matrix: another split, another
+  // matrix. Another rank (powersgd_rank) has them shaped otherwise.
+  std::string why = saved.tensor != now.tensor
+                        ? fmt::format("the checkpoint was written at tensor size {}, this run "
+                                      "has {}", saved.tensor, now.tensor)
+                        : "";
+  std::vector<torch::Tensor> got;
+  for (const auto& [i, q] : factors) {
+    if (!why.empty()) break;
+    try {
+      got.push_back(tensors.at(factor_key(params_, tied_, i, tensor_rank_), q.sizes().vec()));
+    } catch (const CheckpointError& e) {
+      why = first_line(e.what());
+    }
+  }
+  if (!why.empty()) {
+    in.warn(fmt::format("warning: parallel.compression: PowerSGD's Q matrices start afresh ({})", why));
+    return;
+  }
+  for (size_t j = 0; j < factors.size(); ++j) factors[j].second.copy_(got[j]);
+}
+
+std::unique_ptr<GradSync> make_no_sync(const FlatParams& params, int64_t micro_batches, Tied tied,
+                                       Shard shard) {
+  return std::make_unique<NoSync>(params, micro_batches, std::move(tied), shard);
+}
+
+std::unique_ptr<GradSync> make_all_reduce_sync(const ParallelConfig& cfg, const Mesh& mesh,
+                                               FlatParams& params, int64_t micro_batches, Tied tied) {
+  return std::make_unique<BucketedSync>(params, std::make_unique<AllReduce>(mesh.data()),
+                                        mesh.dims().data, cfg.bucket_mb, micro_batches,
+                                        std::move(tied), mesh.coord().tensor);
 }
 
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,
-                                         FlatParams& params, int64_t micro_batches,
-                                         const std::vector<size_t>& tied_entries) {
-  Tied tied{mesh.embedding(), tied_entries};
-  const Shard shard = update_shard(cfg, mesh, params);
-  // A worker's gradient is its own (pushed to the servers, train/async_ps.cpp); a server
-  // computes none and updates its range.
-  if (mesh.dims().data == 1 || mesh.role() != Role::kTrainer)
-    return std::make_unique<NoSync>(params, micro_batches, tied, shard);
-  if (cfg.mode == "local_sgd")
-    return std::make_unique<LocalSync>(
-        cfg,
-        std::make_unique<BucketedSync>(params, std::make_unique<AllReduce>(mesh.data()),
-                                       mesh.dims().data, cfg.bucket_mb, micro_batches, tied),
-        std::make_unique<NoSync>(params, micro_batches, tied));
-  if (cfg.zero == 2)
-    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
-  if (cfg.zero == 1)
-    return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+                                         FlatParams& params, int64_t micro_batches, Tied tied) {
+  if (mesh.dims().data == 1) return make_no_sync(params, micro_batches, std::move(tied));
+  if (cfg.zero > 0) return make_zero_sync(cfg, mesh, params, micro_batches, std::move(tied));
   if (cfg.compression != "none")
     return std::make_unique<BucketedSync>(
         params, make_compression(cfg, mesh.data(), params), mesh.dims().data, cfg.bucket_mb,
-        micro_batches, tied, std::make_unique<AllReduce>(mesh.data()), cfg.compression_warmup);
-  return std::make_unique<BucketedSync>(params, std::make_unique<AllReduce>(mesh.data()),
-                                        mesh.dims().data, cfg.bucket_mb, micro_batches, tied);
+        micro_batches, std::move(tied), mesh.coord().tensor,
+        std::make_unique<AllReduce>(mesh.data()), cfg.compression_warmup);
+  return make_all_reduce_sync(cfg, mesh, params, micro_batches, std::move(tied));
 }
 
 }  // namespace dtrain

@@ -3,19 +3,15 @@
 // micro-batch's loss is multiplied by, chosen so that once finish() returns, grad() holds
 // the mean over the global batch (whatever the number of ranks and micro-batches) on the
 // part of it this rank updates (shard()).
-//   NoSync         one data-parallel rank: 1 / micro-batches, nothing to send
-//   BucketedSync   GradBuckets (grad_buckets.hpp) says which slice of the flat gradient is
-//                  final, in launch order, from backward's hooks; a Reduction decides what
-//                  goes on the wire for it: AllReduce (every rank gets the sum) or
-//                  ReduceToOwners (ZeRO: each shard's sum to the rank that owns it)
-//   ZeroSync       BucketedSync with ReduceToOwners; each rank updates its shard, and the
-//                  parameters are all-gathered after the update, overlapping the next
-//                  forward (parallel.zero: 1)
-//   Zero2Sync      ZeroSync keeping only the shard of the gradient (parallel.zero: 2)
-//   LocalSync      local SGD: a BucketedSync for the synchronous steps (local_after), then
-//                  each replica's own gradient, the data group left alone (train/mode.hpp
-//                  averages the replicas instead)
-// (grad_sync.cpp)
+//   NoSync         one data-parallel rank, or a gradient that stays this rank's own (local
+//                  SGD between averages, a parameter server's worker): 1 / micro-batches,
+//                  nothing sent
+//   BucketedSync   GradBuckets (buckets.hpp) says which slice of the flat gradient is final,
+//                  in launch order, from backward's hooks; a Reduction decides what goes on
+//                  the wire for it: AllReduce (every rank gets the sum), a compression
+//                  (compression.hpp), or ZeRO's reduction to each shard's owner (zero.hpp)
+// A strategy that carries state from step to step (error feedback's residuals, PowerSGD's
+// Q matrices) saves and loads it itself (checkpoint/stateful.hpp).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -25,20 +21,21 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include "checkpoint/stateful.hpp"
 #include "config/config.hpp"
 #include "parallel/flat_params.hpp"
 
 namespace dtrain {
 
+class Comm;
 class Mesh;
 class Pending;
 
 // Tensors that belong to parameters, by their index in FlatParams::entries().
 using PerEntry = std::vector<std::pair<size_t, torch::Tensor>>;
 
-class GradSync {
+class GradSync : public Stateful {
  public:
-  virtual ~GradSync() = default;
   // The factor each micro-batch's loss is multiplied by before backward. It enters at the
   // root of the graph, so averaging costs no pass over the gradients.
   virtual double loss_factor() const = 0;
@@ -60,17 +57,14 @@ class GradSync {
   // was not made, train.on_nonfinite: skip); state carried to the next step must not keep
   // what such a step computed.
   virtual void after_update(const torch::Tensor& /*skip*/) {}
-  // What a strategy carries from step to step (error-feedback residuals), as buffers laid
-  // out like the flat gradient, by name; saved with each checkpoint per data rank.
-  virtual NamedTensors state() const { return {}; }
-  // What it carries shaped otherwise, per parameter (PowerSGD's Q of each matrix, by entry
-  // index): restored only at the same layout.
-  virtual PerEntry factors() const { return {}; }
   // The part of the flat buffers whose gradient is final after finish(), which this rank
   // updates: all of them, or under ZeRO its shard (update_shard()).
   virtual Shard shard() const { return {}; }
   // Bytes this rank sent in the last step (the comm_bytes figure); 0 without communication.
   virtual int64_t bytes_per_step() const { return 0; }
+  // Nothing carried from step to step, unless a strategy says otherwise.
+  void save(StateWriter& /*out*/) const override {}
+  void load(const StateReader& /*in*/) override {}
 };
 
 // What goes on the wire for a final slice of the flat gradient.
@@ -105,27 +99,36 @@ inline int64_t ring_all_reduce_bytes(int64_t bytes, int64_t ranks) {
   return 2 * bytes * (ranks - 1) / ranks;
 }
 
-// The part of the flat buffers this rank updates: the whole without ZeRO, else its data
-// rank's equal shard; under async_ps a server's range (a worker updates nothing). The one
-// place that decides it (the optimizer and the sync agree).
-Shard update_shard(const ParallelConfig& cfg, const Mesh& mesh, const FlatParams& params);
-// The flat buffers' options ZeRO sets: padded so that they cut into equal shards, and
-// under ZeRO-2 the gradient held for this rank's shard only. Under async_ps, servers and
-// workers pad alike, into one equal range per server.
-void shard_flat(const ParallelConfig& cfg, const Mesh& mesh, FlatOptions& opts);
+// A weight tied across pipeline stages (GPT's token embedding and its head): its entries,
+// whose copies on the first and the last stage finish() sums over `group` once the data
+// group's sync is done (every data rank needs them whole, even under ZeRO). `copy`: this
+// rank holds the head's copy, whose state is saved under names of its own ("_copy").
+struct Tied {
+  std::shared_ptr<Comm> group;  // null without a tie across stages
+  std::vector<size_t> entries;
+  bool copy = false;
+  void sum(const FlatParams& params) const;
+  // `key` ("h.0.weight.residual") as this rank saves it.
+  std::string saved_name(const FlatParams& params, const std::string& key) const;
+  // What this rank saves of `flat`, a buffer laid out like the flat parameters: each
+  // entry's part named entry + suffix (a split one's noted in `parts`), as saved_name says.
+  NamedTensors owned(const FlatParams& params, const torch::Tensor& flat, const std::string& suffix,
+                     int64_t tensor_rank, PartsOf& parts) const;
+  // The reverse: each entry's part of `flat` from `saved`.
+  void load(const FlatParams& params, const torch::Tensor& flat, const std::string& suffix,
+            const SavedTensors& saved, int64_t tensor_rank) const;
+};
 
-// Whether step n (from 1) steps each data replica on its own gradient: local SGD, past its
-// synchronous start.
-inline bool steps_locally(const ParallelConfig& cfg, int64_t n) {
-  return cfg.mode == "local_sgd" && n > cfg.local_after;
-}
-
-// The strategy for this job: NoSync with one data-parallel rank, ZeroSync (Zero2Sync)
-// under ZeRO, else bucketed all-reduce. `tied`: the entries of a weight tied across
-// pipeline stages, whose copies finish() sums over the mesh's embedding group once the
-// data group's sync is done (every data rank needs them whole, even under ZeRO).
+// The strategy for a data-parallel group of `mesh`: NoSync with one data-parallel rank,
+// ZeRO's under parallel.zero (zero.hpp), a compression under parallel.compression, else
+// bucketed all-reduce.
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,
-                                         FlatParams& params, int64_t micro_batches,
-                                         const std::vector<size_t>& tied = {});
+                                         FlatParams& params, int64_t micro_batches, Tied tied = {});
+// Bucketed all-reduce over `mesh`'s data group, whatever the job's strategy.
+std::unique_ptr<GradSync> make_all_reduce_sync(const ParallelConfig& cfg, const Mesh& mesh,
+                                               FlatParams& params, int64_t micro_batches, Tied tied);
+// This rank's own gradient, nothing sent; `shard`: the part of the buffers it updates.
+std::unique_ptr<GradSync> make_no_sync(const FlatParams& params, int64_t micro_batches, Tied tied,
+                                       Shard shard = {});
 
 }  // namespace dtrain

@@ -1,4 +1,4 @@
-#include "train/validate.hpp"
+#include "job/validate.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -13,60 +13,12 @@
 #include "config/schema.hpp"
 #include "launch/device.hpp"
 #include "models/model.hpp"
+#include "run/mode.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
 namespace {
-
-// A training mode that cannot run with `what`: one line naming both and why.
-void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,
-                      const std::string& why) {
-  fail_if<ConfigError>(bad, "parallel.mode: {} with {} is not supported: {}; choose one", mode,
-                       what, why);
-}
-
-// Local SGD against what needs every data replica at every step.
-void check_local_sgd(const JobConfig& c) {
-  const auto& p = c.parallel;
-  if (p.mode != "local_sgd") return;
-  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
-    refuse_with_mode("local_sgd", bad, what, why);
-  };
-  refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
-         "each data replica steps on its own whole optimizer state");
-  refuse(p.compression != "none", "parallel.compression " + p.compression,
-         "local SGD sends parameters every parallel.average_every steps, not gradients");
-  refuse(p.sync_batchnorm, "parallel.sync_batchnorm",
-         "its statistics span every data replica at every step");
-  refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
-         "each replica's loss scale would move apart from the others'");
-}
-
-// The asynchronous parameter server: the world must hold a worker past the servers, and
-// each worker computes on a whole model with a plain fp32/bf16 gradient.
-void check_async_ps(const JobConfig& c, int64_t world_size) {
-  const auto& p = c.parallel;
-  if (p.mode != "async_ps") return;
-  fail_if<ConfigError>(world_size <= p.servers,
-                       "parallel.servers: {} server(s) leave no worker in a world of {} "
-                       "process(es); async_ps needs at least parallel.servers + 1 (e.g. "
-                       "--nproc {})", p.servers, world_size, p.servers + 1);
-  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
-    refuse_with_mode("async_ps", bad, what, why);
-  };
-  refuse(p.tensor > 1 || p.pipeline > 1,
-         fmt::format("parallel.tensor {} x parallel.pipeline {}", p.tensor, p.pipeline),
-         "each worker computes the whole model's gradient");
-  refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
-         "the servers already shard the optimizer state (parallel.servers)");
-  refuse(p.compression != "none", "parallel.compression " + p.compression,
-         "pushes carry the gradient as it is");
-  refuse(p.sync_batchnorm, "parallel.sync_batchnorm",
-         "its statistics span every worker at every step");
-  refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
-         "each worker's loss scale would move apart from the servers' (use bf16)");
-}
 
 // Gradient compression against what it combines with.
 void check_compression(const JobConfig& c) {
@@ -163,7 +115,7 @@ void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local
                        "machine ({} cores); 0 shares the cores among the processes",
                        cfg.train.threads, cores);
   if (!cfg.train.memory_check) return;
-  const DevicePlan plan = plan_device(cfg, 0, local_processes);
+  const DevicePlan plan = plan_device(cfg, 0, local_processes, mode_spec(cfg.parallel.mode).any_source);
   if (plan.device.is_cuda()) return;  // the GPU's memory is LibTorch's to report, at run
   const double available = available_memory();
   if (available <= 0) return;
@@ -201,13 +153,13 @@ void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
 
 ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   check_ranges(cfg);
-  check_async_ps(cfg, world_size);
-  // Under async_ps the data-parallel ranks are the workers: the world past the servers.
-  const auto layout = ParallelDims::resolve(
-      cfg.parallel, cfg.parallel.mode == "async_ps" ? world_size - cfg.parallel.servers : world_size);
+  const ModeSpec& mode = mode_spec(cfg.parallel.mode);
+  mode.validate(cfg, world_size);
+  // The layout of the ranks that train together (a mode may set some ranks apart).
+  const int64_t trainers = mode.trainers(cfg, world_size);
+  const auto layout = ParallelDims::resolve(cfg.parallel, trainers);
   check_compression(cfg);
-  check_local_sgd(cfg);
-  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1);  // train.device, fp16, nccl: here
+  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1, mode.any_source);  // train.device, fp16, nccl
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);
   fail_if<ConfigError>(cfg.train.recompute == "blocks" && !model_spec(cfg.model.arch).blocks,
@@ -218,8 +170,9 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
                        "data.batch_size: {} does not divide into {} data-parallel rank(s) x "
                        "train.grad_accum {} (world size {}{}); use a multiple of {}",
                        cfg.data.batch_size, layout.data, cfg.train.grad_accum, world_size,
-                       cfg.parallel.mode == "async_ps"
-                           ? fmt::format(", {} of them parallel.servers", cfg.parallel.servers)
+                       trainers != world_size
+                           ? fmt::format(", {} of them training (parallel.mode {})", trainers,
+                                         cfg.parallel.mode)
                            : "",
                        per_step);
   const bool tokens = data_kind(cfg.data).tokens;

@@ -44,12 +44,12 @@ c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t loc
 }
 
 std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl,
-                         bool gpu_shared, bool any_source) {
+                         bool gpu_shared, const std::string& any_source) {
   const bool cuda = type == c10::kCUDA;
-  if (backend == "auto") return cuda && nccl && !gpu_shared && !any_source ? "nccl" : "gloo";
+  if (backend == "auto") return cuda && nccl && !gpu_shared && any_source.empty() ? "nccl" : "gloo";
   if (backend == "nccl") {
-    fail_if<ConfigError>(any_source, "dist.backend: nccl has no receive-from-any, which "
-                                     "parallel.mode async_ps's servers need; use gloo or auto");
+    fail_if<ConfigError>(!any_source.empty(), "dist.backend: nccl has no receive-from-any, which "
+                                              "{}; use gloo or auto", any_source);
     fail_if<ConfigError>(!cuda, "dist.backend: nccl moves CUDA tensors, but train.device is the "
                                 "CPU; use gloo or auto");
     fail_if<ConfigError>(!nccl, "dist.backend: nccl, but this build of dtrain has no NCCL "
@@ -61,7 +61,8 @@ std::string pick_backend(const std::string& backend, c10::DeviceType type, bool 
   return backend;
 }
 
-DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world) {
+DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world,
+                       const std::string& any_source) {
   DevicePlan plan;
   const int64_t visible = visible_gpus();
   plan.device = pick_device(cfg.train.device, local_rank, local_world, visible);
@@ -69,8 +70,7 @@ DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_w
   // binding, the user) giving each its own through CUDA_VISIBLE_DEVICES: they share it.
   const bool shared = plan.device.is_cuda() && visible == 1 && local_world > 1 &&
                       std::getenv("CUDA_VISIBLE_DEVICES") == nullptr;
-  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared,
-                              /*any_source=*/cfg.parallel.mode == "async_ps");
+  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared, any_source);
   fail_if<ConfigError>(cfg.precision.dtype == "fp16" && !plan.device.is_cuda(),
                        "precision.dtype: fp16 needs a CUDA device (train.device is the CPU "
                        "here); use bf16 for mixed precision on the CPU");

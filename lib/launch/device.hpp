@@ -25,11 +25,12 @@ c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t loc
 
 // dist.backend for tensors on `type`: auto is NCCL for CUDA (where LibTorch has it), Gloo
 // otherwise, and Gloo when local ranks share one GPU (`gpu_shared`), which NCCL refuses, or
-// when the job receives from whichever rank sends first (`any_source`: async_ps's servers),
-// which NCCL cannot. Throws ConfigError naming dist.backend for NCCL without CUDA, without
-// NCCL, shared, or asked to receive from any rank.
+// when the job receives from whichever rank sends first (`any_source`: non-empty, saying
+// who does; a training mode's ModeSpec), which NCCL cannot. Throws ConfigError naming
+// dist.backend for NCCL without CUDA, without NCCL, shared, or asked to receive from any
+// rank.
 std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl_built,
-                         bool gpu_shared = false, bool any_source = false);
+                         bool gpu_shared = false, const std::string& any_source = "");
 
 // The job's device and backend on this machine; throws ConfigError (train.device,
 // dist.backend, precision.dtype) for what cannot run here, e.g. fp16 on the CPU.
@@ -37,7 +38,8 @@ struct DevicePlan {
   c10::Device device = c10::Device(c10::kCPU);
   std::string backend = "gloo";
 };
-DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world);
+DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world,
+                       const std::string& any_source = "");
 
 int64_t visible_gpus();
 bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group

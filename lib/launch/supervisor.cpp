@@ -285,10 +285,8 @@ int supervise(const SupervisorOptions& o) {
     }
     if (!first_failure) return kExitOk;
     auto [culprit, what] = blame(ws, *first_failure, running);
-    if (o.servers > 0)  // async_ps: which role the rank had
-      what += int64_t(culprit) < o.servers
-                  ? fmt::format(" (it was async_ps server {})", culprit)
-                  : fmt::format(" (it was async_ps worker {})", int64_t(culprit) - o.servers);
+    if (const auto role = o.role ? o.role(int64_t(culprit)) : ""; !role.empty())
+      what += fmt::format(" (it was {})", role);
     const int status = *ws[culprit].status;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
     // A bad job spec or unreadable data fails the same way on every attempt: no restart,

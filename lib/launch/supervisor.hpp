@@ -7,6 +7,7 @@
 // fail the same way.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,7 +18,9 @@ struct SupervisorOptions {
   int64_t max_restarts = 0;
   std::string executable;              // path to dtrain (usually /proc/self/exe)
   std::vector<std::string> run_args;   // "run", JOB, options; without --nproc/--max-restarts
-  int64_t servers = 0;                 // async_ps: the first ranks are servers (named so)
+  // A rank's part in the job, named in the message about a failed rank ("" when all are
+  // alike: the training mode's ModeSpec::role).
+  std::function<std::string(int64_t rank)> role;
 };
 
 // Returns the job's exit code.

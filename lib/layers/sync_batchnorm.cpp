@@ -1,4 +1,4 @@
-#include "parallel/sync_batchnorm.hpp"
+#include "layers/sync_batchnorm.hpp"
 
 namespace dtrain {
 namespace {

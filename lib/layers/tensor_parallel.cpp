@@ -1,4 +1,4 @@
-#include "parallel/tensor_parallel.hpp"
+#include "layers/tensor_parallel.hpp"
 
 #include <cmath>
 

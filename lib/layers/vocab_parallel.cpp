@@ -1,9 +1,9 @@
-#include "parallel/vocab_parallel.hpp"
+#include "layers/vocab_parallel.hpp"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "parallel/tensor_parallel.hpp"
+#include "layers/tensor_parallel.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {

@@ -9,7 +9,7 @@
 
 #include "models/dropout.hpp"
 #include "models/model.hpp"
-#include "parallel/sync_batchnorm.hpp"
+#include "layers/sync_batchnorm.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -80,28 +80,25 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   return m;
 }
 
-// Parameters and, per sample, the activations backward keeps: each conv stage's conv,
-// ReLU and pool outputs, each dense layer's and its ReLU's (fp32).
+// Parameters and the activations backward keeps: each conv stage's conv, ReLU and pool
+// outputs, then the dense layers'.
 ModelSize cnn_size(const ModelConfig& cfg, const SizeContext& ctx) {
-  double params = 0, widths = 0, in = 1;
+  double params = 0, conv_units = 0, in = 1;
   for (auto x : ctx.sample_shape) in *= double(x);
   if (ctx.sample_shape.size() == 3) {
     double c = double(ctx.sample_shape[0]), h = double(ctx.sample_shape[1]),
            w = double(ctx.sample_shape[2]);
     for (auto out : cfg.channels) {
       params += c * double(out) * 9 + double(out) * (cfg.batch_norm ? 3 : 1);
-      widths += double(out) * h * w * 3;  // conv, ReLU, pool
+      conv_units += double(out) * h * w * 3;  // conv, ReLU, pool
       c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
     }
     in = c * h * w;
   }
-  for (auto width : cfg.fc) {
-    params += in * double(width) + double(width);
-    widths += 2 * double(width);
-    in = double(width);
-  }
-  params += in * double(ctx.classes) + double(ctx.classes);
-  return {params, 4 * ctx.rows * widths};
+  auto s = dense_size(in, cfg.fc, ctx.classes);
+  s.params += params;
+  s.activation_bytes = ctx.rows * (s.activation_bytes + 4 * conv_units);
+  return s;
 }
 
 }  // namespace

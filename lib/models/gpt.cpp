@@ -19,8 +19,8 @@
 #include "models/dropout.hpp"
 #include "models/model.hpp"
 #include "models/recompute.hpp"
-#include "parallel/tensor_parallel.hpp"
-#include "parallel/vocab_parallel.hpp"
+#include "layers/tensor_parallel.hpp"
+#include "layers/vocab_parallel.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
 

@@ -11,7 +11,7 @@
 
 #include "models/dropout.hpp"
 #include "models/model.hpp"
-#include "parallel/tensor_parallel.hpp"
+#include "layers/tensor_parallel.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -73,17 +73,10 @@ NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
   return m;
 }
 
-// Parameters and, per sample, the activations backward keeps: each layer's output and its
-// ReLU's (fp32).
 ModelSize mlp_size(const ModelConfig& cfg, const SizeContext& ctx) {
-  double in = double(product(ctx.sample_shape)), params = 0, widths = 0;
-  for (auto width : cfg.hidden) {
-    params += in * double(width) + double(width);
-    widths += 2 * double(width);
-    in = double(width);
-  }
-  params += in * double(ctx.classes) + double(ctx.classes);
-  return {params, 4 * ctx.rows * widths};
+  auto s = dense_size(double(product(ctx.sample_shape)), cfg.hidden, ctx.classes);
+  s.activation_bytes *= ctx.rows;
+  return s;
 }
 
 }  // namespace

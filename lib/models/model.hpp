@@ -87,6 +87,11 @@ struct SizeContext {
   bool recompute = false;  // train.recompute: blocks
 };
 
+// Dense layers from `in` inputs through `widths` to `classes` outputs: their weights and
+// biases, and the activations backward keeps per sample (each layer's output and its
+// ReLU's, fp32 bytes).
+ModelSize dense_size(double in, const Ints& widths, int64_t classes);
+
 struct ModelSpec {
   const Task* task;
   // Checks that need only the job spec (run at validation, before any data or process

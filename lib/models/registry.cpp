@@ -42,6 +42,17 @@ torch::Tensor LayerStack::forward(const torch::Tensor& x) {
   return y;
 }
 
+ModelSize dense_size(double in, const Ints& widths, int64_t classes) {
+  ModelSize s;
+  for (auto width : widths) {
+    s.params += in * double(width) + double(width);
+    s.activation_bytes += 4 * 2 * double(width);
+    in = double(width);
+  }
+  s.params += in * double(classes) + double(classes);
+  return s;
+}
+
 NetworkPtr build_initialised(const ModelConfig& cfg, const ModelContext& ctx, uint64_t seed) {
   const auto& spec = model_spec(cfg.arch);
   auto net = spec.build(cfg, ctx);

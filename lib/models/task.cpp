@@ -4,7 +4,7 @@
 
 #include <torch/torch.h>
 
-#include "parallel/vocab_parallel.hpp"
+#include "layers/vocab_parallel.hpp"
 
 namespace dtrain {
 namespace {

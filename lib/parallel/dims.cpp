@@ -7,19 +7,6 @@
 
 namespace dtrain {
 
-const char* axis_name(Axis a) {
-  switch (a) {
-    case Axis::kData: return "data";
-    case Axis::kTensor: return "tensor";
-    case Axis::kPipeline: return "pipeline";
-  }
-  return "?";
-}
-
-int64_t Coord::along(Axis a) const {
-  return a == Axis::kData ? data : a == Axis::kTensor ? tensor : pipeline;
-}
-
 ParallelDims ParallelDims::resolve(const ParallelConfig& p, int64_t world) {
   fail_if<ConfigError>(world % (p.tensor * p.pipeline) != 0,
                        "parallel.tensor ({}) x parallel.pipeline ({}) does not divide the world "

@@ -14,11 +14,9 @@ namespace dtrain {
 struct ParallelConfig;
 
 enum class Axis { kData, kTensor, kPipeline };
-const char* axis_name(Axis a);  // "data" | "tensor" | "pipeline"
 
 struct Coord {
   int64_t data = 0, tensor = 0, pipeline = 0;
-  int64_t along(Axis a) const;
 };
 
 struct ParallelDims {

@@ -11,10 +11,8 @@
 //   replica   the ranks of one data coordinate (every tensor and pipeline rank of one model
 //             copy): local SGD agrees on a step's figures there between averages; made only
 //             when asked for
-// Under parallel.mode: async_ps the world has two roles (train/async_ps.hpp): servers, the
-// world's first parallel.servers ranks, hold the parameters; workers, the rest, compute
-// gradients. Each role gets a mesh of its own over its ranks (its data axis, its "world");
-// the whole job's group (`job()`) carries the pushes and replies between them.
+// The mesh's world is the ranks that train together: the job's, or a training mode's
+// share of it (an asynchronous parameter server's workers, or its servers).
 #pragma once
 #include <memory>
 
@@ -23,32 +21,20 @@
 
 namespace dtrain {
 
-enum class Role { kTrainer, kServer, kWorker };
-
 class Mesh {
  public:
   // Collective over the world: every rank creates the groups it belongs to. An axis of size
-  // 1 gets a local Comm; an axis that spans the world reuses the world's group.
-  Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world, bool replica_group = false);
-
-  // Collective over the job: under async_ps, this rank's role's mesh (its ranks on the data
-  // axis, no tensor or pipeline axis), the servers being the job's first `servers` ranks.
-  static Mesh for_role(int64_t servers, std::shared_ptr<Comm> job);
+  // 1 gets a local Comm; an axis that spans the world reuses the world's group. A world
+  // that is a group of the job names its ranks' job ranks (`job_ranks`, in its rank
+  // order), which sub-groups are made of; empty: the world is the job.
+  Mesh(const ParallelDims& dims, std::shared_ptr<Comm> world, bool replica_group = false,
+       std::vector<int64_t> job_ranks = {});
 
   const ParallelDims& dims() const { return dims_; }
-  Role role() const { return role_; }
-  // Every rank of the job: the world, or under async_ps the servers' and workers' together.
-  const std::shared_ptr<Comm>& job() const { return job_; }
-  // async_ps: the servers among the job's ranks (0 otherwise), and the workers, the rest.
-  int64_t servers() const { return servers_; }
-  int64_t workers() const { return job_->size() - servers_; }
   const Coord& coord() const { return coord_; }
-  int64_t rank() const { return job_->rank(); }  // in the job
-  // Rank 0 of the job: it writes the run's files (under async_ps, server 0).
-  bool is_root() const { return job_->rank() == 0; }
+  int64_t rank() const { return world_->rank(); }  // in the mesh's world
 
   const std::shared_ptr<Comm>& world() const { return world_; }
-  const std::shared_ptr<Comm>& group(Axis a) const;
   const std::shared_ptr<Comm>& data() const { return data_; }
   const std::shared_ptr<Comm>& tensor() const { return tensor_; }
   const std::shared_ptr<Comm>& pipeline() const { return pipeline_; }
@@ -58,12 +44,9 @@ class Mesh {
   const std::shared_ptr<Comm>& replica() const { return replica_; }
 
  private:
-  Mesh() = default;
   ParallelDims dims_;
   Coord coord_;
-  Role role_ = Role::kTrainer;
-  int64_t servers_ = 0;
-  std::shared_ptr<Comm> job_, world_, data_, tensor_, pipeline_, embedding_, replica_;
+  std::shared_ptr<Comm> world_, data_, tensor_, pipeline_, embedding_, replica_;
 };
 
 }  // namespace dtrain

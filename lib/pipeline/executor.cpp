@@ -1,5 +1,5 @@
 // Pipeline parallelism: this rank's chunks of the model run a step's micro-batches in the
-// order parallel.schedule gives (parallel/schedule.hpp); activations go forward to the
+// order parallel.schedule gives (pipeline/schedule.hpp); activations go forward to the
 // next stage and their gradients back to the previous one by c10d send/recv.
 //
 // Communication. A send is posted as soon as its tensor exists; a receive is posted when
@@ -17,7 +17,9 @@
 // Shapes are agreed once: the first time a stage boundary carries a micro-batch of a given
 // number of rows (training's micro-batches, evaluation's batches and its last, shorter
 // one), the sender sends the activation's dtype and shape ahead of it, and both ends keep
-// it. A gradient has its activation's shape, which its receiver already holds.
+// it. A gradient has its activation's shape, which its receiver already holds. Everything
+// travels in the default (row-major) layout: a convolution's channels-last activations and
+// their gradients are made contiguous to be sent (Gloo sends contiguous tensors only).
 #include <algorithm>
 #include <chrono>
 #include <map>
@@ -26,48 +28,43 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "parallel/schedule.hpp"
+#include "grad/grad_sync.hpp"
+#include "pipeline/runner.hpp"
+#include "pipeline/schedule.hpp"
 #include "precision/autocast.hpp"
-#include "train/context.hpp"
-#include "train/report.hpp"
-#include "train/runner.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/memory.hpp"
 
 namespace dtrain {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
-
 constexpr int kActivations = 1, kGradients = 2;
 constexpr int64_t kMaxDims = 8;  // a header: dtype, rank, then up to kMaxDims sizes
 
 class Pipeline : public MicroBatchRunner {
  public:
-  explicit Pipeline(Context& c)
-      : c_(c), pipe_(*c.mesh.pipeline()), rank_(pipe_.rank()), ranks_(pipe_.size()),
-        stages_(c.stages),
-        schedule_(pipeline_schedule(c.cfg.parallel.schedule, rank_, ranks_,
-                                    c.cfg.train.grad_accum, c.cfg.parallel.virtual_stages)) {
+  explicit Pipeline(RunnerParts p)
+      : p_(std::move(p)), pipe_(*p_.pipeline), rank_(pipe_.rank()), ranks_(pipe_.size()),
+        stages_(p_.stages),
+        schedule_(pipeline_schedule(p_.schedule, rank_, ranks_, p_.grad_accum, p_.virtual_stages)) {
     for (const auto& a : schedule_)
       if (a.kind == Action::kBackward) last_backward_ = a;
-    previous_ = pipeline_schedule(c.cfg.parallel.schedule, (rank_ + ranks_ - 1) % ranks_, ranks_,
-                                  c.cfg.train.grad_accum, c.cfg.parallel.virtual_stages);
+    previous_ = pipeline_schedule(p_.schedule, (rank_ + ranks_ - 1) % ranks_, ranks_,
+                                  p_.grad_accum, p_.virtual_stages);
   }
 
-  std::vector<torch::Tensor> train(const Batch& batch, double factor, StepStats& s,
+  std::vector<torch::Tensor> train(int64_t step, const Batch& batch, double factor,
+                                   MicroBatchTimes& s,
                                    const std::function<void()>& settle) override {
-    const int64_t accum = c_.cfg.train.grad_accum;
+    const int64_t accum = p_.grad_accum;
     const int64_t rows = batch.y.size(0) / accum;
     auto micro = [&](const torch::Tensor& t, int64_t m) {
       auto part = accum == 1 ? t : t.narrow(0, m * rows, rows);
-      return part.dim() == 4 ? part.contiguous(c_.format()) : part;
+      return part.dim() == 4 ? part.contiguous(p_.format) : part;
     };
     std::vector<torch::Tensor> losses(static_cast<size_t>(accum));
-    const int64_t memory_base = allocated_bytes(c_.device());
+    const int64_t memory_base = allocated_bytes(p_.device);
     int64_t memory_peak = memory_base;
     wait_ms_ = 0;
     const auto t_step = Clock::now();
@@ -78,12 +75,12 @@ class Pipeline : public MicroBatchRunner {
       if (a.kind == Action::kForward) {
         torch::Tensor x = g == 0 ? micro(batch.x, a.micro) : receive_activation(g, rows, a.micro);
         if (g > 0 && x.is_floating_point()) x.requires_grad_(true);
-        AutocastGuard guard(c_.cfg.precision.dtype, c_.device().type());
-        DropoutScope draw(micro_batch_draw(c_, a.micro * rows, rows));
-        auto out = c_.chunks[size_t(a.chunk)]->forward(x);
+        AutocastGuard guard(p_.dtype, p_.device.type());
+        DropoutScope draw(micro_batch_draw(p_, step, a.micro * rows, rows));
+        auto out = p_.chunks[size_t(a.chunk)]->forward(x);
         if (g == stages_ - 1) {
           Batch mb{torch::Tensor(), micro(batch.y, a.micro)};
-          auto loss = c_.task->loss(out, mb, *c_.mesh.tensor(), c_.cfg.optimizer.label_smoothing);
+          auto loss = p_.task->loss(out, mb, *p_.tensor, p_.label_smoothing);
           losses[size_t(a.micro)] = loss.detach();
           out = factor != 1.0 ? loss * factor : loss;
         } else {
@@ -91,18 +88,18 @@ class Pipeline : public MicroBatchRunner {
         }
         held = {x, out};
         settle();
-        memory_peak = std::max(memory_peak, allocated_bytes(c_.device()));
+        memory_peak = std::max(memory_peak, allocated_bytes(p_.device));
         s.forward_ms += ms_since(t0);
       } else {
-        c_.sync->begin_micro_batch(a == last_backward_);
+        p_.sync->begin_micro_batch(a == last_backward_);
         if (g == stages_ - 1) {
           held.output.backward();
         } else {
-          auto grad = receive(g + 1, kGradients, torch::empty_like(held.output));
+          auto grad = receive(g + 1, kGradients, torch::empty(held.output.sizes(), held.output.options()));
           let_go({kActivations, a.micro, g});  // arrived: its gradient came back
           torch::autograd::backward({held.output}, {grad});
         }
-        if (g > 0) post({kGradients, a.micro, g}, {{P2POp::kSend, held.input.grad(), peer_of(g - 1), kGradients}});
+        if (g > 0) post({kGradients, a.micro, g}, {{P2POp::kSend, held.input.grad().contiguous(), peer_of(g - 1), kGradients}});
         held_.erase({a.micro, a.chunk});
         settle();
         s.backward_ms += ms_since(t0);
@@ -113,20 +110,20 @@ class Pipeline : public MicroBatchRunner {
     s.bubble = step_ms > 0 ? wait_ms_ / step_ms : 0;
     s.activation_mb = double(memory_peak - memory_base) / (1024.0 * 1024.0);
     if (!held_.empty()) throw std::logic_error("pipeline: micro-batches left without backward");
-    if (c_.holds_last()) return losses;
+    if (holds_last()) return losses;
     return {};
   }
 
   torch::Tensor infer(const torch::Tensor& batch_x) override {
     const int64_t rows = batch_x.size(0);
     torch::Tensor out;
-    for (size_t chunk = 0; chunk < c_.chunks.size(); ++chunk) {
+    for (size_t chunk = 0; chunk < p_.chunks.size(); ++chunk) {
       const int64_t g = stage_of(int64_t(chunk));
-      torch::Tensor x = g == 0 ? (batch_x.dim() == 4 ? batch_x.contiguous(c_.format()) : batch_x)
+      torch::Tensor x = g == 0 ? (batch_x.dim() == 4 ? batch_x.contiguous(p_.format) : batch_x)
                                : receive_activation(g, rows, -1);
       {
-        AutocastGuard guard(c_.cfg.precision.dtype, c_.device().type());
-        out = c_.chunks[chunk]->forward(x);
+        AutocastGuard guard(p_.dtype, p_.device.type());
+        out = p_.chunks[chunk]->forward(x);
       }
       if (g < stages_ - 1) {
         send_activation(g + 1, out, -1);
@@ -135,6 +132,10 @@ class Pipeline : public MicroBatchRunner {
     }
     finish_sends();
     return out;
+  }
+
+  bool holds_last() const override {
+    return stage_of(int64_t(p_.chunks.size()) - 1) == stages_ - 1;
   }
 
  private:
@@ -172,7 +173,7 @@ class Pipeline : public MicroBatchRunner {
     auto key = std::make_pair(at, rows);
     if (!shapes_.count(key)) {
       auto header = receive(at - 1, kActivations, torch::zeros({2 + kMaxDims}, torch::kInt64)
-                                                      .to(c_.device()))
+                                                      .to(p_.device))
                         .cpu();
       const auto h = header.accessor<int64_t, 1>();
       if (h[1] < 1 || h[1] > kMaxDims)
@@ -182,7 +183,7 @@ class Pipeline : public MicroBatchRunner {
     }
     const auto& [dtype, shape] = shapes_.at(key);
     auto x = receive(at - 1, kActivations,
-                     torch::empty(shape, torch::dtype(dtype).device(c_.device())));
+                     torch::empty(shape, torch::dtype(dtype).device(p_.device)));
     if (micro >= 0) {
       // The previous rank sent this after every backward its schedule puts before it, and
       // each of those had received its gradient from this rank.
@@ -223,7 +224,7 @@ class Pipeline : public MicroBatchRunner {
     wait_ms_ += ms_since(t0);
   }
 
-  Context& c_;
+  RunnerParts p_;
   Comm& pipe_;
   int64_t rank_, ranks_, stages_;
   std::vector<Action> schedule_;
@@ -238,8 +239,8 @@ class Pipeline : public MicroBatchRunner {
 
 }  // namespace
 
-std::unique_ptr<MicroBatchRunner> make_pipeline_runner(Context& c) {
-  return std::make_unique<Pipeline>(c);
+std::unique_ptr<MicroBatchRunner> make_pipeline_runner(RunnerParts parts) {
+  return std::make_unique<Pipeline>(std::move(parts));
 }
 
 }  // namespace dtrain

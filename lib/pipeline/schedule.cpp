@@ -1,4 +1,4 @@
-#include "parallel/schedule.hpp"
+#include "pipeline/schedule.hpp"
 
 #include <algorithm>
 #include <limits>

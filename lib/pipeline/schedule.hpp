@@ -1,6 +1,6 @@
 // Pipeline parallelism, the pure part: which of the model's parts each stage holds, and the
 // order in which each pipeline rank runs a step's micro-batches (a schedule). A schedule is
-// a list of actions per rank that one executor runs (train/pipeline.cpp), so a new schedule
+// a list of actions per rank that one executor runs (pipeline/executor.cpp), so a new schedule
 // is a new list, not a new loop.
 //
 // Stages: the model's parts (models/model.hpp) cut into pipeline x virtual_stages

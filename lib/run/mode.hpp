@@ -1,54 +1,118 @@
-// The training mode: how the data replicas' parameters move between steps and when every
-// rank meets. One interface above the step (Marian's GraphGroup): the step's phases
-// (step.cpp) and the loop's cadence (loop.cpp) are the same for every mode, which answers
-// only what differs.
-//   sync       every step's gradient is averaged over the data group (the GradSync), and
-//              every rank meets after every step: today's loop
-//   local_sgd  each data replica steps on its own gradient (its shard of the global batch);
-//              every parallel.average_every steps the replicas average their parameters
-//              (and, under parallel.average_optimizer, their optimizer state) and meet.
-//              Post-local SGD: the first parallel.local_after steps are synchronous.
-// Where the ranks meet, and only there, the step's figures are agreed over the world, a stop
-// is acted on, and the model is evaluated and checkpointed: every replica then holds the
-// same parameters, so a checkpoint resumes exactly. Between meetings a replica agrees on its
-// figures with its own tensor and pipeline ranks only, so a slow replica holds up the others
-// only where they meet.
+// A training mode: how the ranks' parameters move and who updates them, over the whole run
+// (Marian's GraphGroup family). One interface; each mode is one file in run/modes/ and one
+// line in run/modes/registry.cpp:
+//   sync       every step's gradient averaged over the data group, every rank meets after
+//              every step (modes/sync.cpp)
+//   local_sgd  each data replica steps alone, averaged every few steps (modes/local_sgd.cpp)
+//   async_ps   parameter servers and workers that never wait for one another
+//              (modes/async_ps.cpp)
+// A mode says what it refuses and what it needs from the backend (ModeSpec: validation and
+// the launcher ask), builds the groups its rank trains in, lays out the flat buffers and
+// the gradient sync, keeps its own state (Stateful), and runs the rank's part of the run.
+// The lock-step modes share one loop (run/loop.hpp) and differ only where they meet.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
+#include "checkpoint/stateful.hpp"
 #include "comm/comm.hpp"
 #include "config/config.hpp"
+#include "grad/grad_sync.hpp"
+#include "parallel/dims.hpp"
 #include "parallel/flat_params.hpp"
+#include "parallel/mesh.hpp"
+#include "run/run_log.hpp"
 
 namespace dtrain {
 
-class Mesh;
-class Optimizer;
+struct Run;
 
-class TrainingMode {
+class Mode {
  public:
-  virtual ~TrainingMode() = default;
-  // Whether every rank meets after step n (from 1).
-  virtual bool meets(int64_t n) const = 0;
-  // The ranks that add up step n's figures (step.hpp's Figures), and how many data
-  // replicas' losses that sum holds: the world and every replica where they meet, else this
-  // replica's own ranks.
-  virtual Comm& figures_group(int64_t n) const = 0;
-  virtual int64_t replicas(int64_t n) const = 0;
+  virtual ~Mode() = default;
+  // The groups this rank trains in: the job's mesh, or its role's share of the job.
+  virtual const Mesh& mesh() const = 0;
+  // Whether this rank holds the run: opens the run directory, restores, writes the logs
+  // and checkpoints (rank 0 of them writes); and whether it reads training data.
+  virtual bool holds_run() const { return true; }
+  virtual bool reads_data() const { return true; }
+  // How the flat buffers are laid out, the part this rank updates, and its gradient sync.
+  virtual void shape_flat(FlatOptions& opts) const = 0;
+  virtual Shard update_shard(const FlatParams& params) const = 0;
+  virtual std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+                                              Tied tied) const = 0;
+  // The layout in the start line and the summary.
+  virtual std::string describe() const { return mesh().dims().str(); }
+  virtual nlohmann::json layout() const;
+  // Once the run is built: what the mode keeps of it (local SGD the parameters and the
+  // optimizer it averages).
+  virtual void bind(Run& /*run*/) {}
+  // The state it carries between steps, saved under its own names (nullptr: none).
+  virtual Stateful* state() { return nullptr; }
+  // This rank's whole run, once built: steps until the end or a stop. Every rank of the job
+  // returns the same exit code.
+  virtual RunResult run(Run& run) = 0;
+};
+
+// The lock-step family (sync, local SGD): every rank runs the same steps, and the loop
+// (run/loop.hpp) asks the mode where the ranks meet.
+class Lockstep : public Mode {
+ public:
+  // Whether every rank meets after step n (from 1): there a step's figures are agreed over
+  // the world, a stop is acted on, and the model is evaluated and checkpointed.
+  virtual bool meets(int64_t /*n*/) const { return true; }
+  // The ranks that add up step n's figures, and how many data replicas' losses that sum
+  // holds: the world and every replica where they meet, else this replica's own ranks.
+  virtual Comm& figures_group(int64_t /*n*/) const { return *mesh().world(); }
+  virtual int64_t replicas(int64_t /*n*/) const { return mesh().dims().data; }
   // After step n's update (local SGD averages the replicas where they meet). Returns the
   // bytes this rank sent.
   virtual int64_t after_update(int64_t /*n*/) { return 0; }
-  // What each data replica keeps apart from the others (local SGD's own optimizer state),
-  // as buffers laid out like the flat gradient, by name: saved with a checkpoint per data
-  // rank, like the gradient sync's state.
-  virtual NamedTensors replica_state() const { return {}; }
+  // How the ranks are apart between meetings, in messages ("" when they always meet).
+  virtual std::string apart() const { return ""; }
+
+  // The job's mesh over `world`; ZeRO's flat layout and gradient sync.
+  Lockstep(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world,
+           bool replica_group = false);
+  const Mesh& mesh() const override { return mesh_; }
+  void shape_flat(FlatOptions& opts) const override;
+  Shard update_shard(const FlatParams& params) const override;
+  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+                                      Tied tied) const override;
+  RunResult run(Run& run) override;
+
+ protected:
+  JobConfig cfg_;
+  Mesh mesh_;
 };
 
-// The job's mode. `buffers`: the model's buffers this rank holds (BatchNorm's statistics),
-// averaged with the parameters.
-std::unique_ptr<TrainingMode> make_mode(const JobConfig& cfg, const Mesh& mesh, FlatParams& params,
-                                        Optimizer& optimizer, NamedTensors buffers,
-                                        int64_t total_steps);
+// What validation and the launcher ask of a mode before any process group exists.
+struct ModeSpec {
+  // The mode's own checks: what it cannot run with, the world it needs (ConfigError).
+  std::function<void(const JobConfig&, int64_t world)> validate;
+  // The ranks of a world of `world` that form the data x tensor x pipeline layout.
+  std::function<int64_t(const JobConfig&, int64_t world)> trainers =
+      [](const JobConfig&, int64_t world) { return world; };
+  // Non-empty when it receives from whichever rank sends first, which a backend must
+  // allow (NCCL cannot): why, for the refusal.
+  std::string any_source;
+  // A rank's part in the job, for the launcher's messages ("" when all are alike).
+  std::function<std::string(const JobConfig&, int64_t rank)> role =
+      [](const JobConfig&, int64_t) { return std::string(); };
+  // This rank's mode: collective over `world`, whose groups it creates. `dims`: the
+  // layout validate() resolved (of the trainers).
+  std::function<std::unique_ptr<Mode>(const JobConfig&, const ParallelDims&,
+                                      std::shared_ptr<Comm> world)>
+      make;
+};
+
+// parallel.mode's spec (run/modes/registry.cpp); ConfigError for an unknown one.
+const ModeSpec& mode_spec(const std::string& name);
+
+// A mode that cannot run with `what` (when `bad`): ConfigError naming both and why.
+void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,
+                      const std::string& why);
 
 }  // namespace dtrain

@@ -1,7 +1,8 @@
-// Builds a run: the order matters. Threads and the seed first (the model's initialisation
-// draws from the generator), then data, model, flat buffers, optimizer, the gradient sync
-// (its hooks), sampler; then the resume decision (collective), the restored
-// state, and the broadcast that makes every data-parallel rank start from the same weights.
+// Builds a run from components: the order matters. Threads and the seed first, then data,
+// the model's parts, the flat buffers (initialised in place), optimizer, the gradient sync
+// (its hooks), sampler, the run log and the runner; then, on the ranks that hold the run,
+// the resume decision (collective), the restored state, and the broadcast that makes every
+// data-parallel rank start from the same weights.
 #include <filesystem>
 #include <iostream>
 #include <thread>
@@ -11,13 +12,13 @@
 
 #include "config/schema.hpp"
 #include "launch/device.hpp"
-#include "parallel/schedule.hpp"
-#include "train/context.hpp"
-#include "train/state.hpp"
+#include "pipeline/schedule.hpp"
+#include "run/run.hpp"
+#include "run/saved_state.hpp"
 #include "util/affinity.hpp"
 #include "util/blas.hpp"
-#include "util/files.hpp"
 #include "util/error.hpp"
+#include "util/files.hpp"
 #include "util/memory.hpp"
 
 namespace dtrain {
@@ -25,15 +26,37 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The process: its allocator, intra-op threads (local processes share the machine's cores)
+// and their pinning, the seed, the device. Returns what the start line says of them.
+std::string set_up_process(const Run& run) {
+  const auto& cfg = run.cfg;
+  tune_allocator();
+  const int64_t threads =
+      cfg.train.threads > 0
+          ? cfg.train.threads
+          : std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()) / run.world.local_world);
+  torch::set_num_threads(static_cast<int>(threads));
+  const std::string pinning = cfg.train.pin_threads
+                                  ? pin_compute_threads(threads, run.world.local_rank, run.world.local_world)
+                                  : "not pinned";
+  torch::manual_seed(static_cast<uint64_t>(cfg.seed));  // the CPU's and every GPU's generator
+  use_device(run.device(), cfg);
+  auto blas = loaded_blas();
+  if (run.job->rank() == 0 && is_reference_blas(blas))
+    std::cerr << "dtrain: warning: LibTorch is using the reference BLAS (" << blas
+              << "), which is ~19x slower on Linear layers; install libopenblas0-openmp\n";
+  return fmt::format("{} thread(s) per rank ({}), BLAS {}", threads, pinning,
+                     blas.empty() ? "unknown" : blas);
+}
+
 // Every rank must train on the same data: each one's fingerprint of both splits, gathered
-// over the world, must be rank 0's (a file that grows while the ranks read it, a folder
-// that differs between nodes). A collective.
-void agree_on_data(Context& c) {
-  auto mine = c.data.train->fingerprint();
-  for (double v : c.data.test->fingerprint()) mine.push_back(v);
-  auto world = c.mesh.job();
-  if (world->size() == 1) return;
-  const auto all = world->all_gather(torch::tensor(mine, torch::kFloat64));
+// over the job, must be rank 0's (a file that grows while the ranks read it, a folder that
+// differs between nodes). A collective.
+void agree_on_data(const DataSplits& data, Comm& job, const std::string& path) {
+  auto mine = data.train->fingerprint();
+  for (double v : data.test->fingerprint()) mine.push_back(v);
+  if (job.size() == 1) return;
+  const auto all = job.all_gather(torch::tensor(mine, torch::kFloat64));
   std::vector<int64_t> differ;
   // Sums of floats may differ in their last bits between machines with other core counts
   // (reduction order); a changed sample moves them far more.
@@ -46,7 +69,7 @@ void agree_on_data(Context& c) {
   };
   throw DataError(fmt::format("data.path: the ranks read different data from '{}': rank 0 has {}, "
                               "rank {} has {}{}; every rank must see the same files",
-                              c.cfg.data.path, sizes(0), differ[0], sizes(size_t(differ[0])),
+                              path, sizes(0), differ[0], sizes(size_t(differ[0])),
                               differ.size() > 1 ? fmt::format(" (and {} more ranks differ)",
                                                               differ.size() - 1)
                                                 : ""));
@@ -54,164 +77,221 @@ void agree_on_data(Context& c) {
 
 // This rank's chunks of the model: only the parts its stages hold, their parameters
 // created uninitialised on the device (the flat buffers take them, then init_parameters
-// fills them by name: setup()). The whole model's outline, on the meta device, says how
-// big each part is (the stages' split) and every name. LibTorch's own layers draw their
-// initial weights from the default generator as they are built (values init_parameters
-// replaces): the generator is put back, so it is the seed's whatever a rank builds.
-void build_chunks(Context& c, const ModelContext& mc) {
-  const auto& cfg = c.cfg;
-  const int64_t ranks = c.mesh.dims().pipeline, chunks = cfg.parallel.virtual_stages;
-  c.stages = ranks * chunks;
+// fills them by name). The whole model's outline, on the meta device, says how big each
+// part is (the stages' split) and every name. LibTorch's own layers draw their initial
+// weights from the default generator as they are built (values init_parameters replaces):
+// the generator is put back, so it is the seed's whatever a rank builds.
+ModelParts build_model(const Run& run, const ModelContext& mc) {
+  const auto& cfg = run.cfg;
+  ModelParts m;
+  m.spec = &model_spec(cfg.model.arch);
+  const int64_t ranks = run.mesh().dims().pipeline, chunks = cfg.parallel.virtual_stages;
+  m.stages = ranks * chunks;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   const auto seeded = gen.get_state();
   ModelContext outline_ctx = mc;
   outline_ctx.options = torch::TensorOptions().device(torch::kMeta);
-  const auto outline = c.spec->build(cfg.model, outline_ctx);
-  for (const auto& p : outline->named_parameters()) c.model_names.push_back(p.key());
-  for (const auto& b : outline->named_buffers()) c.model_names.push_back(b.key());
-  const auto split = split_stages(outline->part_params(), c.stages, cfg.parallel.stages);
+  const auto outline = m.spec->build(cfg.model, outline_ctx);
+  for (const auto& p : outline->named_parameters()) m.names.push_back(p.key());
+  for (const auto& b : outline->named_buffers()) m.names.push_back(b.key());
+  const auto split = split_stages(outline->part_params(), m.stages, cfg.parallel.stages);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t stage = chunk * ranks + c.mesh.coord().pipeline;
+    const int64_t stage = chunk * ranks + run.mesh().coord().pipeline;
     ModelContext held = mc;
-    held.options = torch::TensorOptions().device(c.device());
+    held.options = torch::TensorOptions().device(run.device());
     held.first_part = split[size_t(stage)].first, held.last_part = split[size_t(stage)].last;
-    auto net = c.spec->build(cfg.model, held);
+    auto net = m.spec->build(cfg.model, held);
     net->recompute_blocks(cfg.train.recompute == "blocks");
-    net->to(c.device());  // LibTorch's own layers, and the buffers
-    c.chunks.push_back(net);
-    c.chunk_stage.push_back(stage);
+    net->to(run.device());  // LibTorch's own layers, and the buffers
+    m.chunks.push_back(net);
+    m.chunk_stage.push_back(stage);
   }
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(seeded);
+  return m;
 }
 
 // The tied parameters' entries, where the two parts that use them sit on different ranks.
-void find_tied(Context& c) {
-  if (!c.mesh.embedding() || c.holds_first() == c.holds_last()) return;
-  const auto names = c.chunks.front()->tied_parameters();
-  const auto& entries = c.params->entries();
+Tied find_tied(const ModelParts& m, const FlatParams& params, const Mesh& mesh) {
+  Tied tied;
+  if (!mesh.embedding() || m.holds_first() == m.holds_last()) return tied;
+  tied.group = mesh.embedding();
+  const auto names = m.chunks.front()->tied_parameters();
+  const auto& entries = params.entries();
   for (size_t i = 0; i < entries.size(); ++i)
-    if (std::find(names.begin(), names.end(), entries[i].name) != names.end()) c.tied.push_back(i);
-  c.tied_copy = c.holds_last();
+    if (std::find(names.begin(), names.end(), entries[i].name) != names.end()) tied.entries.push_back(i);
+  tied.copy = m.holds_last();
+  return tied;
 }
 
-}  // namespace
-
-NamedTensors Context::named_buffers() const {
-  NamedTensors out;
-  for (const auto& chunk : chunks)
-    for (const auto& b : chunk->named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
-}
-
-void Context::set_training(bool on) const {
-  for (const auto& chunk : chunks) chunk->train(on);
-}
-
-void setup(Context& c) {
-  const auto& cfg = c.cfg;
-  const auto& dims = c.mesh.dims();
-  tune_allocator();
-  // Local processes share the machine's cores.
-  const int64_t threads =
-      cfg.train.threads > 0
-          ? cfg.train.threads
-          : std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()) / c.world.local_world);
-  torch::set_num_threads(static_cast<int>(threads));
-  const std::string pinning = cfg.train.pin_threads
-                                  ? pin_compute_threads(threads, c.world.local_rank, c.world.local_world)
-                                  : "not pinned";
-  torch::manual_seed(static_cast<uint64_t>(cfg.seed));  // the CPU's and every GPU's generator
-  use_device(c.device(), cfg);
-
-  auto blas = loaded_blas();
-  if (c.root() && is_reference_blas(blas))
-    std::cerr << "dtrain: warning: LibTorch is using the reference BLAS (" << blas
-              << "), which is ~19x slower on Linear layers; install libopenblas0-openmp\n";
-
-  c.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed));
-  agree_on_data(c);
-  c.spec = &model_spec(cfg.model.arch);
-  c.task = c.spec->task;
+// The model's parts, their flat buffers (initialised there), the optimizer over this
+// rank's shard, the gradient sync (its hooks: before a resume, which restores its state)
+// and fp16's loss scaler.
+void build_training(Run& run) {
+  const auto& cfg = run.cfg;
+  const Mode& mode = *run.mode;
   ModelContext mc;
-  mc.sample_shape = c.data.sample_shape;
-  mc.classes = c.data.classes;
-  mc.vocab = c.data.vocab;
-  if (cfg.parallel.sync_batchnorm && dims.data > 1) mc.sync_batchnorm = c.mesh.data();
-  mc.tensor = c.mesh.tensor();
-  build_chunks(c, mc);
+  mc.sample_shape = run.data.sample_shape;
+  mc.classes = run.data.classes;
+  mc.vocab = run.data.vocab;
+  if (cfg.parallel.sync_batchnorm && run.mesh().dims().data > 1) mc.sync_batchnorm = run.mesh().data();
+  mc.tensor = run.mesh().tensor();
+  run.model = build_model(run, mc);
   FlatOptions flat;
-  flat.format = c.spec->format;
-  flat.device = c.device();
+  flat.format = run.model.spec->format;
+  flat.device = run.device();
   flat.keep_values = false;  // initialised in the buffer, below
-  shard_flat(cfg.parallel, c.mesh, flat);
+  mode.shape_flat(flat);
   std::vector<torch::nn::Module*> modules;
-  for (auto& chunk : c.chunks) modules.push_back(chunk.get());
-  c.params = std::make_unique<FlatParams>(modules, flat);
-  init_parameters(*c.params, c.spec->init(cfg.model), uint64_t(cfg.seed), c.mesh.coord().tensor);
-  find_tied(c);
-  c.optimizer = make_optimizer(cfg.optimizer, *c.params, update_shard(cfg.parallel, c.mesh, *c.params));
-  // The gradient sync (its hooks on the parameters): before a resume, which restores its
-  // state.
-  c.sync = make_grad_sync(cfg.parallel, c.mesh, *c.params, cfg.train.grad_accum, c.tied);
-  for (auto& chunk : c.chunks)
-    chunk->before_use([sync = c.sync.get()](const torch::nn::Module& m) { sync->before_use(m); });
+  for (auto& chunk : run.model.chunks) modules.push_back(chunk.get());
+  run.params = std::make_unique<FlatParams>(modules, flat);
+  init_parameters(*run.params, run.model.spec->init(cfg.model), uint64_t(cfg.seed),
+                  run.mesh().coord().tensor);
+  run.model.tied = find_tied(run.model, *run.params, run.mesh());
+  run.optimizer = make_optimizer(cfg.optimizer, *run.params, mode.update_shard(*run.params));
+  run.sync = mode.make_sync(*run.params, cfg.train.grad_accum, run.model.tied);
+  for (auto& chunk : run.model.chunks)
+    chunk->before_use([sync = run.sync.get()](const torch::nn::Module& m) { sync->before_use(m); });
   if (cfg.precision.dtype == "fp16")
-    c.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
-  // Each data rank's shard of every global batch (a server reads none: it counts steps).
-  const bool reads = c.mesh.role() != Role::kServer;
-  c.sampler.emplace(c.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
-                    static_cast<uint64_t>(cfg.seed), /*rank=*/reads ? c.mesh.coord().data : 0,
-                    /*ranks=*/reads ? dims.data : 1);
-  c.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
-                                          : cfg.train.epochs * c.steps_per_epoch();
-  c.progress = std::make_unique<Progress>(c.root() ? cfg.logging.progress : "off", c.total_steps);
-  c.mode = make_mode(c.cfg, c.mesh, *c.params, *c.optimizer, c.named_buffers(), c.total_steps);
-  if (c.worker()) {  // async_ps: the servers hold the run; a worker gets its state from them
-    c.runner = make_runner(c);
-    return;
-  }
+    run.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
+}
 
-  auto resume_from = open_run_dir(c);
-  if (resume_from) restore(c, *resume_from);
-  else if (!cfg.model.init_from.empty()) init_weights(c);  // a resume goes on from its own
-  if (c.state.step >= c.total_steps) {  // a finished run: its files stay as they are
-    c.finished = true;
-    return;
+RunnerParts runner_parts(const Run& run) {
+  const auto& cfg = run.cfg;
+  RunnerParts p;
+  p.chunks = run.model.chunks;
+  p.stages = run.model.stages;
+  p.task = &run.model.task();
+  p.tensor = run.mesh().tensor();
+  p.pipeline = run.mesh().pipeline();
+  p.device = run.device();
+  p.format = run.model.spec->format;
+  p.sync = run.sync.get();
+  p.grad_accum = cfg.train.grad_accum;
+  p.dtype = cfg.precision.dtype;
+  p.label_smoothing = cfg.optimizer.label_smoothing;
+  p.schedule = cfg.parallel.schedule;
+  p.virtual_stages = cfg.parallel.virtual_stages;
+  p.seed = uint64_t(cfg.seed);
+  p.dropout = cfg.model.dropout > 0;
+  p.data_rank = run.mesh().coord().data;
+  p.data_ranks = run.mesh().dims().data;
+  return p;
+}
+
+// The run log, with what its lines say of the run.
+void build_log(Run& run, bool root) {
+  RunFacts facts;
+  facts.steps_per_epoch = run.steps_per_epoch;
+  facts.total_steps = run.total_steps;
+  facts.items_per_sample = run.model.task().items_per_sample(run.data.sample_shape);
+  facts.communicates = run.job->size() > 1;
+  facts.loss_scaled = run.scaler != nullptr;
+  facts.summary = [&run](nlohmann::json& s) {
+    s["world_size"] = run.job->size();
+    s["layout"] = run.mode->layout();
+    s["device"] = run.device().str();
+    // rank 0's: under ZeRO each data rank keeps about 1 / data of it
+    s["optimizer_state_mb"] = double(optimizer_state_bytes(*run.optimizer)) / (1024.0 * 1024.0);
+    s["gradient_mb"] = double(run.params->grad().numel() * run.params->grad().element_size()) /
+                       (1024.0 * 1024.0);
+    if (run.scaler) {
+      s["loss_scale"] = run.scaler->scale();
+      s["overflow_steps"] = run.scaler->overflows();
+    }
+  };
+  run.progress = std::make_unique<Progress>(root ? run.cfg.logging.progress : "off", run.total_steps);
+  run.log = std::make_unique<RunLog>(run.cfg, run.model.task(), std::move(facts), root,
+                                     run.progress.get());
+}
+
+// Collective over the ranks that hold the run: the run directory claimed, the resume (or
+// model.init_from), the data-parallel ranks made equal, the resolved job and the metrics
+// file written. Returns the checkpoint resumed from, if any.
+std::optional<std::string> open_run(Run& run) {
+  const auto& cfg = run.cfg;
+  Checkpointer::Options o{cfg.run_dir, cfg.checkpoint, run.opts.resume, run.world.run_id,
+                          run.mesh().dims(), run.mesh().coord(),
+                          [&run](const std::string& line) { run.say(line); }};
+  run.checkpointer = std::make_unique<Checkpointer>(std::move(o), run.mesh().world());
+  auto resume_from = run.checkpointer->open();
+  if (resume_from) run.checkpointer->restore(*resume_from, run.stateful());
+  else if (!cfg.model.init_from.empty()) init_from(run);  // a resume goes on from its own
+  if (run.state().step >= run.total_steps) {  // a finished run: its files stay as they are
+    run.finished = true;
+    return resume_from;
   }
-  broadcast_state(c);
-  c.runner = make_runner(c);
-  root_does(c, fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
+  auto& data = *run.mesh().data();  // every data-parallel rank starts from data rank 0's
+  if (data.size() > 1) {
+    torch::NoGradGuard no_grad;
+    data.broadcast(run.params->data(), 0);
+    for (auto& [name, b] : run.model.buffers())
+      if (b.is_floating_point()) data.broadcast(b, 0);
+  }
+  root_does(*run.mesh().world(), fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
     write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
-    c.metrics = std::make_unique<MetricsLog>(
+    run.metrics = std::make_unique<MetricsLog>(
         (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
-        resume_from ? std::optional<int64_t>(c.state.step) : std::nullopt,
+        resume_from ? std::optional<int64_t>(run.state().step) : std::nullopt,
         cfg.logging.tensorboard ? (fs::path(cfg.run_dir) / "tb").string() : "");
+    run.log->attach(run.metrics.get());
     return int64_t(0);
   });
+  return resume_from;
+}
+
+// The start line: what is trained, where, how.
+std::string start_line(const Run& run, const std::string& process,
+                       const std::optional<std::string>& resume_from) {
+  const auto& cfg = run.cfg;
   int64_t local = 0, full = 0;
-  for (const auto& e : c.params->entries()) {
+  for (const auto& e : run.params->entries()) {
     local += e.numel;
     int64_t n = 1;
     for (auto s : e.full_shape) n *= s;
     full += n;
   }
-  c.say(fmt::format(
+  return fmt::format(
       "dtrain {}: job '{}', {} ({} parameters{}), {} ({} train / {} test), batch {}, {} steps "
-      "({} per epoch), {} {}, world {} ({}, launcher {}), {} thread(s) per rank ({}), BLAS {}{}; "
-      "logs in {}",
+      "({} per epoch), {} {}, world {} ({}, launcher {}), {}{}; logs in {}",
       DTRAIN_VERSION, cfg.name, cfg.model.arch, full,
       local != full ? fmt::format(", {} on each tensor rank", local) : "", cfg.data.dataset,
-      c.data.train->size(), c.data.test->size(), cfg.data.batch_size, c.total_steps,
-      c.steps_per_epoch(), c.device().str(), cfg.precision.dtype, c.mesh.job()->size(),
-      c.mesh.role() == Role::kTrainer
-          ? dims.str()
-          : fmt::format("async_ps: {} server(s), {} worker(s), staleness {}", c.mesh.servers(),
-                        c.mesh.workers(), cfg.parallel.staleness),
-      c.world.launcher, threads, pinning,
-      blas.empty() ? "unknown" : blas,
-      resume_from ? fmt::format(", resumed at step {} from {}", c.state.step, *resume_from) : "",
-      cfg.run_dir));
+      run.data.train->size(), run.data.test->size(), cfg.data.batch_size, run.total_steps,
+      run.steps_per_epoch, run.device().str(), cfg.precision.dtype, run.job->size(),
+      run.mode->describe(), run.world.launcher, process,
+      resume_from ? fmt::format(", resumed at step {} from {}", run.state().step, *resume_from) : "",
+      cfg.run_dir);
+}
+
+}  // namespace
+
+void build_run(Run& run) {
+  const auto& cfg = run.cfg;
+  const Mode& mode = *run.mode;
+  const std::string process = set_up_process(run);
+  run.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed));
+  agree_on_data(run.data, *run.job, cfg.data.path);
+  build_training(run);
+  // Each data rank's shard of every global batch (a rank that reads none counts steps).
+  const bool reads = mode.reads_data();
+  run.sampler.emplace(run.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
+                      static_cast<uint64_t>(cfg.seed), /*rank=*/reads ? run.mesh().coord().data : 0,
+                      /*ranks=*/reads ? run.mesh().dims().data : 1);
+  run.steps_per_epoch = run.sampler->steps_per_epoch();
+  run.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
+                                            : cfg.train.epochs * run.steps_per_epoch;
+  build_log(run, mode.holds_run() && run.mesh().world()->rank() == 0);
+  run.runner = make_runner(runner_parts(run));
+  run.savers = run_savers(run);
+  run.mode->bind(run);
+  if (!mode.holds_run()) return;  // it gets its state from the ranks that hold the run
+  const auto resume_from = open_run(run);
+  if (run.finished)
+    run.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
+                        "(train.max_steps, or train.epochs x {} steps); checkpoints and logs "
+                        "unchanged", run.state().step, run.total_steps, run.steps_per_epoch));
+  else
+    run.say(start_line(run, process, resume_from));
 }
 
 }  // namespace dtrain

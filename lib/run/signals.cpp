@@ -1,4 +1,4 @@
-#include "train/signals.hpp"
+#include "run/signals.hpp"
 
 #include <unistd.h>
 

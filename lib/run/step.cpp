@@ -16,7 +16,7 @@
 // is not gated: the run ends when the step is read, a few steps on, and nothing computed
 // after it is kept, because the loop reads every pending step before it evaluates,
 // checkpoints or ends.
-#include "train/step.hpp"
+#include "run/step.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -31,17 +31,12 @@
 #include "launch/device.hpp"
 #include "optim/clip.hpp"
 #include "optim/schedule.hpp"
-#include "train/mode.hpp"
-#include "train/signals.hpp"
+#include "run/signals.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
 
 // The figures (step.hpp's Figures) as one fp64 tensor on the step's device. A rank whose
 // loss does not count (tensor ranks past the first hold the same value) adds loss x 0:
@@ -49,19 +44,19 @@ double ms_since(Clock::time_point t) {
 // the CPU from the values themselves: reading them costs nothing there, and a handful of
 // tensor ops would cost more than the step's arithmetic. On a GPU by stacking them on the
 // device: reading them would wait.
-torch::Tensor assemble_figures(const Context& c, const Figures& layout,
+torch::Tensor assemble_figures(const StepParts& c, const Figures& layout,
                                const std::vector<torch::Tensor>& losses, bool counts, bool stop,
-                               const torch::Tensor& norm, const StepStats& s) {
+                               bool apart_diverged, const torch::Tensor& norm, const StepStats& s) {
   const double accum = double(losses.size());
   const int64_t stage = c.mesh.coord().pipeline;
-  if (!c.device().is_cuda()) {
+  if (!c.device.is_cuda()) {
     double loss = 0;
     for (const auto& l : losses) loss += l.item<double>() / accum;
     auto figures = torch::zeros({layout.count()}, torch::kFloat64);
     double* f = figures.data_ptr<double>();
     f[Figures::kLossSum] = counts ? loss : loss * 0.0;
     f[Figures::kStopVotes] = stop ? 1.0 : 0.0;
-    f[Figures::kEndVotes] = c.state.diverged_at > 0 ? 1.0 : 0.0;
+    f[Figures::kEndVotes] = apart_diverged ? 1.0 : 0.0;
     if (layout.stages > 0) {
       f[layout.bubble(stage)] = s.bubble;
       f[layout.activation_mb(stage)] = s.activation_mb;
@@ -70,7 +65,7 @@ torch::Tensor assemble_figures(const Context& c, const Figures& layout,
     f[layout.local_loss()] = loss;
     return figures;
   }
-  const auto f64 = torch::dtype(torch::kFloat64).device(c.device());
+  const auto f64 = torch::dtype(torch::kFloat64).device(c.device);
   auto loss = losses.empty()      ? torch::zeros({}, f64)
               : losses.size() == 1 ? losses[0].to(torch::kFloat64)
                                    : (torch::stack(losses).sum() / accum).to(torch::kFloat64);
@@ -78,7 +73,7 @@ torch::Tensor assemble_figures(const Context& c, const Figures& layout,
   for (auto& slot : f) slot = torch::zeros({}, f64);
   f[Figures::kLossSum] = counts ? loss : loss * 0.0;
   f[Figures::kStopVotes] = torch::full({}, stop ? 1.0 : 0.0, f64);
-  f[Figures::kEndVotes] = torch::full({}, c.state.diverged_at > 0 ? 1.0 : 0.0, f64);
+  f[Figures::kEndVotes] = torch::full({}, apart_diverged ? 1.0 : 0.0, f64);
   if (layout.stages > 0) {
     f[size_t(layout.bubble(stage))] = torch::full({}, s.bubble, f64);
     f[size_t(layout.activation_mb(stage))] = torch::full({}, s.activation_mb, f64);
@@ -88,8 +83,8 @@ torch::Tensor assemble_figures(const Context& c, const Figures& layout,
   return torch::stack(f);
 }
 
-Figures figures_of(const Context& c) {
-  return {c.mesh.dims().pipeline > 1 ? c.mesh.dims().pipeline : 0};
+Figures figures_of(const Mesh& mesh) {
+  return {mesh.dims().pipeline > 1 ? mesh.dims().pipeline : 0};
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -110,7 +105,7 @@ void send_to_host(const torch::Tensor& figures, PendingStep& p) {
 // Waits for the figures and puts them into the step's stats. Read two steps late, they
 // have usually arrived; otherwise the host sleeps in short naps (a spinning host would take
 // a core from the loader), for at most dist.timeout_s.
-void take_figures(const Context& c, PendingStep& p) {
+void take_figures(const StepParts& c, PendingStep& p) {
   if (p.ready) {
     const auto give_up = Clock::now() + std::chrono::seconds(c.cfg.dist.timeout_s);
     while (!p.ready->query()) {
@@ -121,10 +116,10 @@ void take_figures(const Context& c, PendingStep& p) {
     }
     p.ready.reset();
   }
-  const Figures layout = figures_of(c);
+  const Figures layout = figures_of(c.mesh);
   const auto f = p.figures.accessor<double, 1>();
-  const double replicas = double(c.mode->replicas(p.step)), tensor = double(c.mesh.dims().tensor);
-  const bool meets = c.mode->meets(p.step);
+  const double replicas = double(c.mode.replicas(p.step)), tensor = double(c.mesh.dims().tensor);
+  const bool meets = c.mode.meets(p.step);
   p.stats.loss = f[Figures::kLossSum] / replicas;  // each data replica's counts once
   // A stop, or a replica's divergence, is acted on only where every rank agrees on it.
   p.stats.stop = meets && f[Figures::kStopVotes] > 0;
@@ -141,65 +136,22 @@ bool grads_finite(const PendingStep& p) {
   return !p.norm_taken || std::isfinite(p.stats.grad_norm);
 }
 
-}  // namespace
+// The gradient's global norm over every shard (the same on every rank after the sync),
+// fp16's scale divided out; a tied weight's copy counted once.
+torch::Tensor unscaled_norm(const StepParts& c, double scale) {
+  auto norm = global_grad_norm(c.params, *c.mesh.tensor(), *c.mesh.pipeline(),
+                               c.tied.copy ? c.tied.entries : std::vector<size_t>{},
+                               c.sync.shard(), c.mesh.data().get());
+  return scale != 1.0 ? norm / scale : norm;
+}
 
-PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
-  PendingStep p;
-  p.step = c.state.step + 1;
+// Step 5: clipping and the optimizer's update. Under fp16 the figures are read at once
+// (whether to update, and the loss scale, decide the next step); under train.on_nonfinite:
+// skip the update is gated on the device. Returns the skip flag (undefined when none).
+torch::Tensor update(StepParts& c, PendingStep& p, const torch::Tensor& figures,
+                     const Figures& layout, const torch::Tensor& norm, double scale) {
   StepStats& s = p.stats;
-  // On a GPU the phases run asynchronously to the host. A logged step waits for the device
-  // at the start and at each phase's end, so that its phase times are the GPU's (report.cpp
-  // logs that step's); the other steps never wait there.
-  s.device_timed = logged && c.device().is_cuda();
-  auto settle = [&] {
-    if (s.device_timed) torch::cuda::synchronize();
-  };
-  settle();  // the previous step's last kernels, so that this step's phases are its own
-  if (c.cfg.train.debug_slow_rank == c.mesh.rank())  // a slow worker, for benchmarks
-    std::this_thread::sleep_for(std::chrono::milliseconds(c.cfg.train.debug_slow_ms));
-  // The steps that wait for the device by design (see the top; with several ranks, every
-  // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
-  const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
-  const bool waits = s.device_timed || c.scaler || c.mesh.world()->size() > 1 ||
-                     (skip_mode && !c.optimizer->fused());
-  SyncDebugScope sync_check(c.device().is_cuda() && !waits ? sync_debug_mode() : "off");
-  c.sync->begin_step(p.step);
-  // 1. next batch (prepared ahead by the loader's threads), queued to the device
-  Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
-  const double scale = c.scaler ? c.scaler->scale() : 1.0;
-  // 2-3. forward (autocast keeps fp32 master weights) and backward of every micro-batch,
-  //      the loss scaled by what makes the gradient a global mean and by fp16's scale;
-  //      their mean is this rank's loss (on a pipeline, the last stage's)
-  const auto losses = c.runner->train(batch, c.sync->loss_factor() * scale, s, settle);
-  auto t0 = Clock::now();
-  c.sync->finish();  // also sums a tied weight's copies across stages
-  settle();
-  s.comm_ms = ms_since(t0);
-  const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
-  // 4. The figures. The norm is taken when clipping, logging, before an evaluation or a
-  //    checkpoint, on every step when non-finite steps are skipped, and under fp16 (its
-  //    overflow check); otherwise a non-finite gradient shows in the next step's loss. It
-  //    is the norm over every shard, the same on every rank after the sync, of the gradient
-  //    with fp16's scale divided out.
   const double clip = c.cfg.optimizer.grad_clip;
-  p.norm_taken = logged || kept || clip > 0 || skip_mode || c.scaler;
-  torch::Tensor norm;
-  if (p.norm_taken) {
-    norm = global_grad_norm(*c.params, *c.mesh.tensor(), *c.mesh.pipeline(),
-                            c.tied_copy ? c.tied : std::vector<size_t>{}, c.sync->shard(),
-                            c.mesh.data().get());
-    if (scale != 1.0) norm = norm / scale;
-  }
-  // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
-  // to stop votes so: every rank stops after the same step, whatever the layout.
-  const bool counts = c.mesh.coord().tensor == 0 && c.holds_last();
-  const Figures layout = figures_of(c);
-  auto figures = assemble_figures(c, layout, losses, counts, stop_signal() != 0, norm, s);
-  Comm& agree = c.mode->figures_group(p.step);
-  if (agree.size() > 1) agree.all_reduce(figures.narrow(0, 0, layout.summed()));
-  send_to_host(figures, p);
-
-  // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
   const double lr = lr_at(c.cfg.schedule, c.cfg.optimizer.lr, p.step, c.total_steps);
   torch::Tensor skip;  // train.on_nonfinite: skip: 1 when the step makes no update
   if (c.scaler) {
@@ -215,29 +167,90 @@ PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept) {
     s.loss_scale = c.scaler->scale();
     s.overflow_steps = c.scaler->overflows();
     if (update) {
-      clip_grad(*c.params, norm, clip, scale, c.sync->shard());
-      c.optimizer->step(lr);
+      clip_grad(c.params, norm, clip, scale, c.sync.shard());
+      c.optimizer.step(lr);
     }
-  } else {
-    // skip: the update waits on the global loss and norm being finite, on the device.
-    if (skip_mode) {
-      const auto total = figures.select(0, Figures::kLossSum)
-                             .add(figures.select(0, layout.grad_norm()));  // NaN if either is
-      skip = total.isfinite().logical_not().to(torch::kFloat32);
-    }
-    clip_grad(*c.params, norm, clip, 1.0, c.sync->shard());
-    c.optimizer->step(lr, skip);
+    return skip;
   }
-  c.sync->after_update(skip);
-  s.comm_bytes = c.sync->bytes_per_step() + c.mode->after_update(p.step);
-  c.params->zero_grad();
-  ++c.state.step;
+  // skip: the update waits on the global loss and norm being finite, on the device.
+  if (c.cfg.train.on_nonfinite == "skip") {
+    const auto total = figures.select(0, Figures::kLossSum)
+                           .add(figures.select(0, layout.grad_norm()));  // NaN if either is
+    skip = total.isfinite().logical_not().to(torch::kFloat32);
+  }
+  clip_grad(c.params, norm, clip, 1.0, c.sync.shard());
+  c.optimizer.step(lr, skip);
+  return skip;
+}
+
+}  // namespace
+
+PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double data_wait_ms,
+                       bool logged, bool kept, bool apart_diverged) {
+  PendingStep p;
+  p.step = n;
+  StepStats& s = p.stats;
+  s.data_wait_ms = data_wait_ms;
+  // On a GPU the phases run asynchronously to the host. A logged step waits for the device
+  // at the start and at each phase's end, so that its phase times are the GPU's (the run
+  // log logs that step's); the other steps never wait there.
+  s.device_timed = logged && c.device.is_cuda();
+  auto settle = [&] {
+    if (s.device_timed) torch::cuda::synchronize();
+  };
+  settle();  // the previous step's last kernels, so that this step's phases are its own
+  if (c.cfg.train.debug_slow_rank == c.mesh.rank())  // a slow worker, for benchmarks
+    std::this_thread::sleep_for(std::chrono::milliseconds(c.cfg.train.debug_slow_ms));
+  // The steps that wait for the device by design (see the top; with several ranks, every
+  // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
+  const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
+  const bool waits = s.device_timed || c.scaler || c.mesh.world()->size() > 1 ||
+                     (skip_mode && !c.optimizer.fused());
+  SyncDebugScope sync_check(c.device.is_cuda() && !waits ? sync_debug_mode() : "off");
+  c.sync.begin_step(n);
+  // 1. the batch (prepared ahead by the loader's threads), queued to the device
+  const Batch batch = to_device(host_batch, c.device);
+  const double scale = c.scaler ? c.scaler->scale() : 1.0;
+  // 2-3. forward (autocast keeps fp32 master weights) and backward of every micro-batch,
+  //      the loss scaled by what makes the gradient a global mean and by fp16's scale;
+  //      their mean is this rank's loss (on a pipeline, the last stage's)
+  MicroBatchTimes times;
+  const auto losses = c.runner.train(n, batch, c.sync.loss_factor() * scale, times, settle);
+  s.forward_ms = times.forward_ms, s.backward_ms = times.backward_ms;
+  s.bubble = times.bubble, s.activation_mb = times.activation_mb;
+  auto t0 = Clock::now();
+  c.sync.finish();  // also sums a tied weight's copies across stages
+  settle();
+  s.comm_ms = ms_since(t0);
+  const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
+  // 4. The figures. The norm is taken when clipping, logging, before an evaluation or a
+  //    checkpoint, on every step when non-finite steps are skipped, and under fp16 (its
+  //    overflow check); otherwise a non-finite gradient shows in the next step's loss. It
+  //    is the norm over every shard, the same on every rank after the sync, of the gradient
+  //    with fp16's scale divided out.
+  p.norm_taken = logged || kept || c.cfg.optimizer.grad_clip > 0 || skip_mode || c.scaler;
+  const torch::Tensor norm = p.norm_taken ? unscaled_norm(c, scale) : torch::Tensor();
+  // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
+  // to stop votes so: every rank stops after the same step, whatever the layout.
+  const bool counts = c.mesh.coord().tensor == 0 && c.runner.holds_last();
+  const Figures layout = figures_of(c.mesh);
+  auto figures = assemble_figures(c, layout, losses, counts, stop_signal() != 0, apart_diverged,
+                                  norm, s);
+  Comm& agree = c.mode.figures_group(n);
+  if (agree.size() > 1) agree.all_reduce(figures.narrow(0, 0, layout.summed()));
+  send_to_host(figures, p);
+
+  // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
+  const torch::Tensor skip = update(c, p, figures, layout, norm, scale);
+  c.sync.after_update(skip);
+  s.comm_bytes = c.sync.bytes_per_step() + c.mode.after_update(n);
+  c.params.zero_grad();
   settle();
   s.optim_ms = ms_since(t_opt);
   return p;  // its step_ms is the loop's to measure: the host's time here is not the device's
 }
 
-StepStats read_step(Context& c, PendingStep& p) {
+StepStats read_step(StepParts& c, PendingStep& p, bool apart_diverged) {
   StepStats& s = p.stats;
   if (!p.decided) {
     take_figures(c, p);
@@ -247,11 +260,11 @@ StepStats read_step(Context& c, PendingStep& p) {
     // Name the lowest rank that saw it: one more reduction over the ranks that agreed on
     // the step, on this rare path only.
     const bool seen_here =
-        !std::isfinite(p.local_loss) || !grads_finite(p) || (s.replica_diverged && c.state.diverged_at > 0);
+        !std::isfinite(p.local_loss) || !grads_finite(p) || (s.replica_diverged && apart_diverged);
     const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
     double seen[1] = {seen_here ? double(world - rank) : 0.0};
-    c.mode->figures_group(p.step).all_reduce(torch::from_blob(seen, {1}, torch::kFloat64),
-                                             ReduceOp::kMax);
+    c.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {1}, torch::kFloat64),
+                                            ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
   }
   return s;

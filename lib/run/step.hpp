@@ -11,8 +11,15 @@
 
 #include <c10/core/Event.h>
 
-#include "data/loader.hpp"
-#include "train/report.hpp"
+#include "config/config.hpp"
+#include "data/dataset.hpp"
+#include "grad/grad_sync.hpp"
+#include "optim/optimizer.hpp"
+#include "parallel/mesh.hpp"
+#include "pipeline/runner.hpp"
+#include "precision/loss_scaler.hpp"
+#include "run/mode.hpp"
+#include "run/run_log.hpp"
 
 namespace dtrain {
 
@@ -52,14 +59,35 @@ struct PendingStep {
   bool finished() { return !ready || ready->query(); }
 };
 
-// `logged`: a step whose line is written (its norm is taken; on a GPU its phases are
-// timed on the device). `kept`: an evaluation or a checkpoint follows it, so its norm is
-// taken too: a non-finite gradient there is caught before either sees the weights.
-PendingStep train_step(Context& c, Loader& loader, bool logged, bool kept);
+// What one optimizer step uses: the run's components (or a test's stand-ins).
+struct StepParts {
+  MicroBatchRunner& runner;
+  GradSync& sync;
+  FlatParams& params;
+  Optimizer& optimizer;
+  LossScaler* scaler;  // fp16 only
+  const Mesh& mesh;
+  Lockstep& mode;      // where the ranks meet, and what they do after an update
+  const Tied& tied;    // a weight tied across stages: its copy is left out of the norm
+  // optimizer.grad_clip and the learning rate's schedule, train.on_nonfinite,
+  // dist.timeout_s, train.debug_slow_*.
+  const JobConfig& cfg;
+  int64_t total_steps = 0;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+// Step n (from 1) on `batch`, this data rank's share of its global batch (`data_wait_ms`:
+// what the loader kept the step waiting). `logged`: a step whose line is written (its norm
+// is taken; on a GPU its phases are timed on the device). `kept`: an evaluation or a
+// checkpoint follows it, so its norm is taken too: a non-finite gradient there is caught
+// before either sees the weights. `apart_diverged`: this rank's replica diverged since the
+// ranks last met (its vote).
+PendingStep train_step(StepParts& parts, int64_t n, const Batch& batch, double data_wait_ms,
+                       bool logged, bool kept, bool apart_diverged = false);
 
 // The step's stats, complete: waits for its figures (on a GPU: for that step's work, not
 // for the steps queued after it). Every rank must read the same steps in the same order:
 // naming the rank that saw a non-finite loss is a collective.
-StepStats read_step(Context& c, PendingStep& p);
+StepStats read_step(StepParts& parts, PendingStep& p, bool apart_diverged = false);
 
 }  // namespace dtrain

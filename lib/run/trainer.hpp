@@ -1,11 +1,6 @@
 // Runs one training job on this process's share of the world: the entry point the
-// executable calls. The run is split by concern:
-//   setup.cpp       threads, data, model, optimizer, gradient sync, resume
-//   loop.cpp        the cadence: steps, logs, evaluation, checkpoints, stopping
-//   step.cpp        one optimizer step, in numbered phases
-//   evaluator.cpp   the held-out split, over the data-parallel group
-//   state.cpp       choosing, writing and restoring checkpoints
-//   report.cpp      the metrics lines' keys
+// executable calls. The job's training mode (run/mode.hpp) is made first (its groups), the
+// run is built from components (run/run.hpp, setup.cpp), and the mode runs it.
 #pragma once
 #include <memory>
 #include <string>
@@ -17,6 +12,7 @@
 #include "config/config.hpp"
 #include "launch/world.hpp"
 #include "parallel/dims.hpp"
+#include "run/run_log.hpp"
 
 namespace dtrain {
 
@@ -29,10 +25,6 @@ struct RunOptions {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-struct RunResult {
-  int exit_code = 0;          // 0, or 128 + signal after a preemption checkpoint
-  nlohmann::json summary;     // the summary line written to metrics.jsonl
-};
 
 // `cfg` must be resolved and validated for world.world processes (`dims` is what
 // validate() returned); `comm` spans them all (make_local_comm() for one). Throws

@@ -11,9 +11,9 @@
 #include "checkpoint/checkpoint.hpp"
 #include "checkpoint/safetensors.hpp"
 #include "config/schema.hpp"
-#include "train/validate.hpp"
+#include "job/validate.hpp"
 #include "data/dataset.hpp"
-#include "train/state.hpp"
+#include "run/saved_state.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 

@@ -1,7 +1,41 @@
-// The asynchronous parameter server (async_ps.hpp): a worker's loop, server 0's (the
-// sequencer, which also runs the job's cadence) and the other servers' (which follow
-// server 0's orders).
-#include "train/async_ps.hpp"
+// parallel.mode: async_ps, the asynchronous parameter server (Dean et al. 2012's Downpour;
+// MXNet's kvstore, Marian's asynchronous training), with bounded staleness (stale
+// synchronous parallel, Ho et al. 2013).
+//
+// The job's first parallel.servers ranks are servers; they hold the parameters, each
+// updating one contiguous range of the flat buffer with the job's optimizer, whose state
+// is therefore sharded over them. The other ranks are workers: each pulls the parameters,
+// computes the gradient of its shard of a global batch (as a data-parallel rank would), and
+// pushes it: to every server its range, to server 0 a header (the version the gradient was
+// computed on, its loss and norm, a stop vote). Workers never wait for one another; a
+// server applies each push as it arrives, then answers the worker with the parameters.
+//
+//   versions   every push applied is one version; a "step" is one push per worker (a
+//              global batch's worth of samples), so train.max_steps, epochs and the
+//              evaluation and checkpoint cadence keep their meaning. A push is applied at
+//              the learning rate of its step over the number of workers: W pushes of one
+//              lock-step round move the weights as far as one synchronous step, and with
+//              plain SGD exactly as far (the test's reference).
+//   staleness  a worker's reply is held while it is more than parallel.staleness pushes
+//              ahead of the slowest worker, so a gradient is never computed on parameters
+//              more than about (staleness + 1) x workers versions old; 0 is lock-step.
+//              The staleness each applied gradient had (versions between the one it was
+//              computed on and the one it was applied to) is reported.
+//   order      server 0 sequences: it tells the other servers, in order, which push to
+//              apply, which worker to answer, when to evaluate and checkpoint, so every
+//              server's range is at the same version at each of those: a checkpoint or an
+//              evaluation sees one consistent model.
+//   the run    server 0 is the job's rank 0: it writes metrics.jsonl and the checkpoints
+//              (the servers' parameters and optimizer state, and each worker's pushes: its
+//              data position) and evaluates with the other servers at step boundaries.
+//
+// Every wait is bounded by dist.timeout_s; a worker or server that dies ends the job with
+// exit 4 naming it, and --max-restarts resumes it from the newest checkpoint.
+//
+// Here: the mode (roles, their groups, the flat buffers' ranges), a worker's loop, server
+// 0's (the sequencer, which runs the job's cadence through the run log) and the other
+// servers' (which follow server 0's orders).
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,22 +50,18 @@
 #include <torch/torch.h>
 
 #include "data/loader.hpp"
+#include "grad/zero.hpp"
 #include "optim/clip.hpp"
 #include "optim/schedule.hpp"
-#include "train/cadence.hpp"
-#include "train/evaluator.hpp"
-#include "train/report.hpp"
-#include "train/signals.hpp"
-#include "train/state.hpp"
+#include "run/cadence.hpp"
+#include "run/evaluator.hpp"
+#include "run/run.hpp"
+#include "run/signals.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
 
 // The job group's point-to-point streams; each is matched in posting order per pair.
 enum Tag : int { kHeaderTag = 21, kGradTag, kBufferTag, kReplyTag, kParamsTag, kOrderTag };
@@ -60,16 +90,26 @@ struct Order {
 
 torch::Tensor f64(std::vector<double> v) { return torch::tensor(v, torch::kFloat64); }
 
-int64_t rank_of_worker(const Context& c, int64_t w) { return c.mesh.servers() + w; }
-std::string worker_name(const Context& c, int64_t w) {
+// What every role's code shares: the run, and how many of the job's ranks are servers (its
+// first ones) and workers (the rest).
+struct Ps {
+  Run& run;
+  int64_t servers, workers;
+  // Each worker's applied pushes (its data position): restored from a checkpoint, saved
+  // with one (WorkerPushes), kept by server 0.
+  std::vector<int64_t>& worker_pushes;
+};
+
+int64_t rank_of_worker(const Ps& c, int64_t w) { return c.servers + w; }
+std::string worker_name(const Ps& c, int64_t w) {
   return fmt::format("async_ps worker {} (rank {})", w, rank_of_worker(c, w));
 }
 
 // Each server's range of the flat buffers: equal, contiguous, in server order (the
 // buffers are padded for it: shard_flat).
-std::vector<Shard> server_ranges(const Context& c) {
+std::vector<Shard> server_ranges(const Ps& c) {
   std::vector<Shard> out;
-  for (int64_t s = 0; s < c.mesh.servers(); ++s) out.push_back(c.params->shard(c.mesh.servers(), s));
+  for (int64_t s = 0; s < c.servers; ++s) out.push_back(c.run.params->shard(c.servers, s));
   return out;
 }
 torch::Tensor range_of(const torch::Tensor& flat, const Shard& r) {
@@ -81,9 +121,9 @@ torch::Tensor range_of(const torch::Tensor& flat, const Shard& r) {
 // applied one's, and server 0 gives them to the other servers before an evaluation or a
 // checkpoint. So the servers' model is evaluated and saved with statistics of the data its
 // parameters were trained on.
-std::vector<torch::Tensor> float_buffers(const Context& c) {
+std::vector<torch::Tensor> float_buffers(const Ps& c) {
   std::vector<torch::Tensor> out;
-  for (const auto& [name, b] : c.named_buffers())
+  for (const auto& [name, b] : c.run.model.buffers())
     if (b.is_floating_point()) out.push_back(b);
   return out;
 }
@@ -103,19 +143,19 @@ void unpack(const torch::Tensor& flat, const std::vector<torch::Tensor>& buffers
 
 // Waits for a transfer with `who`, naming it if it fails (it died, or stalled past
 // dist.timeout_s).
-void wait_for(Pending& p, const std::string& who, const Context& c) {
+void wait_for(Pending& p, const std::string& who, const Ps& c) {
   try {
     p.wait();
   } catch (const DistError& e) {
-    throw DistError(fmt::format("rank {}: lost {}: {}", c.mesh.rank(), who, e.what()));
+    throw DistError(fmt::format("rank {}: lost {}: {}", c.run.job->rank(), who, e.what()));
   }
 }
 
 // What every server does with its range.
 class ServerRange {
  public:
-  explicit ServerRange(Context& c)
-      : c_(c), mine_(server_ranges(c)[size_t(c.mesh.coord().data)]), workers_(c.mesh.workers()),
+  explicit ServerRange(Ps& c)
+      : c_(c), mine_(server_ranges(c)[size_t(c.run.mesh().coord().data)]), workers_(c.workers),
         buffers_(float_buffers(c)), buffer_numel_(pack(buffers_).numel()) {}
 
   // Push k (from 1) of the run, a worker's mean gradient whose whole norm is `norm`:
@@ -124,11 +164,11 @@ class ServerRange {
   // push's step over the workers.
   void apply(const torch::Tensor& grad, double norm, int64_t k) {
     torch::NoGradGuard no_grad;
-    range_of(c_.params->grad(), mine_).copy_(grad);
+    range_of(c_.run.params->grad(), mine_).copy_(grad);
     const int64_t step = (k - 1) / workers_ + 1;
-    clip_grad(*c_.params, torch::full({}, norm, torch::kFloat32), c_.cfg.optimizer.grad_clip,
+    clip_grad(*c_.run.params, torch::full({}, norm, torch::kFloat32), c_.run.cfg.optimizer.grad_clip,
               1.0, mine_);
-    c_.optimizer->step(lr_at(c_.cfg.schedule, c_.cfg.optimizer.lr, step, c_.total_steps) /
+    c_.run.optimizer->step(lr_at(c_.run.cfg.schedule, c_.run.cfg.optimizer.lr, step, c_.run.total_steps) /
                        double(workers_));
     ++applied_;
   }
@@ -136,10 +176,10 @@ class ServerRange {
   // checkpoint: a collective over the servers, once per version (every server applies
   // the same pushes, so all skip alike when an evaluation and a checkpoint share a step).
   void gather() {
-    auto& servers = *c_.mesh.world();
+    auto& servers = *c_.run.mesh().world();
     if (servers.size() == 1 || gathered_ == applied_) return;
     gathered_ = applied_;
-    servers.all_gather_into(c_.params->data(), range_of(c_.params->data(), mine_).clone());
+    servers.all_gather_into(c_.run.params->data(), range_of(c_.run.params->data(), mine_).clone());
     if (buffers_.empty()) return;
     auto flat = pack(buffers_);
     servers.broadcast(flat, 0);
@@ -151,11 +191,11 @@ class ServerRange {
   }
   int64_t buffer_numel() const { return buffer_numel_; }
   // This range's parameters as they are now (a reply's, which must not change in flight).
-  torch::Tensor snapshot() const { return range_of(c_.params->data(), mine_).clone(); }
-  torch::Tensor new_grad() const { return torch::empty({mine_.numel}, c_.params->grad().options()); }
+  torch::Tensor snapshot() const { return range_of(c_.run.params->data(), mine_).clone(); }
+  torch::Tensor new_grad() const { return torch::empty({mine_.numel}, c_.run.params->grad().options()); }
 
  private:
-  Context& c_;
+  Ps& c_;
   Shard mine_;
   int64_t workers_;
   std::vector<torch::Tensor> buffers_;
@@ -164,11 +204,11 @@ class ServerRange {
 };
 
 // A worker: pull, then push and pull until told to end.
-RunResult run_worker(Context& c) {
-  auto& job = *c.mesh.job();
+RunResult run_worker(Ps& c) {
+  auto& job = *c.run.job;
   const auto ranges = server_ranges(c);
   const auto servers = int64_t(ranges.size());
-  auto data = c.params->data(), grad = c.params->grad();
+  auto data = c.run.params->data(), grad = c.run.params->grad();
   auto reply = f64(std::vector<double>(ReplyHeader::kSize, 0.0));
   // The reply: server 0's header, and every server's range of the parameters, in place.
   auto pull = [&] {
@@ -187,22 +227,24 @@ RunResult run_worker(Context& c) {
   int64_t pushes = int64_t(r[ReplyHeader::kPushes]);
   // A worker is at most parallel.staleness pushes past the slowest, which ends at the last
   // step; one more push may be computed and dropped at the end.
-  Loader loader(*c.data.train, *c.sampler, pushes, c.total_steps + c.cfg.parallel.staleness + 2,
-                c.cfg.data.workers, c.cfg.data.prefetch, /*pin=*/c.device().is_cuda(),
-                Augment{c.cfg.data.augment, c.cfg.data.crop_padding, uint64_t(c.cfg.seed)});
+  Loader loader(*c.run.data.train, *c.run.sampler, pushes, c.run.total_steps + c.run.cfg.parallel.staleness + 2,
+                c.run.cfg.data.workers, c.run.cfg.data.prefetch, /*pin=*/c.run.device().is_cuda(),
+                Augment{c.run.cfg.data.augment, c.run.cfg.data.crop_padding, uint64_t(c.run.cfg.seed)});
   auto header = f64(std::vector<double>(PushHeader::kSize, 0.0));
   const auto buffers = float_buffers(c);
   while (r[ReplyHeader::kCommand] == kGoOn) {
-    c.state.step = pushes;  // its dropout draws are the data rank's of that step, as in sync
-    if (c.cfg.train.debug_slow_rank == c.mesh.rank())  // a slow worker, for benchmarks
-      std::this_thread::sleep_for(std::chrono::milliseconds(c.cfg.train.debug_slow_ms));
+    if (c.run.cfg.train.debug_slow_rank == c.run.job->rank())  // a slow worker, for benchmarks
+      std::this_thread::sleep_for(std::chrono::milliseconds(c.run.cfg.train.debug_slow_ms));
     StepStats s;
-    Batch batch = to_device(loader.next(&s.data_wait_ms), c.device());
-    const auto losses = c.runner->train(batch, c.sync->loss_factor(), s, [] {});
-    c.sync->finish();
+    Batch batch = to_device(loader.next(&s.data_wait_ms), c.run.device());
+    // Its dropout draws are the data rank's of the step its push counts for, as in sync.
+    MicroBatchTimes times;
+    const auto losses = c.run.runner->train(pushes + 1, batch, c.run.sync->loss_factor(), times, [] {});
+    s.forward_ms = times.forward_ms, s.backward_ms = times.backward_ms;
+    c.run.sync->finish();
     double loss = 0;
     for (const auto& l : losses) loss += l.item<double>() / double(losses.size());
-    const double norm = global_grad_norm(*c.params, *c.mesh.tensor(), *c.mesh.pipeline()).item<double>();
+    const double norm = global_grad_norm(*c.run.params, *c.run.mesh().tensor(), *c.run.mesh().pipeline()).item<double>();
     auto h = header.accessor<double, 1>();
     h[PushHeader::kBase] = r[ReplyHeader::kVersion];
     h[PushHeader::kLoss] = loss;
@@ -217,20 +259,20 @@ RunResult run_worker(Context& c) {
     for (int64_t sv = 0; sv < servers; ++sv)
       ops.push_back({P2POp::kSend, range_of(grad, ranges[size_t(sv)]), sv, kGradTag});
     exchange(std::move(ops));
-    c.params->zero_grad();
+    c.run.params->zero_grad();
     pushes = int64_t(r[ReplyHeader::kPushes]);
   }
   return {int(r[ReplyHeader::kCommand]), nlohmann::json()};
 }
 
 // A server past the first: server 0's orders, in order.
-RunResult run_follower(Context& c) {
-  auto& job = *c.mesh.job();
+RunResult run_follower(Ps& c) {
+  auto& job = *c.run.job;
   ServerRange range(c);
   auto order = f64(std::vector<double>(Order::kSize, 0.0));
   auto grad = range.new_grad();
   // The last reply to each worker, in flight (done once the worker pushes again).
-  std::vector<std::unique_ptr<Pending>> replies(size_t(c.mesh.workers()));
+  std::vector<std::unique_ptr<Pending>> replies(size_t(c.workers));
   while (true) {
     {
       auto p = job.exchange_async({{P2POp::kRecv, order, 0, kOrderTag}});
@@ -248,10 +290,10 @@ RunResult run_follower(Context& c) {
       if (last) wait_for(*last, worker_name(c, w), c);
       last = job.exchange_async({{P2POp::kSend, range.snapshot(), rank_of_worker(c, w), kParamsTag}});
     } else if (kind == Order::kEvaluate || kind == Order::kCheckpoint) {
-      c.state.step = arg;
+      c.run.state().step = arg;
       range.gather();
-      if (kind == Order::kEvaluate) evaluate_and_report(c);
-      else save_checkpoint(c, std::nullopt);
+      if (kind == Order::kEvaluate) evaluate_and_report(c.run, arg);
+      else save_checkpoint(c.run, arg, /*evaluated=*/false);
     } else {  // kEnd
       for (size_t v = 0; v < replies.size(); ++v)
         if (replies[v]) wait_for(*replies[v], worker_name(c, int64_t(v)), c);
@@ -264,33 +306,35 @@ RunResult run_follower(Context& c) {
 // the replies of workers too far ahead, and runs the job's cadence at every step's end.
 class Sequencer {
  public:
-  explicit Sequencer(Context& c)
-      : c_(c), range_(c), workers_(size_t(c.mesh.workers())),
-        cadence_{c.cfg, *c.mode, c.steps_per_epoch(), c.total_steps} {
+  explicit Sequencer(Ps& c)
+      : c_(c), range_(c), workers_(size_t(c.workers)),
+        cadence_{c.run.cfg, c.run.steps_per_epoch, c.run.total_steps} {
     for (auto& wk : workers_) {
       wk.header = torch::zeros({PushHeader::kSize}, torch::kFloat64);
       wk.grad = range_.new_grad();
       wk.buffers = torch::empty({range_.buffer_numel()});
     }
-    const int64_t padded = c.params->data().numel(), elt = c.params->data().element_size();
+    const int64_t padded = c.run.params->data().numel(), elt = c.run.params->data().element_size();
     push_bytes_ = padded * elt + PushHeader::kSize * 8 + range_.buffer_numel() * 4;
     reply_bytes_ = padded * elt + ReplyHeader::kSize * 8;
-    order_bytes_ = (c.mesh.servers() - 1) * Order::kSize * 8;
+    order_bytes_ = (c.servers - 1) * Order::kSize * 8;
+    log().extend_summary([this](nlohmann::json& s) { add_to_summary(s); });
   }
 
   RunResult run() {
-    auto& st = c_.state;
+    auto& st = c_.run.state();
+    auto& pushes = c_.worker_pushes;
     const auto n_workers = int64_t(workers_.size());
-    if (st.worker_pushes.size() != workers_.size()) {
-      if (!st.worker_pushes.empty())
-        c_.say(fmt::format("warning: the checkpoint was written by {} async_ps workers, this job "
-                           "has {}: each worker starts at step {}'s data position",
-                           st.worker_pushes.size(), n_workers, st.step));
-      st.worker_pushes.assign(workers_.size(), st.step);
+    if (pushes.size() != workers_.size()) {
+      if (!pushes.empty())
+        c_.run.say(fmt::format("warning: the checkpoint was written by {} async_ps workers, this "
+                               "job has {}: each worker starts at step {}'s data position",
+                               pushes.size(), n_workers, st.step));
+      pushes.assign(workers_.size(), st.step);
     }
-    for (size_t w = 0; w < workers_.size(); ++w) workers_[w].pushes = st.worker_pushes[w];
+    for (size_t w = 0; w < workers_.size(); ++w) workers_[w].pushes = pushes[w];
     version_ = st.step * n_workers;
-    if (c_.finished) {  // said by run_training
+    if (c_.run.finished) {  // said by run_training
       for (auto& wk : workers_) wk.awaiting = true;  // each waits for its first reply
       end(0);
       return {0, nlohmann::json()};
@@ -303,9 +347,7 @@ class Sequencer {
     } catch (const DivergedError&) {
       throw;  // its summary is written
     } catch (const Error& e) {
-      auto summary = summary_of("failed");
-      summary["reason"] = first_line(e.what());
-      write_summary(c_, summary);
+      log().failed(first_line(e.what()));
       throw;
     }
   }
@@ -336,14 +378,14 @@ class Sequencer {
 
   // The next push from whichever worker sends first: its header, then its gradient range.
   size_t next_push() {
-    auto& job = *c_.mesh.job();
+    auto& job = *c_.run.job;
     int64_t from = 0;
     try {
       from = job.recv_any(incoming_, kHeaderTag);
     } catch (const DistError& e) {
       throw DistError(fmt::format("rank 0: no push from {}: {}", computing(), e.what()));
     }
-    const auto w = size_t(from - c_.mesh.servers());
+    const auto w = size_t(from - c_.servers);
     auto& wk = workers_[w];
     wk.header.copy_(incoming_);
     std::vector<P2POp> ops{{P2POp::kRecv, wk.grad, from, kGradTag}};
@@ -356,8 +398,8 @@ class Sequencer {
 
   // Tells the other servers what to do next (they act in this order).
   void order(Order::Kind kind, size_t w = 0, int64_t arg = 0, double norm = 0) {
-    auto& job = *c_.mesh.job();
-    for (int64_t s = 1; s < c_.mesh.servers(); ++s)
+    auto& job = *c_.run.job;
+    for (int64_t s = 1; s < c_.servers; ++s)
       orders_.push_back(job.exchange_async(
           {{P2POp::kSend, f64({double(kind), double(w), double(arg), norm}), s, kOrderTag}}));
     bytes_ += order_bytes_;
@@ -373,7 +415,7 @@ class Sequencer {
     order(Order::kReply, w);
     auto& wk = workers_[w];
     if (wk.reply) wait_for(*wk.reply, worker_name(c_, int64_t(w)), c_);  // long done
-    auto& job = *c_.mesh.job();
+    auto& job = *c_.run.job;
     wk.reply = job.exchange_async(
         {{P2POp::kSend, f64({double(version_), command, double(wk.pushes)}), peer(w), kReplyTag},
          {P2POp::kSend, range_.snapshot(), peer(w), kParamsTag}});
@@ -388,7 +430,7 @@ class Sequencer {
     int64_t slowest = workers_.front().pushes;
     for (const auto& wk : workers_) slowest = std::min(slowest, wk.pushes);
     for (size_t w = 0; w < workers_.size(); ++w)
-      if (workers_[w].awaiting && workers_[w].pushes <= slowest + c_.cfg.parallel.staleness)
+      if (workers_[w].awaiting && workers_[w].pushes <= slowest + c_.run.cfg.parallel.staleness)
         reply(w, kGoOn);
   }
 
@@ -427,42 +469,28 @@ class Sequencer {
     return std::nullopt;
   }
 
-  // A push with a non-finite loss or gradient was dropped. train.on_nonfinite: stop ends
-  // the run (nothing from it on is checkpointed: it was never applied); skip goes on until
-  // train.max_skipped in a row.
+  // A push with a non-finite loss or gradient was dropped (never applied): the run log's
+  // rule says whether the run goes on.
   void nonfinite(int64_t step, size_t w) {
-    auto& st = c_.state;
-    const bool skip = c_.cfg.train.on_nonfinite == "skip";
-    if (skip) {
-      ++st.skipped, ++st.skipped_in_a_row;
-      c_.say(fmt::format("warning: a push of {} skipped at step {}: non-finite loss or gradient; "
-                         "{} in a row", worker_name(c_, int64_t(w)), step, st.skipped_in_a_row));
-      if (st.skipped_in_a_row < c_.cfg.train.max_skipped) return;
+    Culprit c;
+    c.what = fmt::format("a push at step {}", step);
+    c.who = worker_name(c_, int64_t(w));
+    c.rank = peer(w);
+    c.unit = "pushes";
+    if (auto end_of_run = log().nonfinite(step, c, /*meets=*/true)) {
+      end(kExitBadData);
+      log().diverge(*end_of_run);
     }
-    const std::string why =
-        skip ? fmt::format("{} pushes in a row had a non-finite loss or gradient "
-                           "(train.max_skipped), the last from {} at step {}",
-                           st.skipped_in_a_row, worker_name(c_, int64_t(w)), step)
-             : fmt::format("non-finite loss or gradient from {} at step {}; it was not applied "
-                           "and nothing from it on was checkpointed", worker_name(c_, int64_t(w)),
-                           step);
-    auto summary = summary_of("diverged");
-    summary["diverged_step"] = step;
-    summary["diverged_rank"] = peer(w);
-    summary["reason"] = why;
-    end(kExitBadData);
-    write_summary(c_, summary);
-    throw DivergedError("training diverged: " + why);
   }
 
   // Step n's pushes are all applied: its line, evaluation, checkpoint, and whether the run
   // ends here.
   std::optional<RunResult> end_of_step(int64_t n) {
-    auto& st = c_.state;
+    auto& st = c_.run.state();
     st.step = n;
-    if (sums_.finite == sums_.pushes) st.skipped_in_a_row = 0;
     StepStats s;
     const double pushes = double(sums_.pushes);
+    s.nonfinite = sums_.finite < sums_.pushes;
     s.loss = sums_.finite ? sums_.loss / double(sums_.finite) : std::nan("");
     s.grad_norm = sums_.finite ? sums_.norm / double(sums_.finite) : std::nan("");
     s.data_wait_ms = sums_.data_wait_ms / pushes;
@@ -471,69 +499,51 @@ class Sequencer {
     s.step_ms = ms_since(mark_);
     s.comm_bytes = bytes_;
     mark_ = Clock::now();
-    if (std::isfinite(s.loss)) st.last_loss = s.loss;
-    st.bytes_sent += bytes_;
     bytes_ = 0;
     sums_ = StepSums{};
-    window_.add(s);
-    step_ms_.push_back(s.step_ms);
-    data_wait_ms_ += s.data_wait_ms;
-    const auto& cfg = c_.cfg;
-    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, n, c_.total_steps);
+    const auto& cfg = c_.run.cfg;
+    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, n, c_.run.total_steps);
     const bool log_now = cadence_.should_log(n);
-    if (log_now) {
-      auto line = train_line(c_, n, s, window_, lr);
-      line["comm_bytes"] = window_.comm_bytes / window_.steps;
-      line["staleness_mean"] = window_applied_ ? window_staleness_ / double(window_applied_) : 0.0;
-      line["staleness_max"] = window_stale_max_;
-      const double seconds = ms_since(window_start_) / 1000;
-      std::vector<double> rates;
-      for (auto& wk : workers_) rates.push_back(double(std::exchange(wk.window_pushes, 0)) / seconds);
-      line["pushes_per_s"] = rates;
-      rate_ = line["samples_per_s"].get<double>();
-      c_.metrics->write(line);
-      window_ = Window{};
-      window_staleness_ = 0, window_applied_ = 0, window_stale_max_ = 0;
-      window_start_ = Clock::now();
-    }
-    c_.progress->step(n, st.last_loss, lr, rate_, log_now);
+    log().record(n, s, lr, log_now, log_now ? window_fields() : nlohmann::json::object());
     const bool eval_now = cadence_.should_eval(n), save_now = cadence_.should_save(n);
     const int sig = stop_signal() ? stop_signal() : stop_votes_ ? SIGTERM : 0;
     const auto paused = Clock::now();
     if (eval_now) {
       order(Order::kEvaluate, 0, n);
       range_.gather();
-      evaluate_and_report(c_);
+      evaluate_and_report(c_.run, n);
     }
     if (save_now || (sig && st.last_saved != n)) checkpoint(n, eval_now);
     mark_ += Clock::now() - paused;  // evaluations and checkpoints are not a step's time
     if (sig) {
-      auto summary = summary_of("stopped");
-      summary["signal"] = sig;
-      c_.say(fmt::format("stopped by signal {} after step {}; checkpoint saved", sig, n));
       end(exit_code_for_signal(sig));
-      c_.metrics->write(summary);
-      return RunResult{exit_code_for_signal(sig), summary};
+      return log().stopped(sig, c_.run.opts.requeue_job);
     }
     if (!cadence_.last(n)) return std::nullopt;
-    auto summary = summary_of("completed");
     end(0);
-    write_summary(c_, summary);
-    c_.say(fmt::format("done: {} steps ({} pushes), final loss {:.4f}, {:.0f} samples/s{}", n,
-                       version_, st.last_loss, summary["samples_per_s"].get<double>(),
-                       st.last_eval ? fmt::format(", eval {} {:.4f} (best {:.4f} at step {})",
-                                                  c_.task->metric(), st.last_eval->metric,
-                                                  st.best_metric, st.best_step)
-                                    : ""));
-    return RunResult{0, summary};
+    return log().completed(fmt::format(" ({} pushes)", version_));
+  }
+
+  // The train line's own fields: the staleness of the pushes applied since the last line
+  // and each worker's pushes per second.
+  nlohmann::json window_fields() {
+    nlohmann::json line;
+    line["staleness_mean"] = window_applied_ ? window_staleness_ / double(window_applied_) : 0.0;
+    line["staleness_max"] = window_stale_max_;
+    const double seconds = ms_since(window_start_) / 1000;
+    std::vector<double> rates;
+    for (auto& wk : workers_) rates.push_back(double(std::exchange(wk.window_pushes, 0)) / seconds);
+    line["pushes_per_s"] = rates;
+    window_staleness_ = 0, window_applied_ = 0, window_stale_max_ = 0;
+    window_start_ = Clock::now();
+    return line;
   }
 
   void checkpoint(int64_t n, bool evaluated) {
-    auto& st = c_.state;
-    for (size_t w = 0; w < workers_.size(); ++w) st.worker_pushes[w] = workers_[w].pushes;
+    for (size_t w = 0; w < workers_.size(); ++w) c_.worker_pushes[w] = workers_[w].pushes;
     order(Order::kCheckpoint, 0, n);
     range_.gather();
-    save_checkpoint(c_, evaluated ? st.last_eval : std::nullopt);
+    save_checkpoint(c_.run, n, evaluated);
   }
 
   // Every worker is answered with `code` (one still computing first has its push taken
@@ -553,13 +563,9 @@ class Sequencer {
     orders_.clear();
   }
 
-  // The summary, with what is async_ps's own: the staleness of every applied gradient (its
-  // histogram: versions -> pushes), each worker's pushes, the layout by role.
-  nlohmann::json summary_of(const std::string& status) const {
-    auto s = summary_line(c_, status, step_ms_, data_wait_ms_);
-    const auto n_workers = int64_t(workers_.size());
-    s["layout"] = {{"data", n_workers}, {"tensor", 1}, {"pipeline", 1},
-                   {"servers", c_.mesh.servers()}};
+  // What the summary holds of async_ps's own: the staleness of every applied gradient
+  // (its histogram: versions -> pushes) and each worker's pushes.
+  void add_to_summary(nlohmann::json& s) const {
     int64_t applied = 0, most = 0;
     double sum = 0;
     nlohmann::json histogram = nlohmann::json::object();
@@ -573,10 +579,10 @@ class Sequencer {
     std::vector<int64_t> pushes;
     for (const auto& wk : workers_) pushes.push_back(wk.pushes);
     s["worker_pushes"] = pushes;
-    return s;
   }
+  RunLog& log() { return *c_.run.log; }
 
-  Context& c_;
+  Ps& c_;
   ServerRange range_;
   std::vector<Worker> workers_;
   Cadence cadence_;
@@ -588,20 +594,130 @@ class Sequencer {
   bool stop_votes_ = false;
   StepSums sums_;
   std::map<int64_t, int64_t> histogram_;  // staleness -> applied pushes, this process's
-  Window window_;
   double window_staleness_ = 0;
   int64_t window_applied_ = 0, window_stale_max_ = 0;
-  std::vector<double> step_ms_;
-  double data_wait_ms_ = 0, rate_ = 0;
   Clock::time_point mark_, window_start_;
 };
 
+
+// The mode: this rank's role, the groups of its role, the flat buffers cut into one range
+// per server.
+class AsyncPs : public Mode, public Stateful {
+ public:
+  AsyncPs(const JobConfig& cfg, std::shared_ptr<Comm> job)
+      : cfg_(cfg), servers_(cfg.parallel.servers), workers_(job->size() - servers_),
+        server_(job->rank() < servers_), mesh_(role_mesh(job)) {}
+
+  const Mesh& mesh() const override { return *mesh_; }
+  bool holds_run() const override { return server_; }
+  bool reads_data() const override { return !server_; }
+  // Servers and workers cut the buffers alike, in one range per server (one server's is
+  // the whole buffer, laid out as one process's).
+  void shape_flat(FlatOptions& opts) const override {
+    if (servers_ > 1) opts.pad_to = servers_ * kShardAlign;
+  }
+  Shard update_shard(const FlatParams& params) const override {
+    return server_ ? params.shard(servers_, mesh_->coord().data) : Shard{};
+  }
+  // A worker's gradient is its own (pushed to the servers); a server computes none.
+  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+                                      Tied tied) const override {
+    return make_no_sync(params, micro_batches, std::move(tied), update_shard(params));
+  }
+  std::string describe() const override {
+    return fmt::format("async_ps: {} server(s), {} worker(s), staleness {}", servers_, workers_,
+                       cfg_.parallel.staleness);
+  }
+  nlohmann::json layout() const override {
+    return {{"data", workers_}, {"tensor", 1}, {"pipeline", 1}, {"servers", servers_}};
+  }
+  Stateful* state() override { return this; }
+  // Each worker's data position (its applied pushes), in trainer.json.
+  void save(StateWriter& out) const override {
+    if (!pushes_.empty()) out.set("worker_pushes", pushes_);
+  }
+  void load(const StateReader& in) override {
+    const auto& t = in.trainer();
+    if (!t.contains("worker_pushes")) return;
+    try {
+      pushes_ = t.at("worker_pushes").get<std::vector<int64_t>>();
+    } catch (const nlohmann::json::exception& e) {
+      throw CheckpointError(fmt::format("{}/trainer.json: {}", in.folder(), e.what()));
+    }
+    for (int64_t pushes : pushes_)
+      fail_if<CheckpointError>(pushes < 0, "{}/trainer.json: worker_pushes holds {}, a negative "
+                               "count", in.folder(), pushes);
+  }
+
+  RunResult run(Run& run) override {
+    Ps c{run, servers_, workers_, pushes_};
+    if (!server_) return run_worker(c);
+    if (mesh_->rank() != 0) return run_follower(c);
+    return Sequencer(c).run();
+  }
+
+ private:
+  // Collective over the job: this rank's role's group (both roles create theirs at once),
+  // its ranks on the data axis.
+  std::unique_ptr<Mesh> role_mesh(const std::shared_ptr<Comm>& job) const {
+    std::vector<int64_t> members;
+    for (int64_t r = 0; r < job->size(); ++r)
+      if ((r < servers_) == server_) members.push_back(r);
+    auto group = job->new_group(server_ ? "servers" : "workers", members);
+    ParallelDims dims;
+    dims.data = int64_t(members.size());
+    return std::make_unique<Mesh>(dims, std::move(group), /*replica_group=*/false, members);
+  }
+
+  JobConfig cfg_;
+  int64_t servers_, workers_;
+  bool server_;
+  std::unique_ptr<Mesh> mesh_;
+  std::vector<int64_t> pushes_;  // each worker's applied pushes (server 0's are saved)
+};
+
+// The world must hold a worker past the servers, and each worker computes on a whole model
+// with a plain fp32/bf16 gradient.
+void validate_async_ps(const JobConfig& c, int64_t world_size) {
+  const auto& p = c.parallel;
+  fail_if<ConfigError>(world_size <= p.servers,
+                       "parallel.servers: {} server(s) leave no worker in a world of {} "
+                       "process(es); async_ps needs at least parallel.servers + 1 (e.g. "
+                       "--nproc {})", p.servers, world_size, p.servers + 1);
+  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
+    refuse_with_mode("async_ps", bad, what, why);
+  };
+  refuse(p.tensor > 1 || p.pipeline > 1,
+         fmt::format("parallel.tensor {} x parallel.pipeline {}", p.tensor, p.pipeline),
+         "each worker computes the whole model's gradient");
+  refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
+         "the servers already shard the optimizer state (parallel.servers)");
+  refuse(p.compression != "none", "parallel.compression " + p.compression,
+         "pushes carry the gradient as it is");
+  refuse(p.sync_batchnorm, "parallel.sync_batchnorm",
+         "its statistics span every worker at every step");
+  refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
+         "each worker's loss scale would move apart from the servers' (use bf16)");
+}
+
 }  // namespace
 
-RunResult run_async_ps(Context& c) {
-  if (c.worker()) return run_worker(c);
-  if (!c.root()) return run_follower(c);
-  return Sequencer(c).run();
+ModeSpec async_ps_spec() {
+  ModeSpec s;
+  s.validate = validate_async_ps;
+  // The data-parallel ranks are the workers: the world past the servers.
+  s.trainers = [](const JobConfig& cfg, int64_t world) { return world - cfg.parallel.servers; };
+  s.any_source = "parallel.mode async_ps's servers take pushes from whichever worker sends first";
+  s.role = [](const JobConfig& cfg, int64_t rank) {
+    const int64_t servers = cfg.parallel.servers;
+    return rank < servers ? fmt::format("async_ps server {}", rank)
+                          : fmt::format("async_ps worker {}", rank - servers);
+  };
+  s.make = [](const JobConfig& cfg, const ParallelDims&,
+              std::shared_ptr<Comm> job) -> std::unique_ptr<Mode> {
+    return std::make_unique<AsyncPs>(cfg, std::move(job));
+  };
+  return s;
 }
 
 }  // namespace dtrain

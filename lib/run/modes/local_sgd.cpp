@@ -1,57 +1,97 @@
-#include "train/mode.hpp"
-
+// parallel.mode: local_sgd. Local SGD (Stich 2019; post-local SGD, Lin et al. 2020, as
+// PyTorch's PostLocalSGD): each data replica steps on its own gradient (its shard of the
+// global batch); every parallel.average_every steps the replicas average their parameters,
+// floating-point buffers and, under parallel.average_optimizer, optimizer state, and meet.
+// The first parallel.local_after steps are synchronous. Gloo's ring all-reduce leaves the
+// same bits on every rank, so after an average the replicas are equal, not just close.
+//
+// Where the ranks meet, and only there, the step's figures are agreed over the world, a stop
+// is acted on, and the model is evaluated and checkpointed: every replica then holds the
+// same parameters, so a checkpoint resumes exactly. Between meetings a replica agrees on its
+// figures with its own tensor and pipeline ranks only, so a slow replica holds up the others
+// only where they meet.
+#include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "optim/optimizer.hpp"
-#include "parallel/grad_sync.hpp"
-#include "parallel/mesh.hpp"
+#include "run/mode.hpp"
+#include "run/run.hpp"
+#include "util/error.hpp"
 
 namespace dtrain {
 namespace {
 
-class SyncMode : public TrainingMode {
+// Whether step n (from 1) steps each data replica on its own gradient: past the
+// synchronous start.
+bool steps_locally(const ParallelConfig& cfg, int64_t n) { return n > cfg.local_after; }
+
+// The gradient: `sync` (the data group's) for the synchronous steps, then `local` (this
+// replica's own: NoSync, whose factor takes the mean over the replica's share of the
+// batch). While local, `sync`'s hooks are disarmed, so its buckets launch nothing.
+class LocalSync : public GradSync {
  public:
-  explicit SyncMode(const Mesh& mesh) : mesh_(mesh) {}
-  bool meets(int64_t /*n*/) const override { return true; }
-  Comm& figures_group(int64_t /*n*/) const override { return *mesh_.world(); }
-  int64_t replicas(int64_t /*n*/) const override { return mesh_.dims().data; }
+  LocalSync(const ParallelConfig& cfg, std::unique_ptr<GradSync> sync,
+            std::unique_ptr<GradSync> local)
+      : cfg_(cfg), sync_(std::move(sync)), local_(std::move(local)), active_(sync_.get()) {}
+  double loss_factor() const override { return active_->loss_factor(); }
+  void begin_step(int64_t step) override {
+    active_ = steps_locally(cfg_, step) ? local_.get() : sync_.get();
+    active_->begin_step(step);
+  }
+  void begin_micro_batch(bool last) override {
+    if (active_ == local_.get()) sync_->begin_micro_batch(false);
+    active_->begin_micro_batch(last);
+  }
+  void finish() override { active_->finish(); }
+  void after_update(const torch::Tensor& skip) override { active_->after_update(skip); }
+  int64_t bytes_per_step() const override { return active_->bytes_per_step(); }
 
  private:
-  const Mesh& mesh_;
+  ParallelConfig cfg_;
+  std::unique_ptr<GradSync> sync_, local_;
+  GradSync* active_;
 };
 
-// Local SGD (Stich 2019; post-local SGD, Lin et al. 2020, as PyTorch's PostLocalSGD): the
-// gradient sync steps locally after local_after steps (make_grad_sync), and here the
-// replicas' parameters, floating-point buffers and, when asked, optimizer slots are
-// averaged over the data group where they meet. Gloo's ring all-reduce leaves the same bits
-// on every rank, so after an average the replicas are equal, not just close.
-class LocalSgdMode : public TrainingMode {
+class LocalSgd : public Lockstep, public Stateful {
  public:
-  LocalSgdMode(const JobConfig& cfg, const Mesh& mesh, FlatParams& params, Optimizer& optimizer,
-               NamedTensors buffers, int64_t total_steps)
-      : cfg_(cfg.parallel), mesh_(mesh), params_(params), optimizer_(optimizer),
-        total_steps_(total_steps) {
-    for (auto& [name, b] : buffers)
-      if (b.is_floating_point()) buffers_.push_back(b);
-  }
+  LocalSgd(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world)
+      : Lockstep(cfg, dims, std::move(world), /*replica_group=*/true) {}
 
   bool meets(int64_t n) const override {
-    return !steps_locally(cfg_, n) || (n - cfg_.local_after) % cfg_.average_every == 0 ||
-           n == total_steps_;
+    const auto& p = cfg_.parallel;
+    return !steps_locally(p, n) || (n - p.local_after) % p.average_every == 0 || n == total_steps_;
   }
   Comm& figures_group(int64_t n) const override {
     return meets(n) ? *mesh_.world() : *mesh_.replica();
   }
   int64_t replicas(int64_t n) const override { return meets(n) ? mesh_.dims().data : 1; }
+  std::string apart() const override {
+    return "between averages of the data replicas (parallel.mode: local_sgd)";
+  }
 
+  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+                                      Tied tied) const override {
+    return std::make_unique<LocalSync>(
+        cfg_.parallel, make_all_reduce_sync(cfg_.parallel, mesh_, params, micro_batches, tied),
+        make_no_sync(params, micro_batches, tied));
+  }
+
+  void bind(Run& run) override {
+    run_ = &run;
+    total_steps_ = run.total_steps;
+    for (auto& [name, b] : run.model.buffers())
+      if (b.is_floating_point()) buffers_.push_back(b);
+  }
+
+  // Where the replicas meet after local steps: the average of the parameters, the
+  // buffers and, when asked, the optimizer's slots.
   int64_t after_update(int64_t n) override {
-    if (!steps_locally(cfg_, n) || !meets(n)) return 0;
-    auto& data = *mesh_.data();  // two or more ranks: make_mode's condition
+    if (!steps_locally(cfg_.parallel, n) || !meets(n)) return 0;
+    auto& data = *mesh_.data();
     torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> all{params_.data()};
+    std::vector<torch::Tensor> all{run_->params->data()};
     for (const auto& b : buffers_) all.push_back(b);
-    if (cfg_.average_optimizer)
-      for (const auto& [name, slot] : optimizer_.slots()) all.push_back(slot);
+    if (cfg_.parallel.average_optimizer)
+      for (const auto& [name, slot] : run_->optimizer->slots()) all.push_back(slot);
     int64_t bytes = 0;
     auto pending = std::make_unique<PendingAll>();
     for (const auto& t : all) {
@@ -62,29 +102,70 @@ class LocalSgdMode : public TrainingMode {
     return bytes;
   }
 
-  NamedTensors replica_state() const override {
-    if (cfg_.average_optimizer) return {};
-    return optimizer_.slots();
+  Stateful* state() override { return cfg_.parallel.average_optimizer ? nullptr : this; }
+  // Each data replica's own optimizer state, per data rank ("local_" + slot), restored at
+  // the same data and pipeline size; else every replica starts from data rank 0's.
+  void save(StateWriter& out) const override {
+    if (run_->optimizer->slots().empty()) return;  // plain SGD
+    NamedTensors tensors;
+    PartsOf parts;
+    for (const auto& [slot, flat] : run_->optimizer->slots())
+      for (auto& named : run_->model.tied.owned(*run_->params, flat, ".local_" + slot,
+                                                mesh_.coord().tensor, parts))
+        tensors.push_back(std::move(named));
+    out.add(StateFile::kReplica, tensors, parts);
+  }
+  void load(const StateReader& in) override {
+    if (run_->optimizer->slots().empty()) return;
+    const auto saved = in.saved_layout(), now = in.layout();
+    if (saved.data != now.data || saved.pipeline != now.pipeline || !in.has(StateFile::kReplica)) {
+      in.warn(fmt::format(
+          "warning: parallel.mode: local_sgd: each data replica's optimizer state starts from "
+          "data rank 0's ({})",
+          !in.has(StateFile::kReplica)
+              ? "the checkpoint holds none"
+              : fmt::format("the checkpoint was written at data size {} x pipeline {}, this run "
+                            "has {} x {}", saved.data, saved.pipeline, now.data, now.pipeline)));
+      return;
+    }
+    const SavedTensors tensors = in.tensors(StateFile::kReplica);
+    for (const auto& [slot, flat] : run_->optimizer->slots())
+      run_->model.tied.load(*run_->params, flat, ".local_" + slot, tensors, mesh_.coord().tensor);
   }
 
  private:
-  const ParallelConfig& cfg_;
-  const Mesh& mesh_;
-  FlatParams& params_;
-  Optimizer& optimizer_;
-  int64_t total_steps_;
+  Run* run_ = nullptr;
+  int64_t total_steps_ = 0;
   std::vector<torch::Tensor> buffers_;
 };
 
+// What needs every data replica at every step.
+void validate_local_sgd(const JobConfig& c, int64_t /*world*/) {
+  const auto& p = c.parallel;
+  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
+    refuse_with_mode("local_sgd", bad, what, why);
+  };
+  refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
+         "each data replica steps on its own whole optimizer state");
+  refuse(p.compression != "none", "parallel.compression " + p.compression,
+         "local SGD sends parameters every parallel.average_every steps, not gradients");
+  refuse(p.sync_batchnorm, "parallel.sync_batchnorm",
+         "its statistics span every data replica at every step");
+  refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
+         "each replica's loss scale would move apart from the others'");
+}
+
 }  // namespace
 
-std::unique_ptr<TrainingMode> make_mode(const JobConfig& cfg, const Mesh& mesh, FlatParams& params,
-                                        Optimizer& optimizer, NamedTensors buffers,
-                                        int64_t total_steps) {
-  if (cfg.parallel.mode == "local_sgd" && mesh.dims().data > 1)
-    return std::make_unique<LocalSgdMode>(cfg, mesh, params, optimizer, std::move(buffers),
-                                          total_steps);
-  return std::make_unique<SyncMode>(mesh);
+ModeSpec local_sgd_spec() {
+  ModeSpec s;
+  s.validate = validate_local_sgd;
+  s.make = [](const JobConfig& cfg, const ParallelDims& dims,
+              std::shared_ptr<Comm> world) -> std::unique_ptr<Mode> {
+    if (dims.data == 1) return std::make_unique<Lockstep>(cfg, dims, std::move(world));  // sync
+    return std::make_unique<LocalSgd>(cfg, dims, std::move(world));
+  };
+  return s;
 }
 
 }  // namespace dtrain

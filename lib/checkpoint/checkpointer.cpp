@@ -1,0 +1,219 @@
+#include "checkpoint/checkpointer.hpp"
+
+#include <filesystem>
+#include <iostream>
+#include <map>
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace fs = std::filesystem;
+
+int64_t root_does(Comm& group, const std::string& what, const std::function<int64_t()>& part) {
+  auto outcome = torch::tensor({int64_t(0), int64_t(0)}, torch::kInt64);  // [value, exit code]
+  std::string why;
+  const bool root = group.rank() == 0;
+  if (root) {
+    try {
+      outcome[0] = part();
+    } catch (const Error& e) {
+      outcome[1] = int64_t(e.code);
+      why = e.what();
+    } catch (const std::exception& e) {  // the file system's or a JSON reader's own errors
+      outcome[1] = int64_t(kExitBadData);
+      why = fmt::format("cannot {}: {}", what, first_line(e.what()));
+    }
+  }
+  group.broadcast(outcome, 0);
+  if (const auto code = outcome[1].item<int64_t>())
+    throw Error(ExitCode(code), root ? why : fmt::format("rank 0 could not {} (see rank 0)", what));
+  return outcome[0].item<int64_t>();
+}
+
+void every_rank_does(Comm& group, const std::string& what, const std::function<void()>& part,
+                     const std::function<void()>& undo) {
+  auto outcome = torch::tensor({int64_t(0), int64_t(-1)}, torch::kInt64);  // [exit code, rank]
+  std::string why;
+  try {
+    part();
+  } catch (const Error& e) {
+    outcome[0] = int64_t(e.code), outcome[1] = group.rank(), why = e.what();
+  } catch (const std::exception& e) {  // the file system's own errors
+    outcome[0] = int64_t(kExitBadData), outcome[1] = group.rank();
+    why = fmt::format("cannot {}: {}", what, first_line(e.what()));
+  }
+  group.all_reduce(outcome, ReduceOp::kMax);
+  const auto code = outcome[0].item<int64_t>();
+  if (!code) return;
+  if (group.rank() == 0) undo();
+  const auto rank = outcome[1].item<int64_t>();
+  throw Error(ExitCode(code), !why.empty() ? why
+                                           : fmt::format("rank {} could not {} (see rank {})",
+                                                         rank, what, rank));
+}
+
+Checkpointer::Checkpointer(Options opts, std::shared_ptr<Comm> group)
+    : opts_(std::move(opts)), group_(std::move(group)) {}
+
+// Rank 0's part of open(): claim the folder, then choose the checkpoint. Returns the step
+// to resume (-1: start fresh); throws dtrain::Error when the job must not go on.
+int64_t Checkpointer::claim_and_choose() {
+  const auto& dir = opts_.run_dir;
+  const auto& resume = opts_.resume;
+  // A read-only folder, a file in the way, a full disk: the file system's errors become
+  // root_does' "cannot use run directory ...", exit 3.
+  fs::create_directories(dir);
+  std::string holder;
+  lock_ = DirLock::try_lock(dir, holder);
+  fail_if<ConfigError>(!lock_, "run directory '{}' is in use by {} (lock {}/.lock): wait for "
+                       "that job, or choose another --run-dir", dir, holder, dir);
+  store_ = std::make_unique<CheckpointStore>(dir, opts_.cfg);
+  int64_t step = -1;
+  if (resume == "auto" || resume.empty()) {
+    const auto scan = store_->scan();
+    // Under torchrun, a worker that finds the newest checkpoint written by its own elastic
+    // run continues it: the agents restarted the workers for a new membership (a node
+    // joined or left) or after a failure, and the job goes on at the new size.
+    const bool same_run = !opts_.run_id.empty() && scan.newest_valid &&
+                          scan.newest_manifest.value("run_id", "") == opts_.run_id;
+    // Starting over would prune and overwrite an earlier run's checkpoints, readable or not.
+    fail_if<ConfigError>(resume.empty() && scan.folders > 0 && !same_run,
+                         "run directory '{}' already holds checkpoints: resume with --resume "
+                         "auto, or choose another --run-dir", dir);
+    if (!scan.newest_valid && scan.folders > 0)
+      throw CheckpointError(fmt::format(
+          "none of the {} checkpoint(s) in '{}' verifies (newest: {}); nothing was changed",
+          scan.folders, store_->dir(), scan.skipped.front().why));
+    for (const auto& d : scan.skipped)
+      std::cerr << fmt::format("dtrain: warning: resume: skipping {}\n", first_line(d.why));
+    if (scan.newest_valid) step = scan.newest_manifest.at("step").get<int64_t>();
+  }
+  store_->discard_partial();  // the folder is this run's now
+  return step;
+}
+
+std::optional<std::string> Checkpointer::open() {
+  const int64_t step = root_does(*group_, fmt::format("use run directory '{}'", opts_.run_dir),
+                                 [&] { return claim_and_choose(); });
+  const auto& resume = opts_.resume;
+  if (!resume.empty() && resume != "auto") return resolve_checkpoint(resume);
+  if (step < 0) return std::nullopt;
+  return (fs::path(opts_.run_dir) / "checkpoints" / fmt::format("step-{:08d}", step)).string();
+}
+
+namespace {
+
+// What the components give one rank's part of a checkpoint.
+class PartWriter : public StateWriter {
+ public:
+  explicit PartWriter(bool first_replica) : first_replica_(first_replica) {}
+  bool writes(StateFile file) const override {
+    return file == StateFile::kReplica || first_replica_;
+  }
+  void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts) override {
+    if (!writes(file)) return;
+    auto& to = file == StateFile::kModel ? model : file == StateFile::kOptimizer ? optimizer : replica;
+    to.insert(to.end(), tensors.begin(), tensors.end());
+    auto& placed = file == StateFile::kReplica ? replica_parts : parts_;
+    for (const auto& [name, part] : parts) placed[name] = part;
+  }
+  void set(const std::string& key, nlohmann::json value) override { trainer[key] = std::move(value); }
+
+  NamedTensors model, optimizer, replica;
+  PartsOf parts_, replica_parts;
+  nlohmann::json trainer = nlohmann::json::object();
+
+ private:
+  bool first_replica_;
+};
+
+class PartReader : public StateReader {
+ public:
+  PartReader(const CheckpointReader& saved, ParallelDims now, const Coord& at,
+             std::function<void(const std::string&)> say)
+      : saved_(saved), now_(now), replica_(fmt::format("sync.dp{}", at.data)), say_(std::move(say)) {
+    trainer_ = saved.trainer();
+    const auto& layout = saved.manifest().value("layout", nlohmann::json::object());
+    then_.data = layout.value("data", int64_t(1));
+    then_.tensor = layout.value("tensor", int64_t(1));
+    then_.pipeline = layout.value("pipeline", int64_t(1));
+  }
+  const std::string& folder() const override { return saved_.folder(); }
+  // kReplica: whether the checkpoint holds any (every data rank wrote its own).
+  bool has(StateFile file) const override {
+    return file == StateFile::kReplica ? saved_.has("sync.dp0") : saved_.has(kind(file));
+  }
+  SavedTensors tensors(StateFile file) const override { return saved_.tensors(kind(file)); }
+  const nlohmann::json& trainer() const override { return trainer_; }
+  std::string config_yaml() const override { return saved_.config_yaml(); }
+  std::vector<std::string> names(StateFile file) const override { return saved_.names(kind(file)); }
+  ParallelDims saved_layout() const override { return then_; }
+  ParallelDims layout() const override { return now_; }
+  void warn(const std::string& line) const override { say_(line); }
+
+ private:
+  std::string kind(StateFile file) const {
+    return file == StateFile::kModel ? "model" : file == StateFile::kOptimizer ? "optimizer" : replica_;
+  }
+  const CheckpointReader& saved_;
+  ParallelDims now_, then_;
+  std::string replica_;
+  nlohmann::json trainer_;
+  std::function<void(const std::string&)> say_;
+};
+
+}  // namespace
+
+void Checkpointer::save(int64_t step, int64_t epoch, const std::optional<Metric>& metric,
+                        const std::string& config_yaml, const std::vector<Stateful*>& parts) {
+  const std::string what = fmt::format("write the checkpoint of step {}", step);
+  root_does(*group_, what, [&] {
+    store_->begin(step);
+    return int64_t(0);
+  });
+  const auto& at = opts_.at;
+  PartWriter out(/*first_replica=*/at.data == 0);
+  for (auto* part : parts) part->save(out);  // collective where a part is spread over ranks
+  const auto& dims = opts_.layout;
+  every_rank_does(
+      *group_, what,
+      [&] {
+        const std::string part = (dims.pipeline > 1 ? fmt::format(".pp{}", at.pipeline) : "") +
+                                 (dims.tensor > 1 ? fmt::format(".tp{}", at.tensor) : "");
+        const auto temp = CheckpointStore::temp_folder(opts_.run_dir, step);
+        if (!out.replica.empty())
+          CheckpointStore::write_sync_state(temp, at.data, part, out.replica, out.replica_parts);
+        if (at.data == 0) CheckpointStore::write_part(temp, part, out.model, out.optimizer, out.parts_);
+      },
+      [&] { store_->abort(step); });
+  root_does(*group_, what, [&] {
+    CheckpointState state;
+    state.trainer = out.trainer;
+    state.config_yaml = config_yaml;
+    state.run_id = opts_.run_id;
+    const nlohmann::json layout{{"data", dims.data}, {"tensor", dims.tensor}, {"pipeline", dims.pipeline}};
+    const auto folder = store_->commit(state, step, epoch, layout, metric);
+    if (opts_.say) opts_.say(fmt::format("checkpoint {}", folder));
+    return int64_t(0);
+  });
+}
+
+void Checkpointer::restore(const std::string& folder, const std::vector<Stateful*>& parts) {
+  // Headers first; each rank then reads only the tensors, and the parts of them, it holds.
+  const CheckpointReader saved(folder);
+  const PartReader in(saved, opts_.layout, opts_.at, [this](const std::string& line) {
+    if (opts_.say) opts_.say(line);
+  });
+  try {
+    for (auto* part : parts) part->load(in);
+  } catch (const c10::Error& e) {  // e.g. a random state of the wrong size
+    throw CheckpointError(fmt::format("{}: cannot restore: {}", folder,
+                                      first_line(e.what_without_backtrace())));
+  }
+}
+
+}  // namespace dtrain

@@ -1,0 +1,70 @@
+// What a component with state gives a checkpoint and takes back from one (torchtitan's
+// Stateful). Every component that carries something from step to step (the weights, the
+// optimizer, the gradient sync's residuals, the loss scaler, a training mode's own) saves
+// it under names of its own and loads it back; the checkpointer (checkpointer.hpp) only
+// collects, writes, verifies and reads the files, and names no component.
+//
+// The files stay those of docs/contract.md, so a component says which one each tensor
+// goes to:
+//   kModel      model{.ppN}{.tpT}.safetensors: parameters and buffers, written by the ranks
+//               of the first data replica (each its stage's tensors, of a split tensor its
+//               tensor rank's part)
+//   kOptimizer  optimizer{.ppN}{.tpT}.safetensors: the optimizer state, written alike
+//   kReplica    sync.dpD{.ppN}{.tpT}.safetensors: what data rank D keeps of its own (error
+//               feedback's residuals, local SGD's optimizer state), written by every data
+//               rank
+// and trainer.json's entries (step, random states, the loss scale...), written by rank 0.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "parallel/dims.hpp"
+#include "parallel/flat_params.hpp"
+
+namespace dtrain {
+
+enum class StateFile { kModel, kOptimizer, kReplica };
+
+class StateWriter {
+ public:
+  virtual ~StateWriter() = default;
+  // Whether what this rank adds to `file` is written (a component whose state is spread
+  // over ranks gathers it on every rank all the same: a collective).
+  virtual bool writes(StateFile file) const = 0;
+  // Tensors of `file`; those named in `parts` are this tensor rank's part of a split one.
+  virtual void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts = {}) = 0;
+  // An entry of trainer.json (rank 0's are written).
+  virtual void set(const std::string& key, nlohmann::json value) = 0;
+};
+
+class StateReader {
+ public:
+  virtual ~StateReader() = default;
+  virtual const std::string& folder() const = 0;
+  // Whether the checkpoint holds `file` (kReplica: any, each data rank having written its
+  // own), every tensor name in it, and its tensors read as this rank needs them (kReplica:
+  // this data rank's).
+  virtual bool has(StateFile file) const = 0;
+  virtual std::vector<std::string> names(StateFile file) const = 0;
+  virtual SavedTensors tensors(StateFile file) const = 0;
+  virtual const nlohmann::json& trainer() const = 0;
+  // The resolved job that wrote it.
+  virtual std::string config_yaml() const = 0;
+  // The layout the checkpoint was written at, and this run's.
+  virtual ParallelDims saved_layout() const = 0;
+  virtual ParallelDims layout() const = 0;
+  // A line for the user (rank 0 prints it): what could not be taken over, and why.
+  virtual void warn(const std::string& line) const = 0;
+};
+
+class Stateful {
+ public:
+  virtual ~Stateful() = default;
+  // Every rank calls it, in the same order (a component may gather over its ranks).
+  virtual void save(StateWriter& out) const = 0;
+  virtual void load(const StateReader& in) = 0;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,264 @@
+// ZeRO (Rajbhandari et al. 2020; DeepSpeed's stages 1 and 2): the optimizer state, and
+// under stage 2 the gradient, sharded over the data ranks as offsets into the flat
+// buffers (llm.c's ShardInfo): each shard's gradient is reduced to its owner, the owner
+// updates its shard, and the updated shards go back to every rank.
+#include "grad/zero.hpp"
+
+#include <algorithm>
+#include <map>
+
+#include <torch/torch.h>
+
+#include "grad/bucketed.hpp"
+#include "parallel/mesh.hpp"
+
+namespace dtrain {
+namespace {
+
+// ZeRO's reduction: the flat gradient is cut in equal shards, one per data rank, and each
+// part of a ready slice is reduced to the rank whose shard holds it (a slice that crosses a
+// shard boundary is two reductions), so a rank ends with its shard's sum, and a slice is
+// still reduced as soon as backward has made it final (DeepSpeed's stage-2 bucketing does
+// the same). Entries listed as `whole` are all-reduced instead: every rank needs them.
+// On the wire, Gloo's reduce is a ring reduce-scatter then a gather to the root: a rank
+// sends (D-1)/D of a slice plus, unless it owns it, 1/D; 0.75 of the bytes of the
+// all-reduce at 2 ranks, 0.63 at 4. (Gloo in LibTorch 1.13 has no reduce-scatter; an
+// all-reduce whose result each rank keeps a part of would send all of them.)
+class ReduceToOwners : public Reduction {
+ public:
+  ReduceToOwners(std::shared_ptr<Comm> comm, int64_t shard_numel,
+                 std::vector<std::pair<int64_t, int64_t>> whole)
+      : comm_(std::move(comm)), shard_(shard_numel), whole_(std::move(whole)) {}
+
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) override {
+    const int64_t numel = slice.numel();
+    auto all = std::make_unique<PendingAll>();
+    // Cut at the whole ranges' ends and the shards' boundaries.
+    std::vector<int64_t> cuts{offset, offset + numel};
+    for (const auto& [lo, hi] : whole_)
+      for (int64_t at : {lo, hi}) cuts.push_back(at);
+    for (int64_t at = (offset / shard_ + 1) * shard_; at < offset + numel; at += shard_)
+      cuts.push_back(at);
+    std::sort(cuts.begin(), cuts.end());
+    const int64_t d = comm_->size();
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const int64_t from = std::max(cuts[i], offset), to = std::min(cuts[i + 1], offset + numel);
+      if (from >= to) continue;
+      auto part = slice.narrow(0, from - offset, to - from);
+      const int64_t bytes = (to - from) * slice.element_size(), owner = from / shard_;
+      if (in_whole(from)) {
+        count(ring_all_reduce_bytes(bytes, d));
+        all->parts.push_back(comm_->all_reduce_async(part));
+      } else {
+        count(bytes * (d - 1) / d + (owner != comm_->rank() ? bytes / d : 0));
+        all->parts.push_back(comm_->reduce_async(part, owner));
+      }
+    }
+    return all;
+  }
+
+ private:
+  bool in_whole(int64_t at) const {
+    return std::any_of(whole_.begin(), whole_.end(),
+                       [&](const auto& r) { return r.first <= at && at < r.second; });
+  }
+  std::shared_ptr<Comm> comm_;
+  int64_t shard_;
+  std::vector<std::pair<int64_t, int64_t>> whole_;  // [begin, end) of the whole entries
+};
+
+// ZeRO-1: the optimizer updates this rank's shard from its shard's reduced gradient (and
+// keeps state for the shard only); the updated shards then go to every rank, so that each
+// runs the next forward on the whole of the new parameters. They go in pieces of about a
+// bucket, each broadcast from the rank whose shard holds it, in the order of the flat
+// buffer (the order the forward uses the layers), asynchronously: the forward waits for a
+// layer's pieces only when it reaches that layer (before_use), so the later pieces travel
+// while the earlier layers compute (DeepSpeed's and FSDP's prefetch, by layer). The bytes
+// are the all-gather's.
+class ZeroSync : public BucketedSync {
+ public:
+  ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
+           double bucket_mb, int64_t micro_batches)
+      : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, ranges_of(params, tied)),
+                     data->size(), bucket_mb, micro_batches, tied, /*tensor_rank=*/0),
+        data_(std::move(data)),
+        shard_(shard) {
+    const int64_t cap = bucket_numel(params, bucket_mb);
+    for (int64_t r = 0; r < data_->size(); ++r)
+      for (int64_t at = r * shard.numel; at < (r + 1) * shard.numel; at += cap)
+        pieces_.push_back({at, std::min(cap, (r + 1) * shard.numel - at), r});
+  }
+  Shard shard() const override { return shard_; }
+  void finish() override {
+    settle();  // the next update writes the shard being sent (a parameter no forward used)
+    BucketedSync::finish();
+  }
+  void after_update(const torch::Tensor& skip) override {
+    BucketedSync::after_update(skip);
+    settle();
+    for (const auto& p : pieces_)
+      gathers_.push_back(data_->broadcast_async(params_.data().narrow(0, p.offset, p.numel), p.owner));
+    const int64_t d = data_->size();
+    sent_ += shard_.numel * params_.data().element_size() * (d - 1);
+  }
+  void before_use(const torch::nn::Module& module) override {
+    if (gathered_ == gathers_.size()) return;
+    const int64_t end = end_of(module);
+    while (gathered_ < gathers_.size() && pieces_[gathered_].offset < end) gathers_[gathered_++]->wait();
+  }
+  void settle() override {
+    while (gathered_ < gathers_.size()) gathers_[gathered_++]->wait();
+    gathers_.clear();
+    gathered_ = 0;
+  }
+
+ protected:
+  // The tied entries as [begin, end) ranges: every data rank needs them reduced whole.
+  static std::vector<std::pair<int64_t, int64_t>> ranges_of(const FlatParams& params,
+                                                            const Tied& tied) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (size_t i : tied.entries) {
+      const auto& e = params.entries()[i];
+      out.emplace_back(e.offset, e.offset + e.numel);
+    }
+    return out;
+  }
+  std::shared_ptr<Comm> data_;
+  Shard shard_;
+
+ private:
+  struct Piece {
+    int64_t offset, numel, owner;
+  };
+  // Where the last of a module's parameters ends in the flat buffer (found from their
+  // addresses, once per module).
+  int64_t end_of(const torch::nn::Module& module) {
+    auto [it, fresh] = ends_.try_emplace(&module, 0);
+    if (fresh) {
+      const auto& base = params_.data();
+      const auto* first = static_cast<const char*>(base.data_ptr());
+      for (const auto& p : module.parameters()) {
+        const auto at = (static_cast<const char*>(p.data_ptr()) - first) / p.element_size();
+        if (at >= 0 && at < base.numel()) it->second = std::max(it->second, at + p.numel());
+      }
+    }
+    return it->second;
+  }
+  std::vector<Piece> pieces_;                     // in offset order
+  std::vector<std::unique_ptr<Pending>> gathers_;  // the pieces' broadcasts
+  size_t gathered_ = 0;                            // gathers_'s first ones, waited for
+  std::map<const torch::nn::Module*, int64_t> ends_;
+};
+
+// ZeRO-2: ZeRO-1, and the reduced gradient is kept for this rank's shard only (FlatParams
+// holds no more). Backward writes each parameter's gradient into a tensor of autograd's
+// own; its hook copies it into its buckets' staging buffers (made as a bucket's first
+// parameter arrives) and frees it; a bucket, once final, is reduced to its owners from
+// there, then this rank's part is copied into its shard and the buffer freed. At most
+// kInFlight buckets are reduced at once (a hook waits for the oldest), so the gradient
+// takes the shard plus a few buckets, not the whole (DeepSpeed's stage 2 the same).
+// Under gradient accumulation the earlier micro-batches' gradients still add up in the
+// parameters' own tensors, whole, until the last one's backward. A tied entry is kept
+// whole until it has been summed across stages.
+class Zero2Sync : public ZeroSync {
+ public:
+  static constexpr size_t kInFlight = 4;
+  Zero2Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
+            double bucket_mb, int64_t micro_batches)
+      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches),
+        slices_(buckets().slices()) {
+    max_inflight_ = kInFlight;
+    staged_.resize(slices_.size());
+    buckets_of_.resize(params.entries().size());
+    for (size_t b = 0; b < slices_.size(); ++b) {
+      const auto [offset, numel] = slices_[b];
+      slice_at_[offset] = b;
+      for (size_t k = 0; k < params.entries().size(); ++k) {
+        const auto& e = params.entries()[k];
+        if (e.offset < offset + numel && offset < e.offset + e.numel) buckets_of_[k].push_back(b);
+      }
+    }
+    for (size_t i : tied_.entries)
+      whole_.emplace_back(i, torch::zeros({params.entries()[i].numel}, params.data().options()));
+  }
+
+ protected:
+  void arrived(size_t k) override {
+    const auto& p = params_.params()[k];
+    if (!p.grad().defined()) return;
+    torch::NoGradGuard no_grad;
+    const auto g = params_.flatten(p.grad(), k);
+    for (size_t b : buckets_of_[k]) copy_overlap(staging(b), slices_[b].first, g, params_.entries()[k].offset);
+    p.mutable_grad() = torch::Tensor();  // freed
+  }
+  std::unique_ptr<Pending> launch(int64_t offset, int64_t /*numel*/) override {
+    const size_t b = slice_at_.at(offset);
+    auto slice = staging(b);
+    staged_[b] = torch::Tensor();  // the exchange holds it from here
+    return std::make_unique<PendingThen>(reduce(slice, offset), [this, slice, offset] {
+      torch::NoGradGuard no_grad;
+      // This rank's part of it into its shard; a tied entry's part into its whole.
+      copy_overlap(params_.grad(), params_.grad_held().offset, slice, offset);
+      for (auto& [i, whole] : whole_) copy_overlap(whole, params_.entries()[i].offset, slice, offset);
+    });
+  }
+  void sum_tied() override {
+    for (auto& [i, whole] : whole_) {
+      tied_.group->all_reduce(whole);
+      copy_overlap(params_.grad(), params_.grad_held().offset, whole, params_.entries()[i].offset);
+    }
+  }
+
+ public:
+  void finish() override {
+    // A parameter whose gradient came from earlier micro-batches only (unused in the last):
+    // its hook did not run while armed.
+    for (size_t k = 0; k < params_.params().size(); ++k) arrived(k);
+    ZeroSync::finish();
+  }
+
+ private:
+  // `dst` and `src` lie at `dst_at` and `src_at` of the flat layout: what they share is
+  // copied from `src` into `dst`.
+  static void copy_overlap(const torch::Tensor& dst, int64_t dst_at, const torch::Tensor& src,
+                           int64_t src_at) {
+    const int64_t lo = std::max(dst_at, src_at);
+    const int64_t hi = std::min(dst_at + dst.numel(), src_at + src.numel());
+    if (lo < hi) dst.narrow(0, lo - dst_at, hi - lo).copy_(src.narrow(0, lo - src_at, hi - lo));
+  }
+  torch::Tensor& staging(size_t b) {
+    if (!staged_[b].defined()) staged_[b] = torch::zeros({slices_[b].second}, params_.data().options());
+    return staged_[b];
+  }
+  const std::vector<std::pair<int64_t, int64_t>> slices_;  // the buckets, (offset, numel)
+  std::vector<torch::Tensor> staged_;                      // per bucket, while it fills
+  std::vector<std::vector<size_t>> buckets_of_;            // per entry: the buckets it overlaps
+  std::map<int64_t, size_t> slice_at_;                     // bucket by offset
+  std::vector<std::pair<size_t, torch::Tensor>> whole_;    // tied entries' gradients
+};
+
+}  // namespace
+
+void shard_flat(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
+                FlatOptions& opts) {
+  const int64_t d = dims.data;
+  if (cfg.zero == 0 || d == 1) return;
+  opts.pad_to = d * kShardAlign;
+  if (cfg.zero == 2) opts.grad_ranks = d, opts.grad_rank = at.data;
+}
+
+Shard update_shard(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
+                   const FlatParams& params) {
+  if (cfg.zero == 0 || dims.data == 1) return {};
+  return params.shard(dims.data, at.data);
+}
+
+std::unique_ptr<GradSync> make_zero_sync(const ParallelConfig& cfg, const Mesh& mesh,
+                                         FlatParams& params, int64_t micro_batches, Tied tied) {
+  const Shard shard = update_shard(cfg, mesh.dims(), mesh.coord(), params);
+  if (cfg.zero == 2)
+    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+  return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+}
+
+}  // namespace dtrain

@@ -1,0 +1,83 @@
+// The lock-step family's share (run/mode.hpp): the job's mesh, ZeRO's layout of the flat
+// buffers and the gradient sync, and the loop over the run's components.
+#include <fmt/format.h>
+
+#include "data/loader.hpp"
+#include "grad/zero.hpp"
+#include "run/evaluator.hpp"
+#include "run/loop.hpp"
+#include "run/mode.hpp"
+#include "run/run.hpp"
+
+namespace dtrain {
+
+Lockstep::Lockstep(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world,
+                   bool replica_group)
+    : cfg_(cfg), mesh_(dims, std::move(world), replica_group) {}
+
+void Lockstep::shape_flat(FlatOptions& opts) const {
+  shard_flat(cfg_.parallel, mesh_.dims(), mesh_.coord(), opts);
+}
+
+Shard Lockstep::update_shard(const FlatParams& params) const {
+  return dtrain::update_shard(cfg_.parallel, mesh_.dims(), mesh_.coord(), params);
+}
+
+std::unique_ptr<GradSync> Lockstep::make_sync(FlatParams& params, int64_t micro_batches,
+                                              Tied tied) const {
+  return make_grad_sync(cfg_.parallel, mesh_, params, micro_batches, std::move(tied));
+}
+
+namespace {
+
+// The loop's body over a run's components.
+class RunBody : public LoopBody {
+ public:
+  RunBody(Run& run, Lockstep& mode)
+      : run_(run),
+        loader_(*run.data.train, *run.sampler, run.state().step, run.total_steps,
+                run.cfg.data.workers, run.cfg.data.prefetch, /*pin=*/run.device().is_cuda(),
+                Augment{run.cfg.data.augment, run.cfg.data.crop_padding, uint64_t(run.cfg.seed)}),
+        parts_{*run.runner, *run.sync,   *run.params,     *run.optimizer, run.scaler.get(),
+               mode.mesh(), mode,        run.model.tied,  run.cfg,        run.total_steps,
+               run.device()},
+        mode_(mode) {}
+
+  PendingStep step(int64_t n, bool logged, bool kept) override {
+    double wait_ms = 0;
+    Batch batch = loader_.next(&wait_ms);
+    return train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());
+  }
+  StepStats read(PendingStep& p) override { return read_step(parts_, p, apart_diverged()); }
+  Culprit culprit(int64_t n, const StepStats& s) const override {
+    Culprit c;
+    c.what = fmt::format("step {}", n);
+    c.who = fmt::format("rank {}", s.nonfinite_rank);
+    c.rank = s.nonfinite_rank;
+    if (s.replica_diverged) c.apart = mode_.apart();
+    return c;
+  }
+  void evaluate(int64_t n) override { evaluate_and_report(run_, n); }
+  void save(int64_t n, bool evaluated) override { save_checkpoint(run_, n, evaluated); }
+  RunResult stop(int sig) override { return run_.log->stopped(sig, run_.opts.requeue_job); }
+
+ private:
+  bool apart_diverged() const { return run_.state().diverged_at > 0; }
+
+  Run& run_;
+  Loader loader_;
+  StepParts parts_;
+  const Lockstep& mode_;
+};
+
+}  // namespace
+
+RunResult Lockstep::run(Run& run) {
+  if (run.finished) return {0, nlohmann::json()};
+  RunBody body(run, *this);
+  Cadence cadence{run.cfg, run.steps_per_epoch, run.total_steps,
+                  [this](int64_t n) { return meets(n); }};
+  return lockstep_loop(body, *run.log, cadence, run.total_steps, run.cfg);
+}
+
+}  // namespace dtrain

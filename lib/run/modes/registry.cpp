@@ -1,0 +1,32 @@
+// The training modes by name (parallel.mode): one line each.
+#include <map>
+
+#include <fmt/format.h>
+
+#include "run/mode.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+
+ModeSpec sync_spec();
+ModeSpec local_sgd_spec();
+ModeSpec async_ps_spec();
+
+const ModeSpec& mode_spec(const std::string& name) {
+  static const std::map<std::string, ModeSpec> specs{
+      {"sync", sync_spec()},
+      {"local_sgd", local_sgd_spec()},
+      {"async_ps", async_ps_spec()},
+  };
+  auto it = specs.find(name);
+  fail_if<ConfigError>(it == specs.end(), "parallel.mode: unknown training mode '{}'", name);
+  return it->second;
+}
+
+void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,
+                      const std::string& why) {
+  fail_if<ConfigError>(bad, "parallel.mode: {} with {} is not supported: {}; choose one", mode,
+                       what, why);
+}
+
+}  // namespace dtrain

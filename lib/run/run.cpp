@@ -1,0 +1,44 @@
+#include "run/run.hpp"
+
+#include <torch/torch.h>
+
+#include "config/schema.hpp"
+
+namespace dtrain {
+
+NamedTensors ModelParts::buffers() const {
+  NamedTensors out;
+  for (const auto& chunk : chunks)
+    for (const auto& b : chunk->named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+void ModelParts::set_training(bool on) const {
+  for (const auto& chunk : chunks) chunk->train(on);
+}
+
+std::vector<Stateful*> Run::stateful() const {
+  std::vector<Stateful*> out;
+  for (const auto& s : savers) out.push_back(s.get());
+  out.push_back(sync.get());
+  if (auto* own = mode->state()) out.push_back(own);
+  return out;
+}
+
+nlohmann::json Mode::layout() const {
+  const auto& d = mesh().dims();
+  return {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}};
+}
+
+void save_checkpoint(Run& run, int64_t n, bool evaluated) {
+  run.sync->settle();  // ZeRO's parameters, still on their way to every rank
+  const auto& st = run.state();
+  std::optional<Metric> metric;
+  const Task& task = run.model.task();
+  if (evaluated && st.last_eval)
+    metric = Metric{task.metric(), st.last_eval->metric, task.higher_is_better()};
+  run.checkpointer->save(n, n / run.steps_per_epoch, metric, to_yaml(run.cfg), run.stateful());
+  run.state().last_saved = n;
+}
+
+}  // namespace dtrain

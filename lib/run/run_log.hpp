@@ -1,0 +1,177 @@
+// The run's record, the one place for the rules every training mode follows: what a read
+// step adds to its logging window and when its line is written (metrics.jsonl, progress),
+// what a non-finite loss or gradient means (train.on_nonfinite), the evaluation's line and
+// the best metric, and how a run ends: completed (the "done" line), stopped by a signal,
+// diverged or failed, each with its summary line. Every key of every kind of line is
+// written here and nowhere else (the contract: docs/contract.md, "metrics.jsonl"); a mode
+// adds its own fields through `extra` and RunFacts::summary.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "config/config.hpp"
+#include "logging/metrics.hpp"
+#include "models/task.hpp"
+
+namespace dtrain {
+
+// How this rank's run ended.
+struct RunResult {
+  int exit_code = 0;          // 0, or 128 + signal after a preemption checkpoint
+  nlohmann::json summary;     // the summary line written to metrics.jsonl (rank 0)
+};
+
+struct EvalResult {
+  double loss = 0;    // mean per item (sample or token)
+  double metric = 0;  // the task's metric
+};
+
+// What the log keeps from step to step. step, last_loss and the best are saved with a
+// checkpoint (RunStateSaver, run/saved_state.hpp); the rest is this process's.
+struct RunState {
+  int64_t step = 0;                    // optimizer steps done
+  double last_loss = std::nan("");
+  double best_metric = std::nan("");   // NaN until the first evaluation
+  int64_t best_step = 0;
+  std::optional<EvalResult> last_eval;
+  int64_t last_saved = -1;             // the step of the newest checkpoint (-1: none)
+  int64_t skipped_in_a_row = 0;        // train.on_nonfinite: skip
+  int64_t skipped = 0;
+  // A non-finite step that ends the run, seen where the ranks do not meet (local SGD
+  // between averages): remembered, and acted on where they next meet, all together.
+  int64_t diverged_at = 0;
+  int64_t bytes_sent = 0;              // by this process since it started
+};
+
+// One step's figures (run/step.cpp, or a parameter server's pushes), milliseconds unless
+// named otherwise.
+struct StepStats {
+  double loss = 0;             // mean over the global batch
+  double grad_norm = 0;        // NaN when not computed this step
+  double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0;
+  int64_t comm_bytes = 0;      // what this rank sent for the step
+  // Wall time from the previous step's reading to this one's (evaluations and checkpoints
+  // left out): what the step cost, waits for the device included.
+  double step_ms = 0;
+  bool stop = false;           // some rank was asked to stop: all stop after this step
+  bool nonfinite = false;      // some rank saw a non-finite loss or gradient
+  int64_t nonfinite_rank = -1; // the lowest rank that saw it
+  bool replica_diverged = false;  // a replica diverged since the ranks last met
+  bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
+  double loss_scale = 0;       // fp16: the scale after this step, and the overflows so far
+  int64_t overflow_steps = 0;
+  bool device_timed = false;   // a GPU step that waited for the device at each phase's end
+  // A pipeline's: this rank's share of the step spent waiting for its neighbours (the
+  // bubble) and the most memory its in-flight micro-batches held; then, once read, every
+  // pipeline rank's (each the mean over its data and tensor ranks).
+  double bubble = 0, activation_mb = 0;
+  std::vector<double> stage_bubble, stage_activation_mb;
+};
+
+// Sums over one logging window of steps.
+struct Window {
+  int64_t steps = 0;
+  double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
+         step_ms = 0;
+  int64_t comm_bytes = 0;
+  void add(const StepStats& s);
+};
+
+// What the lines need to know of the run, once.
+struct RunFacts {
+  int64_t steps_per_epoch = 1, total_steps = 0;
+  int64_t items_per_sample = 1;  // a window's tokens, or 1 (tokens/s)
+  bool communicates = false;     // more than one rank: comm_ms and comm_bytes
+  bool loss_scaled = false;      // fp16: loss_scale and overflow_steps
+  // The summary's fields that are the run's (world size, layout, device, memory, the loss
+  // scale), added when a summary is made.
+  std::function<void(nlohmann::json&)> summary;
+};
+
+// Where a non-finite loss or gradient came from, in the messages.
+struct Culprit {
+  std::string what;            // what was skipped: "step 12", "a push at step 12"
+  std::string who;             // "rank 3", or a parameter server's "worker 1 (rank 3)"
+  int64_t rank = 0;            // the summary's diverged_rank
+  std::string unit = "steps";  // what train.max_skipped counts
+  // Non-empty when found where the ranks met after steps apart: how they were apart.
+  std::string apart;
+};
+
+// Why a run diverged (RunLog::nonfinite), for RunLog::diverge.
+struct Divergence {
+  int64_t step = 0, rank = 0;
+  std::string why;
+};
+
+class RunLog {
+ public:
+  // `root`: rank 0 of the ranks that hold the run, the one that says and writes; its
+  // metrics file comes once the run directory is open (attach).
+  RunLog(const JobConfig& cfg, const Task& task, RunFacts facts, bool root, Progress* progress);
+  void attach(MetricsLog* metrics) { metrics_ = metrics; }
+
+  RunState& state() { return state_; }
+  const RunState& state() const { return state_; }
+  const RunFacts& facts() const { return facts_; }
+
+  // A step's figures, read (every rank, every step, in order): the window, the line when
+  // `logged` (with `extra` fields), progress, and the loss it ends at. A step whose
+  // figures are not finite is nonfinite()'s first.
+  void record(int64_t n, const StepStats& s, double lr, bool logged,
+              const nlohmann::json& extra = nlohmann::json::object());
+  // train.on_nonfinite for a non-finite step n: skip goes on until train.max_skipped in a
+  // row; stop ends the run. Where the ranks do not meet after n (`meets` false) a step that
+  // would end it is remembered (state().diverged_at) and nothing happens yet. Returns why
+  // the run ends, or nothing to go on; the caller tidies up, then calls diverge().
+  std::optional<Divergence> nonfinite(int64_t n, const Culprit& c, bool meets);
+  // The summary ("diverged") and DivergedError: nothing from that step on was checkpointed.
+  [[noreturn]] void diverge(const Divergence& d);
+  // Whether a read step said some rank was asked to stop.
+  bool stop_voted() const { return stop_; }
+
+  // An evaluation after step n: the best so far, its line, the message.
+  void eval(int64_t n, const EvalResult& e, double eval_ms);
+
+  // The end. Each writes the summary (rank 0) and returns the run's result.
+  RunResult completed(const std::string& detail = "");
+  // After the stop's checkpoint: under SLURM's warning signal (SIGUSR1) the job is put
+  // back in the queue (`requeue_job`, "" = not).
+  RunResult stopped(int sig, const std::string& requeue_job);
+  // A checkpoint that could not be written, a peer that failed: the record says so (the
+  // caller rethrows).
+  void failed(const std::string& reason);
+  nlohmann::json summary(const std::string& status) const;
+  // More of the summary's fields, from what a mode counts as it runs.
+  void extend_summary(std::function<void(nlohmann::json&)> more);
+
+  // A line for the user, on rank 0.
+  void say(const std::string& line) const;
+  bool root() const { return root_; }
+
+ private:
+  nlohmann::json train_line(int64_t n, const StepStats& last, double lr) const;
+  void write_summary(const nlohmann::json& summary) const;
+
+  const JobConfig& cfg_;
+  const Task& task_;
+  RunFacts facts_;
+  std::vector<std::function<void(nlohmann::json&)>> more_summary_;
+  bool root_;
+  MetricsLog* metrics_ = nullptr;
+  Progress* progress_;
+  RunState state_;
+  Window window_;
+  std::vector<double> step_ms_;  // this process's steps, for the steady-state rate
+  double data_wait_ms_ = 0;
+  double rate_ = 0;              // the last line's samples/s, for progress
+  bool stop_ = false;
+};
+
+}  // namespace dtrain
