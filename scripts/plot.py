@@ -21,16 +21,33 @@ def read_run(run_dir):
     if not os.path.isfile(path):
         fail(f"'{path}' does not exist (is '{run_dir}' a dtrain run directory?)")
     lines = []
-    with open(path) as f:
-        for number, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                lines.append(json.loads(text))
-            except json.JSONDecodeError as e:
-                # A run cut short may end in a partial line; anywhere else it is damage.
-                if number == 1 or text.endswith("\n"):
-                    fail(f"{path}:{number}: not JSON ({e.msg})")
+    # Bytes that are not UTF-8 are damage to name, not a traceback.
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            numbered = list(enumerate(f, 1))
+        except UnicodeDecodeError as e:
+            fail(f"{path}: not UTF-8 text (byte {e.start} of a line: {e.reason})")
+    for number, text in numbered:
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            # A run cut short may end in a partial line; anywhere else it is damage.
+            if number == 1 or text.endswith("\n"):
+                fail(f"{path}:{number}: not JSON ({e.msg})")
+            continue
+        if not isinstance(line, dict):
+            fail(f"{path}:{number}: not a JSON object")
+        step = line.get("step")
+        if line.get("kind") in ("train", "eval") and (isinstance(step, bool) or
+                                                      not isinstance(step, int)):
+            fail(f"{path}:{number}: a {line['kind']} line without an integer step")
+        for key in ("loss", "lr", "samples_per_s", "tokens_per_s", "accuracy", "perplexity"):
+            if key in line and line[key] is not None and (isinstance(line[key], bool) or
+                                                          not isinstance(line[key], (int, float))):
+                fail(f"{path}:{number}: {key} is not a number")
+        lines.append(line)
     train = [l for l in lines if l.get("kind") == "train"]
     if not train:
         fail(f"{path}: no train lines")

@@ -30,4 +30,19 @@ err=$(timeout 60 /usr/bin/python3 "$src/scripts/plot.py" "$dir/empty" -o "$dir/x
 code=$?
 [ $code -eq 2 ] || fail "a folder without metrics.jsonl: exit $code, not 2"
 case "$err" in *"$dir/empty/metrics.jsonl' does not exist"*) ;; *) fail "unclear error: $err" ;; esac
+# Damaged metrics files: exit 2 and a "plot: FILE:LINE" line, never a traceback.
+bad() {  # name, content (printf format), what the message must say
+  mkdir -p "$dir/$1"
+  printf "$2" > "$dir/$1/metrics.jsonl"
+  err=$(timeout 60 /usr/bin/python3 "$src/scripts/plot.py" "$dir/$1" -o "$dir/y.png" 2>&1)
+  code=$?
+  [ $code -eq 2 ] || fail "$1: exit $code, not 2: $err"
+  case "$err" in *Traceback*) fail "$1: a traceback: $err" ;; esac
+  case "$err" in *"$3"*) ;; *) fail "$1: unclear error: $err" ;; esac
+}
+bad array '[1, 2]\n' "metrics.jsonl:1: not a JSON object"
+bad nostep '{"kind": "train", "loss": 1}\n' "metrics.jsonl:1: a train line without an integer step"
+bad strstep '{"kind": "train", "step": "7", "loss": 1}\n' "without an integer step"
+bad strloss '{"kind": "train", "step": 1, "loss": "x"}\n' "loss is not a number"
+bad binary '{"kind": "train", "step": 1, "loss": 1}\n\377\376\n' "not UTF-8"
 echo "check_plot: ok"

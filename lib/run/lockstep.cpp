@@ -48,12 +48,15 @@ class RunBody : public LoopBody {
     Batch batch = loader_.next(&wait_ms);
     return train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());
   }
-  StepStats read(PendingStep& p) override { return read_step(parts_, p, apart_diverged()); }
+  StepStats read(PendingStep& p) override {
+    return read_step(parts_, p, apart_diverged(), run_.state().skipped_in_a_row);
+  }
   Culprit culprit(int64_t n, const StepStats& s) const override {
     Culprit c;
     c.what = fmt::format("step {}", n);
     c.who = fmt::format("rank {}", s.nonfinite_rank);
     c.rank = s.nonfinite_rank;
+    c.peers_in_a_row = s.peers_in_a_row;
     if (s.replica_diverged) c.apart = mode_.apart();
     return c;
   }
