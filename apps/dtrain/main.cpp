@@ -246,14 +246,19 @@ int validate_job(const Cli& cli) {
     resolve(cfg);
     validate_elastic(cfg, lo, hi, cli.check_nproc);
   }
-  auto checked = load(cli.job, "", world_for_check(cli.check_nproc));
-  check_machine(checked.cfg, checked.dims,
-                std::min(checked.dims.world(), local_for_check(cli.check_nproc)));
+  const int64_t world = world_for_check(cli.check_nproc);
+  auto checked = load(cli.job, "", world);
+  check_machine(checked.cfg, checked.dims, std::min(world, local_for_check(cli.check_nproc)));
   check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
   const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
-  std::cout << fmt::format("{}: ok ({} process(es): {}; {}{})\n", cli.job.path, checked.dims.world(),
-                           checked.dims.str(), plan.device.str(),
-                           checked.dims.world() > 1 ? ", " + plan.backend : "");
+  // A mode may set ranks apart from the layout (async_ps's servers).
+  const int64_t others = world - checked.dims.world();
+  std::cout << fmt::format("{}: ok ({} process(es): {}{}; {}{})\n", cli.job.path, world,
+                           checked.dims.str(),
+                           others > 0 ? fmt::format(", and {} more for parallel.mode {}", others,
+                                                    checked.cfg.parallel.mode)
+                                      : "",
+                           plan.device.str(), world > 1 ? ", " + plan.backend : "");
   return 0;
 }
 

@@ -143,6 +143,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
 
   int64_t rank() const override { return rank_; }
   int64_t size() const override { return size_; }
+  static int64_t bytes(const torch::Tensor& t) { return t.numel() * int64_t(t.element_size()); }
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override {
     const Staged st = staged(t);
@@ -150,6 +151,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
     const double divide = op == ReduceOp::kAvg ? double(size_) : 1.0;
+    count_sent(2 * bytes(t) * (size_ - 1) / size_);
     return guard("all_reduce", [&] {
       return pending("all_reduce", pg_->allreduce(ts, o), ts, divide, st.back);
     });
@@ -160,6 +162,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     c10d::ReduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
     o.rootRank = root;
+    count_sent(bytes(t) * (size_ - 1) / size_ + (rank_ != root ? bytes(t) / size_ : 0));
     return guard("reduce", [&] { return pending("reduce", pg_->reduce(ts, o), ts, 1.0, st.back); });
   }
   std::unique_ptr<Pending> broadcast_async(torch::Tensor t, int64_t root) override {
@@ -167,6 +170,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     std::vector<torch::Tensor> ts{st.dev};
     c10d::BroadcastOptions o;
     o.rootRank = root;
+    count_sent(bytes(t) * (size_ - 1) / size_);
     return guard("broadcast", [&] {
       return pending("broadcast", pg_->broadcast(ts, o), ts, 1.0, st.back);
     });
@@ -176,6 +180,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     std::vector<std::vector<torch::Tensor>> out(1);
     for (int64_t i = 0; i < size_; ++i) out[0].push_back(torch::empty_like(st.dev));
     std::vector<torch::Tensor> in{st.dev};
+    count_sent(bytes(t) * (size_ - 1));
     guard("all_gather", [&] { return pending("all_gather", pg_->allgather(out, in), in); })->wait();
     if (st.back.defined())
       for (auto& part : out[0]) part = part.to(t.device());
@@ -195,6 +200,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     auto flat_out = st.dev.view(-1);
     for (int64_t r = 0; r < size_; ++r) outs[0].push_back(flat_out.narrow(0, r * n, n));
     std::vector<torch::Tensor> ins{flat_in};
+    count_sent(bytes(flat_in) * (size_ - 1));
     return guard("all_gather", [&] {
       // The input too must outlive the operation.
       return pending("all_gather", pg_->allgather(outs, ins), {flat_out, flat_in}, 1.0,
@@ -223,6 +229,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
         const Staged st = p2p_staged(op.tensor);
         std::vector<torch::Tensor> ts{st.dev};
         const bool send = op.kind == P2POp::kSend;
+        if (send) count_sent(bytes(op.tensor));
         auto work = send ? pg_->send(ts, int(op.peer), op.tag) : pg_->recv(ts, int(op.peer), op.tag);
         all->parts.push_back(pending(send ? "send" : "recv", work, ts, 1.0,
                                      send ? torch::Tensor() : st.back));

@@ -3,6 +3,7 @@
 // 2.x) stay inside comm.cpp. Every wait is bounded by dist.timeout_s; a failure or a
 // timeout throws DistError naming the operation, the group and the world rank (exit 4).
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -74,6 +75,10 @@ class Comm {
   virtual ~Comm() = default;
   virtual int64_t rank() const = 0;
   virtual int64_t size() const = 0;
+  // The bytes this rank has sent through the group since the last call, by Gloo's
+  // algorithms: an all-reduce of B bytes over D ranks sends 2B(D-1)/D, a reduce B(D-1)/D
+  // and off the root B/D more, a broadcast B(D-1)/D, an all-gather B(D-1), a send B.
+  int64_t take_sent() { return sent_.exchange(0); }
 
   // In place over the group; the tensor must be contiguous. kAvg divides the sum by size().
   virtual std::unique_ptr<Pending> all_reduce_async(torch::Tensor t,
@@ -124,6 +129,12 @@ class Comm {
   // of every rank, called on the world, is the world's own group.
   virtual std::shared_ptr<Comm> new_group(const std::string& name,
                                           const std::vector<int64_t>& members) = 0;
+
+ protected:
+  void count_sent(int64_t bytes) { sent_ += bytes; }
+
+ private:
+  std::atomic<int64_t> sent_{0};
 };
 
 // Autograd functions (SyncBatchNorm, the tensor-parallel conjugates) keep non-tensor state

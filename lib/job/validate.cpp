@@ -92,7 +92,11 @@ MemoryEstimate estimate_memory(const JobConfig& cfg, const ParallelDims& dims) {
                                               : std::min(depth, double(cfg.train.grad_accum));
   const double optimizer = cfg.optimizer.name == "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0;
   const double share = size.params / double(dims.tensor * dims.pipeline);
-  return {4 * share, (4 + optimizer) * share, held * size.activation_bytes};
+  // ZeRO keeps the optimizer state (1) and the gradient too (2) for a data rank's shard.
+  const double data = double(dims.data);
+  const double gradient = 4 * share / (p.zero >= 2 ? data : 1);
+  const double state = optimizer * share / (p.zero >= 1 ? data : 1);
+  return {4 * share, gradient + state, held * size.activation_bytes};
 }
 
 // MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).
@@ -175,10 +179,14 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
                                          cfg.parallel.mode)
                            : "",
                        per_step);
-  const bool tokens = data_kind(cfg.data).tokens;
+  const auto kind = data_kind(cfg.data);
+  const bool tokens = kind.tokens;
   fail_if<ConfigError>(tokens && !cfg.data.augment.empty(),
                        "data.augment: augmentation is for images; data.dataset {} holds tokens",
                        cfg.data.dataset);
+  fail_if<ConfigError>(!cfg.data.augment.empty() && kind.sample_shape.size() != 3,
+                       "data.augment: augmentation is for images shaped [channels, height, "
+                       "width]; data.input_shape {} is not", fmt::format("{}", kind.sample_shape));
   fail_if<ConfigError>(tokens && cfg.optimizer.label_smoothing > 0,
                        "optimizer.label_smoothing: for classification only; data.dataset {} "
                        "trains a language model", cfg.data.dataset);

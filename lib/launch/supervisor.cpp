@@ -99,6 +99,15 @@ bool failed(const Worker& w) {
   return w.status && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) == 0);
 }
 
+// The signal a worker stopped on by itself (it exited 130 or 143: a user's kill or a
+// cluster's SIGTERM reached it, not ours), or 0. The ranks agree on a stop at a step
+// boundary, checkpoint, and all exit alike.
+int stopped_on(const Worker& w) {
+  if (!w.status || !WIFEXITED(*w.status)) return 0;
+  const int code = WEXITSTATUS(*w.status);
+  return code == 128 + SIGTERM ? SIGTERM : code == 128 + SIGINT ? SIGINT : 0;
+}
+
 std::string describe(int rank, int status) {
   if (WIFSIGNALED(status))
     return fmt::format("rank {} was killed by signal {} ({})", rank, WTERMSIG(status),
@@ -197,6 +206,10 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
   return ws;
 }
 
+// How long the other workers have, once one stopped on a signal of its own, to write the
+// checkpoint and exit alike.
+constexpr std::chrono::seconds kStopGrace{300};
+
 void signal_all(std::vector<Worker>& ws, int sig) {
   for (auto& w : ws)
     if (!w.status) {
@@ -245,6 +258,7 @@ int supervise(const SupervisorOptions& o) {
     std::optional<size_t> first_failure;
     std::vector<char> running(ws.size(), 0);  // state letters of the ranks alive at the failure
     int forwarded = 0;
+    std::optional<Clock::time_point> stop_seen;  // a worker stopped on a signal of its own
     while (!all_done(ws)) {
       pump(ws, 100);
       reap(ws);
@@ -253,11 +267,20 @@ int supervise(const SupervisorOptions& o) {
         signal_all(ws, forwarded);
       }
       if (!first_failure && !forwarded)
-        for (size_t i = 0; i < ws.size(); ++i)
+        for (size_t i = 0; i < ws.size(); ++i) {
+          if (const int sig = stopped_on(ws[i])) {
+            // The others stop after the same step: wait for them, as for a forwarded stop
+            // (stop_all below only if they do not within the grace).
+            forwarded = sig;
+            stop_seen = Clock::now();
+            break;
+          }
           if (failed(ws[i])) {
             first_failure = i;
             break;
           }
+        }
+      if (stop_seen && Clock::now() - *stop_seen > kStopGrace) stop_all(ws, std::chrono::seconds(5));
       if (first_failure) {
         // Give the peers a moment to fail on their own (a dead peer breaks their next
         // collective), so a signal death can be told from its consequences.

@@ -63,6 +63,7 @@ std::optional<Divergence> RunLog::nonfinite(int64_t n, const Culprit& c, bool me
   auto& st = state_;
   const bool skip = cfg_.train.on_nonfinite == "skip" && c.apart.empty();
   if (skip) {
+    st.skipped_in_a_row = std::max(st.skipped_in_a_row, c.peers_in_a_row);
     ++st.skipped, ++st.skipped_in_a_row;
     say(fmt::format("warning: {} skipped: non-finite loss or gradient ({}); {} in a row", c.what,
                     c.who, st.skipped_in_a_row));

@@ -62,6 +62,9 @@ struct StepStats {
   bool stop = false;           // some rank was asked to stop: all stop after this step
   bool nonfinite = false;      // some rank saw a non-finite loss or gradient
   int64_t nonfinite_rank = -1; // the lowest rank that saw it
+  // The most non-finite steps in a row before this one on any rank that agreed on it: where
+  // replicas skipped apart (local SGD), the count they meet with, so all judge alike.
+  int64_t peers_in_a_row = 0;
   bool replica_diverged = false;  // a replica diverged since the ranks last met
   bool overflow = false;       // fp16: the scaled gradient overflowed; skipped, scale lowered
   double loss_scale = 0;       // fp16: the scale after this step, and the overflows so far
@@ -102,6 +105,8 @@ struct Culprit {
   std::string unit = "steps";  // what train.max_skipped counts
   // Non-empty when found where the ranks met after steps apart: how they were apart.
   std::string apart;
+  // The most steps in a row any rank that agreed on this one had skipped before it.
+  int64_t peers_in_a_row = 0;
 };
 
 // Why a run diverged (RunLog::nonfinite), for RunLog::diverge.

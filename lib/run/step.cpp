@@ -136,6 +136,16 @@ bool grads_finite(const PendingStep& p) {
   return !p.norm_taken || std::isfinite(p.stats.grad_norm);
 }
 
+// What this rank sent over the groups the model's layers and stages use since the last
+// call: tensor-parallel all-reduces, activations and their gradients between stages, a tied
+// weight's sum. (The data group's traffic is the gradient sync's and the mode's to count.)
+int64_t model_traffic(const Mesh& mesh) {
+  int64_t bytes = mesh.tensor()->take_sent() + mesh.pipeline()->take_sent();
+  const auto& tied = mesh.embedding();
+  if (tied && tied != mesh.pipeline() && tied != mesh.tensor()) bytes += tied->take_sent();
+  return bytes;
+}
+
 // The gradient's global norm over every shard (the same on every rank after the sync),
 // fp16's scale divided out; a tied weight's copy counted once.
 torch::Tensor unscaled_norm(const StepParts& c, double scale) {
@@ -208,6 +218,7 @@ PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double 
                      (skip_mode && !c.optimizer.fused());
   SyncDebugScope sync_check(c.device.is_cuda() && !waits ? sync_debug_mode() : "off");
   c.sync.begin_step(n);
+  model_traffic(c.mesh);  // what went before (an evaluation) is not the step's
   // 1. the batch (prepared ahead by the loader's threads), queued to the device
   const Batch batch = to_device(host_batch, c.device);
   const double scale = c.scaler ? c.scaler->scale() : 1.0;
@@ -243,29 +254,30 @@ PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
   const torch::Tensor skip = update(c, p, figures, layout, norm, scale);
   c.sync.after_update(skip);
-  s.comm_bytes = c.sync.bytes_per_step() + c.mode.after_update(n);
+  s.comm_bytes = c.sync.bytes_per_step() + c.mode.after_update(n) + model_traffic(c.mesh);
   c.params.zero_grad();
   settle();
   s.optim_ms = ms_since(t_opt);
   return p;  // its step_ms is the loop's to measure: the host's time here is not the device's
 }
 
-StepStats read_step(StepParts& c, PendingStep& p, bool apart_diverged) {
+StepStats read_step(StepParts& c, PendingStep& p, bool apart_diverged, int64_t in_a_row) {
   StepStats& s = p.stats;
   if (!p.decided) {
     take_figures(c, p);
     s.nonfinite = !std::isfinite(s.loss) || !grads_finite(p) || s.replica_diverged;
   }
   if (s.nonfinite) {
-    // Name the lowest rank that saw it: one more reduction over the ranks that agreed on
-    // the step, on this rare path only.
+    // Name the lowest rank that saw it, and agree on the longest run of skipped steps: one
+    // more reduction over the ranks that agreed on the step, on this rare path only.
     const bool seen_here =
         !std::isfinite(p.local_loss) || !grads_finite(p) || (s.replica_diverged && apart_diverged);
     const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
-    double seen[1] = {seen_here ? double(world - rank) : 0.0};
-    c.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {1}, torch::kFloat64),
+    double seen[2] = {seen_here ? double(world - rank) : 0.0, double(in_a_row)};
+    c.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {2}, torch::kFloat64),
                                             ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
+    s.peers_in_a_row = int64_t(seen[1]);
   }
   return s;
 }

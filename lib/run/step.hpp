@@ -87,7 +87,9 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& batch, double d
 
 // The step's stats, complete: waits for its figures (on a GPU: for that step's work, not
 // for the steps queued after it). Every rank must read the same steps in the same order:
-// naming the rank that saw a non-finite loss is a collective.
-StepStats read_step(StepParts& parts, PendingStep& p, bool apart_diverged = false);
+// naming the rank that saw a non-finite loss is a collective, which also agrees on the most
+// non-finite steps in a row any of them had before (`in_a_row`: this rank's).
+StepStats read_step(StepParts& parts, PendingStep& p, bool apart_diverged = false,
+                    int64_t in_a_row = 0);
 
 }  // namespace dtrain

@@ -53,6 +53,17 @@ inline Result dtrain(const std::string& args, const std::string& prefix = "") {
   return r;
 }
 
+// What a shell command prints on stdout.
+inline std::string slurp_command(const std::string& cmd) {
+  std::string out;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+    ::pclose(p);
+  }
+  return out;
+}
+
 // `dtrain ARGS` without the progress line, which must succeed (else its stderr is the
 // failure's message).
 inline void run_ok(const std::string& args) {
@@ -85,6 +96,33 @@ inline std::map<int64_t, double> train_losses(const std::string& run_dir) {
 }
 
 inline const char* kFashion = "/usr/share/datasets/fashion-mnist";
+
+// A job spec for the tests: each section a YAML flow mapping, with defaults that keep a
+// run small (synthetic images, an MLP, 12 steps of 2 micro-batches, one thread per rank).
+struct Job {
+  std::string name = "e2e";
+  int64_t seed = 11;
+  std::string data = "{dataset: synthetic, samples: 512, test_samples: 64, input_shape: [1, 8, 8],"
+                     " classes: 4, batch_size: 16, workers: 1}";
+  std::string model = "{arch: mlp, hidden: [32, 16]}";
+  std::string optimizer = "{name: sgd, lr: 0.05, momentum: 0.9}";
+  std::string schedule = "{warmup_steps: 2, decay: cosine}";
+  int64_t max_steps = 12;
+  std::string train = "grad_accum: 2";  // train's keys besides max_steps, logging, threads
+  std::string parallel = "{}";
+  std::string extra;                    // more top-level YAML
+  // Writes it as DIR/FILE; returns the path.
+  std::string write(const std::string& dir, const std::string& file = "job.yaml") const {
+    const auto path = dir + "/" + file;
+    std::ofstream(path) << "name: " << name << "\nseed: " << seed << "\ndata: " << data
+                        << "\nmodel: " << model << "\noptimizer: " << optimizer
+                        << "\nschedule: " << schedule << "\ntrain: {max_steps: " << max_steps
+                        << ", log_every: 1, threads: 1, eval_every: 0"
+                        << (train.empty() ? "" : ", " + train) << "}\nparallel: " << parallel
+                        << "\ndist: {timeout_s: 60}\n" << extra;
+    return path;
+  }
+};
 // No progress line: the tests read metrics.jsonl and stderr's messages.
 inline const char* kQuiet = " --set logging.progress=off";
 inline std::string config(const std::string& name) { return std::string(DTRAIN_CONFIGS) + "/" + name; }

@@ -192,6 +192,12 @@ TEST_SUITE("async") {
     refused("--nproc 3" + kAsync + " --set parallel.zero=1", "async_ps with parallel.zero 1");
     refused("--nproc 3" + kAsync + " --set parallel.compression=fp16",
             "async_ps with parallel.compression fp16");
+    // validate counts every process, the servers with the workers.
+    auto ok = dtrain("validate " + path + " --nproc 3" + kAsync);
+    INFO(ok.err);
+    CHECK(ok.code == 0);
+    CHECK(ok.out.find("3 process(es): data 2 x tensor 1 x pipeline 1, and 1 more for "
+                      "parallel.mode async_ps") != std::string::npos);
   }
 
   TEST_CASE("Fashion-MNIST MLP and CNN: 2 workers at staleness 4 within 2 points of sync") {

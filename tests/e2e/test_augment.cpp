@@ -51,7 +51,7 @@ TEST_SUITE("augment") {
     CHECK(train_losses(dir + "/sharp").at(1) != one.at(1));  // another loss
   }
 
-  TEST_CASE("augmentation and label smoothing on token data are refused, naming the key") {
+  TEST_CASE("augmentation on tokens or on samples that are not images, and label smoothing on tokens, are refused") {
     auto dir = temp_dir("augment-refuse");
     for (const auto& [sets, says] : std::vector<std::pair<std::string, std::string>>{
              {" --set data.augment=[hflip]", "data.augment: augmentation is for images"},
@@ -61,6 +61,19 @@ TEST_SUITE("augment") {
       INFO(sets << ": " << r.err);
       CHECK(r.code == 2);
       CHECK(r.err.find(says) != std::string::npos);
+    }
+    // Samples that are not images: validate and run refuse them alike, naming the key.
+    for (const std::string shape : {"[64]", "[8,8]"}) {
+      const std::string sets = " --set data.dataset=synthetic --set data.input_shape=" + shape +
+                               " --set model.arch=mlp --set data.augment=[hflip]"
+                               " --set train.max_steps=2" + std::string(kQuiet);
+      for (const std::string cmd : {"validate", "run"}) {
+        auto r = e2e::dtrain(cmd + " " + config("fashion_mnist_mlp.yaml") + sets +
+                             (cmd == "run" ? " --run-dir " + dir + "/run" : ""));
+        INFO(cmd << sets << ": " << r.err);
+        CHECK(r.code == 2);
+        CHECK(r.err.find("data.augment: augmentation is for images shaped") != std::string::npos);
+      }
     }
   }
 }

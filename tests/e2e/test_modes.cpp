@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.hpp"
+#include "checkpoint/safetensors.hpp"
 #include "run.hpp"
 
 using namespace e2e;
@@ -221,6 +222,60 @@ TEST_SUITE("modes") {
                            summary["local_sgd"]["comm_bytes_per_sample"].get<double>();
       CHECK(ratio == doctest::Approx(8.0).epsilon(0.05));
     }
+  }
+
+  TEST_CASE("local_sgd with transient non-finite steps: each replica skips, all judge alike") {
+    // MNIST-shaped images in which a few samples have one bright pixel, and a first layer
+    // whose weights on that pixel are huge: those samples' loss is not finite, so about
+    // one step in three on some replica, and the replicas skip apart between averages.
+    auto dir = temp_dir("modes-nonfinite");
+    auto idx = [&](const std::string& name, const torch::Tensor& bytes) {
+      std::string out{'\0', '\0', '\x08', char(bytes.dim())};
+      for (int64_t d : bytes.sizes())
+        for (int shift : {24, 16, 8, 0}) out += char((uint32_t(d) >> shift) & 0xff);
+      const auto c = bytes.contiguous();
+      out.append(static_cast<const char*>(c.data_ptr()), size_t(c.numel()));
+      std::ofstream(dir + "/" + name, std::ios::binary) << out;
+    };
+    auto images = torch::randint(0, 100, {256, 28, 28}, torch::kUInt8);
+    images.select(2, 0).select(1, 0).zero_();
+    for (int64_t k = 0; k < 256; k += 11) images[k][0][0] = 255;
+    const auto labels = torch::randint(0, 10, {256}, torch::kUInt8);
+    idx("train-images-idx3-ubyte", images);
+    idx("train-labels-idx1-ubyte", labels);
+    idx("t10k-images-idx3-ubyte", images.narrow(0, 0, 64));
+    idx("t10k-labels-idx1-ubyte", labels.narrow(0, 0, 64));
+    auto path = dir + "/job.yaml";
+    std::ofstream(path) << "name: nonfinite\nseed: 3\n"
+                           "data: {dataset: mnist, path: " << dir << ", batch_size: 16, workers: 1}\n"
+                           "model: {arch: mlp, hidden: [16]}\n"
+                           "optimizer: {name: sgd, lr: 0.01, momentum: 0}\n"
+                           "schedule: {decay: constant}\n"
+                           "train: {max_steps: 40, log_every: 1, threads: 1, on_nonfinite: skip}\n"
+                           "parallel: {mode: local_sgd, average_every: 4}\n"
+                           "dist: {timeout_s: 20}\n";
+    run_ok("run " + path + " --run-dir " + dir + "/init --set train.max_steps=1"
+           " --set parallel.mode=sync");
+    auto weights = dtrain::load_checkpoint(dir + "/init/checkpoints/step-00000001").model;
+    for (auto& [name, t] : weights)
+      if (name == "1.weight") t.select(1, 0).fill_(3e38f);  // the bright pixel's column
+    dtrain::write_safetensors(dir + "/huge.safetensors", weights);
+    const std::string init = " --set model.init_from=" + dir + "/huge.safetensors";
+    // Skipped apart, the run goes on and completes.
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/skip" + init);
+    const auto done = metrics(dir + "/skip").back();
+    CHECK(done["status"] == "completed");
+    CHECK(done["skipped_steps"].get<int64_t>() > 0);
+    // Two in a row on one replica and one on the other, the second where they meet: the
+    // longest run counts on every rank, and all end together (exit 3), none waiting for a
+    // peer that already left.
+    auto r = e2e::dtrain("run " + path + " --nproc 2 --run-dir " + dir + "/limit" + init +
+                         " --set train.max_skipped=2" + kQuiet);
+    INFO(r.err);
+    CHECK(r.code == 3);
+    CHECK(r.err.find("closed its connection") == std::string::npos);
+    CHECK(r.err.find("timed out") == std::string::npos);
+    CHECK(metrics(dir + "/limit").back()["status"] == "diverged");
   }
 
   TEST_CASE("modes: what local_sgd cannot combine with is refused, naming the keys") {
