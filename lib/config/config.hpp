@@ -225,7 +225,7 @@ struct ParallelConfig {
   std::string compression = "none";
   double topk_ratio = 0.01;
   int64_t powersgd_rank = 2;
-  int64_t compression_warmup = 0;
+  std::string compression_warmup = "auto";
   std::string mode = "sync";
   int64_t servers = 1;
   int64_t staleness = 4;
@@ -252,7 +252,8 @@ struct ParallelConfig {
     v("topk_ratio", topk_ratio, "topk: share of each gradient slice's entries sent");
     v("powersgd_rank", powersgd_rank, "powersgd: rank of each matrix's approximation");
     v("compression_warmup", compression_warmup,
-      "steps all-reduced uncompressed before compression starts");
+      "steps all-reduced uncompressed before compression starts: a number, or auto (sign: "
+      "the run's first quarter; topk, powersgd: its first tenth; fp16, bf16: none)");
     v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
       "training mode: sync (every step's gradient averaged), async_ps (parameter servers apply "
       "each worker's gradient as it arrives), local_sgd (each data replica steps alone, the "

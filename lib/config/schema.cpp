@@ -459,6 +459,12 @@ void need(bool ok, const std::string& key, const std::string& rule, const T& val
 }
 bool finite(double x) { return std::isfinite(x); }
 
+// "0", "300": digits only, small enough for an int64 step count.
+bool whole_number(const std::string& s) {
+  return !s.empty() && s.size() <= 18 &&
+         std::all_of(s.begin(), s.end(), [](unsigned char ch) { return std::isdigit(ch); });
+}
+
 void check_name(const JobConfig& c) {
   // The name becomes a folder (runs/NAME) and a file-name part: nothing that walks out of
   // it, hides it or breaks a shell.
@@ -547,7 +553,9 @@ void check_parallel(const JobConfig& c) {
   need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
   need(p.powersgd_rank >= 1, "parallel.powersgd_rank", ">= 1", p.powersgd_rank);
-  need(p.compression_warmup >= 0, "parallel.compression_warmup", ">= 0", p.compression_warmup);
+  need(p.compression_warmup == "auto" || whole_number(p.compression_warmup),
+       "parallel.compression_warmup", "auto or a whole number of steps >= 0",
+       printable(p.compression_warmup));
   need(p.servers >= 1, "parallel.servers", ">= 1", p.servers);
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);

@@ -409,4 +409,11 @@ std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shar
   throw std::logic_error(fmt::format("parallel.compression: no reduction for '{}'", how));
 }
 
+int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps) {
+  if (cfg.compression_warmup != "auto") return std::stoll(cfg.compression_warmup);
+  if (cfg.compression == "sign") return (total_steps + 3) / 4;
+  if (cfg.compression == "topk" || cfg.compression == "powersgd") return (total_steps + 9) / 10;
+  return 0;
+}
+
 }  // namespace dtrain

@@ -121,9 +121,10 @@ struct Tied {
 
 // The strategy for a data-parallel group of `mesh`: NoSync with one data-parallel rank,
 // ZeRO's under parallel.zero (zero.hpp), a compression under parallel.compression, else
-// bucketed all-reduce.
+// bucketed all-reduce. `total_steps`: the run's length (compression_warmup_steps).
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,
-                                         FlatParams& params, int64_t micro_batches, Tied tied = {});
+                                         FlatParams& params, int64_t micro_batches,
+                                         int64_t total_steps, Tied tied = {});
 // Bucketed all-reduce over `mesh`'s data group, whatever the job's strategy.
 std::unique_ptr<GradSync> make_all_reduce_sync(const ParallelConfig& cfg, const Mesh& mesh,
                                                FlatParams& params, int64_t micro_batches, Tied tied);

@@ -24,8 +24,9 @@ Shard Lockstep::update_shard(const FlatParams& params) const {
 }
 
 std::unique_ptr<GradSync> Lockstep::make_sync(FlatParams& params, int64_t micro_batches,
-                                              Tied tied) const {
-  return make_grad_sync(cfg_.parallel, mesh_, params, micro_batches, std::move(tied));
+                                              int64_t total_steps, Tied tied) const {
+  return make_grad_sync(cfg_.parallel, mesh_, params, micro_batches, total_steps,
+                        std::move(tied));
 }
 
 namespace {

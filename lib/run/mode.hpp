@@ -41,8 +41,9 @@ class Mode {
   // How the flat buffers are laid out, the part this rank updates, and its gradient sync.
   virtual void shape_flat(FlatOptions& opts) const = 0;
   virtual Shard update_shard(const FlatParams& params) const = 0;
+  // `total_steps`: the run's length, which parallel.compression_warmup: auto is a share of.
   virtual std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
-                                              Tied tied) const = 0;
+                                              int64_t total_steps, Tied tied) const = 0;
   // The layout in the start line and the summary.
   virtual std::string describe() const { return mesh().dims().str(); }
   virtual nlohmann::json layout() const;
@@ -80,7 +81,7 @@ class Lockstep : public Mode {
   void shape_flat(FlatOptions& opts) const override;
   Shard update_shard(const FlatParams& params) const override;
   std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
-                                      Tied tied) const override;
+                                      int64_t total_steps, Tied tied) const override;
   RunResult run(Run& run) override;
 
  protected:

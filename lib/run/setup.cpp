@@ -149,7 +149,7 @@ void build_training(Run& run) {
                   run.mesh().coord().tensor);
   run.model.tied = find_tied(run.model, *run.params, run.mesh());
   run.optimizer = make_optimizer(cfg.optimizer, *run.params, mode.update_shard(*run.params));
-  run.sync = mode.make_sync(*run.params, cfg.train.grad_accum, run.model.tied);
+  run.sync = mode.make_sync(*run.params, cfg.train.grad_accum, run.total_steps, run.model.tied);
   for (auto& chunk : run.model.chunks)
     chunk->before_use([sync = run.sync.get()](const torch::nn::Module& m) { sync->before_use(m); });
   if (cfg.precision.dtype == "fp16")
@@ -271,7 +271,6 @@ void build_run(Run& run) {
   const std::string process = set_up_process(run);
   run.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed));
   agree_on_data(run.data, *run.job, cfg.data.path);
-  build_training(run);
   // Each data rank's shard of every global batch (a rank that reads none counts steps).
   const bool reads = mode.reads_data();
   run.sampler.emplace(run.data.train->size(), cfg.data.batch_size, cfg.data.shuffle,
@@ -280,6 +279,7 @@ void build_run(Run& run) {
   run.steps_per_epoch = run.sampler->steps_per_epoch();
   run.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
                                             : cfg.train.epochs * run.steps_per_epoch;
+  build_training(run);
   build_log(run, mode.holds_run() && run.mesh().world()->rank() == 0);
   run.runner = make_runner(runner_parts(run));
   run.savers = run_savers(run);

@@ -620,7 +620,7 @@ class AsyncPs : public Mode, public Stateful {
     return server_ ? params.shard(servers_, mesh_->coord().data) : Shard{};
   }
   // A worker's gradient is its own (pushed to the servers); a server computes none.
-  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches, int64_t,
                                       Tied tied) const override {
     return make_no_sync(params, micro_batches, std::move(tied), update_shard(params));
   }

@@ -68,7 +68,7 @@ class LocalSgd : public Lockstep, public Stateful {
     return "between averages of the data replicas (parallel.mode: local_sgd)";
   }
 
-  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches, int64_t,
                                       Tied tied) const override {
     return std::make_unique<LocalSync>(
         cfg_.parallel, make_all_reduce_sync(cfg_.parallel, mesh_, params, micro_batches, tied),

@@ -190,3 +190,21 @@ TEST_CASE("compression: powersgd's sum, bytes, residual and warm-started Q, agai
   }, quick());
   failures.check();
 }
+
+TEST_CASE("compression: the warm-up, a number or auto (a share of the run for the lossy methods)") {
+  ParallelConfig cfg;
+  auto warmup = [&](const std::string& how, const std::string& setting, int64_t total) {
+    cfg.compression = how;
+    cfg.compression_warmup = setting;
+    return compression_warmup_steps(cfg, total);
+  };
+  CHECK(warmup("sign", "auto", 400) == 100);
+  CHECK(warmup("sign", "auto", 937) == 235);
+  CHECK(warmup("topk", "auto", 401) == 41);  // rounded up: never less than a tenth
+  CHECK(warmup("powersgd", "auto", 2811) == 282);
+  CHECK(warmup("powersgd", "auto", 1) == 1);
+  CHECK(warmup("fp16", "auto", 400) == 0);
+  CHECK(warmup("bf16", "auto", 400) == 0);
+  CHECK(warmup("sign", "0", 400) == 0);
+  CHECK(warmup("fp16", "300", 400) == 300);
+}

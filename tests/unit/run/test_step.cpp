@@ -50,7 +50,7 @@ struct Bench {
         runner(weight->weight),
         optimizer(make_optimizer(cfg.optimizer, flat)),
         mode(cfg, ParallelDims{}, make_local_comm()),
-        sync(mode.make_sync(flat, 1, Tied{})),
+        sync(mode.make_sync(flat, 1, 100, Tied{})),
         parts{runner, *sync, flat, *optimizer, nullptr, mode.mesh(), mode, tied, cfg, 10,
               c10::Device(c10::kCPU)} {
     torch::NoGradGuard no_grad;
