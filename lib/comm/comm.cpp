@@ -90,9 +90,6 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
     if (!ops.empty()) throw std::logic_error("send/recv in a group of one process");
     return std::make_unique<DonePending>();
   }
-  int64_t recv_any(torch::Tensor, int) override {
-    throw std::logic_error("recv_any in a group of one process");
-  }
   std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>& members) override {
     if (members != std::vector<int64_t>{0})
       throw std::logic_error("a group of other ranks in a world of one process");
@@ -236,16 +233,6 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
       }
       return std::unique_ptr<Pending>(std::move(all));
     });
-  }
-  int64_t recv_any(torch::Tensor t, int tag) override {
-    const Staged st = p2p_staged(t);
-    std::vector<torch::Tensor> ts{st.dev};
-    c10::intrusive_ptr<c10d::Work> work;
-    guard("recv", [&] {
-      work = pg_->recvAnysource(ts, tag);
-      return pending("recv", work, ts, 1.0, st.back);
-    })->wait();
-    return work->sourceRank();
   }
   std::shared_ptr<Comm> new_group(const std::string& name,
                                   const std::vector<int64_t>& members) override {

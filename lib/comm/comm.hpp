@@ -118,10 +118,6 @@ class Comm {
   void recv(torch::Tensor t, int64_t src, int tag = 0) {
     exchange_async({{P2POp::kRecv, std::move(t), src, tag}})->wait();
   }
-  // A transfer into `t` from whichever rank sends first with `tag`; returns that rank.
-  // Gloo only (NCCL has no receive-from-any): an asynchronous parameter server answers
-  // whichever worker pushes first.
-  virtual int64_t recv_any(torch::Tensor t, int tag) = 0;
 
   // The group of the world ranks `members` (in that order; this process among them), named
   // `name` (unique per group in the job: it prefixes the group's rendezvous keys). Only the

@@ -10,6 +10,7 @@
 
 #include <csignal>
 #include <filesystem>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -167,6 +168,60 @@ TEST_SUITE("async") {
       const auto s = summary(dir + "/c");
       CHECK(s["status"] == "completed");
       CHECK(s["steps"] == 300);
+    }
+  }
+
+  TEST_CASE("a stopped worker does not stop the others; past dist.timeout_s it ends the job naming it") {
+    auto dir = temp_dir("async-sigstop");
+    const auto path = job(dir, "{name: sgd, lr: 0.05}");
+    auto last_step = [&](const std::string& run_dir) {
+      int64_t step = 0;
+      for (const auto& l : of_kind(metrics(run_dir), "train")) step = l["step"];
+      return step;
+    };
+    {
+      // Staleness unbounded: the running worker never waits. Stopped three times, at
+      // whatever point of its push the signal finds it (before the fix, the server waited
+      // for a push it had begun to take from the stopped worker, two times in three).
+      auto bg = start_dtrain("run " + path + " --run-dir " + dir + "/a --nproc 3" + kAsync +
+                             " --set parallel.staleness=100000000 --set train.max_steps=100000000"
+                             " --set train.log_every=10 --set train.eval_every=0" + kQuiet);
+      REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
+      const pid_t victim = worker_pid(bg.pid, 2);
+      REQUIRE(victim > 0);
+      for (int round = 0; round < 3; ++round) {
+        CAPTURE(round);
+        ::kill(victim, SIGSTOP);
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        const int64_t before = last_step(dir + "/a");
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        const int64_t after = last_step(dir + "/a");
+        ::kill(victim, SIGCONT);
+        CHECK(after >= before + 20);
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      }
+      ::kill(bg.pid, SIGTERM);
+      const int code = wait_for(bg.pid, std::chrono::seconds(60));
+      INFO(slurp(bg.err));
+      CHECK(code == 143);
+      CHECK(summary(dir + "/a")["status"] == "stopped");
+    }
+    {
+      // Stopped past dist.timeout_s it counts as lost: exit 4, naming it.
+      auto bg = start_dtrain("run " + path + " --run-dir " + dir + "/b --nproc 3" + kAsync +
+                             " --set parallel.staleness=100000000 --set train.max_steps=100000000"
+                             " --set train.log_every=10 --set train.eval_every=0"
+                             " --set dist.timeout_s=3" + kQuiet);
+      REQUIRE(wait_for_step(dir + "/b", 20, std::chrono::seconds(60)));
+      const pid_t victim = worker_pid(bg.pid, 2);
+      REQUIRE(victim > 0);
+      ::kill(victim, SIGSTOP);
+      const int code = wait_for(bg.pid, std::chrono::seconds(60));
+      ::kill(victim, SIGCONT);
+      const auto err = slurp(bg.err);
+      INFO(err);
+      CHECK(code == 4);
+      CHECK(err.find("async_ps worker 1") != std::string::npos);
     }
   }
 

@@ -40,9 +40,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <deque>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -83,8 +86,8 @@ constexpr size_t kOrdersInFlight = 64;
 struct Order {
   enum : int64_t { kKind, kWorker, kArg, kNorm, kSize };
   // kApply: push kArg (from 1) of worker kWorker, its gradient's norm kNorm. kDiscard: the
-  // worker's push, dropped. kReply: answer the worker. kEvaluate / kCheckpoint: at step
-  // kArg. kEnd: exit with code kArg.
+  // worker's push, dropped. kReply: answer the worker with command kArg (kGoOn: it pushes
+  // again). kEvaluate / kCheckpoint: at step kArg. kEnd: exit with code kArg.
   enum Kind : int64_t { kApply = 1, kDiscard, kReply, kEvaluate, kCheckpoint, kEnd };
 };
 
@@ -150,6 +153,57 @@ void wait_for(Pending& p, const std::string& who, const Ps& c) {
     throw DistError(fmt::format("rank {}: lost {}: {}", c.run.job->rank(), who, e.what()));
   }
 }
+
+// The workers' pushes, taken in the order they complete. A receive from any rank would be
+// simpler, but Gloo's commits to the first sender it hears of and then waits for that
+// sender's data, which only comes while the sender runs: a worker stopped just after it
+// posted its push (SIGSTOP, a swapped-out process) held every other worker's. So each
+// worker's next push is posted to it alone as it is told to go on (and its data flows as
+// soon as it sends), waited for on a thread of its own, and handed over as it completes.
+class Arrivals {
+ public:
+  explicit Arrivals(size_t workers) : threads_(workers) {}
+  Arrivals(const Arrivals&) = delete;
+  Arrivals& operator=(const Arrivals&) = delete;
+  ~Arrivals() {  // a failed run leaves waits behind: each ends by dist.timeout_s at worst
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+  // Worker w's next push is posted: `wait` completes it (and names w if it fails).
+  void expect(size_t w, std::function<void()> wait) {
+    if (threads_[w].joinable()) threads_[w].join();  // its last push, already taken
+    ++expected_;
+    threads_[w] = std::thread([this, w, wait = std::move(wait)] {
+      std::exception_ptr error;
+      try {
+        wait();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.emplace_back(w, error);
+      arrived_.notify_one();
+    });
+  }
+  // The worker whose push completed first; a failed wait's error is thrown here.
+  size_t next() {
+    if (expected_ == 0) throw std::logic_error("async_ps: waiting for a push none was told to send");
+    std::unique_lock<std::mutex> lock(mutex_);
+    arrived_.wait(lock, [&] { return !done_.empty(); });
+    const auto [w, error] = done_.front();
+    done_.pop_front();
+    --expected_;
+    if (error) std::rethrow_exception(error);
+    return w;
+  }
+
+ private:
+  std::vector<std::thread> threads_;  // per worker: its pending push's wait
+  int64_t expected_ = 0;              // posted, not yet taken (the caller's thread only)
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  std::deque<std::pair<size_t, std::exception_ptr>> done_;
+};
 
 // What every server does with its range.
 class ServerRange {
@@ -270,9 +324,12 @@ RunResult run_follower(Ps& c) {
   auto& job = *c.run.job;
   ServerRange range(c);
   auto order = f64(std::vector<double>(Order::kSize, 0.0));
-  auto grad = range.new_grad();
-  // The last reply to each worker, in flight (done once the worker pushes again).
-  std::vector<std::unique_ptr<Pending>> replies(size_t(c.workers));
+  // Each worker's next push, posted when server 0 tells it to go on (so its data flows as
+  // soon as it sends, whatever this server is doing), and the last reply to it, in flight
+  // (done once the worker pushes again).
+  std::vector<torch::Tensor> grads(size_t(c.workers));
+  std::vector<std::unique_ptr<Pending>> pushes(size_t(c.workers)), replies(size_t(c.workers));
+  for (auto& g : grads) g = range.new_grad();
   while (true) {
     {
       auto p = job.exchange_async({{P2POp::kRecv, order, 0, kOrderTag}});
@@ -282,13 +339,17 @@ RunResult run_follower(Ps& c) {
     const auto kind = int64_t(o[Order::kKind]), w = int64_t(o[Order::kWorker]);
     const auto arg = int64_t(o[Order::kArg]);
     if (kind == Order::kApply || kind == Order::kDiscard) {
-      auto p = job.exchange_async({{P2POp::kRecv, grad, rank_of_worker(c, w), kGradTag}});
+      auto p = std::move(pushes[size_t(w)]);
+      if (!p) throw std::logic_error(fmt::format("async_ps: no push of worker {} was posted", w));
       wait_for(*p, worker_name(c, w), c);
-      if (kind == Order::kApply) range.apply(grad, o[Order::kNorm], arg);
+      if (kind == Order::kApply) range.apply(grads[size_t(w)], o[Order::kNorm], arg);
     } else if (kind == Order::kReply) {
       auto& last = replies[size_t(w)];
       if (last) wait_for(*last, worker_name(c, w), c);
       last = job.exchange_async({{P2POp::kSend, range.snapshot(), rank_of_worker(c, w), kParamsTag}});
+      if (double(arg) == kGoOn)
+        pushes[size_t(w)] = job.exchange_async(
+            {{P2POp::kRecv, grads[size_t(w)], rank_of_worker(c, w), kGradTag}});
     } else if (kind == Order::kEvaluate || kind == Order::kCheckpoint) {
       c.run.state().step = arg;
       range.gather();
@@ -369,30 +430,20 @@ class Sequencer {
 
   int64_t peer(size_t w) const { return rank_of_worker(c_, int64_t(w)); }
 
-  std::string computing() const {
-    std::string out;
-    for (size_t w = 0; w < workers_.size(); ++w)
-      if (workers_[w].computing) out += (out.empty() ? "" : ", ") + worker_name(c_, int64_t(w));
-    return out.empty() ? "none" : out;
+  // Worker w was told to go on: its next push (header, gradient range, buffers) is posted.
+  void expect_push(size_t w) {
+    auto& wk = workers_[w];
+    std::vector<P2POp> ops{{P2POp::kRecv, wk.header, peer(w), kHeaderTag},
+                           {P2POp::kRecv, wk.grad, peer(w), kGradTag}};
+    if (wk.buffers.numel() > 0) ops.push_back({P2POp::kRecv, wk.buffers, peer(w), kBufferTag});
+    std::shared_ptr<Pending> p = c_.run.job->exchange_async(std::move(ops));
+    arrivals_.expect(w, [this, p, who = worker_name(c_, int64_t(w))] { wait_for(*p, who, c_); });
   }
 
-  // The next push from whichever worker sends first: its header, then its gradient range.
+  // The next push from whichever worker's arrives first.
   size_t next_push() {
-    auto& job = *c_.run.job;
-    int64_t from = 0;
-    try {
-      from = job.recv_any(incoming_, kHeaderTag);
-    } catch (const DistError& e) {
-      throw DistError(fmt::format("rank 0: no push from {}: {}", computing(), e.what()));
-    }
-    const auto w = size_t(from - c_.servers);
-    auto& wk = workers_[w];
-    wk.header.copy_(incoming_);
-    std::vector<P2POp> ops{{P2POp::kRecv, wk.grad, from, kGradTag}};
-    if (wk.buffers.numel() > 0) ops.push_back({P2POp::kRecv, wk.buffers, from, kBufferTag});
-    auto p = job.exchange_async(std::move(ops));
-    wait_for(*p, worker_name(c_, int64_t(w)), c_);
-    wk.computing = false;
+    const auto w = arrivals_.next();
+    workers_[w].computing = false;
     return w;
   }
 
@@ -412,7 +463,7 @@ class Sequencer {
 
   // Answers worker w: go on (and its next push is posted), or end with an exit code.
   void reply(size_t w, double command) {
-    order(Order::kReply, w);
+    order(Order::kReply, w, int64_t(command));
     auto& wk = workers_[w];
     if (wk.reply) wait_for(*wk.reply, worker_name(c_, int64_t(w)), c_);  // long done
     auto& job = *c_.run.job;
@@ -422,6 +473,7 @@ class Sequencer {
     bytes_ += reply_bytes_;
     wk.awaiting = false;
     wk.computing = command == kGoOn;
+    if (wk.computing) expect_push(w);
   }
 
   // Bounded staleness: every held reply whose worker is within parallel.staleness pushes
@@ -585,8 +637,8 @@ class Sequencer {
   Ps& c_;
   ServerRange range_;
   std::vector<Worker> workers_;
+  Arrivals arrivals_{workers_.size()};
   Cadence cadence_;
-  torch::Tensor incoming_ = torch::zeros({PushHeader::kSize}, torch::kFloat64);  // a header
   int64_t version_ = 0;          // pushes applied (or dropped) since the run began
   int64_t push_bytes_ = 0, reply_bytes_ = 0, order_bytes_ = 0;
   int64_t bytes_ = 0;            // moved in this step, by every rank
