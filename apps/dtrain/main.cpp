@@ -200,7 +200,7 @@ struct Cli {
            *export_ = nullptr;
 
   Cli() {
-    app.set_version_flag("--version", std::string(DTRAIN_VERSION));
+    app.set_version_flag("--version", fmt::format("dtrain {} ({})", DTRAIN_VERSION, build_info()));
     app.require_subcommand(1);
     run = app.add_subcommand("run", "train a job");
     add_job_args(run, job);

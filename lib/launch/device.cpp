@@ -5,14 +5,19 @@
 #include <cstdlib>
 
 #include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 #include <torch/cuda.h>
+#include <torch/version.h>
 
 #include "util/error.hpp"
 
 #ifdef DTRAIN_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#endif
+#ifdef USE_C10D_NCCL
+#include <nccl.h>  // NCCL_MAJOR: the version dtrain was compiled against
 #endif
 
 namespace dtrain {
@@ -87,6 +92,21 @@ bool nccl_built() {
 #else
   return false;
 #endif
+}
+
+std::string build_info() {
+  std::string cuda = "no CUDA";
+  try {  // the CUDA hooks answer only where LibTorch's CUDA library is linked in
+    const long v = at::detail::getCUDAHooks().versionCUDART();  // e.g. 12040
+    cuda = fmt::format("CUDA {}.{}", v / 1000, (v % 1000) / 10);
+  } catch (const c10::Error&) {
+  }
+#ifdef NCCL_MAJOR
+  const std::string nccl = fmt::format("NCCL {}.{}.{}", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+#else
+  const std::string nccl = nccl_built() ? "NCCL" : "no NCCL";
+#endif
+  return fmt::format("LibTorch {}, {}, {}", TORCH_VERSION, cuda, nccl);
 }
 
 void use_device(const c10::Device& device, const JobConfig& cfg) {

@@ -1,6 +1,7 @@
 // The command line's contract: exit codes and one-line errors for bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 
@@ -129,6 +130,17 @@ TEST_SUITE("cli") {
     }
     check_one_line_error(dtrain("run " + config("fashion_mnist_mlp.yaml") + " --bogus"), 2, "--bogus");
     CHECK(dtrain("--help").code == 0);
+  }
+
+  TEST_CASE("--version names the build: dtrain's version, its LibTorch, CUDA and NCCL") {
+    const auto r = dtrain("--version");
+    CHECK(r.code == 0);
+    INFO(r.out);
+    CHECK(r.out.rfind("dtrain " DTRAIN_VERSION " (LibTorch ", 0) == 0);
+    const bool cuda = r.out.find(", CUDA ") != std::string::npos;
+    CHECK((cuda || r.out.find(", no CUDA, ") != std::string::npos));
+    CHECK((r.out.find(", NCCL") != std::string::npos || r.out.find(", no NCCL") != std::string::npos));
+    CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 1);
   }
 
   TEST_CASE("an elastic range: every world size in it must take the global batch") {
