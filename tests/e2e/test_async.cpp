@@ -211,7 +211,7 @@ TEST_SUITE("async") {
       auto bg = start_dtrain("run " + path + " --run-dir " + dir + "/b --nproc 3" + kAsync +
                              " --set parallel.staleness=100000000 --set train.max_steps=100000000"
                              " --set train.log_every=10 --set train.eval_every=0"
-                             " --set dist.timeout_s=3" + kQuiet);
+                             " --set dist.timeout_s=5" + kQuiet);
       REQUIRE(wait_for_step(dir + "/b", 20, std::chrono::seconds(60)));
       const pid_t victim = worker_pid(bg.pid, 2);
       REQUIRE(victim > 0);
