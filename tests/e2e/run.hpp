@@ -53,17 +53,6 @@ inline Result dtrain(const std::string& args, const std::string& prefix = "") {
   return r;
 }
 
-// What a shell command prints on stdout.
-inline std::string slurp_command(const std::string& cmd) {
-  std::string out;
-  if (FILE* p = ::popen(cmd.c_str(), "r")) {
-    char buf[4096];
-    for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-    ::pclose(p);
-  }
-  return out;
-}
-
 // `dtrain ARGS` without the progress line, which must succeed (else its stderr is the
 // failure's message).
 inline void run_ok(const std::string& args) {

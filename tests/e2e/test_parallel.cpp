@@ -57,6 +57,14 @@ void check_equivalent(const std::string& dir, const std::string& job, const std:
     }
   }
 }
+// A run stopped by a signal: its summary says so, and the step it stopped at was saved.
+void check_stopped_with_checkpoint(const std::string& run_dir) {
+  const auto summary = metrics(run_dir).back();
+  CHECK(summary["status"] == "stopped");
+  const int64_t at = summary["steps"];
+  CHECK(std::filesystem::exists(run_dir + "/checkpoints/" + fmt::format("step-{:08d}", at) +
+                                "/manifest.json"));
+}
 }  // namespace
 
 TEST_SUITE("data_parallel") {
@@ -196,11 +204,7 @@ TEST_SUITE("failures") {
     auto err = slurp(bg.err);
     INFO(err);
     CHECK(code == 143);
-    auto summary = metrics(dir + "/a").back();
-    CHECK(summary["status"] == "stopped");
-    const int64_t at = summary["steps"];
-    CHECK(std::filesystem::exists(dir + "/a/checkpoints/" + fmt::format("step-{:08d}", at) +
-                                  "/manifest.json"));
+    check_stopped_with_checkpoint(dir + "/a");
   }
 
   TEST_CASE("SIGTERM to one worker (a user's kill, an OOM killer): the job stops, exit 143") {
@@ -209,23 +213,15 @@ TEST_SUITE("failures") {
     auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a --nproc 2"
                            " --set train.max_steps=100000 --set train.log_every=10" + kQuiet);
     REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
-    // Rank 1: the supervisor's younger child.
-    const auto children = slurp_command(fmt::format("pgrep -P {}", bg.pid));
-    std::vector<pid_t> pids;
-    std::istringstream in(children);
-    for (pid_t p; in >> p;) pids.push_back(p);
-    REQUIRE(pids.size() == 2);
-    ::kill(std::max(pids[0], pids[1]), SIGTERM);
+    const pid_t victim = worker_pid(bg.pid, 1);
+    REQUIRE(victim > 0);
+    ::kill(victim, SIGTERM);
     int code = wait_for(bg.pid, std::chrono::seconds(60));
     auto err = slurp(bg.err);
     INFO(err);
     CHECK(code == 143);
     CHECK(err.find("the other ranks were stopped") == std::string::npos);
-    auto summary = metrics(dir + "/a").back();
-    CHECK(summary["status"] == "stopped");
-    const int64_t at = summary["steps"];
-    CHECK(std::filesystem::exists(dir + "/a/checkpoints/" + fmt::format("step-{:08d}", at) +
-                                  "/manifest.json"));
+    check_stopped_with_checkpoint(dir + "/a");
   }
 
   TEST_CASE("a worker that cannot read its data ends the job with exit 3, not a restart") {
