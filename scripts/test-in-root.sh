@@ -63,6 +63,12 @@ rm -f "$root.log"
 mkdir -p "$root/root/dtrain"
 git ls-files -z | xargs -0 cp --parents -t "$root/root/dtrain"  # the tracked files, no build/
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# This machine's own certificate authorities (a proxy's, say): the root's ca-certificates
+# package adds them when it installs, so the tests' pip trusts what this machine trusts.
+if ls /usr/local/share/ca-certificates/*.crt > /dev/null 2>&1; then
+  mkdir -p "$root/usr/local/share/ca-certificates"
+  cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+fi
 mount --bind /proc "$root/proc"
 mount --bind /dev "$root/dev"
 chroot "$root" bash -c 'cd /root/dtrain && scripts/test.sh'

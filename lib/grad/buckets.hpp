@@ -52,7 +52,9 @@ class GradBuckets {
   Ready ready_;
   Arrived arrived_;
   std::vector<Bucket> buckets_;  // in launch order (highest offsets first)
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // hooks live on these
+  // A shared_ptr before LibTorch 2.15, an intrusive_ptr from then on: whichever it returns.
+  using Accumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<torch::Tensor>()));
+  std::vector<Accumulator> accumulators_;  // hooks live on these
   size_t next_ = 0;
   bool armed_ = true;
 };
