@@ -4,8 +4,11 @@
 # (the tests are built by scripts/test.sh).
 # Idempotent: rerunning installs nothing new and rebuilds only what changed.
 #   scripts/setup.sh            install + build
-#   scripts/setup.sh --test     also what the launcher tests run: SLURM, munge, OpenMPI, torchrun
-#   scripts/setup.sh --bench    also the PyTorch baseline's packages (scripts/bench.sh)
+#   scripts/setup.sh --test     also what the tests use: SLURM, munge, OpenMPI, torchrun, and
+#                               the pinned Python packages of scripts/requirements-test.txt in .venv/
+#   scripts/setup.sh --bench    also the baselines' PyTorch: Debian's, and today's pinned in
+#                               .venv-bench/ (scripts/requirements-bench.txt)
+#   scripts/setup.sh --no-build only the packages (scripts/build-cuda.sh builds elsewhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,13 +17,19 @@ packages=(build-essential cmake pkg-config
           doctest-dev zlib1g-dev
           dataset-fashion-mnist fortunes   # Fashion-MNIST; English text for configs/gpt_text.yaml
           libopenblas0-openmp)   # LibTorch calls libblas.so.3: the reference BLAS is ~19x slower
+build=yes venv=no bench=no
 for arg in "$@"; do
   case "$arg" in
+    --no-build) build=no ;;
     --test) packages+=(slurm-wlm munge openmpi-bin python3-torch   # launchers: SLURM, mpirun, torchrun
                        python3-matplotlib                             # scripts/plot.py
-                       python3-protobuf) ;;   # decodes TensorBoard's files independently
-    --bench) packages+=(python3 python3-torch python3-numpy) ;;
-    *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
+                       python3-protobuf       # decodes TensorBoard's files independently
+                       python3-venv python3-pip)   # .venv: scripts/requirements-test.txt
+       venv=yes ;;
+    --bench) packages+=(python3 python3-torch python3-numpy        # Debian's PyTorch (--baseline debian)
+                        python3-venv python3-pip python3-dev)         # today's, and Inductor's C++
+       bench=yes ;;
+    *) echo "usage: scripts/setup.sh [--test] [--bench] [--no-build]" >&2; exit 2 ;;
   esac
 done
 
@@ -36,5 +45,25 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
 fi
 
+# The tests' Python packages (transformers, safetensors, tensorboard: the libraries users
+# read dtrain's files with), pinned, in a git-ignored environment that also sees Debian's
+# python3-torch. Reinstalls only when the pins change.
+if [ "$venv" = yes ]; then
+  stamp=.venv/requirements-test.txt
+  if ! cmp -s scripts/requirements-test.txt "$stamp"; then
+    [ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
+    cp scripts/requirements-test.txt "$stamp"
+  fi
+fi
+
+# The benchmarks' current PyTorch (scripts/requirements-bench.txt), in its own environment.
+if [ "$bench" = yes ] && ! cmp -s scripts/requirements-bench.txt .venv-bench/requirements-bench.txt; then
+  [ -x .venv-bench/bin/python ] || /usr/bin/python3 -m venv .venv-bench
+  .venv-bench/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/requirements-bench.txt
+  cp scripts/requirements-bench.txt .venv-bench/requirements-bench.txt
+fi
+
+[ "$build" = yes ] || exit 0
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build --target dtrain -j "$(nproc)"

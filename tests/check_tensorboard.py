@@ -7,7 +7,9 @@ The messages are built here from the field numbers TensorFlow publishes
 Python's protobuf (Debian's python3-protobuf); the TFRecord framing's masked CRC-32C is
 computed bit by bit here, not with a table as the writer does.
 
-    check_tensorboard.py RUN_DIR      exit 0, or 1 with what differs
+    check_tensorboard.py RUN_DIR                 exit 0, or 1 with what differs
+    check_tensorboard.py --tensorboard RUN_DIR   the same, read with tensorboard's own
+                                                 EventAccumulator (what TensorBoard shows)
 """
 import glob
 import json
@@ -78,7 +80,15 @@ def f32(x):
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
-def main(run_dir):
+def read_with_tensorboard(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {(e.step, tag): (e.value, e.wall_time)
+            for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+
+
+def read_by_hand(run_dir):
     Event = event_class()
     files = glob.glob(os.path.join(run_dir, "tb", "events.out.tfevents.*"))
     if len(files) != 1:
@@ -97,6 +107,11 @@ def main(run_dir):
             if key in got:
                 raise SystemExit(f"step {e.step} {v.tag} appears twice")
             got[key] = (v.simple_value, e.wall_time)
+    return got
+
+
+def main(run_dir, reader):
+    got = reader(run_dir)
     want = {}
     for line in open(os.path.join(run_dir, "metrics.jsonl")):
         j = json.loads(line)
@@ -115,8 +130,11 @@ def main(run_dir):
     for tag in ("train/loss", "train/lr", "train/samples_per_s", "eval/loss"):
         if not any(t == tag for _, t in got):
             raise SystemExit(f"no {tag} scalar")
-    print(f"check_tensorboard: {len(got)} scalars match metrics.jsonl")
+    print(f"check_tensorboard: {len(got)} scalars match metrics.jsonl ({reader.__name__})")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--tensorboard":
+        main(sys.argv[2], read_with_tensorboard)
+    else:
+        main(sys.argv[1], read_by_hand)

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/checkpoint.hpp"
+#include "checkpoint/hf_gpt2.hpp"
 #include "config/schema.hpp"
 #include "job/validate.hpp"
 #include "data/dataset.hpp"
@@ -136,7 +137,22 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   return run_training(cfg, dims, opts, world, comm).exit_code;
 }
 
+// A Hugging Face GPT-2 folder: its shape and its tensors as dtrain names them (init_from).
+int inspect_hf(const std::string& folder) {
+  const auto hf = read_hf_gpt2(folder);
+  int64_t total = 0;
+  for (const auto& [n, t] : hf.weights) total += t.numel();
+  std::cout << fmt::format("hugging face gpt2 {}\n  layers {}  heads {}  dim {}  positions {}  "
+                           "vocab {}\nmodel ({} tensors, {} values):\n", folder, hf.model.layers,
+                           hf.model.heads, hf.model.dim, hf.model.seq_len, hf.model.vocab,
+                           hf.weights.size(), total);
+  for (const auto& [n, t] : hf.weights)
+    std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t), c10::toString(t.scalar_type()));
+  return 0;
+}
+
 int inspect(const std::string& path) {
+  if (is_hf_folder(path)) return inspect_hf(path);
   const std::string folder = resolve_checkpoint(path);
   auto manifest = verify_checkpoint(folder);
   auto state = load_checkpoint(folder);
@@ -164,9 +180,20 @@ int inspect(const std::string& path) {
 
 // Writes the checkpoint's weights (every part's, at full shapes) to `out` as one
 // safetensors file, under a temporary name renamed into place, and reads back what it wrote.
-int export_weights(const std::string& path, const std::string& out) {
+// With `format` hf: a folder transformers' GPT2LMHeadModel.from_pretrained loads, the token
+// embedding cut to `vocab` rows (0: all of model.vocab).
+int export_weights(const std::string& path, const std::string& out, const std::string& format,
+                   int64_t vocab) {
   const std::string folder = resolve_checkpoint(path);
-  const auto weights = load_checkpoint(folder).model;  // verified, parts merged
+  const auto state = load_checkpoint(folder);  // verified, parts merged
+  const auto& weights = state.model;
+  if (format == "hf") {
+    const auto model = parse_job(state.config_yaml, folder + "/config.yaml").model;
+    write_hf_gpt2(out, weights, model, vocab > 0 ? vocab : model.vocab);
+    std::cerr << fmt::format("wrote {} (config.json, model.safetensors)\n", out);
+    return 0;
+  }
+  fail_if<ConfigError>(vocab > 0, "export --vocab: only with --format hf");
   std::error_code ec;
   fail_if<RunDirError>(std::filesystem::is_directory(out, ec),
                        "export: '{}' is a folder; name the file to write, e.g. {}/model.safetensors",
@@ -193,8 +220,8 @@ int export_weights(const std::string& path, const std::string& out) {
 struct Cli {
   CLI::App app{"dtrain: distributed training jobs from one YAML file"};
   JobArgs job;
-  std::string run_dir, resume, nnodes, folder, out;
-  int64_t nproc = 1, max_restarts = 0, check_nproc = 1;
+  std::string run_dir, resume, nnodes, folder, out, format = "safetensors";
+  int64_t nproc = 1, max_restarts = 0, check_nproc = 1, vocab = 0;
   bool no_requeue = false, reference = false;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
            *export_ = nullptr;
@@ -228,12 +255,22 @@ struct Cli {
                                              "torchrun's): check every world size in it, "
                                              "--nproc processes per node");
     inspect = app.add_subcommand("inspect", "what a checkpoint holds");
-    inspect->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
-                                              "latest checkpoint)")->required();
-    export_ = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
+    inspect->add_option("CHECKPOINT", folder, "checkpoint folder, a run directory (its "
+                                              "latest checkpoint) or a Hugging Face GPT-2 folder")
+        ->required();
+    export_ = app.add_subcommand("export", "write a checkpoint's weights as safetensors, or as "
+                                           "a Hugging Face GPT-2 folder");
     export_->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
                                               "latest checkpoint)")->required();
-    export_->add_option("OUT", out, "output .safetensors file")->required();
+    export_->add_option("OUT", out, "output .safetensors file (--format hf: a folder)")->required();
+    export_->add_option("--format", format, "safetensors: dtrain's names, one file; hf: "
+                                            "config.json and model.safetensors as transformers' "
+                                            "GPT2LMHeadModel saves them")
+        ->check(CLI::IsMember({"safetensors", "hf"}));
+    export_->add_option("--vocab", vocab, "with --format hf: keep the first N token rows (50257 "
+                                          "for GPT-2's tokenizer from a model.vocab padded to "
+                                          "50304); default all")
+        ->check(CLI::Range(int64_t(1), int64_t(1) << 31));
   }
 };
 
@@ -289,7 +326,7 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
   if (*cli.inspect) return inspect(cli.folder);
-  if (*cli.export_) return export_weights(cli.folder, cli.out);
+  if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);
   return kExitBadSpec;
 }
 

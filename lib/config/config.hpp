@@ -107,7 +107,8 @@ struct ModelConfig {
     v("seq_len", seq_len, "gpt: context length (positions are learned)");
     v("init_from", init_from,
       "a fresh run starts from these weights, by name: a checkpoint (folder, run directory or "
-      "pointer) or a .safetensors file; empty = the seed's initialisation");
+      "pointer), a .safetensors file, or (gpt) a Hugging Face GPT-2 folder; empty = the "
+      "seed's initialisation");
     v("init_strict", init_strict,
       "init_from: every tensor of the model must be there with its shape, and nothing more; "
       "false loads what matches and lists what it skipped");

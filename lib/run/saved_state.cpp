@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#include "checkpoint/hf_gpt2.hpp"
 #include "checkpoint/safetensors.hpp"
 #include "config/schema.hpp"
 #include "run/run.hpp"
@@ -279,7 +280,10 @@ void init_from(Run& run) {
   std::error_code ec;
   const bool file = fs::is_regular_file(from, ec) && from.size() > 12 &&
                     from.compare(from.size() - 12, 12, ".safetensors") == 0;
-  source = file ? read_safetensors(from).tensors : load_checkpoint(resolve_checkpoint(from)).model;
+  if (is_hf_folder(from))  // a Hugging Face GPT-2 (transformers' save_pretrained)
+    source = hf_gpt2_for(read_hf_gpt2(from), run.cfg.model, from);
+  else
+    source = file ? read_safetensors(from).tensors : load_checkpoint(resolve_checkpoint(from)).model;
   std::map<std::string, torch::Tensor> by_name(source.begin(), source.end());
   auto fits = [&](const std::string& name, const std::vector<int64_t>& full_shape) {
     auto it = by_name.find(name);
