@@ -9,25 +9,35 @@
 # waiting on communication.
 #
 #   scripts/bench.sh [--repeats N] [--models "mlp cnn"] [--threads T] [--nproc N]
-# Needs the baseline's packages: scripts/setup.sh --bench. Results: $OUT_DIR/bench.jsonl.
+#                    [--baseline current|debian] [--no-compile]
+# --baseline current (the default): today's PyTorch, pinned in scripts/requirements-bench.txt
+# (.venv-bench/), eager and torch.compile'd (--no-compile: eager only); debian: Debian's
+# python3-torch (1.13 on Debian 12, eager). Needs scripts/setup.sh --bench.
+# Results: $OUT_DIR/bench.jsonl.
 # DTRAIN_BIN=PATH benchmarks another dtrain binary (e.g. an older build) the same way.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BASELINE="${DTRAIN_BASELINE:-$ROOT/scripts/baselines/cpu.py}"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench}"
-REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1
+REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1 WHICH=current COMPILE=yes
 while [ $# -gt 0 ]; do
   case "$1" in
+    --baseline) WHICH=$2; shift 2 ;;
+    --no-compile) COMPILE=no; shift ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --models) MODELS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --nproc) NPROC=$2; shift 2 ;;
-    *) echo "usage: scripts/bench.sh [--repeats N] [--models \"mlp cnn\"] [--threads T] [--nproc N]" >&2; exit 2 ;;
+    *) echo "usage: scripts/bench.sh [--repeats N] [--models \"mlp cnn\"] [--threads T] [--nproc N] [--baseline current|debian] [--no-compile]" >&2; exit 2 ;;
   esac
 done
 [ -f "$BASELINE" ] || { echo "bench: no baseline at $BASELINE (set DTRAIN_BASELINE)" >&2; exit 2; }
-PY=/usr/bin/python3
-$PY -c 'import torch, numpy' 2>/dev/null || { echo "bench: run scripts/setup.sh --bench first" >&2; exit 2; }
+PY=/usr/bin/python3   # the figures' arithmetic; the baseline runs under BPY
+source "$ROOT/scripts/baseline.sh"
+BPY=$(baseline_python "$WHICH")
+[ "$WHICH" = debian ] && COMPILE=no
+WHO="baseline"; [ "$COMPILE" = yes ] && WHO="baseline compiled"
+echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)') ($WHO)" >&2
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 [ -x "$DTRAIN" ] || { echo "bench: no dtrain at $DTRAIN (build it: scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -37,8 +47,8 @@ echo "BLAS: $(update-alternatives --query libblas.so.3-x86_64-linux-gnu 2>/dev/n
 steps_for() { if [ "$1" = mlp ]; then echo $((900 / NPROC)); else echo $((300 / NPROC)); fi; }
 PER_RANK_THREADS=$((THREADS / NPROC > 0 ? THREADS / NPROC : 1))
 
-# fp32 matmul peak on the same thread count, in the same LibTorch.
-$PY - "$THREADS" >> "$OUT_DIR/bench.jsonl" <<'PYEOF'
+# fp32 matmul peak on the same thread count, in the baseline's LibTorch.
+$BPY - "$THREADS" >> "$OUT_DIR/bench.jsonl" <<'PYEOF'
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
 a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
@@ -53,16 +63,19 @@ PYEOF
 for r in $(seq 1 "$REPEATS"); do
   for model in $MODELS; do
     steps=$(steps_for "$model")
-    echo "== repeat $r/$REPEATS $model: baseline" >&2
     if [ "$NPROC" -gt 1 ]; then   # scripts/torchrun: torchrun that starts on Debian 12 and 13
       launch=("$ROOT/scripts/torchrun" --nproc_per_node "$NPROC" "$BASELINE")
     else
       launch=("$BASELINE")
     fi
-    ( cd "$OUT_DIR" && $PY "${launch[@]}" --model "$model" --max-steps "$steps" \
-        --threads "$PER_RANK_THREADS" 2>/dev/null ) | grep '^{' | tail -1 |
-      $PY -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({"kind":"run","who":"baseline","model":d["model"],"samples_per_s":d["samples_per_s"],"step_ms":d["step_ms_median"]}))' \
-      >> "$OUT_DIR/bench.jsonl"
+    for who in $WHO; do
+      echo "== repeat $r/$REPEATS $model: $who" >&2
+      flag=(); [ "$who" = compiled ] && flag=(--compile)
+      ( cd "$OUT_DIR" && $BPY "${launch[@]}" --model "$model" --max-steps "$steps" \
+          --threads "$PER_RANK_THREADS" "${flag[@]}" 2>/dev/null ) | grep '^{' | tail -1 |
+        $PY -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({"kind":"run","who":sys.argv[1],"model":d["model"],"samples_per_s":d["samples_per_s"],"step_ms":d["step_ms_median"]}))' "$who" \
+        >> "$OUT_DIR/bench.jsonl"
+    done
     echo "== repeat $r/$REPEATS $model: dtrain" >&2
     rm -rf "$OUT_DIR/run"
     "$DTRAIN" run "$ROOT/configs/fashion_mnist_$model.yaml" --run-dir "$OUT_DIR/run" \
@@ -82,7 +95,7 @@ PYEOF
   done
 done
 
-$PY - "$OUT_DIR/bench.jsonl" "$NPROC" <<'PYEOF'
+$PY - "$OUT_DIR/bench.jsonl" "$NPROC" "$($BPY -c 'import torch; print(torch.__version__)')" <<'PYEOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 peak = next(r["gflops"] for r in rows if r["kind"] == "peak")
@@ -93,7 +106,7 @@ def flops_per_sample(model):
     else:
         layers = [2 * 1 * 32 * 9 * 28 * 28, 2 * 32 * 64 * 9 * 14 * 14, 2 * 3136 * 128, 2 * 128 * 10]
     return 2 * sum(layers) + sum(layers[1:])
-print(f"fp32 matmul peak (2048x2048): {peak:.1f} GFLOP/s; {sys.argv[2]} process(es)")
+print(f"fp32 matmul peak (2048x2048): {peak:.1f} GFLOP/s; {sys.argv[2]} process(es); baseline PyTorch {sys.argv[3]}")
 print(f"{'model':6} {'baseline/s':>11} {'dtrain/s':>10} {'ratio':>6} {'base step ms':>12} {'dtrain step ms':>14} {'dtrain comm wait':>16} {'dtrain % peak':>13}")
 for model in dict.fromkeys(r["model"] for r in rows if r["kind"] == "run"):
     b = [r for r in rows if r.get("model") == model and r.get("who") == "baseline"]
@@ -104,6 +117,11 @@ for model in dict.fromkeys(r["model"] for r in rows if r["kind"] == "run"):
     share = ds * flops_per_sample(model) / (peak * 1e9)
     bshare = bs * flops_per_sample(model) / (peak * 1e9)
     print(f"{model:6} {bs:11.0f} {ds:10.0f} {ds / bs:6.2f} {bm:12.2f} {dm:14.2f} {100 * comm:15.0f}% {100 * share:12.0f}%  (baseline {100 * bshare:.0f}%)")
-    print(json.dumps({"kind": "ratio", "model": model, "nproc": int(sys.argv[2]), "baseline": bs, "dtrain": ds, "ratio": ds / bs, "comm_share": comm,
+    c = [r for r in rows if r.get("model") == model and r.get("who") == "compiled"]
+    cs = statistics.median(r["samples_per_s"] for r in c) if c else None
+    if c:
+        print(f"{'':6} {'compiled/s':>11} {cs:10.0f}   dtrain/compiled {ds / cs:.2f}")
+    print(json.dumps({"kind": "ratio", "model": model, "nproc": int(sys.argv[2]), "torch": sys.argv[3], "baseline": bs, "compiled": cs,
+                      "dtrain": ds, "ratio": ds / bs, "ratio_compiled": ds / cs if cs else None, "comm_share": comm,
                       "dtrain_peak_share": share, "baseline_peak_share": bshare}), file=sys.stderr)
 PYEOF

@@ -4,21 +4,24 @@
 # process, and dtrain on 2 processes as tensor 2 and as data 2 (same global batch). Runs
 # are interleaved and repeated; medians of tokens/s are reported, with ratios to PyTorch.
 #
-#   scripts/bench_gpt.sh [--repeats N] [--steps S]
-# Needs python3-torch (scripts/setup.sh --bench). Results: $OUT_DIR/bench_gpt.jsonl.
+#   scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian]
+# --baseline: today's PyTorch (the default) or Debian's (scripts/baseline.sh; setup.sh --bench). Results: $OUT_DIR/bench_gpt.jsonl.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-gpt}"
-REPEATS=3 STEPS=60
+REPEATS=3 STEPS=60 WHICH=current
 while [ $# -gt 0 ]; do
   case "$1" in
+    --baseline) WHICH=$2; shift 2 ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
-    *) echo "usage: scripts/bench_gpt.sh [--repeats N] [--steps S]" >&2; exit 2 ;;
+    *) echo "usage: scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian]" >&2; exit 2 ;;
   esac
 done
-PY=/usr/bin/python3
-$PY -c 'import torch' 2>/dev/null || { echo "bench_gpt: run scripts/setup.sh --bench first" >&2; exit 2; }
+PY=/usr/bin/python3   # the figures' arithmetic
+source "$ROOT/scripts/baseline.sh"
+BPY=$(baseline_python "$WHICH")
+echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)')" >&2
 [ -x "$ROOT/build/dtrain" ] || { echo "bench_gpt: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/bench_gpt.jsonl"
@@ -38,7 +41,7 @@ PYEOF
 
 for r in $(seq 1 "$REPEATS"); do
   echo "== repeat $r/$REPEATS" >&2
-  $PY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
+  $BPY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
   dtrain_run "dtrain 1 process" --set train.threads=2
   dtrain_run "dtrain tensor 2" --nproc 2 --set parallel.tensor=2 --set train.threads=1
   dtrain_run "dtrain data 2" --nproc 2 --set train.threads=1

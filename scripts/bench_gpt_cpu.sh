@@ -8,13 +8,23 @@
 # kernels are the same, so a gap there is elsewhere (see scripts/bench_gpu.sh's phases).
 # (scripts/bench_gpt.sh measures configs/gpt_text.yaml's byte-level GPT against its own
 # Python copy; this one is the GPU benchmark's model, whose LM head dominates as GPT-2's.)
-#   scripts/bench_gpt_cpu.sh [REPEATS]          (needs scripts/setup.sh --bench)
+#   scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian]   (scripts/setup.sh --bench)
+# --baseline: today's PyTorch (the default) or Debian's (scripts/baseline.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-REPEATS=${1:-3}
+REPEATS=3 WHICH=current
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --baseline) WHICH=$2; shift 2 ;;
+    [0-9]*) REPEATS=$1; shift ;;
+    *) echo "usage: scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian]" >&2; exit 2 ;;
+  esac
+done
 BASELINE=${BASELINE:-$ROOT/scripts/baselines/gpu.py}
-PY=/usr/bin/python3
-$PY -c 'import torch' 2>/dev/null || { echo "bench_gpt_cpu: run scripts/setup.sh --bench first" >&2; exit 2; }
+PY=/usr/bin/python3   # the figures' arithmetic
+source "$ROOT/scripts/baseline.sh"
+BPY=$(baseline_python "$WHICH")
+echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)')" >&2
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 OUT_DIR=${OUT_DIR:-/tmp/dtrain-bench-gpt-cpu}
 mkdir -p "$OUT_DIR"
@@ -35,7 +45,7 @@ logging: {progress: off}
 EOF
 for r in $(seq "$REPEATS"); do
   echo "== repeat $r/$REPEATS: pytorch" >&2
-  $PY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
+  $BPY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
     --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20 >> "$rows"
   echo "== repeat $r/$REPEATS: dtrain" >&2
   rm -rf "$OUT_DIR/run"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's side of scripts/bench.sh: the shipped MLP or CNN on Fashion-MNIST on the CPU,
 one process, or DistributedDataParallel over Gloo when started by torchrun (WORLD_SIZE >
-1). The same work per step as dtrain's job: `--batch` samples per rank gathered from the
+1); `--compile`: the model through torch.compile (PyTorch >= 2.0; Inductor's C++ on the CPU). The same work per step as dtrain's job: `--batch` samples per rank gathered from the
 decoded set in memory, SGD (lr 0.05, momentum 0.9), `--threads` intra-op threads.
 Prints one JSON line from rank 0: model, world_size, batch, samples_per_s (the global
 batch over the median step), step_ms_median."""
@@ -26,6 +26,7 @@ def main():
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data-dir", default=common.FASHION)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -35,6 +36,8 @@ def main():
     torch.manual_seed(0)
     x, y = common.fashion_mnist("train", a.data_dir)
     net = common.model(a.model)  # PyTorch's default layout, as a user writes it
+    if a.compile:  # compiled on the first steps, which the warm-up leaves out
+        net = torch.compile(net)
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -55,6 +58,7 @@ def main():
     seconds = common.median_step(step, a.max_steps, a.warmup_steps)
     if rank == 0:
         print(json.dumps({"model": a.model, "world_size": world, "batch": a.batch,
+                          "torch": torch.__version__, "compile": a.compile,
                           "samples_per_s": per_step / seconds, "step_ms_median": seconds * 1e3}),
               flush=True)
     if world > 1:
