@@ -128,6 +128,15 @@ bool connect_within(int fd, const sockaddr* addr, socklen_t len, std::chrono::mi
   return ok;
 }
 
+// The address and port of a socket's end, as text (for comparing the two ends).
+std::string endpoint(const sockaddr_storage& a) {
+  char host[NI_MAXHOST] = {}, port[NI_MAXSERV] = {};
+  const socklen_t len = a.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+  ::getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, port, sizeof port,
+                NI_NUMERICHOST | NI_NUMERICSERV);
+  return std::string(host) + "/" + port;
+}
+
 std::string address_str(const sockaddr* a) {
   char host[NI_MAXHOST] = {};
   ::getnameinfo(a, a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host,
@@ -136,6 +145,15 @@ std::string address_str(const sockaddr* a) {
 }
 
 }  // namespace
+
+bool connected_to_itself(int fd) {
+  sockaddr_storage self{}, peer{};
+  socklen_t a = sizeof self, b = sizeof peer;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &a) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &b) != 0)
+    return false;
+  return self.ss_family == peer.ss_family && endpoint(self) == endpoint(peer);
+}
 
 // Rank 0's side: one thread, poll() over the listening socket and every client; each
 // complete request is answered at once.
@@ -385,11 +403,14 @@ TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout), opts_(o) {
       if (fd < 0) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
-      if (connect_within(fd, a->ai_addr, a->ai_addrlen, left)) {
-        fd_ = fd;
-      } else {
+      if (!connect_within(fd, a->ai_addr, a->ai_addrlen, left)) {
         last_error = std::strerror(errno);
         ::close(fd);
+      } else if (connected_to_itself(fd)) {
+        last_error = "connected to itself: nobody listens there yet";
+        ::close(fd);
+      } else {
+        fd_ = fd;
       }
     }
     if (fd_ >= 0) break;

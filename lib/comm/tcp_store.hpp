@@ -20,6 +20,12 @@ namespace dtrain {
 
 class StoreServer;
 
+// Whether a connected socket is connected to itself. Connecting to a local port that nobody
+// listens on yet (rank 0 still starting) can pick that very port as the source, and TCP's
+// simultaneous open then connects the socket to itself: a "server" that answers each request
+// with the request. The client drops such a socket and tries again.
+bool connected_to_itself(int fd);
+
 class TcpStore : public c10d::Store {
  public:
   struct Options {

@@ -216,3 +216,31 @@ TEST_CASE("TcpStore: connecting to a host that drops the handshake gives up at t
   for (int fd : fillers) ::close(fd);
   ::close(listener);
 }
+
+TEST_CASE("TcpStore: a socket connected to itself is told apart from a connection") {
+  // A free port, then a socket bound to it connecting to it: TCP's simultaneous open
+  // connects it to itself, as a client's connect can while rank 0 is not listening yet.
+  int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(probe, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(probe, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(probe);
+  int self = ::socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  ::setsockopt(self, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  REQUIRE(::bind(self, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::connect(self, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  CHECK(connected_to_itself(self));
+  ::close(self);
+
+  // A real connection, to a store's server: not itself.
+  TcpStore server(opts(0, true));
+  int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  a.sin_port = htons(uint16_t(server.port()));
+  REQUIRE(::connect(client, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  CHECK_FALSE(connected_to_itself(client));
+  ::close(client);
+}
