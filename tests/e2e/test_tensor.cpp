@@ -158,11 +158,12 @@ TEST_SUITE("gpt_text") {
     const std::string corpus = "/usr/share/games/fortunes";
     REQUIRE_MESSAGE(std::filesystem::exists(corpus), "apt-get install fortunes");
     auto dir = temp_dir("gpt-text");
-    // 200 of its 600 steps, the schedule shortened to match (the README has the whole run):
-    // held-out loss 2.55 nats here, past the unigram model's ~3.3 by more than the 0.5 asked.
+    // 120 of its 600 steps, the schedule shortened to match (the README has the whole run):
+    // held-out loss 2.61 nats here (2.69 at step 60), past the unigram model's ~3.3 by more
+    // than the 0.5 asked.
     auto r = e2e::dtrain("run " + config("gpt_text.yaml") + " --run-dir " + dir +
-                         " --set train.max_steps=200 --set train.eval_every=100"
-                         " --set checkpoint.every_steps=100" + kQuiet);
+                         " --set train.max_steps=120 --set train.eval_every=60"
+                         " --set checkpoint.every_steps=60" + kQuiet);
     INFO(r.err);
     REQUIRE(r.code == 0);
     const double entropy = byte_unigram_entropy(corpus);
