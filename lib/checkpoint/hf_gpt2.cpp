@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "util/error.hpp"
+#include "util/strings.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -18,10 +19,6 @@ using json = nlohmann::json;
 namespace {
 
 const std::string kPrefix = "transformer.";
-
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
 
 // transformers' Conv1D layers: attention's c_attn and c_proj, the MLP's c_fc and c_proj.
 bool is_conv1d_weight(const std::string& name) {

@@ -23,6 +23,7 @@
 #include "layers/vocab_parallel.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
+#include "util/strings.hpp"
 
 #if DTRAIN_HAS_FUSED_ATTENTION
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -257,10 +258,6 @@ void gpt_fits(const ModelConfig& cfg, const ModelContext& ctx) {
 NetworkPtr build_gpt(const ModelConfig& cfg, const ModelContext& ctx) {
   gpt_fits(cfg, ctx);
   return std::make_shared<Gpt>(cfg, ctx);
-}
-
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
 // GPT-2's initialisation, by name.

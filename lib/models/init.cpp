@@ -6,13 +6,10 @@
 #include <torch/torch.h>
 
 #include "util/hash.hpp"
+#include "util/strings.hpp"
 
 namespace dtrain {
 namespace {
-
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
 
 double fan_in(const std::vector<int64_t>& shape) {
   double n = 1;
