@@ -2,7 +2,9 @@
 # The repository stands on its own: no file outside .ci/ refers to a folder beside the
 # checkout (a user's clone has none), and no file names a package registry's or mirror's
 # host (the machine's own configuration decides those). Reads the tracked files where git
-# can list them, else every file under the source tree but build outputs.
+# can list them, else every file under the source tree but build outputs and the
+# git-ignored environments and caches (a copied tree such as the Debian 13 root's has no
+# .git, and its test setup installs packages that name their registry).
 #   tests/check_tree.sh SOURCE_DIR
 set -uo pipefail
 cd "${1:?usage: check_tree.sh SOURCE_DIR}"
@@ -12,7 +14,8 @@ if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
 else
   files=$(find . -type f -not -path './.git/*' -not -path './build*' -not -path './runs/*' \
             -not -path './third_party/prefix/*' -not -path './third_party/debs/*' \
-            -not -path './.devdata/*' | sed 's|^\./||')
+            -not -path './.devdata/*' -not -path './.venv*' -not -path './.cache/*' \
+            -not -path '*/__pycache__/*' | sed 's|^\./||')
 fi
 # The patterns are assembled so that this file does not match them itself.
 beside='\.\./'"shared"
