@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "util/affinity.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -107,6 +108,12 @@ std::optional<std::string> Checkpointer::open() {
 
 namespace {
 
+// A rank's files' suffix: ".ppN" for its stage, ".tpT" for its tensor rank.
+std::string part_suffix(const ParallelDims& dims, const Coord& at) {
+  return (dims.pipeline > 1 ? fmt::format(".pp{}", at.pipeline) : "") +
+         (dims.tensor > 1 ? fmt::format(".tp{}", at.tensor) : "");
+}
+
 // What the components give one rank's part of a checkpoint.
 class PartWriter : public StateWriter {
  public:
@@ -122,6 +129,27 @@ class PartWriter : public StateWriter {
     for (const auto& [name, part] : parts) placed[name] = part;
   }
   void set(const std::string& key, nlohmann::json value) override { trainer[key] = std::move(value); }
+
+  // This rank's files into the temporary folder `temp` (`part`: its ".ppN.tpT" suffix).
+  void write(const std::string& temp, const std::string& part, int64_t data_rank) const {
+    if (!replica.empty())
+      CheckpointStore::write_sync_state(temp, data_rank, part, replica, replica_parts);
+    if (first_replica_) CheckpointStore::write_part(temp, part, model, optimizer, parts_);
+  }
+  // Every tensor replaced by a copy in host memory (pinned where it comes from a GPU,
+  // whose copy then is a plain DMA), which the run can no longer change.
+  void copy_to_host() {
+    for (auto* list : {&model, &optimizer, &replica})
+      for (auto& [name, t] : *list) {
+        if (t.is_cuda()) {
+          auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+          host.copy_(t);
+          t = host;
+        } else {
+          t = t.clone(at::MemoryFormat::Contiguous);
+        }
+      }
+  }
 
   NamedTensors model, optimizer, replica;
   PartsOf parts_, replica_parts;
@@ -169,7 +197,9 @@ class PartReader : public StateReader {
 }  // namespace
 
 void Checkpointer::save(int64_t step, int64_t epoch, const std::optional<Metric>& metric,
-                        const std::string& config_yaml, const std::vector<Stateful*>& parts) {
+                        const std::string& config_yaml, const std::vector<Stateful*>& parts,
+                        bool background) {
+  finish();  // at most one save in flight
   const std::string what = fmt::format("write the checkpoint of step {}", step);
   root_does(*group_, what, [&] {
     store_->begin(step);
@@ -178,28 +208,98 @@ void Checkpointer::save(int64_t step, int64_t epoch, const std::optional<Metric>
   const auto& at = opts_.at;
   PartWriter out(/*first_replica=*/at.data == 0);
   for (auto* part : parts) part->save(out);  // collective where a part is spread over ranks
-  const auto& dims = opts_.layout;
-  every_rank_does(
-      *group_, what,
-      [&] {
-        const std::string part = (dims.pipeline > 1 ? fmt::format(".pp{}", at.pipeline) : "") +
-                                 (dims.tensor > 1 ? fmt::format(".tp{}", at.tensor) : "");
-        const auto temp = CheckpointStore::temp_folder(opts_.run_dir, step);
-        if (!out.replica.empty())
-          CheckpointStore::write_sync_state(temp, at.data, part, out.replica, out.replica_parts);
-        if (at.data == 0) CheckpointStore::write_part(temp, part, out.model, out.optimizer, out.parts_);
-      },
-      [&] { store_->abort(step); });
-  root_does(*group_, what, [&] {
-    CheckpointState state;
-    state.trainer = out.trainer;
-    state.config_yaml = config_yaml;
-    state.run_id = opts_.run_id;
-    const nlohmann::json layout{{"data", dims.data}, {"tensor", dims.tensor}, {"pipeline", dims.pipeline}};
-    const auto folder = store_->commit(state, step, epoch, layout, metric);
-    if (opts_.say) opts_.say(fmt::format("checkpoint {}", folder));
-    return int64_t(0);
+  CheckpointState state;
+  state.trainer = out.trainer;
+  state.config_yaml = config_yaml;
+  state.run_id = opts_.run_id;
+  const auto temp = CheckpointStore::temp_folder(opts_.run_dir, step);
+  const auto part = part_suffix(opts_.layout, at);
+  if (!background) {
+    every_rank_does(*group_, what, [&] { out.write(temp, part, at.data); },
+                    [&] { store_->abort(step); });
+    root_does(*group_, what, [&] {
+      const auto folder = commit(state, step, epoch, metric);
+      if (opts_.say) opts_.say(fmt::format("checkpoint {}", folder));
+      return int64_t(0);
+    });
+    return;
+  }
+  // The state as it is now: the components' tensors are the live ones (views of the flat
+  // buffers, the optimizer's slots), which the next steps change under the writer.
+  out.copy_to_host();
+  flight_ = std::make_unique<Flight>();
+  auto& f = *flight_;
+  f.step = step, f.epoch = epoch, f.metric = metric, f.state = std::move(state);
+  const auto delay = std::chrono::milliseconds(opts_.cfg.debug_write_delay_ms);
+  launch(f, [out = std::move(out), temp, part, data = at.data, delay] {
+    std::this_thread::sleep_for(delay);
+    out.write(temp, part, data);
   });
+}
+
+Checkpointer::~Checkpointer() {
+  if (flight_ && flight_->thread.joinable()) flight_->thread.join();
+}
+
+void Checkpointer::launch(Flight& f, std::function<void()> work) {
+  f.done = false;
+  f.thread = std::thread([&f, work = std::move(work)] {
+    unpin_this_thread();  // created by the (pinned) training thread: not on its CPU
+    try {
+      work();
+    } catch (const Error& e) {
+      f.code = int(e.code), f.why = e.what();
+    } catch (const std::exception& e) {  // the file system's own errors
+      f.code = int(kExitBadData);
+      f.why = fmt::format("cannot write the checkpoint of step {}: {}", f.step, first_line(e.what()));
+    }
+    f.done = true;
+  });
+}
+
+std::string Checkpointer::commit(const CheckpointState& state, int64_t step, int64_t epoch,
+                                 const std::optional<Metric>& metric) {
+  const auto& dims = opts_.layout;
+  const nlohmann::json layout{{"data", dims.data}, {"tensor", dims.tensor}, {"pipeline", dims.pipeline}};
+  return store_->commit(state, step, epoch, layout, metric);
+}
+
+// The flight's agreement, one round: [some rank still busy, the highest failure's exit
+// code, a rank that failed] over the group. Writing: every rank's thread; committing: rank
+// 0's. All ranks see the same outcome, so they change phase (or throw) together.
+void Checkpointer::advance(bool wait) {
+  if (!flight_) return;
+  auto& f = *flight_;
+  const bool root = group_->rank() == 0;
+  const bool mine = !f.committing || root;  // whose thread this phase waits for
+  if (wait && mine && f.thread.joinable()) f.thread.join();
+  const bool done = !mine || f.done;
+  auto outcome = torch::tensor({int64_t(!done), int64_t(done && mine ? f.code : 0),
+                                int64_t(done && mine && f.code ? group_->rank() : -1)},
+                               torch::kInt64);
+  group_->all_reduce(outcome, ReduceOp::kMax);
+  if (outcome[0].item<int64_t>() && !outcome[1].item<int64_t>()) return;  // not yet
+  if (f.thread.joinable()) f.thread.join();
+  const std::string what = fmt::format("write the checkpoint of step {}", f.step);
+  if (const auto code = outcome[1].item<int64_t>()) {
+    const auto rank = outcome[2].item<int64_t>();
+    const std::string why = f.code ? f.why
+                                   : fmt::format("rank {} could not {} (see rank {})", rank, what, rank);
+    if (root) store_->abort(f.step);
+    flight_.reset();
+    throw Error(ExitCode(code), why);
+  }
+  if (!f.committing) {  // every part is written: rank 0 commits, in the background too
+    f.committing = true;
+    if (root) launch(f, [this, &f] { f.folder = commit(f.state, f.step, f.epoch, f.metric); });
+    return;
+  }
+  if (root && opts_.say) opts_.say(fmt::format("checkpoint {}", f.folder));
+  flight_.reset();
+}
+
+void Checkpointer::finish() {
+  while (flight_) advance(/*wait=*/true);
 }
 
 void Checkpointer::restore(const std::string& folder, const std::vector<Stateful*>& parts) {

@@ -11,11 +11,21 @@
 // is complete, and if a part could not be written every rank stops with the writer's
 // reason. A checkpoint resumes on any layout: each component takes its part of what was
 // saved at full logical shapes.
+//
+// checkpoint.async: the same checkpoint, its writing left to a background thread. At the
+// step boundary every rank takes its state as now and copies it to host memory (pinned on
+// a GPU); then training goes on while its thread writes the files. The ranks learn that
+// every part is written where they next meet (poll(): one small all-reduce per boundary,
+// only while a save is in flight), and rank 0's thread then commits (the manifest last, so
+// until then, or after a crash, `latest` is the previous checkpoint). At most one save is
+// in flight: the next save, a stop and the end wait for it (finish()).
 #pragma once
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checkpoint/checkpoint.hpp"
@@ -57,20 +67,53 @@ class Checkpointer {
   // (if any) the job resumes from; the others follow, or fail together with rank 0's exit
   // code. The lock is held while the Checkpointer lives.
   std::optional<std::string> open();
-  // Collective: a checkpoint of step `step` from every component, in order.
+  // Joins a save still in flight (a run that failed): not committed, so the previous
+  // checkpoint stays `latest`.
+  ~Checkpointer();
+
+  // Collective: a checkpoint of step `step` from every component, in order; written in
+  // the background when `background` (checkpoint.async), once any save in flight is done.
   void save(int64_t step, int64_t epoch, const std::optional<Metric>& metric,
-            const std::string& config_yaml, const std::vector<Stateful*>& parts);
+            const std::string& config_yaml, const std::vector<Stateful*>& parts,
+            bool background = false);
+  // Collective, at a step boundary where every rank is: commits the save in flight once
+  // every rank has written its part (nothing while none is in flight). A part that could
+  // not be written stops every rank, as a synchronous save does.
+  void poll() { advance(/*wait=*/false); }
+  // Collective: waits for the save in flight, if any, and commits it.
+  void finish();
+  bool in_flight() const { return flight_ != nullptr; }
   // Every rank reads the checkpoint in `folder` and each component takes its part.
   void restore(const std::string& folder, const std::vector<Stateful*>& parts);
   const std::string& run_dir() const { return opts_.run_dir; }
 
  private:
   int64_t claim_and_choose();
+  // One round of the in-flight save's agreement (wait: this rank's thread joined first).
+  void advance(bool wait);
+  std::string commit(const CheckpointState& state, int64_t step, int64_t epoch,
+                     const std::optional<Metric>& metric);
+
+  // A save whose files a background thread writes (rank 0's then commits).
+  struct Flight {
+    int64_t step = 0, epoch = 0;
+    std::optional<Metric> metric;
+    CheckpointState state;  // trainer.json's entries, the config, the run id
+    bool committing = false;
+    std::thread thread;
+    std::atomic<bool> done{false};
+    int code = 0;  // the thread's failure (its exit code), once done
+    std::string why;
+    std::string folder;  // committed (rank 0)
+  };
+  // Runs `work` on the flight's thread, its failure kept for the agreement.
+  void launch(Flight& f, std::function<void()> work);
 
   Options opts_;
   std::shared_ptr<Comm> group_;
   std::optional<DirLock> lock_;            // rank 0
   std::unique_ptr<CheckpointStore> store_;  // rank 0
+  std::unique_ptr<Flight> flight_;
 };
 
 }  // namespace dtrain

@@ -316,11 +316,18 @@ struct CheckpointConfig {
   int64_t every_steps = 0;
   int64_t keep_last = 3;
   bool keep_best = true;
+  bool async = false;
+  int64_t debug_write_delay_ms = 0;
 
   template <class V> void visit(V&& v) {
     v("every_steps", every_steps, "steps between checkpoints; 0 = at the end of each epoch");
     v("keep_last", keep_last, "newest checkpoints kept (the best is kept besides)");
     v("keep_best", keep_best, "keep the checkpoint with the best evaluation metric");
+    v("async", async,
+      "write checkpoints in the background while training goes on (the state is copied to "
+      "host memory at the step first); the last one and a stop's are written at once");
+    v("debug_write_delay_ms", debug_write_delay_ms,
+      "testing: a background write's sleep before it writes, ms");
   }
 };
 

@@ -585,6 +585,8 @@ void check_runtime(const JobConfig& c) {
   need(c.checkpoint.every_steps >= 0, "checkpoint.every_steps", ">= 0 (0 = each epoch)",
        c.checkpoint.every_steps);
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
+  need(c.checkpoint.debug_write_delay_ms >= 0, "checkpoint.debug_write_delay_ms", ">= 0",
+       c.checkpoint.debug_write_delay_ms);
 }
 
 }  // namespace

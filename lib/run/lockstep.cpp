@@ -62,7 +62,11 @@ class RunBody : public LoopBody {
     return c;
   }
   void evaluate(int64_t n) override { evaluate_and_report(run_, n); }
-  void save(int64_t n, bool evaluated) override { save_checkpoint(run_, n, evaluated); }
+  void save(int64_t n, bool evaluated, bool background) override {
+    save_checkpoint(run_, n, evaluated, background);
+  }
+  void poll_save(int64_t /*n*/) override { checkpoint_progress(run_, /*wait=*/false); }
+  void finish_save() override { checkpoint_progress(run_, /*wait=*/true); }
   RunResult stop(int sig) override { return run_.log->stopped(sig, run_.opts.requeue_job); }
 
  private:

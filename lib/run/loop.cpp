@@ -78,6 +78,7 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
                         const JobConfig& cfg) {
   auto& st = log.state();
   StepReader reader(body, log, cadence, cfg);
+  bool in_flight = false;  // a background checkpoint was started: one may be in flight
   try {
     while (st.step < total) {
       const int64_t n = st.step + 1;
@@ -87,15 +88,29 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
       st.step = n;
       if (eval_now || save_now || log.stop_voted() || cadence.parts(n)) reader.read_all();
       if (eval_now) reader.not_training([&] { body.evaluate(n); });
-      if (save_now) reader.not_training([&] { body.save(n, eval_now); });
+      if (cadence.meets(n) && in_flight) reader.not_training([&] { body.poll_save(n); });
+      if (save_now) {
+        const bool background = cfg.checkpoint.async && !cadence.last(n);
+        reader.not_training([&] { body.save(n, eval_now, background); });
+        in_flight = in_flight || background;
+      }
       if (log.stop_voted()) {
         // A stop signal (here or on a peer), acted on at a step boundary where every rank
-        // is: a checkpoint first.
-        if (st.last_saved != st.step) body.save(st.step, false);
+        // is: a checkpoint first, once the one in flight is written.
+        if (in_flight) body.finish_save();
+        if (st.last_saved != st.step) body.save(st.step, false, false);
         return body.stop(stop_signal() ? stop_signal() : SIGTERM);
       }
     }
+    if (in_flight) body.finish_save();
   } catch (const DivergedError&) {
+    // Voted on by every rank at the same step, before anything of it was saved: the
+    // checkpoint in flight is of an earlier step, and is kept.
+    try {
+      if (in_flight) body.finish_save();
+    } catch (const Error& e) {  // the divergence is what the run ends with
+      log.say(fmt::format("warning: {}", first_line(e.what())));
+    }
     throw;  // its summary is written
   } catch (const Error& e) {
     log.failed(first_line(e.what()));

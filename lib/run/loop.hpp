@@ -6,6 +6,10 @@
 // kReadLag steps after it was queued, except before anything that must not see a
 // non-finite step (an evaluation, a checkpoint, the end) and where the ranks meet after
 // steps apart (local SGD), where every pending step is read first.
+//
+// Under checkpoint.async a checkpoint is written while the next steps run, and committed
+// where the ranks meet once all have written; the last step's and a stop's are written at
+// once, after the one in flight.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,8 +32,14 @@ class LoopBody {
   // Where a non-finite step n came from, for the messages.
   virtual Culprit culprit(int64_t n, const StepStats& s) const = 0;
   virtual void evaluate(int64_t n) = 0;
-  // A checkpoint after step n (`evaluated`: with that step's evaluation as its metric).
-  virtual void save(int64_t n, bool evaluated) = 0;
+  // A checkpoint after step n (`evaluated`: with that step's evaluation as its metric),
+  // written while the next steps run when `background` (checkpoint.async).
+  virtual void save(int64_t n, bool evaluated, bool background) = 0;
+  // Where the ranks meet after step n, while a background checkpoint is in flight: its
+  // progress (committed once every rank has written).
+  virtual void poll_save(int64_t /*n*/) {}
+  // Before the run ends (completed, stopped, diverged): the background checkpoint done.
+  virtual void finish_save() {}
   // A stop signal's end, after its checkpoint: the run's result.
   virtual RunResult stop(int sig) = 0;
 };

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "config/schema.hpp"
+#include "util/clock.hpp"
 
 namespace dtrain {
 
@@ -30,15 +31,28 @@ nlohmann::json Mode::layout() const {
   return {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}};
 }
 
-void save_checkpoint(Run& run, int64_t n, bool evaluated) {
+void save_checkpoint(Run& run, int64_t n, bool evaluated, bool background) {
+  const auto t0 = Clock::now();
   run.sync->settle();  // ZeRO's parameters, still on their way to every rank
   const auto& st = run.state();
   std::optional<Metric> metric;
   const Task& task = run.model.task();
   if (evaluated && st.last_eval)
     metric = Metric{task.metric(), st.last_eval->metric, task.higher_is_better()};
-  run.checkpointer->save(n, n / run.steps_per_epoch, metric, to_yaml(run.cfg), run.stateful());
+  run.checkpointer->save(n, n / run.steps_per_epoch, metric, to_yaml(run.cfg), run.stateful(),
+                         background);
   run.state().last_saved = n;
+  run.log->checkpoint_stalled(ms_since(t0));
+}
+
+void checkpoint_progress(Run& run, bool wait) {
+  if (!run.checkpointer->in_flight()) return;
+  const auto t0 = Clock::now();
+  if (wait)
+    run.checkpointer->finish();
+  else
+    run.checkpointer->poll();
+  run.log->checkpoint_stalled(ms_since(t0));
 }
 
 }  // namespace dtrain

@@ -94,7 +94,12 @@ struct Run {
 void build_run(Run& run);
 
 // Collective over the ranks that hold the run: a checkpoint after step n from every
-// Stateful component (`evaluated`: with that step's evaluation as its metric).
-void save_checkpoint(Run& run, int64_t n, bool evaluated);
+// Stateful component (`evaluated`: with that step's evaluation as its metric), written in
+// the background when `background` (checkpoint.async). The time it holds up training goes
+// to the run log (checkpoint_stall_ms).
+void save_checkpoint(Run& run, int64_t n, bool evaluated, bool background = false);
+// Collective, where the ranks meet: the background checkpoint's progress (Checkpointer::
+// poll), or with `wait` its end (finish).
+void checkpoint_progress(Run& run, bool wait);
 
 }  // namespace dtrain

@@ -174,6 +174,7 @@ nlohmann::json RunLog::train_line(int64_t n, const StepStats& last, double lr) c
                       {"forward_ms", phase(w.forward_ms, last.forward_ms)},
                       {"backward_ms", phase(w.backward_ms, last.backward_ms)},
                       {"optim_ms", phase(w.optim_ms, last.optim_ms)},
+                      {"checkpoint_stall_ms", w.checkpoint_stall_ms},
                       {"peak_rss_mb", peak_rss_mb()},
                       {"time", unix_time()}};
   if (facts_.items_per_sample > 1) line["tokens_per_s"] = samples_per_s * double(facts_.items_per_sample);
@@ -214,6 +215,7 @@ nlohmann::json RunLog::summary(const std::string& status) const {
       {"samples_per_s", steady},
       {"step_ms_median", sorted.empty() ? 0.0 : sorted[sorted.size() / 2]},
       {"data_wait_ms_mean", n ? data_wait_ms_ / double(n) : 0.0},
+      {"checkpoint_stall_ms", stall_ms_},
       {"task", task_.name()},
       {"skipped_steps", st.skipped},
       {"peak_rss_mb", peak_rss_mb()},

@@ -83,6 +83,7 @@ struct Window {
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
          step_ms = 0;
   int64_t comm_bytes = 0;
+  double checkpoint_stall_ms = 0;  // checkpoints' hold-ups since the window began (a total)
   void add(const StepStats& s);
 };
 
@@ -141,6 +142,10 @@ class RunLog {
   // Whether a read step said some rank was asked to stop.
   bool stop_voted() const { return stop_; }
 
+  // Time a checkpoint held up training (taking the state, writing it or waiting for the
+  // one in flight): the next train line's and the summary's checkpoint_stall_ms.
+  void checkpoint_stalled(double ms) { window_.checkpoint_stall_ms += ms, stall_ms_ += ms; }
+
   // An evaluation after step n: the best so far, its line, the message.
   void eval(int64_t n, const EvalResult& e, double eval_ms);
 
@@ -175,6 +180,7 @@ class RunLog {
   Window window_;
   std::vector<double> step_ms_;  // this process's steps, for the steady-state rate
   double data_wait_ms_ = 0;
+  double stall_ms_ = 0;          // checkpoint_stalled's, over the run
   double rate_ = 0;              // the last line's samples/s, for progress
   bool stop_ = false;
 };

@@ -750,6 +750,8 @@ void validate_async_ps(const JobConfig& c, int64_t world_size) {
          "its statistics span every worker at every step");
   refuse(c.precision.dtype == "fp16", "precision.dtype fp16",
          "each worker's loss scale would move apart from the servers' (use bf16)");
+  refuse(c.checkpoint.async, "checkpoint.async",
+         "its servers checkpoint when their leader orders, outside any step the workers share");
 }
 
 }  // namespace

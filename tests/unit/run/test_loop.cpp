@@ -26,9 +26,11 @@ class StandIn : public LoopBody {
  public:
   std::vector<int64_t> stepped, read_steps, evaluated;
   std::vector<std::pair<int64_t, bool>> saved;
+  std::vector<std::string> saves;  // under checkpoint.async: "bgN", "syncN", "pollN", "wait"
   std::map<int64_t, double> loss;  // steps with another loss (NaN: non-finite)
   int64_t stop_vote_at = 0;        // a step whose figures say a rank was asked to stop
   int stopped_with = 0;
+  RunState* state = nullptr;       // given: each save sets its last_saved, as a run's does
 
   PendingStep step(int64_t n, bool /*logged*/, bool /*kept*/) override {
     stepped.push_back(n);
@@ -51,7 +53,13 @@ class StandIn : public LoopBody {
     return {"step " + std::to_string(n), "rank " + std::to_string(s.nonfinite_rank), s.nonfinite_rank};
   }
   void evaluate(int64_t n) override { evaluated.push_back(n); }
-  void save(int64_t n, bool with_eval) override { saved.emplace_back(n, with_eval); }
+  void save(int64_t n, bool with_eval, bool background) override {
+    saved.emplace_back(n, with_eval);
+    saves.push_back((background ? "bg" : "sync") + std::to_string(n));
+    if (state) state->last_saved = n;
+  }
+  void poll_save(int64_t n) override { saves.push_back("poll" + std::to_string(n)); }
+  void finish_save() override { saves.push_back("wait"); }
   RunResult stop(int sig) override {
     stopped_with = sig;
     return {128 + sig, nlohmann::json()};
@@ -187,6 +195,32 @@ TEST_CASE("loop: a stop vote is acted on where it is read: a checkpoint, then th
   CHECK(body.saved == std::vector<std::pair<int64_t, bool>>{{8, false}});
   CHECK(body.stopped_with == SIGTERM);  // a peer's vote: this process had no signal
   CHECK(result.exit_code == 128 + SIGTERM);
+}
+
+TEST_CASE("loop: checkpoint.async saves in the background, polls where the ranks meet, waits at the end") {
+  test::TempDir dir;
+  auto cfg = job(1, 0, 3);
+  cfg.checkpoint.async = true;
+  {
+    Logged l(cfg, dir.path().string(), 7);
+    StandIn body;
+    // Ranks that meet at every step but 5: no poll there (local SGD's steps apart).
+    const Cadence cadence{cfg, 100, 7, [](int64_t n) { return n != 5; }};
+    lockstep_loop(body, l.log, cadence, 7, cfg);
+    // The last step's checkpoint is written at once, after the one in flight.
+    CHECK(body.saves == std::vector<std::string>{"bg3", "poll4", "poll6", "bg6", "poll7",
+                                                 "sync7", "wait"});
+  }
+  // A stop: the one in flight first, then the stop's own checkpoint, written at once.
+  test::TempDir other;
+  Logged l(cfg, other.path().string(), 20);
+  StandIn body;
+  body.state = &l.log.state();
+  body.stop_vote_at = 4;  // read as step 6 is queued: the stop comes after step 6
+  lockstep_loop(body, l.log, Cadence{cfg, 100, 20}, 20, cfg);
+  CHECK(body.saves == std::vector<std::string>{"bg3", "poll4", "poll5", "poll6", "bg6", "wait"});
+  // Step 6 was just saved (in the background): the stop waits for it and saves nothing more.
+  CHECK(body.stopped_with == SIGTERM);
 }
 
 TEST_CASE("run log: the best metric follows the task's direction; the max_skipped rule") {
