@@ -7,11 +7,14 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -26,7 +29,9 @@ bool starts_ends(const std::string& s, const std::string& head, const std::strin
 }
 
 // The kind of tensors a checkpoint file holds, from its name: "model.pp1.tp0.safetensors"
-// holds "model", "sync.dp1.safetensors" "sync.dp1"; "" for files that hold no tensors.
+// holds "model", "sync.dp1.safetensors" "sync.dp1", a ZeRO shard "optimizer.dp1.safetensors"
+// "optimizer" (every data rank's shard makes up the one state); "" for files that hold no
+// tensors.
 std::string kind_of(const std::string& file) {
   const std::string ext = ".safetensors";
   if (!starts_ends(file, "", ext)) return "";
@@ -37,6 +42,9 @@ std::string kind_of(const std::string& file) {
         std::all_of(stem.begin() + long(at) + 3, stem.end(), ::isdigit))
       stem.resize(at);
   }
+  if (stem.rfind("optimizer.dp", 0) == 0 && stem.size() > 12 &&
+      std::all_of(stem.begin() + 12, stem.end(), ::isdigit))
+    return "optimizer";
   if (stem == "model" || stem == "optimizer" || stem.rfind("sync.dp", 0) == 0) return stem;
   return "";
 }
@@ -104,19 +112,57 @@ void CheckpointStore::begin(int64_t step) {
 
 namespace {
 
-// A split tensor's part in a file's metadata: "part:NAME" = "dim,parts,blocks,rank".
+// A split tensor's part in a file's metadata: "part:NAME" = "dim,parts,blocks,rank"; a
+// ZeRO shard's range of a tensor (or of its part): "range:NAME" = "offset;d0,d1,...;order"
+// (the part's shape; order "rows", or "nhwc" for a channels-last 4-d weight).
 constexpr const char* kPartKey = "part:";
+constexpr const char* kRangeKey = "range:";
 
 std::map<std::string, std::string> file_metadata(const std::string& format,
                                                  const NamedTensors& tensors,
-                                                 const PartsOf& parts) {
+                                                 const PartsOf& parts, const RangesOf& ranges = {}) {
   std::map<std::string, std::string> meta{{"format", format}};
-  for (const auto& [name, t] : tensors)
+  for (const auto& [name, t] : tensors) {
     if (auto it = parts.find(name); it != parts.end()) {
       const auto& p = it->second.placement;
       meta[kPartKey + name] = fmt::format("{},{},{},{}", p.dim, p.parts, p.blocks, it->second.rank);
     }
+    if (auto it = ranges.find(name); it != ranges.end()) {
+      const auto& r = it->second;
+      meta[kRangeKey + name] = fmt::format("{};{};{}", r.offset, fmt::join(r.shape, ","),
+                                           r.channels_last ? "nhwc" : "rows");
+    }
+  }
   return meta;
+}
+
+std::optional<RangeOf> range_of(const std::map<std::string, std::string>& meta,
+                                const std::string& name, const std::string& file, int64_t numel) {
+  auto it = meta.find(kRangeKey + name);
+  if (it == meta.end()) return std::nullopt;
+  const auto bad = [&] {
+    return CheckpointError(fmt::format("{}: unreadable range record for '{}' ('{}')", file, name,
+                                       it->second));
+  };
+  const auto& text = it->second;
+  const auto a = text.find(';'), b = text.rfind(';');
+  if (a == std::string::npos || a == b) throw bad();
+  RangeOf r;
+  try {
+    r.offset = std::stoll(text.substr(0, a));
+    std::stringstream dims(text.substr(a + 1, b - a - 1));
+    for (std::string d; std::getline(dims, d, ',');) r.shape.push_back(std::stoll(d));
+  } catch (const std::exception&) {
+    throw bad();
+  }
+  const auto order = text.substr(b + 1);
+  r.channels_last = order == "nhwc";
+  int64_t total = 1;
+  for (auto d : r.shape) total = d < 0 ? -1 : total * d;
+  if ((order != "rows" && order != "nhwc") || (r.channels_last && r.shape.size() != 4) ||
+      total < 0 || r.offset < 0 || r.offset + numel > total)
+    throw bad();
+  return r;
 }
 
 std::optional<PartOf> part_of(const std::map<std::string, std::string>& meta,
@@ -138,12 +184,21 @@ std::optional<PartOf> part_of(const std::map<std::string, std::string>& meta,
 
 void CheckpointStore::write_part(const std::string& temp, const std::string& part,
                                  const NamedTensors& model, const NamedTensors& optimizer,
-                                 const PartsOf& parts) {
+                                 const PartsOf& parts, bool with_optimizer) {
   const fs::path tmp(temp);
   write_safetensors((tmp / ("model" + part + ".safetensors")).string(), model,
                     file_metadata("dtrain-model", model, parts));
-  write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
-                    file_metadata("dtrain-optimizer", optimizer, parts));
+  if (with_optimizer)
+    write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
+                      file_metadata("dtrain-optimizer", optimizer, parts));
+}
+
+void CheckpointStore::write_optimizer_shard(const std::string& temp, int64_t data_rank,
+                                            const std::string& part, const NamedTensors& state,
+                                            const PartsOf& parts, const RangesOf& ranges) {
+  write_safetensors(
+      (fs::path(temp) / fmt::format("optimizer.dp{}{}.safetensors", data_rank, part)).string(),
+      state, file_metadata("dtrain-optimizer", state, parts, ranges));
 }
 
 void CheckpointStore::write_sync_state(const std::string& temp, int64_t data_rank,
@@ -303,37 +358,72 @@ CheckpointReader::CheckpointReader(const std::string& folder)
     Kind& kind = kinds_[kind_of_file[i]];
     for (const auto& e : file.entries) {
       const auto part = part_of(file.metadata, e.name, file.path);
+      const auto range = range_of(file.metadata, e.name, file.path, shape_numel(e.shape));
+      fail_if<CheckpointError>(range && e.shape.size() != 1,
+                               "{}: '{}' is a range of a tensor but not 1-d", file.path, e.name);
+      const auto local = range ? range->shape : e.shape;  // the tensor rank's part's shape
       auto [it, fresh] = kind.stored.try_emplace(e.name);
       Stored& st = it->second;
       if (fresh) {
         kind.order.push_back(e.name);
         st.placement = part ? part->placement : Placement::replicated();
-        st.full_shape = st.placement.full_shape(e.shape);
-      } else if (!part || !st.placement.is_split()) {
+        st.full_shape = st.placement.full_shape(local);
+        if (range) st.ranged = RangeOf{0, range->shape, range->channels_last};
+      } else if (!range && !st.ranged && (!part || !st.placement.is_split())) {
         continue;  // held whole by several parts: the first one
       }
       fail_if<CheckpointError>(
-          part && (st.placement.dim != part->placement.dim ||
-                   st.placement.parts != part->placement.parts ||
-                   st.placement.blocks != part->placement.blocks ||
-                   st.placement.full_shape(e.shape) != st.full_shape),
+          bool(range) != bool(st.ranged) ||
+              (range && (range->shape != st.ranged->shape ||
+                         range->channels_last != st.ranged->channels_last)),
+          "checkpoint '{}': the parts of '{}' disagree on its ranges", folder, e.name);
+      fail_if<CheckpointError>(
+          bool(part) != st.placement.is_split() ||
+              (part && (st.placement.dim != part->placement.dim ||
+                        st.placement.parts != part->placement.parts ||
+                        st.placement.blocks != part->placement.blocks ||
+                        st.placement.full_shape(local) != st.full_shape)),
           "checkpoint '{}': the parts of '{}' disagree on its split", folder, e.name);
-      st.pieces.push_back(Piece{i, &e, part ? part->rank : 0});
+      st.pieces.push_back(Piece{i, &e, part ? part->rank : 0, range ? range->offset : -1});
     }
   }
   for (const char* kind : {"model", "optimizer"})
     fail_if<CheckpointError>(!kinds_.count(kind), "checkpoint '{}' has no {} tensors", folder, kind);
-  for (auto& [kind, held] : kinds_) {
-    for (auto& [name, st] : held.stored) {
-      if (!st.placement.is_split()) continue;
-      std::sort(st.pieces.begin(), st.pieces.end(),
-                [](const Piece& a, const Piece& b) { return a.rank < b.rank; });
-      for (int64_t r = 0; r < st.placement.parts; ++r)
-        fail_if<CheckpointError>(size_t(r) >= st.pieces.size() || st.pieces[size_t(r)].rank != r,
-                                 "checkpoint '{}' lacks tensor rank {}'s part of '{}'", folder, r,
-                                 name);
+  for (auto& [kind, held] : kinds_)
+    for (auto& [name, st] : held.stored) check_pieces(name, st);
+}
+
+// Every tensor rank's part there once, and of one saved in ranges every element once.
+void CheckpointReader::check_pieces(const std::string& name, Stored& st) const {
+  std::sort(st.pieces.begin(), st.pieces.end(), [](const Piece& a, const Piece& b) {
+    return std::tie(a.rank, a.offset) < std::tie(b.rank, b.offset);
+  });
+  const int64_t parts = st.placement.is_split() ? st.placement.parts : 1;
+  auto it = st.pieces.begin();
+  for (int64_t r = 0; r < parts; ++r) {
+    fail_if<CheckpointError>(it == st.pieces.end() || it->rank != r,
+                             "checkpoint '{}' lacks tensor rank {}'s part of '{}'", folder_, r, name);
+    if (!st.ranged) {
+      ++it;
+      continue;
     }
+    // The data ranks' shards, side by side: each range starts where the one before ends.
+    const int64_t total = shape_numel(st.ranged->shape);
+    int64_t at = 0;
+    for (; it != st.pieces.end() && it->rank == r; ++it) {
+      fail_if<CheckpointError>(it->offset != at,
+                               "checkpoint '{}': elements [{}, {}) of '{}' are {} (a ZeRO shard's "
+                               "file missing or foreign)", folder_, std::min(at, it->offset),
+                               std::max(at, it->offset), name,
+                               it->offset > at ? "in no file" : "in two files");
+      at += it->entry->shape.at(0);
+    }
+    fail_if<CheckpointError>(at != total, "checkpoint '{}': elements [{}, {}) of '{}' are in no "
+                             "file (a ZeRO shard's file missing)", folder_, at, total, name);
   }
+  fail_if<CheckpointError>(!st.ranged && it != st.pieces.end(),
+                           "checkpoint '{}' holds tensor rank {}'s part of '{}' twice", folder_,
+                           it == st.pieces.end() ? 0 : it->rank, name);
 }
 
 nlohmann::json CheckpointReader::trainer() const {
@@ -353,19 +443,34 @@ std::vector<std::string> CheckpointReader::names(const std::string& kind) const 
   return kinds_.at(kind).order;
 }
 
+torch::Tensor CheckpointReader::read_part(const Stored& st, int64_t rank) const {
+  auto piece = [&](const Piece& p) { return read_tensor(files_[p.file], *p.entry); };
+  std::vector<torch::Tensor> ranges;
+  for (const auto& p : st.pieces)
+    if (p.rank == rank) {
+      if (!st.ranged) return piece(p);
+      ranges.push_back(piece(p));
+    }
+  // Side by side, in the order the flat buffer held them.
+  const auto& shape = st.ranged->shape;
+  auto flat = torch::cat(ranges);
+  if (st.ranged->channels_last)
+    return flat.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2}).contiguous();
+  return flat.view(shape);
+}
+
 torch::Tensor CheckpointReader::read(const Kind& kind, const std::string& name,
                                      const Placement& want, int64_t rank) const {
   const Stored& st = kind.stored.at(name);
-  auto piece = [&](const Piece& p) { return read_tensor(files_[p.file], *p.entry); };
   const Placement& was = st.placement;
-  if (!was.is_split()) {  // whole in one part
-    auto full = piece(st.pieces.front());
+  if (!was.is_split()) {  // whole (in one part, or in ranges)
+    auto full = read_part(st, 0);
     return want.is_split() ? want.shard(full, rank) : full;
   }
   if (want.dim == was.dim && want.parts == was.parts && want.blocks == was.blocks)
-    return piece(st.pieces[size_t(rank)]);  // saved with the split this rank has
+    return read_part(st, rank);  // saved with the split this rank has
   std::vector<torch::Tensor> parts;
-  for (const auto& p : st.pieces) parts.push_back(piece(p));
+  for (int64_t r = 0; r < was.parts; ++r) parts.push_back(read_part(st, r));
   torch::Tensor full;
   try {
     full = was.assemble(parts);

@@ -71,7 +71,13 @@ class CheckpointStore {
   // assembles the whole.
   static void write_part(const std::string& temp, const std::string& part,
                          const NamedTensors& model, const NamedTensors& optimizer,
-                         const PartsOf& parts = {});
+                         const PartsOf& parts = {}, bool with_optimizer = true);
+  // A data rank's shard of the optimizer state (ZeRO) as `optimizer.dpD<part>.safetensors`:
+  // pieces of tensors whose places `ranges` gives (the file's metadata says them too), and
+  // the scalars whole; loading merges every data rank's shard into the whole state.
+  static void write_optimizer_shard(const std::string& temp, int64_t data_rank,
+                                    const std::string& part, const NamedTensors& state,
+                                    const PartsOf& parts, const RangesOf& ranges);
   // A data rank's training-strategy state (gradient compression's residuals) as
   // `sync.dpD<part>.safetensors`: per data rank, unlike the model and optimizer, which
   // the data ranks hold alike.
@@ -129,12 +135,16 @@ class CheckpointReader {
   struct Piece {  // one file's part of a tensor
     size_t file;
     const SafetensorsIndex::Entry* entry;
-    int64_t rank;  // the tensor rank whose part it is (0 when whole)
+    int64_t rank;         // the tensor rank whose part it is (0 when whole)
+    int64_t offset = -1;  // a ZeRO shard's range of that part's elements: where it starts
   };
   struct Stored {
     std::vector<int64_t> full_shape;
     Placement placement;  // how it was split when saved (replicated: one piece, whole)
-    std::vector<Piece> pieces;
+    std::vector<Piece> pieces;  // by tensor rank, then offset
+    // Saved in ranges (ZeRO's shards): the shape of each tensor rank's part, and whether
+    // the ranges run over it channels-last.
+    std::optional<RangeOf> ranged;
   };
   struct Kind {
     std::vector<std::string> order;
@@ -142,6 +152,9 @@ class CheckpointReader {
   };
   torch::Tensor read(const Kind& kind, const std::string& name, const Placement& want,
                      int64_t rank) const;
+  // Tensor rank `rank`'s part of `st` as saved (from its ranges, when in ranges).
+  torch::Tensor read_part(const Stored& st, int64_t rank) const;
+  void check_pieces(const std::string& name, Stored& st) const;
 
   std::string folder_;
   nlohmann::json manifest_;

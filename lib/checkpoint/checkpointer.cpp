@@ -119,14 +119,21 @@ class PartWriter : public StateWriter {
  public:
   explicit PartWriter(bool first_replica) : first_replica_(first_replica) {}
   bool writes(StateFile file) const override {
-    return file == StateFile::kReplica || first_replica_;
+    return file == StateFile::kReplica || file == StateFile::kOptimizerShard || first_replica_;
   }
-  void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts) override {
+  void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts,
+           const RangesOf& ranges) override {
     if (!writes(file)) return;
-    auto& to = file == StateFile::kModel ? model : file == StateFile::kOptimizer ? optimizer : replica;
+    const bool shard = file == StateFile::kOptimizerShard;
+    sharded = sharded || shard;
+    auto& to = file == StateFile::kModel       ? model
+               : file == StateFile::kOptimizer ? optimizer
+               : shard                         ? optimizer_shard
+                                               : replica;
     to.insert(to.end(), tensors.begin(), tensors.end());
-    auto& placed = file == StateFile::kReplica ? replica_parts : parts_;
+    auto& placed = file == StateFile::kReplica ? replica_parts : shard ? shard_parts : parts_;
     for (const auto& [name, part] : parts) placed[name] = part;
+    for (const auto& [name, range] : ranges) shard_ranges[name] = range;
   }
   void set(const std::string& key, nlohmann::json value) override { trainer[key] = std::move(value); }
 
@@ -134,12 +141,16 @@ class PartWriter : public StateWriter {
   void write(const std::string& temp, const std::string& part, int64_t data_rank) const {
     if (!replica.empty())
       CheckpointStore::write_sync_state(temp, data_rank, part, replica, replica_parts);
-    if (first_replica_) CheckpointStore::write_part(temp, part, model, optimizer, parts_);
+    if (sharded)
+      CheckpointStore::write_optimizer_shard(temp, data_rank, part, optimizer_shard, shard_parts,
+                                             shard_ranges);
+    if (first_replica_)
+      CheckpointStore::write_part(temp, part, model, optimizer, parts_, /*with_optimizer=*/!sharded);
   }
   // Every tensor replaced by a copy in host memory (pinned where it comes from a GPU,
   // whose copy then is a plain DMA), which the run can no longer change.
   void copy_to_host() {
-    for (auto* list : {&model, &optimizer, &replica})
+    for (auto* list : {&model, &optimizer, &replica, &optimizer_shard})
       for (auto& [name, t] : *list) {
         if (t.is_cuda()) {
           auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
@@ -151,8 +162,10 @@ class PartWriter : public StateWriter {
       }
   }
 
-  NamedTensors model, optimizer, replica;
-  PartsOf parts_, replica_parts;
+  NamedTensors model, optimizer, replica, optimizer_shard;
+  PartsOf parts_, replica_parts, shard_parts;
+  RangesOf shard_ranges;
+  bool sharded = false;  // the optimizer state comes as this data rank's shard
   nlohmann::json trainer = nlohmann::json::object();
 
  private:
@@ -185,7 +198,9 @@ class PartReader : public StateReader {
 
  private:
   std::string kind(StateFile file) const {
-    return file == StateFile::kModel ? "model" : file == StateFile::kOptimizer ? "optimizer" : replica_;
+    if (file == StateFile::kModel) return "model";
+    if (file == StateFile::kReplica) return replica_;
+    return "optimizer";  // whole or in shards, merged
   }
   const CheckpointReader& saved_;
   ParallelDims now_, then_;

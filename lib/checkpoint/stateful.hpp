@@ -13,6 +13,9 @@
 //   kReplica    sync.dpD{.ppN}{.tpT}.safetensors: what data rank D keeps of its own (error
 //               feedback's residuals, local SGD's optimizer state), written by every data
 //               rank
+//   kOptimizerShard  optimizer.dpD{.ppN}{.tpT}.safetensors: data rank D's shard of the
+//               optimizer state (ZeRO), written by every data rank, nothing gathered;
+//               read back as kOptimizer, every shard's ranges merged
 // and trainer.json's entries (step, random states, the loss scale...), written by rank 0.
 #pragma once
 #include <string>
@@ -25,7 +28,7 @@
 
 namespace dtrain {
 
-enum class StateFile { kModel, kOptimizer, kReplica };
+enum class StateFile { kModel, kOptimizer, kReplica, kOptimizerShard };
 
 class StateWriter {
  public:
@@ -33,8 +36,10 @@ class StateWriter {
   // Whether what this rank adds to `file` is written (a component whose state is spread
   // over ranks gathers it on every rank all the same: a collective).
   virtual bool writes(StateFile file) const = 0;
-  // Tensors of `file`; those named in `parts` are this tensor rank's part of a split one.
-  virtual void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts = {}) = 0;
+  // Tensors of `file`; those named in `parts` are this tensor rank's part of a split one,
+  // those named in `ranges` a range of one's elements (kOptimizerShard).
+  virtual void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts = {},
+                   const RangesOf& ranges = {}) = 0;
   // An entry of trainer.json (rank 0's are written).
   virtual void set(const std::string& key, nlohmann::json value) = 0;
 };
@@ -45,7 +50,7 @@ class StateReader {
   virtual const std::string& folder() const = 0;
   // Whether the checkpoint holds `file` (kReplica: any, each data rank having written its
   // own), every tensor name in it, and its tensors read as this rank needs them (kReplica:
-  // this data rank's).
+  // this data rank's; kOptimizer: the optimizer's, whole or in shards).
   virtual bool has(StateFile file) const = 0;
   virtual std::vector<std::string> names(StateFile file) const = 0;
   virtual SavedTensors tensors(StateFile file) const = 0;

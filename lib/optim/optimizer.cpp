@@ -237,39 +237,29 @@ class AdamW : public FlatOptimizer {
 
 }  // namespace
 
-namespace {
-bool sharded(const Optimizer& opt, const FlatParams& params) {
+bool keeps_shard(const Optimizer& opt, const FlatParams& params) {
   return opt.shard().numel != params.data().numel();
 }
-}  // namespace
 
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
-                             PartsOf& parts, Comm& data) {
+                             PartsOf& parts, RangesOf& ranges) {
   NamedTensors out = opt.scalars();
+  const bool shard = keeps_shard(opt, params);
   for (const auto& [slot, part] : opt.slots()) {
-    // A shard's slot is one equal part of the buffer: every data rank's, side by side.
-    torch::Tensor flat = part;
-    if (sharded(opt, params)) {
-      flat = torch::empty_like(params.data());
-      data.all_gather_into(flat, part);
-    }
-    for (auto& named : params.owned(flat, "." + slot, tensor_rank, parts))
-      out.push_back(std::move(named));
+    auto named = shard ? params.owned_range(part, opt.shard(), "." + slot, tensor_rank, parts, ranges)
+                       : params.owned(part, "." + slot, tensor_rank, parts);
+    for (auto& n : named) out.push_back(std::move(n));
   }
   return out;
 }
 
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
                           int64_t tensor_rank) {
-  const Shard shard = opt.shard();
   for (auto& [slot, part] : opt.slots()) {
-    if (!sharded(opt, params)) {
+    if (keeps_shard(opt, params))
+      params.scatter_range(part, opt.shard(), "." + slot, saved, tensor_rank);
+    else
       params.scatter_full(part, "." + slot, saved, tensor_rank);
-      continue;
-    }
-    auto flat = torch::zeros_like(params.data());
-    params.scatter_full(flat, "." + slot, saved, tensor_rank);
-    part.copy_(flat.narrow(0, shard.offset, shard.numel));
   }
   NamedTensors scalars;  // the ones this optimizer keeps, at the shapes it keeps them
   for (const auto& [name, t] : opt.scalars()) scalars.emplace_back(name, saved.at(name, t.sizes().vec()));

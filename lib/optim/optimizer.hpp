@@ -42,14 +42,16 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams
 
 // What tensor rank `tensor_rank` writes of the state into a checkpoint: per parameter and
 // slot ("fc.weight.exp_avg"), split parameters' slots as this rank's part (noted in
-// `parts`), replicated ones on tensor rank 0 only; and the scalars. Loaded (every part
-// merged, checkpoint.hpp) it is the state at full logical shapes. A sharded optimizer's
-// slots are first gathered over `data` (its shards' group): then a collective, every data
-// rank calls it.
+// `parts`), replicated ones on tensor rank 0 only; and the scalars. A sharded optimizer
+// (ZeRO) writes only its shard, nothing gathered: each slot cut at the parameters' bounds,
+// the pieces' places noted in `ranges` (every data rank writes its own). Loaded (every
+// part and range merged, checkpoint.hpp) it is the state at full logical shapes.
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
-                             PartsOf& parts, Comm& data);
+                             PartsOf& parts, RangesOf& ranges);
+// Whether the optimizer keeps a shard of the state (ZeRO), not all of it.
+bool keeps_shard(const Optimizer& opt, const FlatParams& params);
 // Restores what optimizer_state() returned, each rank taking its part (of a shard, the
-// shard's part); throws CheckpointError (naming `origin`) on a missing or misshapen tensor.
+// shard's part, read a tensor at a time); throws CheckpointError (naming `origin`) on a missing or misshapen tensor.
 // The state is independent of the layout, so it restores at any data size.
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedTensors& state,
                           int64_t tensor_rank, const std::string& origin);

@@ -167,6 +167,45 @@ NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suf
   return out;
 }
 
+namespace {
+// The part of entry [offset, offset + numel) that `shard` holds: [first, last) of the
+// buffer (empty when first >= last).
+std::pair<int64_t, int64_t> overlap(const FlatParams::Entry& e, const Shard& shard) {
+  const int64_t end = shard.numel < 0 ? e.offset + e.numel : shard.offset + shard.numel;
+  return {std::max(e.offset, shard.offset), std::min(e.offset + e.numel, end)};
+}
+}  // namespace
+
+NamedTensors FlatParams::owned_range(const torch::Tensor& shard_data, const Shard& shard,
+                                     const std::string& suffix, int64_t tensor_rank,
+                                     PartsOf& parts, RangesOf& ranges) const {
+  NamedTensors out;
+  for (const auto& e : entries_) {
+    const auto [first, last] = overlap(e, shard);
+    if (first >= last || (!e.placement.is_split() && tensor_rank != 0)) continue;
+    const auto name = e.name + suffix;
+    if (e.placement.is_split()) parts[name] = PartOf{e.placement, tensor_rank};
+    ranges[name] = RangeOf{first - e.offset, e.shape,
+                           format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4};
+    out.emplace_back(name, shard_data.narrow(0, first - shard.offset, last - first));
+  }
+  return out;
+}
+
+void FlatParams::scatter_range(torch::Tensor shard_data, const Shard& shard,
+                               const std::string& suffix, const SavedTensors& saved,
+                               int64_t tensor_rank) const {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const auto& e = entries_[i];
+    const auto [first, last] = overlap(e, shard);
+    if (first >= last) continue;
+    const auto mine = flatten(saved.part(e.name + suffix, e.full_shape, e.placement, tensor_rank), i);
+    shard_data.narrow(0, first - shard.offset, last - first)
+        .copy_(mine.narrow(0, first - e.offset, last - first));
+  }
+}
+
 void FlatParams::scatter_full(torch::Tensor flat, const std::string& suffix,
                               const SavedTensors& saved, int64_t tensor_rank) const {
   torch::NoGradGuard no_grad;

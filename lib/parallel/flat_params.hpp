@@ -77,6 +77,17 @@ struct PartOf {
 };
 using PartsOf = std::map<std::string, PartOf>;
 
+// Which elements of a tensor a checkpoint file holds where a ZeRO shard cut it: `numel`
+// elements from `offset` of the tensor (of a split one, its tensor rank's part, whose
+// shape is `shape`) in the order a flat buffer lays them out: row-major, or for a
+// channels-last 4-d weight N,H,W,C (`channels_last`). Keyed by the tensor's name in the file.
+struct RangeOf {
+  int64_t offset = 0;
+  std::vector<int64_t> shape;
+  bool channels_last = false;
+};
+using RangesOf = std::map<std::string, RangeOf>;
+
 // Implemented by modules whose own parameters are split across the tensor group.
 class PlacedModule {
  public:
@@ -160,6 +171,16 @@ class FlatParams {
   // `saved` (CheckpointError on a missing or misshapen one).
   void scatter_full(torch::Tensor flat, const std::string& suffix, const SavedTensors& saved,
                     int64_t tensor_rank) const;
+  // owned() as far as `shard` of the flat layout holds it: `shard_data` (that part of a
+  // buffer: a ZeRO rank's optimizer slot) cut at the entries' bounds into 1-D pieces, each
+  // one's place in its tensor noted in `ranges`; entries outside the shard are left out.
+  NamedTensors owned_range(const torch::Tensor& shard_data, const Shard& shard,
+                           const std::string& suffix, int64_t tensor_rank, PartsOf& parts,
+                           RangesOf& ranges) const;
+  // The reverse: `shard_data` takes its elements of each tensor `entry.name + suffix` of
+  // `saved`, read one tensor at a time (never the whole buffer).
+  void scatter_range(torch::Tensor shard_data, const Shard& shard, const std::string& suffix,
+                     const SavedTensors& saved, int64_t tensor_rank) const;
 
  private:
   torch::Tensor data_, grad_;

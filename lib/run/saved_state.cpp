@@ -166,18 +166,20 @@ class WeightsSaver : public Stateful {
   Run& run_;
 };
 
-// The optimizer's state at full logical shapes (under ZeRO gathered over the data group:
-// every rank takes part).
+// The optimizer's state: whole from the first data replica, or under ZeRO each data rank's
+// shard from that rank (nothing gathered). Either loads at any layout.
 class OptimizerSaver : public Stateful {
  public:
   explicit OptimizerSaver(Run& run) : run_(run) {}
   void save(StateWriter& out) const override {
-    if (!out.writes(StateFile::kOptimizer) && run_.sync->shard().whole()) return;
+    const bool shard = keeps_shard(*run_.optimizer, *run_.params);
+    const auto file = shard ? StateFile::kOptimizerShard : StateFile::kOptimizer;
+    if (!out.writes(file)) return;
     PartsOf parts;
+    RangesOf ranges;
     auto state = optimizer_state(*run_.optimizer, *run_.params, run_.mesh().coord().tensor, parts,
-                                 *run_.mesh().data());
-    out.add(StateFile::kOptimizer, without_copies(*run_.params, run_.model.tied, std::move(state)),
-            parts);
+                                 ranges);
+    out.add(file, without_copies(*run_.params, run_.model.tied, std::move(state)), parts, ranges);
   }
   void load(const StateReader& in) override {
     load_optimizer_state(*run_.optimizer, *run_.params, in.tensors(StateFile::kOptimizer),

@@ -452,3 +452,55 @@ TEST_CASE("checkpoint store: each tensor rank's part of a split tensor, assemble
   CHECK_THROWS_WITH_AS(load_checkpoint(write(8, {0})),
                        doctest::Contains("lacks tensor rank 1's part of 'w'"), CheckpointError);
 }
+
+TEST_CASE("checkpoint store: ZeRO's shards, one file per data rank, merged on load; a gap is named") {
+  TempDir run;
+  CheckpointConfig cfg;
+  CheckpointStore store(run.path().string(), cfg);
+  // A conv weight laid out channels-last in the flat buffer (N,H,W,C), cut between two
+  // data ranks in the middle of a row of channels; a bias whole in data rank 1's shard;
+  // a fused weight split over 2 tensor ranks (3 blocks), each tensor rank's part cut at
+  // its 5th element. The step count is in every shard.
+  const auto w = torch::arange(72, torch::kFloat32).view({4, 2, 3, 3});
+  const auto w_flat = w.permute({0, 2, 3, 1}).contiguous().view(-1);
+  const auto b = torch::arange(4, torch::kFloat32) + 100;
+  const auto q = torch::arange(24, torch::kFloat32).view({6, 4}) + 1000;
+  const Placement qkv = Placement::split(0, 2, 3);
+  auto write = [&](int64_t step, std::vector<int64_t> data_ranks) {
+    store.begin(step);
+    const auto tmp = CheckpointStore::temp_folder(run.path().string(), step);
+    CheckpointStore::write_part(tmp, "", {{"w", w}, {"b", b}}, {}, {}, /*with_optimizer=*/false);
+    for (int64_t d : data_ranks)
+      for (int64_t t = 0; t < 2; ++t) {
+        const auto q_part = qkv.shard(q, t).reshape(-1);
+        NamedTensors state{{"steps", torch::full({1}, 3, torch::kInt64)}};
+        PartsOf parts{{"q", PartOf{qkv, t}}};
+        RangesOf ranges;
+        const int64_t cut = 5;
+        state.emplace_back("q", d == 0 ? q_part.narrow(0, 0, cut) : q_part.narrow(0, cut, 12 - cut));
+        ranges["q"] = RangeOf{d == 0 ? 0 : cut, {3, 4}, false};
+        if (t == 0) {  // replicated tensors: tensor rank 0's
+          state.emplace_back("w", d == 0 ? w_flat.narrow(0, 0, 40) : w_flat.narrow(0, 40, 32));
+          ranges["w"] = RangeOf{d == 0 ? 0 : 40, {4, 2, 3, 3}, true};
+          if (d == 1) state.emplace_back("b", b), ranges["b"] = RangeOf{0, {4}, false};
+        }
+        CheckpointStore::write_optimizer_shard(tmp, d, fmt::format(".tp{}", t), state, parts, ranges);
+      }
+    CheckpointState s = state_for(step);
+    return store.commit(s, step, 0, nlohmann::json::object(), std::nullopt);
+  };
+  const auto folder = write(3, {0, 1});
+  auto loaded = load_checkpoint(folder);
+  std::map<std::string, torch::Tensor> opt(loaded.optimizer.begin(), loaded.optimizer.end());
+  CHECK(torch::equal(opt.at("w"), w));
+  CHECK(torch::equal(opt.at("b"), b));
+  CHECK(torch::equal(opt.at("q"), q));
+  CHECK(opt.at("steps").item<int64_t>() == 3);
+  {  // at the saved split, a tensor rank's part from its ranges only
+    const CheckpointReader reader(folder);
+    CHECK(torch::equal(reader.tensors("optimizer").part("q", {6, 4}, qkv, 1), qkv.shard(q, 1)));
+  }
+  // Data rank 1's shard lost: what no file holds is named.
+  CHECK_THROWS_WITH_AS(load_checkpoint(write(4, {0})),
+                       doctest::Contains("are in no file (a ZeRO shard's file missing)"), CheckpointError);
+}

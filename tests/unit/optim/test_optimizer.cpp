@@ -227,8 +227,10 @@ TEST_CASE("optimizer: saved state restored into a fresh optimizer continues iden
     }
 
     PartsOf parts;
-    const NamedTensors state = optimizer_state(*opt_a, fa, /*tensor_rank=*/0, parts, *make_local_comm());
+    RangesOf ranges;
+    const NamedTensors state = optimizer_state(*opt_a, fa, /*tensor_rank=*/0, parts, ranges);
     CHECK(parts.empty());  // nothing split on one process
+    CHECK(ranges.empty());  // nor sharded
     bool has_steps = false;
     for (const auto& [n, t] : state) {
       if (n == "steps") has_steps = true;
