@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -53,10 +54,13 @@ inline Result dtrain(const std::string& args, const std::string& prefix = "") {
   return r;
 }
 
+// No progress line: the tests read metrics.jsonl and stderr's messages.
+inline const char* kQuiet = " --set logging.progress=off";
+
 // `dtrain ARGS` without the progress line, which must succeed (else its stderr is the
 // failure's message).
 inline void run_ok(const std::string& args) {
-  auto r = dtrain(args + " --set logging.progress=off");
+  auto r = dtrain(args + kQuiet);
   INFO(args << ": " << r.err);
   REQUIRE(r.code == 0);
 }
@@ -88,6 +92,7 @@ inline const char* kFashion = "/usr/share/datasets/fashion-mnist";
 
 // A job spec for the tests: each section a YAML flow mapping, with defaults that keep a
 // run small (synthetic images, an MLP, 12 steps of 2 micro-batches, one thread per rank).
+// An empty section or an unset train key is not written, so the job keeps dtrain's default.
 struct Job {
   std::string name = "e2e";
   int64_t seed = 11;
@@ -96,24 +101,44 @@ struct Job {
   std::string model = "{arch: mlp, hidden: [32, 16]}";
   std::string optimizer = "{name: sgd, lr: 0.05, momentum: 0.9}";
   std::string schedule = "{warmup_steps: 2, decay: cosine}";
-  int64_t max_steps = 12;
-  std::string train = "grad_accum: 2";  // train's keys besides max_steps, logging, threads
-  std::string parallel = "{}";
+  std::optional<int64_t> max_steps = 12, log_every = 1, threads = 1, eval_every = 0;
+  std::string train = "grad_accum: 2";  // train's keys besides the four above
+  std::string checkpoint;
+  std::string parallel;
+  std::string dist = "{timeout_s: 60}";
   std::string extra;                    // more top-level YAML
   // Writes it as DIR/FILE; returns the path.
   std::string write(const std::string& dir, const std::string& file = "job.yaml") const {
+    std::string keys;
+    auto key = [&](const std::string& text) {
+      if (!text.empty()) keys += (keys.empty() ? "" : ", ") + text;
+    };
+    auto number = [&](const char* k, std::optional<int64_t> v) {
+      if (v) key(k + (": " + std::to_string(*v)));
+    };
+    number("max_steps", max_steps);
+    number("log_every", log_every);
+    number("threads", threads);
+    number("eval_every", eval_every);
+    key(train);
     const auto path = dir + "/" + file;
-    std::ofstream(path) << "name: " << name << "\nseed: " << seed << "\ndata: " << data
-                        << "\nmodel: " << model << "\noptimizer: " << optimizer
-                        << "\nschedule: " << schedule << "\ntrain: {max_steps: " << max_steps
-                        << ", log_every: 1, threads: 1, eval_every: 0"
-                        << (train.empty() ? "" : ", " + train) << "}\nparallel: " << parallel
-                        << "\ndist: {timeout_s: 60}\n" << extra;
+    std::ofstream out(path);
+    out << "name: " << name << "\nseed: " << seed << "\n";
+    auto section = [&](const char* k, const std::string& value) {
+      if (!value.empty()) out << k << ": " << value << "\n";
+    };
+    section("data", data);
+    section("model", model);
+    section("optimizer", optimizer);
+    section("schedule", schedule);
+    section("train", keys.empty() ? "" : "{" + keys + "}");
+    section("checkpoint", checkpoint);
+    section("parallel", parallel);
+    section("dist", dist);
+    out << extra;
     return path;
   }
 };
-// No progress line: the tests read metrics.jsonl and stderr's messages.
-inline const char* kQuiet = " --set logging.progress=off";
 inline std::string config(const std::string& name) { return std::string(DTRAIN_CONFIGS) + "/" + name; }
 
 }  // namespace e2e

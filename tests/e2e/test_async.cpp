@@ -23,16 +23,16 @@ const std::string kAsync = " --set parallel.mode=async_ps";
 
 // Synthetic data, the MLP; evaluation every 8 steps.
 std::string job(const std::string& dir, const std::string& optimizer, int64_t batch = 32) {
-  auto path = dir + "/job.yaml";
-  std::ofstream(path) << "name: async-check\nseed: 11\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: " << batch << ", workers: 1}\n"
-                         "model: {arch: mlp, hidden: [64, 32]}\n"
-                         "optimizer: " << optimizer << "\n"
-                         "schedule: {decay: step, step_size: 10}\n"
-                         "train: {max_steps: 24, log_every: 1, threads: 1, eval_every: 8}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "async-check", j.seed = 11;
+  j.data = fmt::format("{{dataset: synthetic, samples: 2048, test_samples: 256,"
+                       " input_shape: [1, 8, 8], classes: 4, batch_size: {}, workers: 1}}", batch);
+  j.model = "{arch: mlp, hidden: [64, 32]}";
+  j.optimizer = optimizer;
+  j.schedule = "{decay: step, step_size: 10}";
+  j.max_steps = 24, j.eval_every = 8, j.train = "";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir);
 }
 
 std::map<int64_t, double> eval_losses(const std::string& run_dir) {

@@ -3,8 +3,6 @@
 // the plain run; what does not apply to the data is refused naming the key.
 #include <doctest/doctest.h>
 
-#include <fstream>
-
 #include "run.hpp"
 
 using namespace e2e;
@@ -12,18 +10,18 @@ using namespace e2e;
 namespace {
 
 std::string cnn_job(const std::string& dir) {
-  auto path = dir + "/cnn.yaml";
-  std::ofstream(path) << "name: augment-check\nseed: 9\n"
-                         "data: {dataset: synthetic, samples: 1024, test_samples: 128,"
-                         " input_shape: [1, 12, 12], classes: 4, batch_size: 32, workers: 2,"
-                         " augment: [random_crop, hflip, erase], crop_padding: 2}\n"
-                         "model: {arch: cnn, channels: [8], fc: [16]}\n"
-                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, label_smoothing: 0.1}\n"
-                         "schedule: {decay: step, step_size: 10}\n"
-                         "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 10}\n"
-                         "checkpoint: {every_steps: 10}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "augment-check", j.seed = 9;
+  j.data = "{dataset: synthetic, samples: 1024, test_samples: 128, input_shape: [1, 12, 12],"
+           " classes: 4, batch_size: 32, workers: 2, augment: [random_crop, hflip, erase],"
+           " crop_padding: 2}";
+  j.model = "{arch: cnn, channels: [8], fc: [16]}";
+  j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, label_smoothing: 0.1}";
+  j.schedule = "{decay: step, step_size: 10}";
+  j.max_steps = 20, j.eval_every = 10, j.train = "";
+  j.checkpoint = "{every_steps: 10}";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "cnn.yaml");
 }
 
 }  // namespace

@@ -23,20 +23,20 @@ nlohmann::json run(const std::string& args) {
 
 // Synthetic data, the MLP, SGD with momentum: 2 ranks; a schedule independent of max_steps.
 std::string mlp_job(const std::string& dir) {
-  auto path = dir + "/mlp.yaml";
-  std::ofstream(path) << "name: compression-check\nseed: 3\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                         "model: {arch: mlp, hidden: [64, 32]}\n"
-                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9}\n"
-                         "schedule: {decay: step, step_size: 20}\n"
-                         "train: {max_steps: 40, log_every: 1, threads: 1, eval_every: 20}\n"
-                         "checkpoint: {every_steps: 20}\n"
-                         // Compressed from the first step (auto would wait a tenth of the
-                         // run, and the legs of a resume are shorter than the whole).
-                         "parallel: {compression_warmup: 0}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "compression-check", j.seed = 3;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [64, 32]}";
+  j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9}";
+  j.schedule = "{decay: step, step_size: 20}";
+  j.max_steps = 40, j.eval_every = 20, j.train = "";
+  j.checkpoint = "{every_steps: 20}";
+  // Compressed from the first step (auto would wait a tenth of the run, and the legs of a
+  // resume are shorter than the whole).
+  j.parallel = "{compression_warmup: 0}";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "mlp.yaml");
 }
 
 std::map<int64_t, int64_t> comm_bytes(const std::string& run_dir) {
@@ -154,18 +154,19 @@ TEST_SUITE("compression") {
     for (const std::string how : {"topk", "powersgd"}) {
       CAPTURE(how);
       auto dir = temp_dir("compress-gpt-" + how);
-      auto job = dir + "/gpt.yaml";
-      std::ofstream(job) << "name: compress-gpt\nseed: 5\n"
-                            "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
-                            " seq_len: 32, workers: 1}\n"
-                            "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}\n"
-                            "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1}\n"
-                            "schedule: {decay: step, step_size: 10}\n"
-                            "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 10}\n"
-                            "checkpoint: {every_steps: 10}\n"
-                            "parallel: {pipeline: 2, tensor: 2, compression: " << how
-                         << ", topk_ratio: 0.05, compression_warmup: 0}\n"
-                            "dist: {timeout_s: 30}\n";
+      Job gpt;
+      gpt.name = "compress-gpt", gpt.seed = 5;
+      gpt.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
+                 " workers: 1}";
+      gpt.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}";
+      gpt.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1}";
+      gpt.schedule = "{decay: step, step_size: 10}";
+      gpt.max_steps = 20, gpt.eval_every = 10, gpt.train = "";
+      gpt.checkpoint = "{every_steps: 10}";
+      gpt.parallel = "{pipeline: 2, tensor: 2, compression: " + how +
+                     ", topk_ratio: 0.05, compression_warmup: 0}";
+      gpt.dist = "{timeout_s: 30}";
+      const auto job = gpt.write(dir, "gpt.yaml");
       // The head's residual is split by vocabulary over the tensor ranks, like the head.
       run("run " + job + " --nproc 8 --run-dir " + dir + "/whole");
       run("run " + job + " --nproc 8 --run-dir " + dir + "/legs --set train.max_steps=10");

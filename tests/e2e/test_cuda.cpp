@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 
+#include <fmt/format.h>
 #include <torch/cuda.h>
 
 #include "run.hpp"
@@ -20,20 +21,20 @@ void require_gpu() {
 }
 
 std::string mlp_job(const std::string& dir, double dropout) {
-  auto path = dir + "/mlp.yaml";
-  std::ofstream(path) << "name: cuda-mlp\nseed: 5\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                         "model: {arch: mlp, hidden: [64, 32], dropout: "
-                      << dropout
-                      << "}\noptimizer: {name: adamw, lr: 0.003, weight_decay: 0.01, grad_clip: 1.0}\n"
-                         // step decay: the same learning rates whatever max_steps is, so
-                         // 24 steps then 24 more follow 48 straight
-                         "schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}\n"
-                         "train: {log_every: 1, eval_every: 12, device: cuda}\n"
-                         "checkpoint: {every_steps: 12}\n"
-                         "dist: {timeout_s: 60}\n";
-  return path;
+  Job j;
+  j.name = "cuda-mlp", j.seed = 5;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = fmt::format("{{arch: mlp, hidden: [64, 32], dropout: {}}}", dropout);
+  j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.01, grad_clip: 1.0}";
+  // step decay: the same learning rates whatever max_steps is, so 24 steps then 24 more
+  // follow 48 straight
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}";
+  j.max_steps = std::nullopt;  // each case sets its own
+  j.threads = std::nullopt, j.eval_every = 12, j.train = "device: cuda";
+  j.checkpoint = "{every_steps: 12}";
+  j.dist = "{timeout_s: 60}";
+  return j.write(dir, "mlp.yaml");
 }
 
 // A byte-level GPT on a small, repetitive text (written here): enough structure for the
@@ -45,15 +46,16 @@ std::string gpt_job(const std::string& dir) {
     for (int i = 0; i < 600; ++i)
       text << "line " << i % 9 << ": the quick brown fox jumps over the lazy dog.\n";
   }
-  auto path = dir + "/gpt.yaml";
-  std::ofstream(path) << "name: cuda-gpt\nseed: 9\n"
-                         "data: {dataset: text, path: " << corpus << ", batch_size: 16, workers: 1}\n"
-                         "model: {arch: gpt, layers: 2, heads: 4, dim: 128, vocab: 256, seq_len: 64}\n"
-                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}\n"
-                         "schedule: {warmup_steps: 5, decay: constant}\n"
-                         "train: {max_steps: 60, log_every: 1, eval_every: 30, device: cuda}\n"
-                         "checkpoint: {every_steps: 30}\n";
-  return path;
+  Job j;
+  j.name = "cuda-gpt", j.seed = 9;
+  j.data = "{dataset: text, path: " + corpus + ", batch_size: 16, workers: 1}";
+  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 128, vocab: 256, seq_len: 64}";
+  j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}";
+  j.schedule = "{warmup_steps: 5, decay: constant}";
+  j.max_steps = 60, j.threads = std::nullopt, j.eval_every = 30, j.train = "device: cuda";
+  j.checkpoint = "{every_steps: 30}";
+  j.dist = "";
+  return j.write(dir, "gpt.yaml");
 }
 
 double mean_loss(const std::vector<nlohmann::json>& train, size_t from, size_t n) {

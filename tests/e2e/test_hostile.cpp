@@ -22,15 +22,16 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string gpt_job(const std::string& dir, const std::string& data) {
-  auto path = dir + "/gpt.yaml";
-  std::ofstream(path) << "name: hostile\nseed: 1\n"
-                      << "data: " << data << "\n"
-                      << "model: {arch: gpt, layers: 2, heads: 2, dim: 32, seq_len: 32}\n"
-                         "optimizer: {name: adamw, lr: 0.001}\n"
-                         "train: {max_steps: 20, log_every: 10, eval_every: 10, threads: 1}\n"
-                         "checkpoint: {every_steps: 10}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "hostile", j.seed = 1;
+  j.data = data;
+  j.model = "{arch: gpt, layers: 2, heads: 2, dim: 32, seq_len: 32}";
+  j.optimizer = "{name: adamw, lr: 0.001}";
+  j.schedule = "";
+  j.max_steps = 20, j.log_every = 10, j.eval_every = 10, j.train = "";
+  j.checkpoint = "{every_steps: 10}";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "gpt.yaml");
 }
 
 std::string corpus(const std::string& dir) {

@@ -81,7 +81,7 @@ void check_case(const Case& c) {
   run_ok("run " + job + " --run-dir " + dir + "/one");
   const auto ref = train_losses(dir + "/one");
   const int64_t steps = int64_t(ref.size());
-  REQUIRE(steps == c.job.max_steps);
+  REQUIRE(steps == *c.job.max_steps);
   const auto ref_w = final_weights(dir + "/one", steps);
   for (size_t i = 0; i < c.layouts.size(); ++i) {
     const auto& [n, sets] = c.layouts[i];

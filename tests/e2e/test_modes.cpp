@@ -24,16 +24,16 @@ namespace {
 
 // Synthetic data, the MLP, 2 ranks; a schedule independent of max_steps.
 std::string job(const std::string& dir, const std::string& optimizer) {
-  auto path = dir + "/job.yaml";
-  std::ofstream(path) << "name: modes-check\nseed: 11\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                         "model: {arch: mlp, hidden: [64, 32]}\n"
-                         "optimizer: " << optimizer << "\n"
-                         "schedule: {decay: step, step_size: 10}\n"
-                         "train: {max_steps: 24, log_every: 1, threads: 1, eval_every: 0}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "modes-check", j.seed = 11;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [64, 32]}";
+  j.optimizer = optimizer;
+  j.schedule = "{decay: step, step_size: 10}";
+  j.max_steps = 24, j.eval_every = 0, j.train = "";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir);
 }
 
 std::set<int64_t> checkpoint_steps(const std::string& run_dir) {
@@ -122,18 +122,18 @@ TEST_SUITE("modes") {
     REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
     auto dir = temp_dir("modes-gpt");
     auto gpt = [&](const std::string& optimizer) {
-      auto path = dir + "/gpt.yaml";
-      std::ofstream(path) << "name: modes-gpt\nseed: 5\n"
-                             "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
-                             " seq_len: 32, workers: 1}\n"
-                             "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}\n"
-                             "optimizer: " << optimizer << "\n"
-                             "schedule: {decay: step, step_size: 10}\n"
-                             "train: {max_steps: 16, log_every: 1, threads: 1, eval_every: 8}\n"
-                             "checkpoint: {every_steps: 8}\n"
-                             "parallel: {pipeline: 2, tensor: 2}\n"
-                             "dist: {timeout_s: 60}\n";
-      return path;
+      Job j;
+      j.name = "modes-gpt", j.seed = 5;
+      j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
+               " workers: 1}";
+      j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}";
+      j.optimizer = optimizer;
+      j.schedule = "{decay: step, step_size: 10}";
+      j.max_steps = 16, j.eval_every = 8, j.train = "";
+      j.checkpoint = "{every_steps: 8}";
+      j.parallel = "{pipeline: 2, tensor: 2}";
+      j.dist = "{timeout_s: 60}";
+      return j.write(dir, "gpt.yaml");
     };
     // Momentum SGD without clipping is linear in the gradient: averaging the replicas'
     // parameters and momentum every step is the synchronous step (the tied embedding and
@@ -245,15 +245,16 @@ TEST_SUITE("modes") {
     idx("train-labels-idx1-ubyte", labels);
     idx("t10k-images-idx3-ubyte", images.narrow(0, 0, 64));
     idx("t10k-labels-idx1-ubyte", labels.narrow(0, 0, 64));
-    auto path = dir + "/job.yaml";
-    std::ofstream(path) << "name: nonfinite\nseed: 3\n"
-                           "data: {dataset: mnist, path: " << dir << ", batch_size: 16, workers: 1}\n"
-                           "model: {arch: mlp, hidden: [16]}\n"
-                           "optimizer: {name: sgd, lr: 0.01, momentum: 0}\n"
-                           "schedule: {decay: constant}\n"
-                           "train: {max_steps: 40, log_every: 1, threads: 1, on_nonfinite: skip}\n"
-                           "parallel: {mode: local_sgd, average_every: 4}\n"
-                           "dist: {timeout_s: 20}\n";
+    Job j;
+    j.name = "nonfinite", j.seed = 3;
+    j.data = "{dataset: mnist, path: " + dir + ", batch_size: 16, workers: 1}";
+    j.model = "{arch: mlp, hidden: [16]}";
+    j.optimizer = "{name: sgd, lr: 0.01, momentum: 0}";
+    j.schedule = "{decay: constant}";
+    j.max_steps = 40, j.eval_every = std::nullopt, j.train = "on_nonfinite: skip";
+    j.parallel = "{mode: local_sgd, average_every: 4}";
+    j.dist = "{timeout_s: 20}";
+    const auto path = j.write(dir);
     run_ok("run " + path + " --run-dir " + dir + "/init --set train.max_steps=1"
            " --set parallel.mode=sync");
     auto weights = dtrain::load_checkpoint(dir + "/init/checkpoints/step-00000001").model;

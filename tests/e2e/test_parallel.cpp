@@ -16,17 +16,17 @@ using namespace e2e;
 namespace {
 
 // Synthetic data, no dropout, one thread per rank: what 1, 2 and 4 ranks must agree on.
-std::string dp_job(const std::string& dir, const std::string& model) {
-  auto path = dir + "/dp.yaml";
-  std::ofstream(path) << "name: dp-check\nseed: 11\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                      << model
-                      << "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}\n"
-                         "schedule: {warmup_steps: 5, decay: cosine}\n"
-                         "train: {max_steps: 60, log_every: 1, threads: 1, eval_every: 30}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+Job dp_job() {
+  Job j;
+  j.name = "dp-check", j.seed = 11;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [64, 32]}";
+  j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
+  j.schedule = "{warmup_steps: 5, decay: cosine}";
+  j.max_steps = 60, j.eval_every = 30, j.train = "";
+  j.dist = "{timeout_s: 30}";
+  return j;
 }
 
 // Runs the job at each size and checks every step's loss and the final weights against
@@ -70,7 +70,7 @@ void check_stopped_with_checkpoint(const std::string& run_dir) {
 TEST_SUITE("data_parallel") {
   TEST_CASE("MLP: 2 ranks with gradient accumulation equal 1 rank without") {
     auto dir = temp_dir("dp-accum");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto job = dp_job().write(dir, "dp.yaml");
     // 1 rank x 32 samples in one pass vs 2 ranks x 2 micro-batches of 8.
     auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one" + kQuiet);
     REQUIRE(one.code == 0);
@@ -83,8 +83,9 @@ TEST_SUITE("data_parallel") {
 
   TEST_CASE("a checkpoint written by 2 ranks resumes on 1 on the same trajectory") {
     auto dir = temp_dir("dp-relayout");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n"
-                           "checkpoint: {every_steps: 30}\n");
+    auto dp = dp_job();
+    dp.checkpoint = "{every_steps: 30}";
+    auto job = dp.write(dir, "dp.yaml");
     // A schedule that does not depend on max_steps, so the 30-step first leg follows the
     // 60-step run's learning rates.
     const std::string quiet = std::string(kQuiet) + " --set schedule.decay=step";
@@ -102,7 +103,7 @@ TEST_SUITE("data_parallel") {
 
   TEST_CASE("a bucket smaller than one parameter still averages everything") {
     auto dir = temp_dir("dp-buckets");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto job = dp_job().write(dir, "dp.yaml");
     check_equivalent(dir, job, " --set parallel.bucket_mb=0.001", {1, 2});
   }
 }
@@ -110,7 +111,7 @@ TEST_SUITE("data_parallel") {
 TEST_SUITE("failures") {
   TEST_CASE("SIGKILL to a worker ends the job with exit 4 naming the rank; --max-restarts recovers") {
     auto dir = temp_dir("kill");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto job = dp_job().write(dir, "dp.yaml");
     const std::string common = " --nproc 2 --set train.max_steps=100000 --set train.log_every=10"
                                " --set checkpoint.every_steps=50" + std::string(kQuiet);
     {
@@ -174,7 +175,7 @@ TEST_SUITE("failures") {
 
   TEST_CASE("a stalled worker (SIGSTOP) makes the others fail with the timeout, not hang") {
     auto dir = temp_dir("stall");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto job = dp_job().write(dir, "dp.yaml");
     auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a --nproc 2 --set dist.timeout_s=5"
                            " --set train.max_steps=100000 --set train.log_every=10" + kQuiet);
     REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
@@ -195,7 +196,7 @@ TEST_SUITE("failures") {
 
   TEST_CASE("SIGTERM to --nproc: every rank stops at the same step, rank 0 checkpoints, exit 143") {
     auto dir = temp_dir("preempt-dp");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto job = dp_job().write(dir, "dp.yaml");
     auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a --nproc 2"
                            " --set train.max_steps=100000 --set train.log_every=10" + kQuiet);
     REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));
@@ -209,7 +210,7 @@ TEST_SUITE("failures") {
 
   TEST_CASE("SIGTERM to one worker (a user's kill, an OOM killer): the job stops, exit 143") {
     auto dir = temp_dir("preempt-one");
-    auto job = dp_job(dir, "model: {arch: mlp, hidden: [64, 32]}\n");
+    auto job = dp_job().write(dir, "dp.yaml");
     auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/a --nproc 2"
                            " --set train.max_steps=100000 --set train.log_every=10" + kQuiet);
     REQUIRE(wait_for_step(dir + "/a", 20, std::chrono::seconds(60)));

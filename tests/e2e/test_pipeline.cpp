@@ -18,36 +18,31 @@ namespace {
 
 // An MLP of 4 parts (3 hidden layers and the classifier), 4 micro-batches a step.
 std::string mlp_job(const std::string& dir) {
-  auto path = dir + "/mlp.yaml";
-  std::ofstream(path) << "name: pp-mlp\nseed: 11\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                         "model: {arch: mlp, hidden: [32, 32, 16], dropout: 0.1}\n"
-                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001,"
-                         " grad_clip: 0.5}\n"
-                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
-                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15,"
-                         " grad_accum: 4}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "pp-mlp", j.seed = 11;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [32, 32, 16], dropout: 0.1}";
+  j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001, grad_clip: 0.5}";
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
+  j.max_steps = 30, j.eval_every = 15, j.train = "grad_accum: 4";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "mlp.yaml");
 }
 
 // A 4-layer GPT (6 parts: embeddings, 4 blocks, head) on synthetic tokens: its tied
 // embedding and head end up on the first and the last stage.
 std::string gpt_job(const std::string& dir) {
-  auto path = dir + "/gpt.yaml";
-  std::ofstream(path) << "name: pp-gpt\nseed: 5\n"
-                         "data: {dataset: synthetic_tokens, samples: 512, test_samples: 32,"
-                         " batch_size: 8, workers: 1}\n"
-                         "model: {arch: gpt, layers: 4, heads: 2, dim: 32, vocab: 64, seq_len: 16,"
-                         " dropout: 0.1}\n"
-                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}\n"
-                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
-                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15,"
-                         " grad_accum: 4}\n"
-                         "checkpoint: {every_steps: 10}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "pp-gpt", j.seed = 5;
+  j.data = "{dataset: synthetic_tokens, samples: 512, test_samples: 32, batch_size: 8, workers: 1}";
+  j.model = "{arch: gpt, layers: 4, heads: 2, dim: 32, vocab: 64, seq_len: 16, dropout: 0.1}";
+  j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}";
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
+  j.max_steps = 30, j.eval_every = 15, j.train = "grad_accum: 4";
+  j.checkpoint = "{every_steps: 10}";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "gpt.yaml");
 }
 
 std::map<std::string, torch::Tensor> weights(const std::string& run_dir, int64_t step) {
@@ -131,14 +126,18 @@ TEST_SUITE("pipeline") {
     // activations at its peak, 1F1B's 2 (the simulation in test_schedule_pipeline.cpp
     // counts them); the measured memory follows.
     auto dir = temp_dir("pp-memory");
-    auto path = dir + "/wide.yaml";
-    std::ofstream(path) << "name: pp-memory\nseed: 3\n"
-                           "data: {dataset: synthetic, samples: 4096, test_samples: 64,"
-                           " input_shape: [1, 32, 32], classes: 10, batch_size: 512, workers: 1}\n"
-                           "model: {arch: mlp, hidden: [1024, 1024, 1024]}\n"
-                           "optimizer: {name: sgd, lr: 0.01}\n"
-                           "train: {max_steps: 4, log_every: 2, grad_accum: 8, eval_every: 1000}\n"
-                           "checkpoint: {every_steps: 1000}\n";
+    Job wide;
+    wide.name = "pp-memory", wide.seed = 3;
+    wide.data = "{dataset: synthetic, samples: 4096, test_samples: 64, input_shape: [1, 32, 32],"
+                " classes: 10, batch_size: 512, workers: 1}";
+    wide.model = "{arch: mlp, hidden: [1024, 1024, 1024]}";
+    wide.optimizer = "{name: sgd, lr: 0.01}";
+    wide.schedule = "";
+    wide.max_steps = 4, wide.log_every = 2, wide.threads = std::nullopt, wide.eval_every = 1000;
+    wide.train = "grad_accum: 8";
+    wide.checkpoint = "{every_steps: 1000}";
+    wide.dist = "";
+    const auto path = wide.write(dir, "wide.yaml");
     std::map<std::string, double> first_stage_mb;
     for (const char* schedule : {"gpipe", "1f1b"}) {
       auto r = e2e::dtrain("run " + path + " --run-dir " + dir + "/" + schedule +

@@ -17,17 +17,18 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A small synthetic MLP job that checkpoints every 10 steps.
-std::string small_job(const std::string& dir, const std::string& extra = "") {
-  auto path = dir + "/job.yaml";
-  std::ofstream(path) << "name: robust\nseed: 3\n"
-                         "data: {dataset: synthetic, samples: 512, test_samples: 64, "
-                         "input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                         "model: {arch: mlp, hidden: [32]}\n"
-                         "train: {max_steps: 30, log_every: 5, eval_every: 10, threads: 1}\n"
-                         "checkpoint: {every_steps: 10, keep_last: 5}\n"
-                      << extra;
-  return path;
+// A small synthetic MLP job that checkpoints every 10 steps; dtrain's optimizer and schedule.
+Job small_job() {
+  Job j;
+  j.name = "robust", j.seed = 3;
+  j.data = "{dataset: synthetic, samples: 512, test_samples: 64, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [32]}";
+  j.optimizer = j.schedule = "";
+  j.max_steps = 30, j.log_every = 5, j.eval_every = 10, j.train = "";
+  j.checkpoint = "{every_steps: 10, keep_last: 5}";
+  j.dist = "";
+  return j;
 }
 
 void check_one_line_error(const Result& r, int code, const std::string& needle) {
@@ -72,7 +73,7 @@ bool mount_tmpfs(const std::string& dir, const std::string& size, bool read_only
 TEST_SUITE("robust") {
   TEST_CASE("one job per run directory: a second exits 2 naming the holder; the lock dies with it") {
     auto dir = temp_dir("lock");
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     auto run = dir + "/run";
     auto bg = start_dtrain("run " + job + " --run-dir " + run +
                            " --set train.max_steps=1000000 --set train.log_every=5" + kQuiet);
@@ -109,7 +110,7 @@ TEST_SUITE("robust") {
 
   TEST_CASE("--resume auto names each damaged checkpoint it skips; none verifying changes nothing") {
     auto dir = temp_dir("damaged");
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     auto run = dir + "/run";
     REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
     const std::string ck = run + "/checkpoints/step-000000";
@@ -148,7 +149,9 @@ TEST_SUITE("robust") {
     }
     // 141k parameters: a checkpoint holds ~1.7 MB (weights and two AdamW moments), so the
     // first fits in 3 MB and the second does not.
-    auto job = small_job(dir, "optimizer: {name: adamw, lr: 0.001}\n");
+    auto adamw = small_job();
+    adamw.optimizer = "{name: adamw, lr: 0.001}";
+    auto job = adamw.write(dir);
     auto run = disk + "/run";
     auto r = dtrain("run " + job + " --run-dir " + run + " --set model.hidden=[2048] " + kQuiet);
     INFO(r.err);
@@ -188,7 +191,7 @@ TEST_SUITE("robust") {
     }
     // A train line every step and no checkpoint before the end: metrics.jsonl fills the
     // 64 KiB after ~150 steps, long before the 100000th.
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     auto run = disk + "/run";
     auto r = dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=100000"
                     " --set train.log_every=1 --set train.eval_every=100000"
@@ -214,7 +217,7 @@ TEST_SUITE("robust") {
 
   TEST_CASE("resuming a finished run says there is nothing to train and changes nothing") {
     auto dir = temp_dir("finished");
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     auto run = dir + "/run";
     REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
     const auto before = snapshot(run);
@@ -232,7 +235,7 @@ TEST_SUITE("robust") {
 
   TEST_CASE("files that cannot be written or read exit 3 with one line naming the path") {
     auto dir = temp_dir("exit3");
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     { std::ofstream(dir + "/a-file") << "x"; }
     check_one_line_error(dtrain("run " + job + " --run-dir " + dir + "/a-file/run" + kQuiet), 3,
                          "cannot use run directory '" + dir + "/a-file/run'");
@@ -274,7 +277,7 @@ TEST_SUITE("robust") {
 
   TEST_CASE("export verifies the weights it writes; a forged header is refused") {
     auto dir = temp_dir("export");
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     auto run = dir + "/run";
     REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
     const auto ck = run + "/checkpoints/step-00000030";
@@ -299,7 +302,7 @@ TEST_SUITE("robust") {
 
   TEST_CASE("inspect, export and --resume follow a run directory's latest checkpoint") {
     auto dir = temp_dir("latest");
-    auto job = small_job(dir);
+    auto job = small_job().write(dir);
     auto run = dir + "/run";
     REQUIRE(dtrain("run " + job + " --run-dir " + run + " --set train.max_steps=20" + kQuiet).code == 0);
     for (const auto& where : {run, run + "/checkpoints", run + "/checkpoints/latest"}) {

@@ -17,35 +17,32 @@ using namespace e2e;
 namespace {
 
 std::string mlp_job(const std::string& dir) {
-  auto path = dir + "/mlp.yaml";
-  std::ofstream(path) << "name: tp-mlp\nseed: 11\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                         "model: {arch: mlp, hidden: [64, 32, 16], dropout: 0.1}\n"
-                         "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001,"
-                         " grad_clip: 0.5}\n"
-                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
-                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "tp-mlp", j.seed = 11;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [64, 32, 16], dropout: 0.1}";
+  j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001, grad_clip: 0.5}";
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
+  j.max_steps = 30, j.eval_every = 15, j.train = "";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "mlp.yaml");
 }
 
 // A 2-layer GPT on the fortunes corpus (setup installs it), small enough for 4 ranks on
 // 2 cores; AdamW, clipping and weight decay groups all in play.
 std::string gpt_job(const std::string& dir) {
-  auto path = dir + "/gpt.yaml";
-  std::ofstream(path) << "name: tp-gpt\nseed: 5\n"
-                         "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
-                         " seq_len: 32, workers: 1}\n"
-                         "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32,"
-                         " dropout: 0.1}\n"
-                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}\n"
-                         "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
-                         "train: {max_steps: 30, log_every: 1, threads: 1, eval_every: 15,"
-                         " eval_batch_size: 256}\n"
-                         "checkpoint: {every_steps: 15}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "tp-gpt", j.seed = 5;
+  j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
+           " workers: 1}";
+  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+  j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}";
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
+  j.max_steps = 30, j.eval_every = 15, j.train = "eval_batch_size: 256";
+  j.checkpoint = "{every_steps: 15}";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "gpt.yaml");
 }
 
 // A .safetensors file's tensors, or a checkpoint folder's model (every part merged).

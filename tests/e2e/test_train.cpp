@@ -15,18 +15,18 @@ namespace {
 // A small synthetic CNN job with BatchNorm (buffers must survive a resume) and AdamW. One
 // thread: a model this small gains nothing from more, and tests share the machine.
 std::string synthetic_job(const std::string& dir) {
-  auto path = dir + "/synthetic.yaml";
-  std::ofstream(path) << R"(name: resume-check
-seed: 7
-data: {dataset: synthetic, samples: 512, test_samples: 128, input_shape: [1, 8, 8],
-       classes: 4, batch_size: 32, workers: 2}
-model: {arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}
-optimizer: {name: adamw, lr: 0.01, weight_decay: 0.01, grad_clip: 1.0}
-schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}
-train: {grad_accum: 2, log_every: 1, eval_every: 10, threads: 1}
-checkpoint: {every_steps: 7, keep_last: 2}
-)";
-  return path;
+  Job j;
+  j.name = "resume-check", j.seed = 7;
+  j.data = "{dataset: synthetic, samples: 512, test_samples: 128, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 2}";
+  j.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
+  j.optimizer = "{name: adamw, lr: 0.01, weight_decay: 0.01, grad_clip: 1.0}";
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}";
+  j.max_steps = std::nullopt;  // each case sets its own
+  j.eval_every = 10, j.train = "grad_accum: 2";
+  j.checkpoint = "{every_steps: 7, keep_last: 2}";
+  j.dist = "";
+  return j.write(dir, "synthetic.yaml");
 }
 
 void check_identical_losses(const std::map<int64_t, double>& a, const std::map<int64_t, double>& b,
@@ -314,17 +314,17 @@ TEST_SUITE("divergence") {
     // steps run meanwhile must leave no trace: the run diverges mid-way (SGD at lr 20 on
     // an MLP; about step 26), between checkpoints every 3 steps and evaluations every 5.
     auto dir = temp_dir("diverge-late");
-    const auto job = dir + "/job.yaml";
-    std::ofstream(job) << R"(name: late
-seed: 7
-data: {dataset: synthetic, samples: 512, test_samples: 128, input_shape: [1, 8, 8],
-       classes: 4, batch_size: 32, workers: 2}
-model: {arch: mlp, hidden: [16]}
-optimizer: {name: sgd, lr: 20}
-schedule: {warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}
-train: {log_every: 1, eval_every: 5, max_steps: 60, threads: 1}
-checkpoint: {every_steps: 3, keep_last: 100}
-)";
+    Job late;
+    late.name = "late", late.seed = 7;
+    late.data = "{dataset: synthetic, samples: 512, test_samples: 128, input_shape: [1, 8, 8],"
+                " classes: 4, batch_size: 32, workers: 2}";
+    late.model = "{arch: mlp, hidden: [16]}";
+    late.optimizer = "{name: sgd, lr: 20}";
+    late.schedule = "{warmup_steps: 5, decay: step, step_size: 20, gamma: 0.5}";
+    late.max_steps = 60, late.eval_every = 5, late.train = "";
+    late.checkpoint = "{every_steps: 3, keep_last: 100}";
+    late.dist = "";
+    const auto job = late.write(dir);
     // Checkpoints every 3 steps, or none before the end; one process, or two (the rank
     // that saw it is named by a collective, two steps late, on both).
     for (const std::string& every : {"3", "100", "3 --nproc 2"}) {
