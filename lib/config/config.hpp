@@ -171,6 +171,7 @@ struct TrainConfig {
   int64_t grad_accum = 1;
   int64_t eval_every = 0;
   int64_t eval_batch_size = 1000;
+  int64_t eval_samples = 0;
   int64_t log_every = 10;
   int64_t threads = 0;
   bool pin_threads = true;
@@ -189,6 +190,10 @@ struct TrainConfig {
       "micro-batches per optimizer step; a pipeline schedule runs them all");
     v("eval_every", eval_every, "steps between evaluations; 0 = at the end of each epoch");
     v("eval_batch_size", eval_batch_size, "samples per evaluation batch");
+    v("eval_samples", eval_samples,
+      "held-out samples (token windows) an evaluation reads at most, evenly spread over the "
+      "held-out split; 0 = all of it (a large corpus's eval_fraction or eval_path may hold "
+      "millions of windows)");
     v("log_every", log_every, "steps between train lines in metrics.jsonl");
     v("threads", threads, "intra-op threads per process; 0 = the cores over the local processes");
     v("pin_threads", pin_threads, "pin each intra-op thread to its own CPU");

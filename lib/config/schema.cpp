@@ -531,6 +531,7 @@ void check_train(const JobConfig& c) {
   need(t.grad_accum >= 1, "train.grad_accum", ">= 1", t.grad_accum);
   need(t.eval_every >= 0, "train.eval_every", ">= 0 (0 = each epoch)", t.eval_every);
   need(t.eval_batch_size >= 1, "train.eval_batch_size", ">= 1", t.eval_batch_size);
+  need(t.eval_samples >= 0, "train.eval_samples", ">= 0 (0 = all)", t.eval_samples);
   need(t.log_every >= 1, "train.log_every", ">= 1", t.log_every);
   need(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", t.threads);
   need(t.max_skipped >= 1, "train.max_skipped", ">= 1", t.max_skipped);

@@ -1,5 +1,6 @@
 // In-memory labelled data sets and the loaders that build them from a DataConfig.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -81,8 +82,22 @@ DataKind data_kind(const DataConfig& cfg);
 // number, the element type, `expected_dims` and the data size. Throws DataError naming the file.
 torch::Tensor read_idx(const std::string& path, int64_t expected_dims);
 
+// `n` samples of `split` evenly spread over it (sample i is split's i * size / n), or the
+// split itself when it holds no more (train.eval_samples).
+std::shared_ptr<const Dataset> evenly_spaced(std::shared_ptr<const Dataset> split, int64_t n);
+
+// How the ranks of a job read a corpus once between them (the token shards' scan): this
+// rank's place, an all-gather over the ranks (every rank's vector, end to end in rank
+// order; null: this process alone), and where the scan is recorded for the next start
+// ("" = nowhere).
+struct ReadTogether {
+  int64_t rank = 0, ranks = 1;
+  std::function<std::vector<double>(const std::vector<double>&)> all_gather;
+  std::string record;
+};
+
 // The data set the job names, train and test splits. Throws DataError (exit 3).
-DataSplits load_data(const DataConfig& cfg, uint64_t seed);
+DataSplits load_data(const DataConfig& cfg, uint64_t seed, const ReadTogether& together = {});
 
 // dataset: text, a file or a folder of files read as bytes (vocabulary 256); every
 // round(1 / eval_fraction)-th window is held out for evaluation, so the held-out text is
@@ -90,7 +105,7 @@ DataSplits load_data(const DataConfig& cfg, uint64_t seed);
 DataSplits load_text(const DataConfig& cfg);
 // dataset: tokens, llm.c's or nanoGPT's uint16 token shards, memory-mapped (tokens.cpp);
 // held out: data.eval_path's shards, else every round(1 / eval_fraction)-th window.
-DataSplits load_tokens(const DataConfig& cfg);
+DataSplits load_tokens(const DataConfig& cfg, const ReadTogether& together);
 // dataset: synthetic_tokens, uniform random tokens (benchmarks).
 DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed);
 // The bytes of a file, or of every text file in a folder (sorted by name; symbolic links,

@@ -161,10 +161,35 @@ DataKind data_kind(const DataConfig& cfg) {
   return {false, cfg.input_shape, cfg.classes};
 }
 
-DataSplits load_data(const DataConfig& cfg, uint64_t seed) {
+namespace {
+class EvenlySpaced : public Dataset {
+ public:
+  EvenlySpaced(std::shared_ptr<const Dataset> split, int64_t n) : split_(std::move(split)), n_(n) {}
+  int64_t size() const override { return n_; }
+  Batch gather(const torch::Tensor& indices) const override {
+    return split_->gather((indices.to(torch::kInt64) * split_->size()).div(n_, "floor"));
+  }
+  std::vector<double> fingerprint() const override {
+    auto f = split_->fingerprint();
+    f.push_back(double(n_));
+    return f;
+  }
+
+ private:
+  std::shared_ptr<const Dataset> split_;
+  int64_t n_;
+};
+}  // namespace
+
+std::shared_ptr<const Dataset> evenly_spaced(std::shared_ptr<const Dataset> split, int64_t n) {
+  if (n <= 0 || split->size() <= n) return split;
+  return std::make_shared<EvenlySpaced>(std::move(split), n);
+}
+
+DataSplits load_data(const DataConfig& cfg, uint64_t seed, const ReadTogether& together) {
   if (cfg.dataset == "synthetic") return synthetic(cfg, seed);
   if (cfg.dataset == "text") return load_text(cfg);
-  if (cfg.dataset == "tokens") return load_tokens(cfg);
+  if (cfg.dataset == "tokens") return load_tokens(cfg, together);
   if (cfg.dataset == "synthetic_tokens") return synthetic_tokens(cfg, seed);
   // Per-dataset pixel statistics (the usual published values).
   const bool fashion = cfg.dataset == "fashion_mnist";

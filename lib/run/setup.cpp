@@ -54,6 +54,7 @@ std::string set_up_process(const Run& run) {
 // differs between nodes). A collective.
 void agree_on_data(const DataSplits& data, Comm& job, const std::string& path) {
   auto mine = data.train->fingerprint();
+  const size_t test_at = mine.size();  // where the test split's figures start
   for (double v : data.test->fingerprint()) mine.push_back(v);
   if (job.size() == 1) return;
   const auto all = job.all_gather(torch::tensor(mine, torch::kFloat64));
@@ -65,7 +66,7 @@ void agree_on_data(const DataSplits& data, Comm& job, const std::string& path) {
   if (differ.empty()) return;
   auto sizes = [&](size_t r) {
     return fmt::format("{} train / {} test samples", int64_t(all[r][0].item<double>()),
-                       int64_t(all[r][4].item<double>()));
+                       int64_t(all[r][int64_t(test_at)].item<double>()));
   };
   throw DataError(fmt::format("data.path: the ranks read different data from '{}': rank 0 has {}, "
                               "rank {} has {}{}; every rank must see the same files",
@@ -269,7 +270,17 @@ void build_run(Run& run) {
   const auto& cfg = run.cfg;
   const Mode& mode = *run.mode;
   const std::string process = set_up_process(run);
-  run.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed));
+  ReadTogether together{run.job->rank(), run.job->size(), nullptr,
+                        (fs::path(cfg.run_dir) / "token-scan.json").string()};
+  if (run.job->size() > 1)
+    together.all_gather = [&run](const std::vector<double>& mine) {
+      std::vector<double> all;
+      for (const auto& t : run.job->all_gather(torch::tensor(mine, torch::kFloat64)))
+        all.insert(all.end(), t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+      return all;
+    };
+  run.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed), together);
+  run.data.test = evenly_spaced(run.data.test, cfg.train.eval_samples);
   agree_on_data(run.data, *run.job, cfg.data.path);
   // Each data rank's shard of every global batch (a rank that reads none counts steps).
   const bool reads = mode.reads_data();

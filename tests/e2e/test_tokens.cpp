@@ -41,16 +41,16 @@ void write_llmc(const std::string& path, const std::vector<uint16_t>& tokens,
 }
 
 std::string gpt_job(const std::string& dir, const std::string& data) {
-  auto path = dir + "/gpt.yaml";
-  std::ofstream(path) << "name: tokens-check\nseed: 5\n"
-                         "data: {" << data << ", batch_size: 8, seq_len: 32, workers: 1}\n"
-                         "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, vocab: 256}\n"
-                         "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1}\n"
-                         "schedule: {decay: step, step_size: 10}\n"
-                         "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 10}\n"
-                         "checkpoint: {every_steps: 10}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "tokens-check", j.seed = 5;
+  j.data = "{" + data + ", batch_size: 8, seq_len: 32, workers: 1}";
+  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, vocab: 256}";
+  j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1}";
+  j.schedule = "{decay: step, step_size: 10}";
+  j.max_steps = 20, j.eval_every = 10, j.train = "";
+  j.checkpoint = "{every_steps: 10}";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "gpt.yaml");
 }
 
 }  // namespace
@@ -151,6 +151,42 @@ TEST_SUITE("tokens") {
         CHECK(r.err.find(k.needle) != std::string::npos);
         if (k.name != "nothing-*.bin") CHECK(r.err.find(path) != std::string::npos);
       }
+    }
+  }
+
+  TEST_CASE("the shards' scan is shared by the ranks and recorded; a rewritten shard is scanned again") {
+    REQUIRE_MESSAGE(std::filesystem::exists(kCorpus), "apt-get install fortunes");
+    auto dir = temp_dir("tokens-record");
+    std::filesystem::create_directories(dir + "/data");
+    for (int k = 0; k < 3; ++k)  // shards of unequal lengths: the ranks' shares cross them
+      write_nanogpt(dir + "/data/train_" + std::to_string(k) + ".bin",
+                    corpus_tokens(size_t(k) * 20000, 7000 + size_t(k) * 3001));
+    const auto job = gpt_job(dir, "dataset: tokens, path: '" + dir + "/data/train_*.bin'");
+    const auto one = dir + "/one", two = dir + "/two";
+    run_ok("run " + job + " --run-dir " + one + " --set train.max_steps=2");
+    run_ok("run " + job + " --run-dir " + two + " --nproc 2 --set train.max_steps=2");
+    // Each rank scanned its half of the tokens: the record rank 0 wrote is one process's.
+    const auto record = nlohmann::json::parse(slurp(one + "/token-scan.json"));
+    CHECK(record == nlohmann::json::parse(slurp(two + "/token-scan.json")));
+    REQUIRE(record["shards"].size() == 3);
+    CHECK(record["shards"][0]["max_id"].get<int64_t>() < 256);
+    // A resume finds every shard in the record and trains on as before (its evaluation
+    // capped at 4 held-out windows).
+    run_ok("run " + job + " --run-dir " + two + " --nproc 2 --resume auto --set train.max_steps=4"
+           " --set train.eval_samples=4");
+    CHECK(train_losses(two).size() == 4);
+    CHECK(of_kind(metrics(two), "eval").back()["step"] == 4);
+    // A shard rewritten with an id outside the vocabulary no longer matches its record: it
+    // is scanned again and named (exit 3), on one process and on two.
+    auto bad = corpus_tokens(20000, 10001);
+    bad[777] = 999;
+    write_nanogpt(dir + "/data/train_1.bin", bad);
+    for (const std::string how : {std::string(""), std::string(" --nproc 2")}) {
+      auto r = dtrain("run " + job + " --run-dir " + two + how + " --resume auto --set train.max_steps=6" + kQuiet);
+      INFO(how << ": " << r.err);
+      CHECK(r.code == 3);
+      CHECK(r.err.find("train_1.bin' holds token id 999 at position 1554 (token 777 of the shard)") !=
+            std::string::npos);
     }
   }
 }

@@ -258,3 +258,16 @@ TEST_CASE("idx: the installed Fashion-MNIST loads and normalises to mean 0, std 
   CHECK(std::abs(x.mean().item<double>()) < 0.01);
   CHECK(std::abs(x.std().item<double>() - 1.0) < 0.02);
 }
+
+TEST_CASE("evenly_spaced: train.eval_samples' n samples spread over the split, or the split itself") {
+  auto split = std::make_shared<TensorDataset>(torch::arange(10, torch::kFloat32).view({10, 1}),
+                                               torch::arange(10, torch::kInt64));
+  CHECK(evenly_spaced(split, 0).get() == split.get());   // 0: all of it
+  CHECK(evenly_spaced(split, 10).get() == split.get());  // no more than it holds
+  const auto four = evenly_spaced(split, 4);
+  REQUIRE(four->size() == 4);
+  // Sample i is the split's i * 10 / 4: 0, 2, 5, 7.
+  const auto b = four->gather(torch::arange(4, torch::kInt64));
+  CHECK(torch::equal(b.y, torch::tensor({0, 2, 5, 7}, torch::kInt64)));
+  CHECK(four->fingerprint().size() == split->fingerprint().size() + 1);
+}
