@@ -28,7 +28,7 @@ Job saving_job() {
   job.name = "async-save";
   job.optimizer = "{name: adamw, lr: 0.01}";
   job.max_steps = 20;
-  job.extra = "checkpoint: {every_steps: 5, keep_last: 10}\n";
+  job.checkpoint = "{every_steps: 5, keep_last: 10}";
   return job;
 }
 
@@ -164,7 +164,7 @@ TEST_SUITE("async_save") {
     spec.model = "{arch: mlp, hidden: [2048]}";  // ~1.7 MB a checkpoint: one fits in 3 MB
     spec.optimizer = "{name: adamw, lr: 0.001}";
     spec.max_steps = 30;
-    spec.extra = "checkpoint: {every_steps: 10, keep_last: 5}\n";
+    spec.checkpoint = "{every_steps: 10, keep_last: 5}";
     const auto job = spec.write(dir);
     for (const std::string how : {std::string(""), std::string(" --nproc 2")}) {
       INFO("how:" << how);

@@ -13,35 +13,36 @@ using namespace e2e;
 
 namespace {
 
-// Synthetic data, AdamW with clipping and decay groups, a step schedule (independent of
-// max_steps, so that a run cut in legs follows the whole run's learning rates).
-std::string job(const std::string& dir, const std::string& model, const std::string& optimizer) {
-  auto path = dir + "/zero.yaml";
-  std::ofstream(path) << "name: zero-check\nseed: 7\n"
-                         "data: {dataset: synthetic, samples: 2048, test_samples: 256,"
-                         " input_shape: [1, 8, 8], classes: 4, batch_size: 32, workers: 1}\n"
-                      << model << optimizer
-                      << "schedule: {warmup_steps: 5, decay: step, step_size: 20}\n"
-                         "train: {max_steps: 40, log_every: 1, threads: 1, eval_every: 20}\n"
-                         "checkpoint: {every_steps: 20}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+const char* kAdamW = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 0.5}";
+const char* kSgd = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
+
+// Synthetic data, the MLP, AdamW with clipping and decay groups, a step schedule (independent
+// of max_steps, so that a run cut in legs follows the whole run's learning rates).
+Job zero_job() {
+  Job j;
+  j.name = "zero-check", j.seed = 7;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [64, 32]}";
+  j.optimizer = kAdamW;
+  j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
+  j.max_steps = 40, j.eval_every = 20, j.train = "";
+  j.checkpoint = "{every_steps: 20}";
+  j.dist = "{timeout_s: 30}";
+  return j;
 }
-const char* kAdamW = "optimizer: {name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 0.5}\n";
-const char* kSgd = "optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}\n";
 
 std::string gpt_job(const std::string& dir) {
-  auto path = dir + "/gpt.yaml";
-  std::ofstream(path) << "name: zero-gpt\nseed: 5\n"
-                         "data: {dataset: text, path: /usr/share/games/fortunes, batch_size: 8,"
-                         " seq_len: 32, workers: 1}\n"
-                         "model: {arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32,"
-                         " dropout: 0.1}\n"
-                      << kAdamW
-                      << "schedule: {warmup_steps: 5, decay: cosine}\n"
-                         "train: {max_steps: 20, log_every: 1, threads: 1, eval_every: 20}\n"
-                         "dist: {timeout_s: 30}\n";
-  return path;
+  Job j;
+  j.name = "zero-gpt", j.seed = 5;
+  j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
+           " workers: 1}";
+  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+  j.optimizer = kAdamW;
+  j.schedule = "{warmup_steps: 5, decay: cosine}";
+  j.max_steps = 20, j.eval_every = 20, j.train = "";
+  j.dist = "{timeout_s: 30}";
+  return j.write(dir, "gpt.yaml");
 }
 
 nlohmann::json run(const std::string& job, int n, const std::string& run_dir,
@@ -105,13 +106,15 @@ TEST_SUITE("zero") {
     auto dir = temp_dir("zero-mlp");
     // Slices of 256 values (bucket_mb 0.001): most start inside a shard, some cross two.
     // Under gradient accumulation ZeRO-2 stages the parameters' own accumulated gradients.
-    check_zero_matches(dir, job(dir, "model: {arch: mlp, hidden: [64, 32]}\n", kAdamW),
+    check_zero_matches(dir, zero_job().write(dir, "zero.yaml"),
                        {{2, ""}, {4, ""}, {2, " --set parallel.bucket_mb=0.001"},
                         {2, " --set train.grad_accum=2"}});
     auto cnn = temp_dir("zero-cnn");
-    check_zero_matches(cnn, job(cnn, "model: {arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}\n"
-                                     "parallel: {sync_batchnorm: true}\n", kSgd),
-                       {{2, ""}, {4, ""}});
+    auto bn = zero_job();
+    bn.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
+    bn.optimizer = kSgd;
+    bn.parallel = "{sync_batchnorm: true}";
+    check_zero_matches(cnn, bn.write(cnn, "zero.yaml"), {{2, ""}, {4, ""}});
   }
 
   TEST_CASE("ZeRO-1 and 2: a GPT at data 2 and 4, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
@@ -125,35 +128,54 @@ TEST_SUITE("zero") {
                         {4, " --set parallel.pipeline=2 --set parallel.stages=[1,3]"}});
   }
 
-  TEST_CASE("ZeRO: checkpoints hold whole optimizer state, and resume at data 4 (ZeRO-2), 2 (ZeRO-1) and 1") {
+  TEST_CASE("ZeRO: each data rank writes its shard; resumes at data 4 (ZeRO-2), 2 (ZeRO-1), 1 and data 2 (ZeRO-2)") {
     auto dir = temp_dir("zero-resume");
-    const auto j = job(dir, "model: {arch: mlp, hidden: [64, 32]}\n", kAdamW);
-    // One process, 60 steps, the reference trajectory.
-    run(j, 1, dir + "/one", " --set train.max_steps=60");
+    const auto j = zero_job().write(dir, "zero.yaml");
+    // One process, 80 steps, the reference trajectory.
+    run(j, 1, dir + "/one", " --set train.max_steps=80");
     const auto ref = train_losses(dir + "/one");
-    // The same 60 steps in three legs: data 4 with ZeRO-2, data 2 with ZeRO-1, one process.
+    // The same 80 steps in four legs: data 4 with ZeRO-2, data 2 with ZeRO-1, one process,
+    // data 2 with ZeRO-2.
     const auto legs = dir + "/legs";
     run(j, 4, legs, " --set train.max_steps=20 --set parallel.zero=2");
-    // Written whole: every slot at its parameter's full shape, one file for the data ranks.
-    const auto ckpt = dtrain::load_checkpoint(legs + "/checkpoints/step-00000020");
+    // Each data rank's shard in its own file, nothing gathered: together about the whole
+    // state, each about a quarter of it.
+    const auto folder = legs + "/checkpoints/step-00000020";
+    CHECK(!std::filesystem::exists(folder + "/optimizer.safetensors"));
+    std::vector<double> bytes;
+    for (int d = 0; d < 4; ++d) {
+      const auto shard = folder + "/optimizer.dp" + std::to_string(d) + ".safetensors";
+      REQUIRE(std::filesystem::exists(shard));
+      bytes.push_back(double(std::filesystem::file_size(shard)));
+    }
+    // Loaded, they are the whole state: every slot at its parameter's full shape.
+    const auto ckpt = dtrain::load_checkpoint(folder);
     std::map<std::string, torch::Tensor> model(ckpt.model.begin(), ckpt.model.end());
     std::map<std::string, torch::Tensor> opt(ckpt.optimizer.begin(), ckpt.optimizer.end());
+    double whole = 0;
     for (const auto& [name, w] : model) {
       INFO(name);
       REQUIRE(opt.count(name + ".exp_avg_sq"));
       CHECK(opt.at(name + ".exp_avg_sq").sizes() == w.sizes());
       CHECK(opt.at(name + ".exp_avg_sq").abs().sum().item<double>() > 0);  // no shard left empty
+      whole += 2 * 4 * double(w.numel());  // two fp32 moments
     }
+    for (double b : bytes) CHECK(b == doctest::Approx(whole / 4).epsilon(0.1));
     run(j, 2, legs, " --set train.max_steps=40 --set parallel.zero=1 --resume auto");
     run(j, 1, legs, " --set train.max_steps=60 --resume auto");
+    run(j, 2, legs, " --set train.max_steps=80 --set parallel.zero=2 --resume auto");
     const auto got = train_losses(legs);
-    REQUIRE(got.size() == 60);
-    check_losses_close(ref, got, 1e-5, "data 4 (ZeRO-2) -> data 2 (ZeRO-1) -> 1 process");
+    REQUIRE(got.size() == 80);
+    check_losses_close(ref, got, 1e-5,
+                       "data 4 (ZeRO-2) -> data 2 (ZeRO-1) -> 1 process -> data 2 (ZeRO-2)");
   }
 
   TEST_CASE("ZeRO: a stage out of range, or ZeRO with compression, is refused naming the key") {
     auto dir = temp_dir("zero-refuse");
-    const auto j = job(dir, "model: {arch: mlp, hidden: [8]}\n", kSgd);
+    auto small = zero_job();
+    small.model = "{arch: mlp, hidden: [8]}";
+    small.optimizer = kSgd;
+    const auto j = small.write(dir, "zero.yaml");
     auto r = e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=3");
     CHECK(r.code == 2);
     CHECK(r.err.find("parallel.zero") != std::string::npos);
