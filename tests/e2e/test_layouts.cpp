@@ -66,7 +66,7 @@ std::vector<Case> table() {
       {"gpt", gpt,
        {{2, ""}, {2, t2}, {2, p2}, {2, p2 + interleaved}, {4, t2}, {4, p2 + t2}, {4, p2 + d2},
         {8, p2 + t2 + d2 + " --set parallel.stages=[2,4]"}},
-       5e-5},
+       1e-5},
   };
 }
 
