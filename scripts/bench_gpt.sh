@@ -5,7 +5,8 @@
 # are interleaved and repeated; medians of tokens/s are reported, with ratios to PyTorch.
 #
 #   scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian]
-# --baseline: today's PyTorch (the default) or Debian's (scripts/baseline.sh; setup.sh --bench). Results: $OUT_DIR/bench_gpt.jsonl.
+# --baseline: today's PyTorch (the default) or Debian's (scripts/baseline.sh; setup.sh --bench).
+# DTRAIN_BIN=PATH benchmarks another dtrain binary the same way. Results: $OUT_DIR/bench_gpt.jsonl.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-gpt}"
@@ -22,14 +23,15 @@ PY=/usr/bin/python3   # the figures' arithmetic
 source "$ROOT/scripts/baseline.sh"
 BPY=$(baseline_python "$WHICH")
 echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)')" >&2
-[ -x "$ROOT/build/dtrain" ] || { echo "bench_gpt: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"  # another build (e.g. build-cuda/dtrain, LibTorch 2.15)
+[ -x "$DTRAIN" ] || { echo "bench_gpt: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/bench_gpt.jsonl"
 
 dtrain_run() {  # label, extra args...
   local label=$1; shift
   rm -rf "$OUT_DIR/run"
-  "$ROOT/build/dtrain" run "$ROOT/configs/gpt_text.yaml" --run-dir "$OUT_DIR/run" \
+  "$DTRAIN" run "$ROOT/configs/gpt_text.yaml" --run-dir "$OUT_DIR/run" \
     --set train.max_steps="$STEPS" --set train.eval_every=100000 --set train.log_every=10 \
     --set logging.progress=off "$@" > /dev/null 2>&1
   $PY - "$label" "$OUT_DIR/run/metrics.jsonl" >> "$OUT_DIR/bench_gpt.jsonl" <<'PYEOF'
