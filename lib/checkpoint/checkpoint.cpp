@@ -157,10 +157,9 @@ std::optional<RangeOf> range_of(const std::map<std::string, std::string>& meta,
   }
   const auto order = text.substr(b + 1);
   r.channels_last = order == "nhwc";
-  int64_t total = 1;
-  for (auto d : r.shape) total = d < 0 ? -1 : total * d;
+  const bool negative = std::any_of(r.shape.begin(), r.shape.end(), [](int64_t d) { return d < 0; });
   if ((order != "rows" && order != "nhwc") || (r.channels_last && r.shape.size() != 4) ||
-      total < 0 || r.offset < 0 || r.offset + numel > total)
+      negative || r.offset < 0 || r.offset + numel > shape_numel(r.shape))
     throw bad();
   return r;
 }

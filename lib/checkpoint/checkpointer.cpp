@@ -14,47 +14,57 @@
 namespace dtrain {
 namespace fs = std::filesystem;
 
+namespace {
+
+// How `part` failed, as every collective here reports it: a dtrain::Error's exit code and
+// message, or the file system's or a JSON reader's own error as exit 3 "cannot WHAT: ..."
+// ({0, ""} when it did not).
+struct Failure {
+  int64_t code = 0;
+  std::string why;
+};
+Failure failure_of(const std::function<void()>& part, const std::string& what) {
+  try {
+    part();
+  } catch (const Error& e) {
+    return {int64_t(e.code), e.what()};
+  } catch (const std::exception& e) {
+    return {int64_t(kExitBadData), fmt::format("cannot {}: {}", what, first_line(e.what()))};
+  }
+  return {};
+}
+
+}  // namespace
+
 int64_t root_does(Comm& group, const std::string& what, const std::function<int64_t()>& part) {
   auto outcome = torch::tensor({int64_t(0), int64_t(0)}, torch::kInt64);  // [value, exit code]
-  std::string why;
+  Failure failed;
   const bool root = group.rank() == 0;
   if (root) {
-    try {
-      outcome[0] = part();
-    } catch (const Error& e) {
-      outcome[1] = int64_t(e.code);
-      why = e.what();
-    } catch (const std::exception& e) {  // the file system's or a JSON reader's own errors
-      outcome[1] = int64_t(kExitBadData);
-      why = fmt::format("cannot {}: {}", what, first_line(e.what()));
-    }
+    failed = failure_of([&] { outcome[0] = part(); }, what);
+    outcome[1] = failed.code;
   }
   group.broadcast(outcome, 0);
   if (const auto code = outcome[1].item<int64_t>())
-    throw Error(ExitCode(code), root ? why : fmt::format("rank 0 could not {} (see rank 0)", what));
+    throw Error(ExitCode(code),
+                root ? failed.why : fmt::format("rank 0 could not {} (see rank 0)", what));
   return outcome[0].item<int64_t>();
 }
 
 void every_rank_does(Comm& group, const std::string& what, const std::function<void()>& part,
                      const std::function<void()>& undo) {
-  auto outcome = torch::tensor({int64_t(0), int64_t(-1)}, torch::kInt64);  // [exit code, rank]
-  std::string why;
-  try {
-    part();
-  } catch (const Error& e) {
-    outcome[0] = int64_t(e.code), outcome[1] = group.rank(), why = e.what();
-  } catch (const std::exception& e) {  // the file system's own errors
-    outcome[0] = int64_t(kExitBadData), outcome[1] = group.rank();
-    why = fmt::format("cannot {}: {}", what, first_line(e.what()));
-  }
+  const Failure failed = failure_of(part, what);
+  // [exit code, rank]
+  auto outcome = torch::tensor({failed.code, failed.code ? int64_t(group.rank()) : int64_t(-1)},
+                               torch::kInt64);
   group.all_reduce(outcome, ReduceOp::kMax);
   const auto code = outcome[0].item<int64_t>();
   if (!code) return;
   if (group.rank() == 0) undo();
   const auto rank = outcome[1].item<int64_t>();
-  throw Error(ExitCode(code), !why.empty() ? why
-                                           : fmt::format("rank {} could not {} (see rank {})",
-                                                         rank, what, rank));
+  throw Error(ExitCode(code), !failed.why.empty() ? failed.why
+                                                  : fmt::format("rank {} could not {} (see rank {})",
+                                                                rank, what, rank));
 }
 
 Checkpointer::Checkpointer(Options opts, std::shared_ptr<Comm> group)
@@ -260,14 +270,8 @@ void Checkpointer::launch(Flight& f, std::function<void()> work) {
   f.done = false;
   f.thread = std::thread([&f, work = std::move(work)] {
     unpin_this_thread();  // created by the (pinned) training thread: not on its CPU
-    try {
-      work();
-    } catch (const Error& e) {
-      f.code = int(e.code), f.why = e.what();
-    } catch (const std::exception& e) {  // the file system's own errors
-      f.code = int(kExitBadData);
-      f.why = fmt::format("cannot write the checkpoint of step {}: {}", f.step, first_line(e.what()));
-    }
+    auto failed = failure_of(work, fmt::format("write the checkpoint of step {}", f.step));
+    f.code = int(failed.code), f.why = std::move(failed.why);
     f.done = true;
   });
 }

@@ -183,11 +183,11 @@ class TokenShards : public Dataset {
               const std::vector<double>& print)
       : shards_(std::move(shards)), split_(split), seq_(seq) {
     double keys = 0;  // the shards' sizes by their place: what the windows are cut from
-    for (const auto& sh : shards_) {
-      first_.push_back(first_.empty() ? 0 : first_.back() + windows(shards_[first_.size() - 1]));
-      keys += double(first_.size()) * double(sh.count);
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      first_.push_back(total_);
+      total_ += windows(shards_[s]);
+      keys += double(s + 1) * double(shards_[s].count);
     }
-    total_ = shards_.empty() ? 0 : first_.back() + windows(shards_.back());
     // The size, a sum, a weighted sum, the windows' shards, the shards' own ends.
     fingerprint_ = {double(size()), print[1] + print[0], print[2], keys, print[3]};
   }
