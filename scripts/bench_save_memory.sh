@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Rank 0's peak memory with GPT-2 small's shape (configs/gpt2_small.yaml: 124M parameters,
 # AdamW) for a two-step run that writes its checkpoint, on one process, at pipeline 2 and
-# at tensor 2, and at data 2 with ZeRO 0, 1 and 2, in one run. Every rank writes only what
-# it holds (model.ppN.tpT parts; under ZeRO its optimizer.dpD shard; nothing gathered), so
+# at tensor 2, and at data 2 with ZeRO 0, 1, 2 and 3, in one run. Every rank writes only what
+# it holds (model.ppN.tpT parts; under ZeRO its optimizer.dpD shard, under ZeRO-3 its
+# model.dpD shard too; nothing gathered), so
 # rank 0's peak follows its share of the model and of the optimizer state. "vs training":
 # the peak with the checkpoint written against training's own (the last train line's). Short sequences
 # (128 tokens, batch 2) keep activations small beside the model state; CPU, fp32.
@@ -40,6 +41,7 @@ run "tensor 2" --nproc 2 --set parallel.tensor=2
 run "data 2" --nproc 2
 run "data 2 zero 1" --nproc 2 --set parallel.zero=1
 run "data 2 zero 2" --nproc 2 --set parallel.zero=2
+run "data 2 zero 3" --nproc 2 --set parallel.zero=3
 run "data 4 zero 1" --nproc 4 --set parallel.zero=1 --set data.batch_size=4
 $PY - "$rows" <<'PYEOF'
 import json, sys

@@ -30,7 +30,8 @@ bool starts_ends(const std::string& s, const std::string& head, const std::strin
 
 // The kind of tensors a checkpoint file holds, from its name: "model.pp1.tp0.safetensors"
 // holds "model", "sync.dp1.safetensors" "sync.dp1", a ZeRO shard "optimizer.dp1.safetensors"
-// "optimizer" (every data rank's shard makes up the one state); "" for files that hold no
+// "optimizer" (every data rank's shard makes up the one state; "model.dp1" under ZeRO-3
+// "model"); "" for files that hold no
 // tensors.
 std::string kind_of(const std::string& file) {
   const std::string ext = ".safetensors";
@@ -42,9 +43,12 @@ std::string kind_of(const std::string& file) {
         std::all_of(stem.begin() + long(at) + 3, stem.end(), ::isdigit))
       stem.resize(at);
   }
-  if (stem.rfind("optimizer.dp", 0) == 0 && stem.size() > 12 &&
-      std::all_of(stem.begin() + 12, stem.end(), ::isdigit))
-    return "optimizer";
+  for (const std::string kind : {"model", "optimizer"}) {  // a ZeRO shard of one
+    const std::string head = kind + ".dp";
+    if (stem.rfind(head, 0) == 0 && stem.size() > head.size() &&
+        std::all_of(stem.begin() + long(head.size()), stem.end(), ::isdigit))
+      return kind;
+  }
   if (stem == "model" || stem == "optimizer" || stem.rfind("sync.dp", 0) == 0) return stem;
   return "";
 }
@@ -183,21 +187,23 @@ std::optional<PartOf> part_of(const std::map<std::string, std::string>& meta,
 
 void CheckpointStore::write_part(const std::string& temp, const std::string& part,
                                  const NamedTensors& model, const NamedTensors& optimizer,
-                                 const PartsOf& parts, bool with_optimizer) {
+                                 const PartsOf& parts, bool with_optimizer, bool with_model) {
   const fs::path tmp(temp);
-  write_safetensors((tmp / ("model" + part + ".safetensors")).string(), model,
-                    file_metadata("dtrain-model", model, parts));
+  if (with_model)
+    write_safetensors((tmp / ("model" + part + ".safetensors")).string(), model,
+                      file_metadata("dtrain-model", model, parts));
   if (with_optimizer)
     write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
                       file_metadata("dtrain-optimizer", optimizer, parts));
 }
 
-void CheckpointStore::write_optimizer_shard(const std::string& temp, int64_t data_rank,
-                                            const std::string& part, const NamedTensors& state,
-                                            const PartsOf& parts, const RangesOf& ranges) {
+void CheckpointStore::write_shard(const std::string& temp, const std::string& kind,
+                                  int64_t data_rank, const std::string& part,
+                                  const NamedTensors& state, const PartsOf& parts,
+                                  const RangesOf& ranges) {
   write_safetensors(
-      (fs::path(temp) / fmt::format("optimizer.dp{}{}.safetensors", data_rank, part)).string(),
-      state, file_metadata("dtrain-optimizer", state, parts, ranges));
+      (fs::path(temp) / fmt::format("{}.dp{}{}.safetensors", kind, data_rank, part)).string(),
+      state, file_metadata("dtrain-" + kind, state, parts, ranges));
 }
 
 void CheckpointStore::write_sync_state(const std::string& temp, int64_t data_rank,

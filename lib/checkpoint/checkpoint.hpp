@@ -71,13 +71,15 @@ class CheckpointStore {
   // assembles the whole.
   static void write_part(const std::string& temp, const std::string& part,
                          const NamedTensors& model, const NamedTensors& optimizer,
-                         const PartsOf& parts = {}, bool with_optimizer = true);
-  // A data rank's shard of the optimizer state (ZeRO) as `optimizer.dpD<part>.safetensors`:
-  // pieces of tensors whose places `ranges` gives (the file's metadata says them too), and
-  // the scalars whole; loading merges every data rank's shard into the whole state.
-  static void write_optimizer_shard(const std::string& temp, int64_t data_rank,
-                                    const std::string& part, const NamedTensors& state,
-                                    const PartsOf& parts, const RangesOf& ranges);
+                         const PartsOf& parts = {}, bool with_optimizer = true,
+                         bool with_model = true);
+  // A data rank's shard of the optimizer state (ZeRO; `kind` "optimizer") or of the
+  // parameters (ZeRO-3; "model") as `KIND.dpD<part>.safetensors`: pieces of tensors whose
+  // places `ranges` gives (the file's metadata says them too), and the rest whole (the
+  // optimizer's scalars, the model's buffers); loading merges every data rank's shard.
+  static void write_shard(const std::string& temp, const std::string& kind, int64_t data_rank,
+                          const std::string& part, const NamedTensors& state,
+                          const PartsOf& parts, const RangesOf& ranges);
   // A data rank's training-strategy state (gradient compression's residuals) as
   // `sync.dpD<part>.safetensors`: per data rank, unlike the model and optimizer, which
   // the data ranks hold alike.

@@ -129,21 +129,26 @@ class PartWriter : public StateWriter {
  public:
   explicit PartWriter(bool first_replica) : first_replica_(first_replica) {}
   bool writes(StateFile file) const override {
-    return file == StateFile::kReplica || file == StateFile::kOptimizerShard || first_replica_;
+    return file == StateFile::kReplica || is_shard(file) || first_replica_;
   }
   void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts,
            const RangesOf& ranges) override {
     if (!writes(file)) return;
-    const bool shard = file == StateFile::kOptimizerShard;
-    sharded = sharded || shard;
-    auto& to = file == StateFile::kModel       ? model
-               : file == StateFile::kOptimizer ? optimizer
-               : shard                         ? optimizer_shard
-                                               : replica;
+    auto& to = file == StateFile::kModel            ? model
+               : file == StateFile::kOptimizer      ? optimizer
+               : file == StateFile::kOptimizerShard ? optimizer_shard.tensors
+               : file == StateFile::kModelShard     ? model_shard.tensors
+                                                    : replica;
     to.insert(to.end(), tensors.begin(), tensors.end());
-    auto& placed = file == StateFile::kReplica ? replica_parts : shard ? shard_parts : parts_;
-    for (const auto& [name, part] : parts) placed[name] = part;
-    for (const auto& [name, range] : ranges) shard_ranges[name] = range;
+    if (is_shard(file)) {
+      auto& shard = file == StateFile::kModelShard ? model_shard : optimizer_shard;
+      shard.used = true;
+      for (const auto& [name, part] : parts) shard.parts[name] = part;
+      for (const auto& [name, range] : ranges) shard.ranges[name] = range;
+    } else {
+      auto& placed = file == StateFile::kReplica ? replica_parts : parts_;
+      for (const auto& [name, part] : parts) placed[name] = part;
+    }
   }
   void set(const std::string& key, nlohmann::json value) override { trainer[key] = std::move(value); }
 
@@ -151,16 +156,19 @@ class PartWriter : public StateWriter {
   void write(const std::string& temp, const std::string& part, int64_t data_rank) const {
     if (!replica.empty())
       CheckpointStore::write_sync_state(temp, data_rank, part, replica, replica_parts);
-    if (sharded)
-      CheckpointStore::write_optimizer_shard(temp, data_rank, part, optimizer_shard, shard_parts,
-                                             shard_ranges);
+    for (const auto* shard : {&model_shard, &optimizer_shard})
+      if (shard->used)
+        CheckpointStore::write_shard(temp, shard == &model_shard ? "model" : "optimizer",
+                                     data_rank, part, shard->tensors, shard->parts, shard->ranges);
     if (first_replica_)
-      CheckpointStore::write_part(temp, part, model, optimizer, parts_, /*with_optimizer=*/!sharded);
+      CheckpointStore::write_part(temp, part, model, optimizer, parts_,
+                                  /*with_optimizer=*/!optimizer_shard.used,
+                                  /*with_model=*/!model_shard.used);
   }
   // Every tensor replaced by a copy in host memory (pinned where it comes from a GPU,
   // whose copy then is a plain DMA), which the run can no longer change.
   void copy_to_host() {
-    for (auto* list : {&model, &optimizer, &replica, &optimizer_shard})
+    for (auto* list : {&model, &optimizer, &replica, &optimizer_shard.tensors, &model_shard.tensors})
       for (auto& [name, t] : *list) {
         if (t.is_cuda()) {
           auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
@@ -172,13 +180,22 @@ class PartWriter : public StateWriter {
       }
   }
 
-  NamedTensors model, optimizer, replica, optimizer_shard;
-  PartsOf parts_, replica_parts, shard_parts;
-  RangesOf shard_ranges;
-  bool sharded = false;  // the optimizer state comes as this data rank's shard
+  // A state that comes as this data rank's shard (ZeRO).
+  struct ShardOf {
+    bool used = false;
+    NamedTensors tensors;
+    PartsOf parts;
+    RangesOf ranges;
+  };
+  NamedTensors model, optimizer, replica;
+  ShardOf model_shard, optimizer_shard;
+  PartsOf parts_, replica_parts;
   nlohmann::json trainer = nlohmann::json::object();
 
  private:
+  static bool is_shard(StateFile file) {
+    return file == StateFile::kOptimizerShard || file == StateFile::kModelShard;
+  }
   bool first_replica_;
 };
 

@@ -16,6 +16,8 @@
 //   kOptimizerShard  optimizer.dpD{.ppN}{.tpT}.safetensors: data rank D's shard of the
 //               optimizer state (ZeRO), written by every data rank, nothing gathered;
 //               read back as kOptimizer, every shard's ranges merged
+//   kModelShard  model.dpD{.ppN}{.tpT}.safetensors: data rank D's shard of the parameters
+//               (ZeRO-3), alike; read back as kModel
 // and trainer.json's entries (step, random states, the loss scale...), written by rank 0.
 #pragma once
 #include <string>
@@ -28,7 +30,7 @@
 
 namespace dtrain {
 
-enum class StateFile { kModel, kOptimizer, kReplica, kOptimizerShard };
+enum class StateFile { kModel, kOptimizer, kReplica, kOptimizerShard, kModelShard };
 
 class StateWriter {
  public:
@@ -37,7 +39,7 @@ class StateWriter {
   // over ranks gathers it on every rank all the same: a collective).
   virtual bool writes(StateFile file) const = 0;
   // Tensors of `file`; those named in `parts` are this tensor rank's part of a split one,
-  // those named in `ranges` a range of one's elements (kOptimizerShard).
+  // those named in `ranges` a range of one's elements (the shards).
   virtual void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts = {},
                    const RangesOf& ranges = {}) = 0;
   // An entry of trainer.json (rank 0's are written).

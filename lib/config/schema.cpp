@@ -550,7 +550,7 @@ void check_parallel(const JobConfig& c) {
   need(std::all_of(p.stages.begin(), p.stages.end(), [](int64_t n) { return n >= 1; }),
        "parallel.stages", "a list of positive part counts, one per stage",
        fmt::format("{}", p.stages));
-  need(p.zero >= 0 && p.zero <= 2, "parallel.zero", "0, 1 or 2", p.zero);
+  need(p.zero >= 0 && p.zero <= 3, "parallel.zero", "0, 1, 2 or 3", p.zero);
   need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
   need(p.powersgd_rank >= 1, "parallel.powersgd_rank", ">= 1", p.powersgd_rank);

@@ -19,7 +19,7 @@ GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready, Arri
   const int64_t cap = bucket_numel(params, bucket_mb);
   // Fixed-size slices from the end: a large parameter spans several buckets, so its
   // gradient goes out as several reductions that the backend's threads run side by side.
-  const int64_t total = params.data().numel();
+  const int64_t total = params.numel();
   for (int64_t end = total; end > 0; end -= cap) {
     const int64_t begin = std::max<int64_t>(0, end - cap);
     buckets_.push_back({begin, end - begin, 0, 0});

@@ -45,10 +45,14 @@ class GradSync : public Stateful {
   virtual void begin_micro_batch(bool /*last*/) {}
   // After the last backward: the gradient is final when it returns.
   virtual void finish() {}
-  // The forward is about to run `module` (Network::before_use): its parameters must be
-  // current. ZeRO's all-gather of the updated parameters, launched after the update, is
-  // waited for here as far as they need, so it overlaps the forward of the layers before.
-  virtual void before_use(const torch::nn::Module& /*module*/) {}
+  // The forward is about to run `modules` (Network::UseHooks): their parameters must be
+  // at hand. ZeRO-1/2's all-gather of the updated parameters, launched after the update,
+  // is waited for here as far as they need, so it overlaps the forward of the layers
+  // before; ZeRO-3 gathers the modules' units here, and starts the next one's.
+  using Modules = std::vector<const torch::nn::Module*>;
+  virtual void before_use(const Modules& /*modules*/) {}
+  // They have run, making `out` (ZeRO-3 gathers them again before out's backward).
+  virtual void after_use(const Modules& /*modules*/, const torch::Tensor& /*out*/) {}
   // Every parameter current (before something reads them all: a checkpoint).
   virtual void settle() {}
   // After the optimizer's update, before the next forward (where a strategy that shards

@@ -1,7 +1,8 @@
-// ZeRO (Rajbhandari et al. 2020; DeepSpeed's stages 1 and 2): the optimizer state, and
-// under stage 2 the gradient, sharded over the data ranks as offsets into the flat
-// buffers (llm.c's ShardInfo): each shard's gradient is reduced to its owner, the owner
-// updates its shard, and the updated shards go back to every rank.
+// ZeRO (Rajbhandari et al. 2020; DeepSpeed's stages 1 to 3): the optimizer state, under
+// stage 2 the gradient, under stage 3 the parameters too, sharded over the data ranks as
+// offsets into the flat buffers (llm.c's ShardInfo): each shard's gradient is reduced to
+// its owner, the owner updates its shard, and the updated shards go back to every rank
+// (stages 1 and 2: after the update; stage 3: a unit at a time, where forward needs it).
 #include "grad/zero.hpp"
 
 #include <algorithm>
@@ -101,9 +102,10 @@ class ZeroSync : public BucketedSync {
     const int64_t d = data_->size();
     sent_ += shard_.numel * params_.data().element_size() * (d - 1);
   }
-  void before_use(const torch::nn::Module& module) override {
+  void before_use(const Modules& modules) override {
     if (gathered_ == gathers_.size()) return;
-    const int64_t end = end_of(module);
+    int64_t end = 0;
+    for (const auto* m : modules) end = std::max(end, end_of(*m));
     while (gathered_ < gathers_.size() && pieces_[gathered_].offset < end) gathers_[gathered_++]->wait();
   }
   void settle() override {
@@ -135,7 +137,7 @@ class ZeroSync : public BucketedSync {
   int64_t end_of(const torch::nn::Module& module) {
     auto [it, fresh] = ends_.try_emplace(&module, 0);
     if (fresh) {
-      const auto& base = params_.data();
+      const auto& base = params_.data();  // whole: ZeRO-1 and 2 do not shard it
       const auto* first = static_cast<const char*>(base.data_ptr());
       for (const auto& p : module.parameters()) {
         const auto at = (static_cast<const char*>(p.data_ptr()) - first) / p.element_size();
@@ -237,6 +239,123 @@ class Zero2Sync : public ZeroSync {
   std::vector<std::pair<size_t, torch::Tensor>> whole_;    // tied entries' gradients
 };
 
+
+// ZeRO-3 (DeepSpeed's stage 3, FSDP): ZeRO-2, and the parameters too are kept for this
+// rank's shard only (FlatParams under param_ranks). A unit's parameters (Network::units:
+// a layer, a block) live in a buffer of their own that has storage only while the unit is
+// gathered: before the forward runs it, then again before its output's backward (a hook
+// on that output), each time from the ranks whose shards hold it, one broadcast per owner
+// (the shards are cut from the one flat layout, so a unit has one or two owners, and every
+// rank still sends its own shard once per pass: the bytes of an all-gather). Gathering a
+// unit frees those not in use (autograd runs a unit's whole backward before it reaches the
+// output of the unit before, so the unit whose backward is done is never needed again);
+// the next unit's gather starts ahead (in forward the one after, in backward the one
+// before: prefetch). A rank therefore holds its shards plus about two units of parameters,
+// and the gradient as ZeRO-2. Every data rank runs the same units in the same order, so
+// their broadcasts match.
+class Zero3Sync : public Zero2Sync {
+ public:
+  Zero3Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
+            double bucket_mb, int64_t micro_batches)
+      : Zero2Sync(params, data, shard, std::move(tied), bucket_mb, micro_batches),
+        pending_(params.units().size()) {}
+
+  void begin_step(int64_t step) override {
+    Zero2Sync::begin_step(step);
+    gather_sent_ = 0;  // an evaluation's gathers are not the step's
+  }
+  void before_use(const Modules& modules) override {
+    const auto units = units_of(modules);
+    if (units.empty()) return;
+    gather(units);
+    prefetch(*std::max_element(units.begin(), units.end()), +1);
+  }
+  void after_use(const Modules& modules, const torch::Tensor& out) override {
+    if (!out.defined() || !out.requires_grad()) return;
+    auto units = units_of(modules);
+    if (units.empty()) return;
+    out.register_hook([this, units](const torch::Tensor&) {
+      gather(units);
+      prefetch(*std::max_element(units.begin(), units.end()), -1);
+    });
+  }
+  void finish() override {
+    Zero2Sync::finish();
+    release_all();
+    sent_ += std::exchange(gather_sent_, 0);
+  }
+  void after_update(const torch::Tensor& skip) override {
+    BucketedSync::after_update(skip);  // the updated shards stay where they are
+  }
+  void settle() override {
+    for (size_t u = 0; u < pending_.size(); ++u) wait(u);
+  }
+
+ private:
+  std::vector<size_t> units_of(const Modules& modules) const {
+    std::vector<size_t> units;
+    for (const auto* m : modules)
+      if (auto u = params_.unit_of(*m)) units.push_back(*u);
+    return units;
+  }
+  // `units` gathered, every other one released but the one prefetched.
+  void gather(const std::vector<size_t>& units) {
+    for (size_t u = 0; u < pending_.size(); ++u)
+      if (params_.resident(u) && u != ahead_ &&
+          std::find(units.begin(), units.end(), u) == units.end()) {
+        wait(u);
+        params_.release(u);
+      }
+    for (size_t u : units) start(u);
+    for (size_t u : units) wait(u);
+  }
+  // The unit `step` away from `u` in the same module, gathered ahead.
+  void prefetch(size_t u, int step) {
+    const auto& units = params_.units();
+    const int64_t next = int64_t(u) + step;
+    ahead_ = kNone;
+    if (next < 0 || next >= int64_t(units.size()) || units[size_t(next)].module != units[u].module)
+      return;
+    ahead_ = size_t(next);
+    start(ahead_);
+  }
+  // Unit u's gather, started unless it is resident: each owner's piece broadcast from it.
+  void start(size_t u) {
+    if (params_.resident(u)) return;
+    params_.allocate(u);
+    torch::NoGradGuard no_grad;
+    const auto& unit = params_.units()[u];
+    const Shard mine = params_.data_held();
+    auto all = std::make_unique<PendingAll>();
+    for (int64_t at = unit.offset; at < unit.offset + unit.numel;) {
+      const int64_t owner = at / mine.numel;
+      const int64_t end = std::min(unit.offset + unit.numel, (owner + 1) * mine.numel);
+      auto piece = unit.buffer.narrow(0, at - unit.offset, end - at);
+      if (owner == data_->rank()) {
+        piece.copy_(params_.data_of({at, end - at}));
+        gather_sent_ += piece.numel() * piece.element_size() * (data_->size() - 1);
+      }
+      all->parts.push_back(data_->broadcast_async(piece, owner));
+      at = end;
+    }
+    pending_[u] = std::move(all);
+  }
+  void wait(size_t u) {
+    if (pending_[u]) std::exchange(pending_[u], nullptr)->wait();
+  }
+  void release_all() {
+    for (size_t u = 0; u < pending_.size(); ++u) {
+      wait(u);
+      if (params_.resident(u)) params_.release(u);
+    }
+    ahead_ = kNone;
+  }
+  static constexpr size_t kNone = size_t(-1);
+  std::vector<std::unique_ptr<Pending>> pending_;  // per unit: its gather, in flight
+  size_t ahead_ = kNone;                           // the unit gathered ahead
+  int64_t gather_sent_ = 0;                        // bytes, since the last step's
+};
+
 }  // namespace
 
 void shard_flat(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
@@ -244,7 +363,8 @@ void shard_flat(const ParallelConfig& cfg, const ParallelDims& dims, const Coord
   const int64_t d = dims.data;
   if (cfg.zero == 0 || d == 1) return;
   opts.pad_to = d * kShardAlign;
-  if (cfg.zero == 2) opts.grad_ranks = d, opts.grad_rank = at.data;
+  if (cfg.zero >= 2) opts.grad_ranks = d, opts.grad_rank = at.data;
+  if (cfg.zero == 3) opts.param_ranks = d, opts.param_rank = at.data;
 }
 
 Shard update_shard(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
@@ -256,7 +376,9 @@ Shard update_shard(const ParallelConfig& cfg, const ParallelDims& dims, const Co
 std::unique_ptr<GradSync> make_zero_sync(const ParallelConfig& cfg, const Mesh& mesh,
                                          FlatParams& params, int64_t micro_batches, Tied tied) {
   const Shard shard = update_shard(cfg, mesh.dims(), mesh.coord(), params);
-  if (cfg.zero == 2)
+  if (cfg.zero == 3 && params.sharded())
+    return std::make_unique<Zero3Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+  if (cfg.zero >= 2)
     return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
   return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
 }

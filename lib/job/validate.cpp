@@ -92,11 +92,13 @@ MemoryEstimate estimate_memory(const JobConfig& cfg, const ParallelDims& dims) {
                                               : std::min(depth, double(cfg.train.grad_accum));
   const double optimizer = cfg.optimizer.name == "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0;
   const double share = size.params / double(dims.tensor * dims.pipeline);
-  // ZeRO keeps the optimizer state (1) and the gradient too (2) for a data rank's shard.
+  // ZeRO keeps the optimizer state (1), the gradient too (2) and the parameters too (3,
+  // which then holds about two layers whole at a time besides) for a data rank's shard.
   const double data = double(dims.data);
   const double gradient = 4 * share / (p.zero >= 2 ? data : 1);
   const double state = optimizer * share / (p.zero >= 1 ? data : 1);
-  return {4 * share, gradient + state, held * size.activation_bytes};
+  const double params = p.zero >= 3 ? 4 * share / data + 2 * 4 * size.largest_unit / double(dims.tensor) : 4 * share;
+  return {params, gradient + state, held * size.activation_bytes};
 }
 
 // MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).

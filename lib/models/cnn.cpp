@@ -2,6 +2,7 @@
 // max-pool, then the dense layers. The shipped job is conv32-pool-conv64-pool-fc128-fc10,
 // the shape of scripts/baselines' PyTorch CNN, so the two run the same kernels. It has no
 // tensor-parallel form; data and pipeline parallelism are what it scales with.
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -83,13 +84,14 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
 // Parameters and the activations backward keeps: each conv stage's conv, ReLU and pool
 // outputs, then the dense layers'.
 ModelSize cnn_size(const ModelConfig& cfg, const SizeContext& ctx) {
-  double params = 0, conv_units = 0, in = 1;
+  double params = 0, conv_units = 0, in = 1, conv_largest = 0;
   for (auto x : ctx.sample_shape) in *= double(x);
   if (ctx.sample_shape.size() == 3) {
     double c = double(ctx.sample_shape[0]), h = double(ctx.sample_shape[1]),
            w = double(ctx.sample_shape[2]);
     for (auto out : cfg.channels) {
       params += c * double(out) * 9 + double(out) * (cfg.batch_norm ? 3 : 1);
+      conv_largest = std::max(conv_largest, c * double(out) * 9 + double(out));
       conv_units += double(out) * h * w * 3;  // conv, ReLU, pool
       c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
     }
@@ -97,6 +99,7 @@ ModelSize cnn_size(const ModelConfig& cfg, const SizeContext& ctx) {
   }
   auto s = dense_size(in, cfg.fc, ctx.classes);
   s.params += params;
+  s.largest_unit = std::max(s.largest_unit, conv_largest);
   s.activation_bytes = ctx.rows * (s.activation_bytes + 4 * conv_units);
   return s;
 }

@@ -10,6 +10,7 @@
 // column-parallel as three blocks, the output projection row-parallel), the MLP likewise,
 // the token embedding and the tied LM head split by vocabulary; LayerNorms and the
 // position embedding replicated.
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -185,21 +186,29 @@ class Gpt : public Network {
   torch::Tensor forward(const torch::Tensor& in) override {
     torch::Tensor x = in;
     if (embeddings_) {
-      using_module(*wte), using_module(*wpe);
       auto pos = torch::arange(in.size(1), torch::dtype(torch::kInt64).device(in.device()));
-      x = wte->forward(in) + wpe->forward(pos);
+      x = with({wte.get(), wpe.get()}, [&] { return wte->forward(in) + wpe->forward(pos); });
       if (is_training() && dropout_ > 0) x = seeded_dropout(x, dropout_, dropout_site("drop"));
     }
     // Recompute: a block keeps only its input (which must be part of the graph) and runs
     // again in backward.
     const bool again = recompute_ && is_training() && torch::GradMode::is_enabled();
-    for (auto& block : blocks_) {
-      using_module(*block);
-      x = again && x.requires_grad() ? recompute(*block, x) : block->forward(x);
-    }
+    for (auto& block : blocks_)
+      x = with({block.get()}, [&] {
+        return again && x.requires_grad() ? recompute(*block, x) : block->forward(x);
+      });
     if (!head_) return x;
-    using_module(*ln_f), using_module(*wte);
-    return wte->logits(ln_f->forward(x));  // the head is the embedding, tied
+    // The head is the embedding, tied.
+    return with({ln_f.get(), wte.get()}, [&] { return wte->logits(ln_f->forward(x)); });
+  }
+
+  std::vector<const torch::nn::Module*> units() const override {
+    std::vector<const torch::nn::Module*> out;
+    if (wte) out.push_back(wte.get());
+    if (wpe) out.push_back(wpe.get());
+    for (const auto& block : blocks_) out.push_back(block.get());
+    if (ln_f) out.push_back(ln_f.get());
+    return out;
   }
 
   std::vector<int64_t> part_params() const override { return sizes_; }
@@ -280,7 +289,8 @@ ModelSize gpt_size(const ModelConfig& m, const SizeContext& ctx) {
   const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
   const double per_layer =
       ctx.recompute ? 4 * rows * s * d : 2 * rows * s * (34 * d + scores) / tensor;
-  return {params, l / double(ctx.dims.pipeline) * per_layer + 12 * rows * s * v / tensor};
+  return {params, l / double(ctx.dims.pipeline) * per_layer + 12 * rows * s * v / tensor,
+          std::max(v * d, 12 * d * d + 13 * d)};
 }
 
 }  // namespace

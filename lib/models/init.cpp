@@ -75,12 +75,19 @@ void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t
 }  // namespace
 
 void init_parameters(FlatParams& params, const InitRule& rule, uint64_t seed, int64_t rank) {
-  std::vector<Target> targets;
-  for (size_t i = 0; i < params.entries().size(); ++i) {
-    const auto& e = params.entries()[i];
-    targets.push_back({e.name, e.full_shape, e.placement, params.view(params.data(), i)});
-  }
-  init_all(targets, rule, seed, rank);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& e : params.entries()) shapes[e.name] = e.full_shape;
+  const ShapeOf shape_of = [&](const std::string& name) {
+    auto it = shapes.find(name);
+    return it == shapes.end() ? std::vector<int64_t>{} : it->second;
+  };
+  params.write_whole([&](size_t first, size_t last) {  // under ZeRO-3 a unit at a time
+    for (size_t i = first; i < last; ++i) {
+      const auto& e = params.entries()[i];
+      init_parameter(rule(e.name, e.full_shape, shape_of), seed, e.name, e.full_shape,
+                     e.placement, rank, params.value(i));
+    }
+  });
 }
 
 void init_parameters(torch::nn::Module& module, const InitRule& rule, uint64_t seed, int64_t rank) {

@@ -37,18 +37,32 @@ class Network : public torch::nn::Module {
   virtual std::vector<std::string> tied_parameters() const { return {}; }
   // train.recompute: blocks. Only models whose spec says `blocks` have any.
   virtual void recompute_blocks(bool) {}
-  // Called by forward() with each module it is about to run, before it reads the module's
-  // parameters (ZeRO waits there for the parameters' all-gather, still in flight).
-  using BeforeUse = std::function<void(const torch::nn::Module&)>;
-  void before_use(BeforeUse hook) { before_use_ = std::move(hook); }
+  // The modules forward runs one at a time, in order, each with its own parameters
+  // (GPT: wte, wpe, each block, ln_f; mlp and cnn: their layers): ZeRO-3's units, which
+  // it gathers before they run. Every parameter belongs to one.
+  virtual std::vector<const torch::nn::Module*> units() const = 0;
+  // What forward tells about the parameters it reads: before it runs `modules` (ZeRO
+  // waits there for their gathers, still in flight, or starts them), and after, with what
+  // they made (ZeRO-3 gathers them again before that output's backward).
+  using Modules = std::vector<const torch::nn::Module*>;
+  struct UseHooks {
+    std::function<void(const Modules&)> before;
+    std::function<void(const Modules&, const torch::Tensor&)> after;
+  };
+  void use_hooks(UseHooks hooks) { hooks_ = std::move(hooks); }
 
  protected:
-  void using_module(const torch::nn::Module& m) const {
-    if (before_use_) before_use_(m);
+  // `run()`, which reads `modules`' parameters, between the hooks.
+  template <class Run>
+  torch::Tensor with(const Modules& modules, Run run) const {
+    if (hooks_.before) hooks_.before(modules);
+    torch::Tensor out = run();
+    if (hooks_.after) hooks_.after(modules, out);
+    return out;
   }
 
  private:
-  BeforeUse before_use_;
+  UseHooks hooks_;
 };
 using NetworkPtr = std::shared_ptr<Network>;
 
@@ -78,6 +92,8 @@ struct ModelContext {
 // micro-batch leaves on one rank for backward (fp32 bytes).
 struct ModelSize {
   double params = 0, activation_bytes = 0;
+  // The parameters of the largest unit (Network::units), which ZeRO-3 gathers whole.
+  double largest_unit = 0;
 };
 struct SizeContext {
   Ints sample_shape;       // as the data says
@@ -150,6 +166,7 @@ class LayerStack : public Network {
   }
   torch::Tensor forward(const torch::Tensor& x) override;
   std::vector<int64_t> part_params() const override { return sizes_; }
+  std::vector<const torch::nn::Module*> units() const override;
 
  private:
   ModelContext ctx_;

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <map>
 
 #include <fmt/format.h>
@@ -35,21 +36,26 @@ std::vector<std::string> model_names() {
 
 torch::Tensor LayerStack::forward(const torch::Tensor& x) {
   auto y = x;
-  for (auto& layer : layers_) {
-    using_module(*layer.ptr());
-    y = layer.forward(y);
-  }
+  for (auto& layer : layers_) y = with({layer.ptr().get()}, [&] { return layer.forward(y); });
   return y;
+}
+
+std::vector<const torch::nn::Module*> LayerStack::units() const {
+  std::vector<const torch::nn::Module*> out;
+  for (const auto& layer : layers_) out.push_back(layer.ptr().get());
+  return out;
 }
 
 ModelSize dense_size(double in, const Ints& widths, int64_t classes) {
   ModelSize s;
   for (auto width : widths) {
     s.params += in * double(width) + double(width);
+    s.largest_unit = std::max(s.largest_unit, in * double(width) + double(width));
     s.activation_bytes += 4 * 2 * double(width);
     in = double(width);
   }
   s.params += in * double(classes) + double(classes);
+  s.largest_unit = std::max(s.largest_unit, in * double(classes) + double(classes));
   return s;
 }
 

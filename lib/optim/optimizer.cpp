@@ -39,10 +39,10 @@ class FlatOptimizer : public Optimizer {
   FlatOptimizer(const OptimizerConfig& cfg, FlatParams& params, Shard shard,
                 std::vector<std::string> slot_names)
       : cfg_(cfg), params_(params) {
-    const int64_t total = params.data().numel();
+    const int64_t total = params.numel();
     shard_ = {shard.offset, shard.numel < 0 ? total - shard.offset : shard.numel};
     // Views of the shard: the buffers never move, so they are taken once.
-    p_ = params.data().narrow(0, shard_.offset, shard_.numel);
+    p_ = params.data_of(shard_);
     g_ = params.grad_of(shard_);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
     if (has_fused_kernel(cfg.name, p_.device())) {
@@ -238,7 +238,7 @@ class AdamW : public FlatOptimizer {
 }  // namespace
 
 bool keeps_shard(const Optimizer& opt, const FlatParams& params) {
-  return opt.shard().numel != params.data().numel();
+  return opt.shard().numel != params.numel();
 }
 
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,

@@ -1,5 +1,9 @@
 #include "parallel/flat_params.hpp"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <new>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -97,37 +101,185 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   }
   torch::NoGradGuard no_grad;
   auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);
-  const int64_t padded = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
+  numel_ = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
+  if (numel_ % opts.grad_ranks != 0 || numel_ % opts.param_ranks != 0)
+    throw std::logic_error("FlatOptions: pad_to must make the buffers cut in equal shards");
+  data_held_ = {opts.param_rank * (numel_ / opts.param_ranks), numel_ / opts.param_ranks};
   // Empty, not zeros: each page is first written by its own parameter, so a model that is
   // initialised here costs one copy of the weights, not two.
-  data_ = torch::empty({padded}, options);
-  data_.narrow(0, total, padded - total).zero_();
-  if (padded % opts.grad_ranks != 0)
-    throw std::logic_error("FlatOptions: pad_to must make the buffers cut in grad_ranks shards");
-  grad_held_ = {opts.grad_rank * (padded / opts.grad_ranks), padded / opts.grad_ranks};
+  data_ = torch::empty({data_held_.numel}, options);
+  const int64_t held_end = data_held_.offset + data_held_.numel;
+  const int64_t pad = std::clamp(total, data_held_.offset, held_end);  // the padding held here
+  data_.narrow(0, pad - data_held_.offset, held_end - pad).zero_();
+  grad_held_ = {opts.grad_rank * (numel_ / opts.grad_ranks), numel_ / opts.grad_ranks};
   grad_ = torch::zeros({grad_held_.numel}, options);
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    auto& p = params_[i];
-    auto slot = view(data_, i);
-    if (opts.keep_values) slot.copy_(p);
-    p.set_data(slot);
-    // Backward accumulates straight into the flat gradient, unless it is a shard.
-    if (opts.grad_ranks == 1) p.mutable_grad() = view(grad_, i);
+  if (opts.param_ranks > 1) {
+    make_units(modules, opts);
+  } else {
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      auto slot = view(data_, i);
+      if (opts.keep_values) slot.copy_(params_[i]);
+      params_[i].set_data(slot);
+    }
+  }
+  // Backward accumulates straight into the flat gradient, unless it is a shard.
+  if (opts.grad_ranks == 1)
+    for (size_t i = 0; i < entries_.size(); ++i) params_[i].mutable_grad() = view(grad_, i);
+}
+
+// ZeRO-3's units: each listed module's parameters, consecutive entries, in a buffer of
+// their own; the values (when kept) go through the units into this rank's shard.
+void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts) {
+  std::map<const c10::TensorImpl*, size_t> entry_of;
+  for (size_t i = 0; i < entries_.size(); ++i) entry_of[params_[i].unsafeGetTensorImpl()] = i;
+  std::vector<std::optional<size_t>> unit_of(entries_.size());
+  for (size_t m = 0; m < opts.units.size() && m < modules.size(); ++m)
+    for (const auto* module : opts.units[m]) {
+      size_t first = entries_.size(), last = 0;
+      for (const auto& p : module->parameters()) {
+        auto it = entry_of.find(p.unsafeGetTensorImpl());
+        if (it == entry_of.end() || unit_of[it->second]) continue;  // tied: the first unit's
+        first = std::min(first, it->second), last = std::max(last, it->second + 1);
+        unit_of[it->second] = units_.size();
+      }
+      if (first >= last) continue;  // no parameters of its own
+      for (size_t i = first; i < last; ++i)
+        if (unit_of[i] != units_.size())
+          throw std::logic_error(fmt::format("ZeRO-3: the parameters of '{}''s unit are not "
+                                             "consecutive", entries_[first].name));
+      const int64_t offset = entries_[first].offset;
+      const int64_t numel = entries_[last - 1].offset + entries_[last - 1].numel - offset;
+      unit_at_[module] = units_.size();
+      units_.push_back({first, last, offset, numel, m,
+                        torch::empty({numel}, data_.options())});
+    }
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (!unit_of[i])
+      throw std::logic_error(fmt::format("ZeRO-3: '{}' belongs to no unit forward runs", entries_[i].name));
+  for (auto& u : units_)
+    for (size_t i = u.first; i < u.last; ++i) {
+      auto slot = shaped(u.buffer.narrow(0, entries_[i].offset - u.offset, entries_[i].numel), i);
+      if (opts.keep_values) slot.copy_(params_[i]);
+      params_[i].set_data(slot);
+    }
+  if (opts.keep_values) {
+    for (size_t u = 0; u < units_.size(); ++u) {  // as write_whole() ends
+      const auto& unit = units_[u];
+      const int64_t lo = std::max(unit.offset, data_held_.offset);
+      const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
+      if (lo < hi)
+        data_.narrow(0, lo - data_held_.offset, hi - lo).copy_(unit.buffer.narrow(0, lo - unit.offset, hi - lo));
+    }
+  }
+  for (size_t u = 0; u < units_.size(); ++u) release(u);
+}
+
+std::optional<size_t> FlatParams::unit_of(const torch::nn::Module& module) const {
+  auto it = unit_at_.find(&module);
+  if (it == unit_at_.end()) return std::nullopt;
+  return it->second;
+}
+
+namespace {
+// Pages of their own for a unit on the CPU, returned to the system when it is released:
+// from glibc's heap (below its 32 MiB mmap threshold, util/memory.cpp) a freed unit would
+// stay in the process's memory, which is what ZeRO-3 frees it for.
+struct Mapped {
+  void* at;
+  size_t bytes;
+};
+void unmap(void* ctx) {
+  auto* m = static_cast<Mapped*>(ctx);
+  munmap(m->at, m->bytes);
+  delete m;
+}
+at::DataPtr map_pages(size_t bytes, const c10::Device& device) {
+  void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED) throw std::bad_alloc();
+  return at::DataPtr(at, new Mapped{at, bytes}, &unmap, device);
+}
+}  // namespace
+
+void FlatParams::allocate(size_t u) {
+  if (resident(u)) return;
+  auto& unit = units_.at(u);
+  auto* storage = unit.buffer.storage().unsafeGetStorageImpl();
+  const size_t bytes = size_t(unit.numel) * unit.buffer.element_size();
+  storage->set_data_ptr_noswap(unit.buffer.is_cpu() && bytes > 0
+                                   ? map_pages(bytes, unit.buffer.device())
+                                   : storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+void FlatParams::release(size_t u) {
+  auto* storage = units_.at(u).buffer.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, units_[u].buffer.device()));
+  storage->set_nbytes(0);
+}
+
+bool FlatParams::resident(size_t u) const {
+  return units_.at(u).buffer.storage().nbytes() > 0;
+}
+
+void FlatParams::write_whole(const std::function<void(size_t first, size_t last)>& write) {
+  if (!sharded()) return write(0, entries_.size());
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& unit = units_[u];
+    allocate(u);
+    // The unit's part in this rank's shard: in before (what `write` leaves alone keeps
+    // its value), out after.
+    const int64_t lo = std::max(unit.offset, data_held_.offset);
+    const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
+    torch::Tensor mine, there;
+    if (lo < hi) {
+      mine = data_.narrow(0, lo - data_held_.offset, hi - lo);
+      there = unit.buffer.narrow(0, lo - unit.offset, hi - lo);
+      there.copy_(mine);
+    }
+    try {
+      write(unit.first, unit.last);
+    } catch (...) {
+      release(u);
+      throw;
+    }
+    if (lo < hi) mine.copy_(there);
+    release(u);
   }
 }
 
+torch::Tensor FlatParams::value(size_t i) const {
+  if (!sharded()) return view(data_, i);
+  for (const auto& u : units_)
+    if (i >= u.first && i < u.last)
+      return shaped(u.buffer.narrow(0, entries_[i].offset - u.offset, entries_[i].numel), i);
+  throw std::logic_error("FlatParams::value: an entry in no unit");
+}
+
+namespace {
+// `part` of the flat layout within `buffer`, which holds `held` of it.
+torch::Tensor held_part(const torch::Tensor& buffer, const Shard& held, const Shard& part,
+                        int64_t total, const char* what) {
+  const int64_t offset = part.offset, numel = part.numel < 0 ? total - offset : part.numel;
+  const int64_t from = offset - held.offset;
+  if (from < 0 || from + numel > held.numel)
+    throw std::logic_error(fmt::format("the {} of [{}, {}) is not held here ([{}, {}))", what,
+                                       offset, offset + numel, held.offset,
+                                       held.offset + held.numel));
+  return buffer.narrow(0, from, numel);
+}
+}  // namespace
+
 torch::Tensor FlatParams::grad_of(const Shard& part) const {
-  const int64_t offset = part.offset, numel = part.numel < 0 ? data_.numel() - offset : part.numel;
-  const int64_t from = offset - grad_held_.offset;
-  if (from < 0 || from + numel > grad_held_.numel)
-    throw std::logic_error(fmt::format("the gradient of [{}, {}) is not held here ([{}, {}))",
-                                       offset, offset + numel, grad_held_.offset,
-                                       grad_held_.offset + grad_held_.numel));
-  return grad_.narrow(0, from, numel);
+  return held_part(grad_, grad_held_, part, numel_, "gradient");
+}
+
+torch::Tensor FlatParams::data_of(const Shard& part) const {
+  return held_part(data_, data_held_, part, numel_, "parameters");
 }
 
 Shard FlatParams::shard(int64_t ranks, int64_t rank) const {
-  const int64_t total = data_.numel();
+  const int64_t total = numel_;
   if (total % ranks != 0)
     throw std::logic_error(fmt::format("a flat buffer of {} cannot be cut in {} equal shards",
                                        total, ranks));
@@ -136,10 +288,14 @@ Shard FlatParams::shard(int64_t ranks, int64_t rank) const {
 
 torch::Tensor FlatParams::view(const torch::Tensor& flat, size_t i) const {
   const auto& e = entries_[i];
-  if (flat.numel() != data_.numel())
+  if (flat.numel() != numel_)
     throw std::logic_error(fmt::format("'{}': a buffer of {} values is not laid out like the "
-                                       "parameters ({})", e.name, flat.numel(), data_.numel()));
-  auto slot = flat.narrow(0, e.offset, e.numel);
+                                       "parameters ({})", e.name, flat.numel(), numel_));
+  return shaped(flat.narrow(0, e.offset, e.numel), i);
+}
+
+torch::Tensor FlatParams::shaped(const torch::Tensor& slot, size_t i) const {
+  const auto& e = entries_[i];
   if (format_ == torch::MemoryFormat::ChannelsLast && e.shape.size() == 4)  // stored N,H,W,C
     return slot.view({e.shape[0], e.shape[2], e.shape[3], e.shape[1]}).permute({0, 3, 1, 2});
   return slot.view(e.shape);

@@ -11,6 +11,7 @@
 #pragma once
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,6 +121,14 @@ struct FlatOptions {
   // parameters' gradients are autograd's own tensors, which the gradient sync copies out
   // and frees as backward makes them (grad_sync.cpp).
   int64_t grad_ranks = 1, grad_rank = 0;
+  // ZeRO-3: the parameter buffer holds shard `param_rank` of `param_ranks` only (the
+  // values this rank updates). Each unit's parameters are then views into a buffer of
+  // its own, which holds their values only while it is gathered (FlatParams::Unit).
+  int64_t param_ranks = 1, param_rank = 0;
+  // The modules forward runs as one (Network::units), a list per module given to
+  // FlatParams: under ZeRO-3 every parameter must belong to one, and a unit's parameters
+  // must be consecutive entries.
+  std::vector<std::vector<const torch::nn::Module*>> units;
   // Whether the parameters' values are copied in. A model built to be initialised in the
   // buffer (models/init.hpp) skips it: its parameters were never written, and copying
   // them would only cost time.
@@ -141,8 +150,45 @@ class FlatParams {
   // chunks of one model a pipeline rank holds (their names never collide).
   explicit FlatParams(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts = {});
 
+  // A unit of ZeRO-3: the parameters of entries [first, last), at [offset, offset + numel)
+  // of the flat layout, views into `buffer`, whose storage is allocated only while the
+  // unit is gathered (allocate/release). `module`: the index of the module (FlatParams'
+  // list) it belongs to.
+  struct Unit {
+    size_t first, last;
+    int64_t offset, numel;
+    size_t module;
+    torch::Tensor buffer;
+  };
+
+  // The parameter buffer: laid out like the flat parameters over data_held() (all of it,
+  // but for ZeRO-3, whose units hold the rest while gathered).
   torch::Tensor& data() { return data_; }
   const torch::Tensor& data() const { return data_; }
+  Shard data_held() const { return data_held_; }
+  // The values of `part` of the flat layout, which data() must hold.
+  torch::Tensor data_of(const Shard& part) const;
+  // The flat layout's length (padded).
+  int64_t numel() const { return numel_; }
+  // ZeRO-3: whether the parameters are sharded (then units() is not empty), the units,
+  // and the unit that holds `module`'s parameters (none for a module without any).
+  bool sharded() const { return !units_.empty(); }
+  const std::vector<Unit>& units() const { return units_; }
+  std::optional<size_t> unit_of(const torch::nn::Module& module) const;
+  // Unit u's buffer given storage (values undefined) / its storage freed. The parameters
+  // and every view of them (autograd's saved ones too) share it, so one release frees
+  // the unit whoever still refers to it, and a gather before backward refills it for them.
+  void allocate(size_t u);
+  void release(size_t u);
+  bool resident(size_t u) const;
+  // `write(first, last)` sets the whole values of entries [first, last) (initialisation,
+  // model.init_from) through value(): once for every entry, or under ZeRO-3 once per unit,
+  // the unit allocated around it holding this rank's shard, of which only the shard is
+  // kept afterwards (so no more than one unit is whole at a time).
+  void write_whole(const std::function<void(size_t first, size_t last)>& write);
+  // Entry i's values as a tensor of its shape: a view into data(), or under ZeRO-3 into
+  // its unit's buffer (which must be allocated).
+  torch::Tensor value(size_t i) const;
   // The gradient buffer: laid out like data() over grad_held() (all of it, but for ZeRO-2).
   torch::Tensor& grad() { return grad_; }
   const torch::Tensor& grad() const { return grad_; }
@@ -153,7 +199,7 @@ class FlatParams {
   const std::vector<Entry>& entries() const { return entries_; }
   // The parameter tensors autograd sees, one per entry.
   const std::vector<torch::Tensor>& params() const { return params_; }
-  // The slice of a flat buffer (data, grad or optimizer state) that belongs to entry i.
+  // The slice of a flat buffer laid out like the whole parameters that belongs to entry i.
   torch::Tensor view(const torch::Tensor& flat, size_t i) const;
   // The reverse: `t`, shaped like entry i, as a flat buffer lays it out (1-D).
   torch::Tensor flatten(const torch::Tensor& t, size_t i) const;
@@ -183,9 +229,14 @@ class FlatParams {
                      const SavedTensors& saved, int64_t tensor_rank) const;
 
  private:
+  torch::Tensor shaped(const torch::Tensor& slot, size_t i) const;
+  void make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts);
   torch::Tensor data_, grad_;
-  Shard grad_held_;
+  int64_t numel_ = 0;
+  Shard data_held_, grad_held_;
   std::vector<Entry> entries_;
+  std::vector<Unit> units_;
+  std::map<const torch::nn::Module*, size_t> unit_at_;
   std::vector<torch::Tensor> params_;
   torch::MemoryFormat format_;
 };

@@ -15,11 +15,16 @@ EvalResult evaluate(MicroBatchRunner& runner, const ModelParts& model, const Dat
   const int64_t lo = test.size() * r / ranks, hi = test.size() * (r + 1) / ranks;
   const Task& task = model.task();
   EvalSums sums;
-  for (int64_t start = lo; start < hi; start += batch_size) {
-    const int64_t n = std::min(batch_size, hi - start);
-    Batch b = to_device(test.gather(torch::arange(start, start + n, torch::kInt64)), device);
+  // Every data rank runs as many batches (a rank whose share is done runs its first
+  // sample again, uncounted): under ZeRO-3 each forward gathers over the data group.
+  const int64_t most = (test.size() + ranks - 1) / ranks;
+  for (int64_t start = lo; start < lo + most; start += batch_size) {
+    const bool counted = start < hi;
+    const int64_t from = counted ? start : std::min(lo, test.size() - 1);
+    const int64_t n = counted ? std::min(batch_size, hi - start) : 1;
+    Batch b = to_device(test.gather(torch::arange(from, from + n, torch::kInt64)), device);
     auto out = runner.infer(b.x);
-    if (out.defined()) task.accumulate(out, b, sums, *mesh.tensor());  // the last stage
+    if (out.defined() && counted) task.accumulate(out, b, sums, *mesh.tensor());  // the last stage
   }
   model.set_training(true);
   // Over the data-parallel replicas, then the pipeline's stages (only the last has sums).

@@ -145,18 +145,29 @@ class WeightsSaver : public Stateful {
  public:
   explicit WeightsSaver(Run& run) : run_(run) {}
   void save(StateWriter& out) const override {
-    if (!out.writes(StateFile::kModel)) return;
+    // Under ZeRO-3 each data rank writes its shard (nothing gathered), the buffers with
+    // data rank 0's.
+    const auto& params = *run_.params;
+    const auto file = params.sharded() ? StateFile::kModelShard : StateFile::kModel;
+    if (!out.writes(file)) return;
     const int64_t tensor_rank = run_.mesh().coord().tensor;
     PartsOf parts;
-    auto model = run_.params->owned(run_.params->data(), "", tensor_rank, parts);
-    if (tensor_rank == 0)
+    RangesOf ranges;
+    auto model = params.sharded() ? params.owned_range(params.data(), params.data_held(), "",
+                                                       tensor_rank, parts, ranges)
+                                  : params.owned(params.data(), "", tensor_rank, parts);
+    if (tensor_rank == 0 && run_.mesh().coord().data == 0)
       for (auto& b : run_.model.buffers()) model.push_back(std::move(b));
-    out.add(StateFile::kModel, without_copies(*run_.params, run_.model.tied, std::move(model)), parts);
+    out.add(file, without_copies(params, run_.model.tied, std::move(model)), parts, ranges);
   }
   void load(const StateReader& in) override {
     check_same_model(run_.cfg, run_.model.names, in);
     const SavedTensors model = in.tensors(StateFile::kModel);
-    run_.params->scatter_full(run_.params->data(), "", model, run_.mesh().coord().tensor);
+    auto& params = *run_.params;
+    if (params.sharded())
+      params.scatter_range(params.data(), params.data_held(), "", model, run_.mesh().coord().tensor);
+    else
+      params.scatter_full(params.data(), "", model, run_.mesh().coord().tensor);
     torch::NoGradGuard no_grad;
     for (const auto& [name, b] : run_.model.buffers())  // replicated: every rank takes all of it
       b.copy_(model.at(name, b.sizes().vec()));
@@ -301,14 +312,15 @@ void init_from(Run& run) {
     if (!by_name.count(name)) skipped.push_back(name);
   torch::NoGradGuard no_grad;
   const auto& entries = run.params->entries();
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const auto& e = entries[i];
-    if (fits(e.name, e.full_shape))
-      run.params->view(run.params->data(), i)
-          .copy_(e.placement.shard(by_name.at(e.name), run.mesh().coord().tensor));
-    else if (by_name.count(e.name))
-      skipped.push_back(e.name + " (another shape)");
-  }
+  run.params->write_whole([&](size_t first, size_t last) {
+    for (size_t i = first; i < last; ++i) {
+      const auto& e = entries[i];
+      if (fits(e.name, e.full_shape))
+        run.params->value(i).copy_(e.placement.shard(by_name.at(e.name), run.mesh().coord().tensor));
+      else if (by_name.count(e.name))
+        skipped.push_back(e.name + " (another shape)");
+    }
+  });
   for (auto& [name, b] : run.model.buffers()) {
     if (fits(name, b.sizes().vec())) b.copy_(by_name.at(name));
     else if (by_name.count(name)) skipped.push_back(name + " (another shape)");

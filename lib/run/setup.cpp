@@ -144,15 +144,22 @@ void build_training(Run& run) {
   flat.keep_values = false;  // initialised in the buffer, below
   mode.shape_flat(flat);
   std::vector<torch::nn::Module*> modules;
-  for (auto& chunk : run.model.chunks) modules.push_back(chunk.get());
+  for (auto& chunk : run.model.chunks) {
+    modules.push_back(chunk.get());
+    flat.units.push_back(chunk->units());
+  }
   run.params = std::make_unique<FlatParams>(modules, flat);
   init_parameters(*run.params, run.model.spec->init(cfg.model), uint64_t(cfg.seed),
                   run.mesh().coord().tensor);
   run.model.tied = find_tied(run.model, *run.params, run.mesh());
   run.optimizer = make_optimizer(cfg.optimizer, *run.params, mode.update_shard(*run.params));
   run.sync = mode.make_sync(*run.params, cfg.train.grad_accum, run.total_steps, run.model.tied);
-  for (auto& chunk : run.model.chunks)
-    chunk->before_use([sync = run.sync.get()](const torch::nn::Module& m) { sync->before_use(m); });
+  Network::UseHooks hooks;
+  hooks.before = [sync = run.sync.get()](const Network::Modules& m) { sync->before_use(m); };
+  hooks.after = [sync = run.sync.get()](const Network::Modules& m, const torch::Tensor& out) {
+    sync->after_use(m, out);
+  };
+  for (auto& chunk : run.model.chunks) chunk->use_hooks(hooks);
   if (cfg.precision.dtype == "fp16")
     run.scaler = std::make_unique<LossScaler>(LossScaler::from_config(cfg.precision));
 }
@@ -196,6 +203,9 @@ void build_log(Run& run, bool root) {
     s["optimizer_state_mb"] = double(optimizer_state_bytes(*run.optimizer)) / (1024.0 * 1024.0);
     s["gradient_mb"] = double(run.params->grad().numel() * run.params->grad().element_size()) /
                        (1024.0 * 1024.0);
+    // The parameters it keeps (under ZeRO-3 its shard; a unit or two more while gathered).
+    s["parameters_mb"] = double(run.params->data().numel() * run.params->data().element_size()) /
+                         (1024.0 * 1024.0);
     if (run.scaler) {
       s["loss_scale"] = run.scaler->scale();
       s["overflow_steps"] = run.scaler->overflows();
@@ -225,7 +235,7 @@ std::optional<std::string> open_run(Run& run) {
   auto& data = *run.mesh().data();  // every data-parallel rank starts from data rank 0's
   if (data.size() > 1) {
     torch::NoGradGuard no_grad;
-    data.broadcast(run.params->data(), 0);
+    if (!run.params->sharded()) data.broadcast(run.params->data(), 0);  // ZeRO-3: each its own
     for (auto& [name, b] : run.model.buffers())
       if (b.is_floating_point()) data.broadcast(b, 0);
   }

@@ -1,5 +1,6 @@
-// ZeRO through `dtrain run --nproc N`: sharding the optimizer state over the data ranks
-// changes where the update is computed, not what it computes. The reference for every run
+// ZeRO through `dtrain run --nproc N`: sharding the optimizer state, the gradient and the
+// parameters over the data ranks changes where the update is computed and where the
+// parameters wait between uses, not what is computed. The reference for every run
 // is the same layout with parallel.zero 0 (the all-reduce path, which the data-parallel
 // suite checks against one process).
 #include <doctest/doctest.h>
@@ -56,7 +57,9 @@ nlohmann::json run(const std::string& job, int n, const std::string& run_dir,
 
 // At each (processes, settings): zero 0 and zero 1 agree on every step's loss to 1e-5, and
 // zero 1 keeps about 1/data of the optimizer state on a rank; zero 2 makes zero 1's
-// losses exactly (the same reductions of the same slices) with 1/data of the gradient.
+// losses exactly (the same reductions of the same slices) with 1/data of the gradient;
+// zero 3 makes them exactly too (the gathered values are the shards' own) with 1/data of
+// the parameters.
 void check_zero_matches(const std::string& dir, const std::string& job,
                         const std::vector<std::pair<int, std::string>>& layouts) {
   for (size_t i = 0; i < layouts.size(); ++i) {
@@ -65,13 +68,15 @@ void check_zero_matches(const std::string& dir, const std::string& job,
     const auto plain = run(job, n, base + "-zero0", sets);
     const auto zero = run(job, n, base + "-zero1", sets + " --set parallel.zero=1");
     const auto zero2 = run(job, n, base + "-zero2", sets + " --set parallel.zero=2");
+    const auto zero3 = run(job, n, base + "-zero3", sets + " --set parallel.zero=3");
     check_losses_close(train_losses(base + "-zero0"), train_losses(base + "-zero1"), 1e-5,
                        std::to_string(n) + " processes" + sets + " zero 1");
     CHECK(train_losses(base + "-zero2") == train_losses(base + "-zero1"));
+    CHECK(train_losses(base + "-zero3") == train_losses(base + "-zero2"));
     // An evaluation right after an update reads the parameters whose all-gather the
     // forward waits for layer by layer: the same as zero 0's.
     const auto evals0 = of_kind(metrics(base + "-zero0"), "eval");
-    for (const auto* z : {"-zero1", "-zero2"}) {
+    for (const auto* z : {"-zero1", "-zero2", "-zero3"}) {
       const auto evals = of_kind(metrics(base + z), "eval");
       REQUIRE(evals.size() == evals0.size());
       for (size_t k = 0; k < evals.size(); ++k)
@@ -84,6 +89,9 @@ void check_zero_matches(const std::string& dir, const std::string& job,
     CHECK(zero2["gradient_mb"].get<double>() * double(zero2["layout"]["data"].get<int64_t>()) ==
           doctest::Approx(zero["gradient_mb"].get<double>()));
     const int64_t data = zero["layout"]["data"];
+    INFO("parameters " << zero3["parameters_mb"] << " MiB vs " << zero["parameters_mb"]);
+    CHECK(zero3["parameters_mb"].get<double>() * double(data) ==
+          doctest::Approx(zero["parameters_mb"].get<double>()));
     const double ratio = zero["optimizer_state_mb"].get<double>() /
                          plain["optimizer_state_mb"].get<double>();
     INFO("optimizer state " << zero["optimizer_state_mb"] << " MiB vs " << plain["optimizer_state_mb"]);
@@ -101,7 +109,7 @@ void check_zero_matches(const std::string& dir, const std::string& job,
 }  // namespace
 
 TEST_SUITE("zero") {
-  TEST_CASE("ZeRO-1 and 2: the MLP (AdamW) and the CNN with SyncBatchNorm at data 2 and 4 match zero 0") {
+  TEST_CASE("ZeRO-1, 2 and 3: the MLP (AdamW) and the CNN with SyncBatchNorm at data 2 and 4 match zero 0") {
     // Each layout's runs in their own folders (l0, l1, ...).
     auto dir = temp_dir("zero-mlp");
     // Slices of 256 values (bucket_mb 0.001): most start inside a shard, some cross two.
@@ -117,36 +125,44 @@ TEST_SUITE("zero") {
     check_zero_matches(cnn, bn.write(cnn, "zero.yaml"), {{2, ""}, {4, ""}});
   }
 
-  TEST_CASE("ZeRO-1 and 2: a GPT at data 2 and 4, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
+  TEST_CASE("ZeRO-1, 2 and 3: a GPT at data 2 and 4, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
     REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
     auto dir = temp_dir("zero-gpt");
     // The pipeline layout ties the embedding on stage 0 to the head on stage 1: that
     // weight's gradient is summed across the stages after the data sync. With stage 0 only
-    // the embeddings, its shards cut the tied weight where stage 1's do not.
+    // the embeddings, its shards cut the tied weight where stage 1's do not. Recompute
+    // runs a block's forward again inside backward, on the parameters gathered for it;
+    // 1F1B runs one micro-batch's forward between another's forward and backward.
     check_zero_matches(dir, gpt_job(dir),
                        {{2, ""}, {4, ""}, {4, " --set parallel.tensor=2"},
-                        {4, " --set parallel.pipeline=2 --set parallel.stages=[1,3]"}});
+                        {4, " --set parallel.pipeline=2 --set parallel.stages=[1,3]"},
+                        {4, " --set parallel.pipeline=2 --set parallel.schedule=1f1b"
+                            " --set train.grad_accum=4 --set train.recompute=blocks"}});
   }
 
-  TEST_CASE("ZeRO: each data rank writes its shard; resumes at data 4 (ZeRO-2), 2 (ZeRO-1), 1 and data 2 (ZeRO-2)") {
+  TEST_CASE("ZeRO: each data rank writes its shard; resumes at data 4 (ZeRO-3), 1, data 2 (ZeRO-1) and data 2 (ZeRO-2)") {
     auto dir = temp_dir("zero-resume");
     const auto j = zero_job().write(dir, "zero.yaml");
     // One process, 80 steps, the reference trajectory.
     run(j, 1, dir + "/one", " --set train.max_steps=80");
     const auto ref = train_losses(dir + "/one");
-    // The same 80 steps in four legs: data 4 with ZeRO-2, data 2 with ZeRO-1, one process,
+    // The same 80 steps in four legs: data 4 with ZeRO-3, one process, data 2 with ZeRO-1,
     // data 2 with ZeRO-2.
     const auto legs = dir + "/legs";
-    run(j, 4, legs, " --set train.max_steps=20 --set parallel.zero=2");
-    // Each data rank's shard in its own file, nothing gathered: together about the whole
-    // state, each about a quarter of it.
+    run(j, 4, legs, " --set train.max_steps=20 --set parallel.zero=3");
+    // Each data rank's shard of the optimizer state and of the parameters in its own
+    // files, nothing gathered: together about the whole, each about a quarter of it.
     const auto folder = legs + "/checkpoints/step-00000020";
     CHECK(!std::filesystem::exists(folder + "/optimizer.safetensors"));
-    std::vector<double> bytes;
+    CHECK(!std::filesystem::exists(folder + "/model.safetensors"));
+    std::vector<double> bytes, model_bytes;
     for (int d = 0; d < 4; ++d) {
       const auto shard = folder + "/optimizer.dp" + std::to_string(d) + ".safetensors";
+      const auto params = folder + "/model.dp" + std::to_string(d) + ".safetensors";
       REQUIRE(std::filesystem::exists(shard));
+      REQUIRE(std::filesystem::exists(params));
       bytes.push_back(double(std::filesystem::file_size(shard)));
+      model_bytes.push_back(double(std::filesystem::file_size(params)));
     }
     // Loaded, they are the whole state: every slot at its parameter's full shape.
     const auto ckpt = dtrain::load_checkpoint(folder);
@@ -161,13 +177,18 @@ TEST_SUITE("zero") {
       whole += 2 * 4 * double(w.numel());  // two fp32 moments
     }
     for (double b : bytes) CHECK(b == doctest::Approx(whole / 4).epsilon(0.1));
-    run(j, 2, legs, " --set train.max_steps=40 --set parallel.zero=1 --resume auto");
-    run(j, 1, legs, " --set train.max_steps=60 --resume auto");
+    for (double b : model_bytes) CHECK(b == doctest::Approx(whole / 8).epsilon(0.1));
+    // The model merged from the shards is the one the run trains on: inspect reads it.
+    auto inspected = e2e::dtrain("inspect " + folder);
+    INFO(inspected.err);
+    CHECK(inspected.code == 0);
+    run(j, 1, legs, " --set train.max_steps=40 --resume auto");
+    run(j, 2, legs, " --set train.max_steps=60 --set parallel.zero=1 --resume auto");
     run(j, 2, legs, " --set train.max_steps=80 --set parallel.zero=2 --resume auto");
     const auto got = train_losses(legs);
     REQUIRE(got.size() == 80);
     check_losses_close(ref, got, 1e-5,
-                       "data 4 (ZeRO-2) -> data 2 (ZeRO-1) -> 1 process -> data 2 (ZeRO-2)");
+                       "data 4 (ZeRO-3) -> 1 process -> data 2 (ZeRO-1) -> data 2 (ZeRO-2)");
   }
 
   TEST_CASE("ZeRO: a stage out of range, or ZeRO with compression, is refused naming the key") {
@@ -176,12 +197,12 @@ TEST_SUITE("zero") {
     small.model = "{arch: mlp, hidden: [8]}";
     small.optimizer = kSgd;
     const auto j = small.write(dir, "zero.yaml");
-    auto r = e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=3");
+    auto r = e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=4");
     CHECK(r.code == 2);
     CHECK(r.err.find("parallel.zero") != std::string::npos);
     r = e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=2 --set parallel.compression=topk");
     CHECK(r.code == 2);
     CHECK(r.err.find("parallel.compression: topk with parallel.zero 2") != std::string::npos);
-    CHECK(e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=2").code == 0);
+    CHECK(e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=3").code == 0);
   }
 }

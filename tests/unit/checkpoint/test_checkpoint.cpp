@@ -484,7 +484,7 @@ TEST_CASE("checkpoint store: ZeRO's shards, one file per data rank, merged on lo
           ranges["w"] = RangeOf{d == 0 ? 0 : 40, {4, 2, 3, 3}, true};
           if (d == 1) state.emplace_back("b", b), ranges["b"] = RangeOf{0, {4}, false};
         }
-        CheckpointStore::write_optimizer_shard(tmp, d, fmt::format(".tp{}", t), state, parts, ranges);
+        CheckpointStore::write_shard(tmp, "optimizer", d, fmt::format(".tp{}", t), state, parts, ranges);
       }
     CheckpointState s = state_for(step);
     return store.commit(s, step, 0, nlohmann::json::object(), std::nullopt);

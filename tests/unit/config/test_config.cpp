@@ -290,7 +290,7 @@ TEST_CASE("config: bad specs throw ConfigError with a message the user can act o
       {"tensor parallel for the cnn", "parallel:\n  tensor: 2\n",
        {"parallel.tensor", "cnn"}, 2},
       {"unsupported: pipeline", "parallel:\n  pipeline: 2\n", {"parallel.pipeline"}},
-      {"zero out of range", "parallel:\n  zero: 3\n", {"parallel.zero", "0, 1 or 2"}},
+      {"zero out of range", "parallel:\n  zero: 4\n", {"parallel.zero", "0, 1, 2 or 3"}},
       {"compression with zero", "parallel:\n  compression: sign\n  zero: 1\n",
        {"parallel.compression", "parallel.zero"}},
       {"error feedback under fp16", "precision:\n  dtype: fp16\nparallel:\n  compression: topk\n",

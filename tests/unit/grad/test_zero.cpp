@@ -1,8 +1,8 @@
-// ZeRO-1 and ZeRO-2 over two ranks as threads, against the arithmetic: the flat buffers
+// ZeRO-1, 2 and 3 over two ranks as threads, against the arithmetic: the flat buffers
 // padded into equal shards, each rank's shard of the reduced gradient the mean of both
 // ranks' gradients, the optimizer updating only that shard, and every rank holding the
 // whole updated parameters after the broadcasts; ZeRO-2 keeps the gradient of its shard
-// only.
+// only; ZeRO-3 the parameters too, a unit whole only while gathered.
 #include <doctest/doctest.h>
 
 #include <torch/torch.h>
@@ -43,6 +43,12 @@ TEST_CASE("zero: the shard layout is one place's arithmetic") {
   CHECK(s.offset == 32);
   CHECK(s.numel == 16);
   CHECK(flat.grad().numel() == 16);  // ZeRO-2: the gradient of the shard only
+  cfg.zero = 3;
+  FlatOptions three;
+  shard_flat(cfg, dims, at, three);
+  CHECK(three.grad_ranks == 4);
+  CHECK(three.param_ranks == 4);
+  CHECK(three.param_rank == 2);
 }
 
 TEST_CASE("zero: stages 1 and 2 reduce to the owners, update shards, gather the whole") {
@@ -99,4 +105,94 @@ TEST_CASE("zero: stages 1 and 2 reduce to the owners, update shards, gather the 
     }, quick());
     failures.check();
   }
+}
+
+TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forward runs it, "
+          "again before its backward, and frees the others") {
+  RankFailures failures;
+  test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
+    const int64_t r = comm->rank();
+    auto fail = [&](const std::string& what) { failures.add(r, what); };
+    ParallelConfig cfg;
+    cfg.zero = 3;
+    cfg.bucket_mb = 1e-4;
+    ParallelDims dims;
+    dims.data = 2;
+    Mesh mesh(dims, comm);
+    // Two units of 63 and 8 values: the first lies in rank 0's shard and spills into rank
+    // 1's (the layout is padded to 96, 48 each).
+    auto net = std::make_shared<torch::nn::Module>();
+    torch::nn::Linear l1(20, 3), l2(3, 2);
+    net->register_module("0", l1);
+    net->register_module("1", l2);
+    {
+      torch::NoGradGuard no_grad;
+      int k = 0;
+      for (auto& p : net->parameters()) p.copy_(torch::linspace(-1, 1, p.numel()).view(p.sizes()) * (++k));
+    }
+    std::vector<torch::Tensor> start;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+    FlatOptions opts;
+    shard_flat(cfg, dims, mesh.coord(), opts);
+    opts.units = {{l1.get(), l2.get()}};
+    FlatParams flat(std::vector<torch::nn::Module*>{net.get()}, opts);
+    if (!flat.sharded() || flat.units().size() != 2) return fail("not two units");
+    if (flat.data().numel() * 2 != flat.numel()) return fail("more than the shard of the parameters");
+    for (size_t u = 0; u < 2; ++u)
+      if (flat.resident(u)) fail("a unit resident before any forward");
+    OptimizerConfig ocfg;
+    ocfg.name = "sgd";
+    ocfg.momentum = 0;
+    auto opt = make_optimizer(ocfg, flat, update_shard(cfg, dims, mesh.coord(), flat));
+    auto sync = make_zero_sync(cfg, mesh, flat, /*micro_batches=*/1, Tied{});
+    // Forward as Network::with() runs it: the hooks around each unit.
+    auto run = [&](torch::nn::Linear& m, const torch::Tensor& in) {
+      sync->before_use({m.get()});
+      auto out = m->forward(in);
+      sync->after_use({m.get()}, out);
+      return out;
+    };
+    const auto x = torch::full({2, 20}, double(r + 1));
+    sync->begin_step(1);
+    sync->begin_micro_batch(true);
+    auto h = run(l1, x);
+    if (!flat.resident(0) || !flat.resident(1)) fail("unit 0 and the next one ahead not gathered");
+    if (!torch::equal(l1->weight, start[0])) fail("unit 0 gathered wrong");
+    auto y = run(l2, h);
+    if (!torch::equal(l2->weight, start[2])) fail("unit 1 gathered wrong");
+    if (flat.resident(0)) fail("unit 0 still held once unit 1 runs");
+    // Backward gathers unit 1 (whose weight the input's gradient reads) before its part,
+    // then unit 0, and the step's end frees them.
+    (y.square().sum() * sync->loss_factor()).backward();
+    sync->finish();
+    for (size_t u = 0; u < 2; ++u)
+      if (flat.resident(u)) fail("a unit still held after the step");
+    // The reference: the mean of both ranks' gradients, from the start values.
+    auto mean_grad = [&] {
+      std::vector<torch::Tensor> sum;
+      for (double scale : {1.0, 2.0}) {
+        std::vector<torch::Tensor> p;
+        for (const auto& s : start) p.push_back(s.clone().requires_grad_(true));
+        auto hh = torch::linear(torch::full({2, 20}, scale), p[0], p[1]);
+        torch::linear(hh, p[2], p[3]).square().sum().backward();
+        for (size_t i = 0; i < p.size(); ++i)
+          sum.size() > i ? void(sum[i] += p[i].grad()) : sum.push_back(p[i].grad().clone());
+      }
+      for (auto& g : sum) g /= 2;
+      return sum;
+    }();
+    opt->step(/*lr=*/0.1);
+    sync->after_update({});
+    // The shards updated in place: gathered again, the whole parameters are the reference
+    // step on every rank.
+    sync->before_use({l1.get()});
+    sync->before_use({l2.get()});  // unit 0 released, unit 1 gathered
+    sync->before_use({l1.get()});  // and back
+    if (!torch::allclose(l1->weight, start[0] - 0.1 * mean_grad[0], 1e-5, 1e-6)) fail("weight 0");
+    if (!torch::allclose(l1->bias, start[1] - 0.1 * mean_grad[1], 1e-5, 1e-6)) fail("bias 0");
+    sync->before_use({l2.get()});
+    if (!torch::allclose(l2->weight, start[2] - 0.1 * mean_grad[2], 1e-5, 1e-6)) fail("weight 1");
+    sync->settle();
+  }, quick());
+  failures.check();
 }
