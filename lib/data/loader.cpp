@@ -29,12 +29,12 @@ Loader::~Loader() {
   for (auto& t : threads_) t.join();
 }
 
-std::shared_ptr<const std::vector<int64_t>> Loader::order_for(int64_t epoch) {
+std::shared_ptr<const EpochOrder> Loader::order_for(int64_t epoch) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = orders_.find(epoch);
   if (it != orders_.end()) return it->second;
   lock.unlock();  // a permutation of 60k indices takes ~1 ms: not under the lock
-  auto order = std::make_shared<const std::vector<int64_t>>(sampler_.epoch_order(epoch));
+  auto order = std::make_shared<const EpochOrder>(sampler_.epoch_order(epoch));
   lock.lock();
   // Epochs behind the consumer are finished with.
   const int64_t current = next_take_ / sampler_.steps_per_epoch();

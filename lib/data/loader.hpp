@@ -33,7 +33,7 @@ class Loader {
 
  private:
   Batch make(int64_t global_step);
-  std::shared_ptr<const std::vector<int64_t>> order_for(int64_t epoch);
+  std::shared_ptr<const EpochOrder> order_for(int64_t epoch);
   void work();
 
   const Dataset& data_;
@@ -46,7 +46,7 @@ class Loader {
   std::condition_variable can_work_, ready_cv_;
   int64_t next_claim_;
   std::map<int64_t, Batch> ready_;
-  std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> orders_;  // by epoch
+  std::map<int64_t, std::shared_ptr<const EpochOrder>> orders_;  // by epoch
   std::exception_ptr error_;  // the failure of step error_step_ (the earliest that failed)
   int64_t error_step_ = 0;
   bool stop_ = false;

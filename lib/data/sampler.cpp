@@ -40,21 +40,54 @@ ShardedSampler::ShardedSampler(int64_t dataset_size, int64_t global_batch, bool 
                        global_batch, ranks);
 }
 
-std::vector<int64_t> ShardedSampler::epoch_order(int64_t epoch) const {
-  std::vector<int64_t> order(size_);
-  std::iota(order.begin(), order.end(), 0);
-  if (!shuffle_) return order;
-  SplitMix64 rng{seed_ * 0x100000001B3ull + static_cast<uint64_t>(epoch) + 1};
-  for (int64_t i = size_ - 1; i > 0; --i)  // Fisher-Yates
-    std::swap(order[i], order[rng.below(static_cast<uint64_t>(i) + 1)]);
-  return order;
+EpochOrder::EpochOrder(int64_t size, bool shuffle, uint64_t seed, int64_t epoch,
+                       int64_t listed_max)
+    : size_(size), shuffle_(shuffle) {
+  if (!shuffle_) return;
+  SplitMix64 rng{seed * 0x100000001B3ull + static_cast<uint64_t>(epoch) + 1};
+  if (size_ <= listed_max) {
+    listed_.resize(size_t(size_));
+    std::iota(listed_.begin(), listed_.end(), 0);
+    for (int64_t i = size_ - 1; i > 0; --i)  // Fisher-Yates
+      std::swap(listed_[i], listed_[rng.below(static_cast<uint64_t>(i) + 1)]);
+    return;
+  }
+  for (auto& k : keys_) k = rng.next();
+  while ((uint64_t(1) << (2 * half_bits_)) < uint64_t(size_)) ++half_bits_;
 }
 
-torch::Tensor ShardedSampler::rank_indices(const std::vector<int64_t>& order, int64_t step) const {
+int64_t EpochOrder::at(int64_t position) const {
+  if (!shuffle_) return position;
+  if (!listed_.empty()) return listed_[size_t(position)];
+  uint64_t x = uint64_t(position);
+  do x = feistel(x); while (x >= uint64_t(size_));  // under 4 rounds on average
+  return int64_t(x);
+}
+
+// Six rounds over the two halves of a 2h-bit value, each round's function a splitmix64
+// finalizer of the right half and the round's key: a permutation of [0, 4^h).
+uint64_t EpochOrder::feistel(uint64_t x) const {
+  const uint64_t mask = (uint64_t(1) << half_bits_) - 1;
+  uint64_t left = x >> half_bits_, right = x & mask;
+  for (uint64_t key : keys_) {
+    uint64_t z = right ^ key;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    const uint64_t next = left ^ ((z ^ (z >> 31)) & mask);
+    left = right, right = next;
+  }
+  return (left << half_bits_) | right;
+}
+
+EpochOrder ShardedSampler::epoch_order(int64_t epoch) const {
+  return EpochOrder(size_, shuffle_, seed_, epoch);
+}
+
+torch::Tensor ShardedSampler::rank_indices(const EpochOrder& order, int64_t step) const {
   auto out = torch::empty({rank_batch()}, torch::kInt64);
   auto* p = out.data_ptr<int64_t>();
   const int64_t base = step * global_batch_;
-  for (int64_t i = 0; i < rank_batch(); ++i) p[i] = order[base + rank_ + i * ranks_];
+  for (int64_t i = 0; i < rank_batch(); ++i) p[i] = order.at(base + rank_ + i * ranks_);
   return out;
 }
 

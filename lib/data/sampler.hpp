@@ -4,12 +4,35 @@
 // So D ranks together see exactly the batch one rank would, and any position
 // (epoch, step) can be recomputed on resume without replaying the epoch.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <vector>
 
 #include <torch/types.h>
 
 namespace dtrain {
+
+// An epoch's order of sample indices: position -> sample, the same on every rank. Up to
+// `listed_max` samples it is listed (Fisher-Yates on splitmix64, the order runs have
+// always had); beyond, each position is computed (a keyed Feistel network over the next
+// power of four, walked until it lands in range: a bijection of [0, size)), so a corpus of
+// hundreds of millions of windows costs no memory and no start-up time for its order.
+class EpochOrder {
+ public:
+  static constexpr int64_t kListedMax = int64_t(1) << 24;  // 128 MiB of indices
+  EpochOrder(int64_t size, bool shuffle, uint64_t seed, int64_t epoch,
+             int64_t listed_max = kListedMax);
+  int64_t size() const { return size_; }
+  int64_t at(int64_t position) const;
+
+ private:
+  uint64_t feistel(uint64_t x) const;
+  int64_t size_;
+  bool shuffle_;
+  std::vector<int64_t> listed_;
+  std::array<uint64_t, 6> keys_{};  // the computed order's round keys
+  int half_bits_ = 0;
+};
 
 class ShardedSampler {
  public:
@@ -22,9 +45,9 @@ class ShardedSampler {
   int64_t rank_batch() const { return global_batch_ / ranks_; }
 
   // The epoch's order of sample indices (identical on every rank).
-  std::vector<int64_t> epoch_order(int64_t epoch) const;
+  EpochOrder epoch_order(int64_t epoch) const;
   // This rank's indices for `step` of the epoch whose order is given.
-  torch::Tensor rank_indices(const std::vector<int64_t>& order, int64_t step) const;
+  torch::Tensor rank_indices(const EpochOrder& order, int64_t step) const;
 
  private:
   int64_t size_, global_batch_;

@@ -19,6 +19,11 @@ std::vector<int64_t> to_vec(const torch::Tensor& t) {
   auto c = t.contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
+std::vector<int64_t> list(const EpochOrder& order) {
+  std::vector<int64_t> v(size_t(order.size()));
+  for (int64_t i = 0; i < order.size(); ++i) v[size_t(i)] = order.at(i);
+  return v;
+}
 std::vector<int64_t> iota(int64_t n) {
   std::vector<int64_t> v(n);
   std::iota(v.begin(), v.end(), 0);
@@ -29,41 +34,78 @@ std::vector<int64_t> iota(int64_t n) {
 TEST_CASE("sampler: epoch_order is a permutation, fixed by (seed, epoch)") {
   const int64_t n = 1000;
   ShardedSampler s(n, /*global_batch=*/10, /*shuffle=*/true, /*seed=*/42);
-  auto o0 = s.epoch_order(0);
+  auto o0 = list(s.epoch_order(0));
   REQUIRE(o0.size() == static_cast<size_t>(n));
   auto sorted = o0;
   std::sort(sorted.begin(), sorted.end());
   CHECK(sorted == iota(n));
   CHECK(o0 != iota(n));  // actually shuffled
 
-  CHECK(s.epoch_order(0) == o0);  // same (seed, epoch), same order
-  CHECK(ShardedSampler(n, 10, true, 42).epoch_order(0) == o0);
-  auto o1 = s.epoch_order(1);
+  CHECK(list(s.epoch_order(0)) == o0);  // same (seed, epoch), same order
+  CHECK(list(ShardedSampler(n, 10, true, 42).epoch_order(0)) == o0);
+  auto o1 = list(s.epoch_order(1));
   CHECK(o1 != o0);
   auto sorted1 = o1;
   std::sort(sorted1.begin(), sorted1.end());
   CHECK(sorted1 == iota(n));
-  CHECK(ShardedSampler(n, 10, true, 43).epoch_order(0) != o0);
+  CHECK(list(ShardedSampler(n, 10, true, 43).epoch_order(0)) != o0);
   // The order does not depend on the rank or the number of ranks.
-  CHECK(ShardedSampler(n, 10, true, 42, /*rank=*/1, /*ranks=*/2).epoch_order(0) == o0);
-  CHECK(ShardedSampler(n, 10, true, 42, /*rank=*/4, /*ranks=*/5).epoch_order(1) == o1);
+  CHECK(list(ShardedSampler(n, 10, true, 42, /*rank=*/1, /*ranks=*/2).epoch_order(0)) == o0);
+  CHECK(list(ShardedSampler(n, 10, true, 42, /*rank=*/4, /*ranks=*/5).epoch_order(1)) == o1);
 
   // Many epochs: all distinct (a collision would mean correlated epochs).
   std::set<std::vector<int64_t>> seen;
-  for (int64_t e = 0; e < 20; ++e) seen.insert(s.epoch_order(e));
+  for (int64_t e = 0; e < 20; ++e) seen.insert(list(s.epoch_order(e)));
   CHECK(seen.size() == 20);
 
   // Tiny data sets too.
-  CHECK(ShardedSampler(1, 1, true, 5).epoch_order(3) == std::vector<int64_t>{0});
-  auto two = ShardedSampler(2, 1, true, 5).epoch_order(0);
+  CHECK(list(ShardedSampler(1, 1, true, 5).epoch_order(3)) == std::vector<int64_t>{0});
+  auto two = list(ShardedSampler(2, 1, true, 5).epoch_order(0));
   std::sort(two.begin(), two.end());
   CHECK(two == iota(2));
 }
 
+TEST_CASE("sampler: past the listed size the order is computed, a permutation fixed by (seed, epoch)") {
+  // The same sizes computed instead of listed (listed_max 0): each a permutation, the
+  // same for the same (seed, epoch), different across epochs and seeds, and shuffled.
+  for (int64_t n : {1, 2, 3, 1000, 4096, 4097}) {
+    CAPTURE(n);
+    const auto o0 = list(EpochOrder(n, true, 42, 0, /*listed_max=*/0));
+    auto sorted = o0;
+    std::sort(sorted.begin(), sorted.end());
+    CHECK(sorted == iota(n));
+    CHECK(list(EpochOrder(n, true, 42, 0, 0)) == o0);
+    if (n < 1000) continue;
+    CHECK(o0 != iota(n));
+    CHECK(list(EpochOrder(n, true, 42, 1, 0)) != o0);
+    CHECK(list(EpochOrder(n, true, 43, 0, 0)) != o0);
+    // Well mixed: neighbouring positions land far apart (a sorted run would be near 1),
+    // and about half the samples land in the first half of the order.
+    int64_t first_half = 0;
+    double gaps = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      first_half += o0[size_t(i)] < n / 2;
+      if (i > 0) gaps += double(std::abs(o0[size_t(i)] - o0[size_t(i - 1)]));
+    }
+    CHECK(gaps / double(n - 1) == doctest::Approx(double(n) / 3).epsilon(0.1));
+    CHECK(std::abs(first_half - n / 2) < n / 10);
+  }
+  // A corpus past the listed size costs no list: 1e9 windows, any position at once.
+  const EpochOrder huge(1000000000, true, 7, 3);
+  std::set<int64_t> some;
+  for (int64_t i = 0; i < 1000; ++i) {
+    const int64_t at = huge.at(i * 999983);
+    CHECK(at >= 0);
+    CHECK(at < 1000000000);
+    some.insert(at);
+  }
+  CHECK(some.size() == 1000);
+}
+
 TEST_CASE("sampler: shuffle=false is the identity every epoch") {
   ShardedSampler s(17, 4, /*shuffle=*/false, 42);
-  CHECK(s.epoch_order(0) == iota(17));
-  CHECK(s.epoch_order(5) == iota(17));
+  CHECK(list(s.epoch_order(0)) == iota(17));
+  CHECK(list(s.epoch_order(5)) == iota(17));
   CHECK(to_vec(s.rank_indices(s.epoch_order(0), 2)) == std::vector<int64_t>{8, 9, 10, 11});
 }
 
@@ -81,7 +123,7 @@ TEST_CASE("sampler: D ranks together take exactly the global batch, disjointly")
     std::vector<ShardedSampler> ranks;
     for (int64_t r = 0; r < d; ++r) ranks.emplace_back(n, b, true, /*seed=*/7, r, d);
     for (int64_t epoch = 0; epoch < 3; ++epoch) {
-      const auto order = ShardedSampler(n, b, true, 7).epoch_order(epoch);
+      const auto order = list(ShardedSampler(n, b, true, 7).epoch_order(epoch));
       const int64_t steps = ranks[0].steps_per_epoch();
       CHECK(steps == 4);
       for (int64_t step = 0; step < steps; ++step) {
@@ -90,7 +132,7 @@ TEST_CASE("sampler: D ranks together take exactly the global batch, disjointly")
         std::vector<int64_t> all;
         for (int64_t r = 0; r < d; ++r) {
           CHECK(ranks[r].rank_batch() == b / d);
-          auto mine = to_vec(ranks[r].rank_indices(order, step));
+          auto mine = to_vec(ranks[r].rank_indices(ranks[r].epoch_order(epoch), step));
           CHECK(mine.size() == static_cast<size_t>(b / d));
           // The documented interleave: rank r takes elements r, r+D, ... of the global batch.
           for (size_t i = 0; i < mine.size(); ++i)
