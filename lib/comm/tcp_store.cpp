@@ -144,6 +144,13 @@ std::string address_str(const sockaddr* a) {
   return host;
 }
 
+// The first address `host` resolves to for listening (the one a server binds first).
+std::string first_address(const std::string& host, int port) {
+  AddrInfo ai;
+  resolve(host, port, /*passive=*/true, ai);
+  return ai.list ? address_str(ai.list->ai_addr) : "";
+}
+
 }  // namespace
 
 bool connected_to_itself(int fd) {
@@ -374,23 +381,21 @@ c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
 TcpStore::TcpStore(const Options& o) : c10d::Store(o.timeout), opts_(o) {
   port_ = o.port;
   if (o.server) {
-    server_ = std::make_unique<StoreServer>(o.host, o.port, o.listen_everywhere);
+    // Ranks on other machines could never reach a loopback address (a hostname that
+    // /etc/hosts maps to 127.0.1.1, as Debian does): then listen everywhere, as c10d's
+    // TCPStore would. Whether they do run elsewhere (several launchers on one host also
+    // look so) shows when one connects: then it says so. Decided before listening: a
+    // server replaced once it listens resets the ranks already connecting to it.
+    const std::string at = o.listen_everywhere ? "" : first_address(o.host, o.port);
+    const bool widen = o.other_machines && (at.rfind("127.", 0) == 0 || at == "::1");
+    server_ = std::make_unique<StoreServer>(
+        o.host, o.port, o.listen_everywhere || widen,
+        widen ? fmt::format("dtrain: warning: MASTER_ADDR '{}' is a loopback address ({}) on "
+                            "rank 0 while ranks run on other machines; the store listens on "
+                            "every interface (set MASTER_ADDR to this host's address to avoid "
+                            "that)", o.host, at)
+              : "");
     port_ = server_->port();
-    const auto& at = server_->address();
-    const bool loopback = at.rfind("127.", 0) == 0 || at == "::1";
-    if (loopback && o.other_machines && !o.listen_everywhere) {
-      // Ranks on other machines could never reach it (a hostname that /etc/hosts maps to
-      // 127.0.1.1, as Debian does): listen everywhere, as c10d's TCPStore would. Whether
-      // they do run elsewhere (several launchers on one host also look so) shows when one
-      // connects: then it says so.
-      server_.reset();
-      server_ = std::make_unique<StoreServer>(
-          o.host, o.port, /*everywhere=*/true,
-          fmt::format("dtrain: warning: MASTER_ADDR '{}' is a loopback address ({}) on rank 0 "
-                      "while ranks run on other machines; the store listens on every interface "
-                      "(set MASTER_ADDR to this host's address to avoid that)", o.host, at));
-      port_ = server_->port();
-    }
   }
   // Rank 0 may not be listening yet: try again until the timeout.
   const auto deadline = std::chrono::steady_clock::now() + o.timeout;

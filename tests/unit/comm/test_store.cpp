@@ -124,6 +124,48 @@ TEST_CASE("TcpStore: the server listens on MASTER_ADDR's interface only, unless 
   CHECK(at[0].find_first_not_of('0') == std::string::npos);
 }
 
+// A port nobody listens on (bound, read, released).
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+TEST_CASE("TcpStore: a rank already connecting when rank 0 starts listening is served") {
+  // The elastic test's intermittent failure: rank 0 listened on loopback, then, the ranks
+  // being on "other machines" (one per torchrun agent), replaced its server by one that
+  // listens everywhere, and a rank whose retry had connected in between was reset
+  // ("send failed: Connection reset by peer"). The rank retries every 20 ms: starting the
+  // server at every offset of that period meets the window.
+  for (int i = 0; i < 40; ++i) {
+    CAPTURE(i);
+    const int port = free_port();
+    std::string error;
+    std::thread rank1([&] {
+      try {
+        TcpStore client(opts(port, false));
+        client.set("k", bytes("v"));
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::microseconds(500 * i));
+    auto o = opts(port, true);
+    o.other_machines = true;
+    TcpStore server(o);
+    rank1.join();
+    CHECK(error.empty());
+    if (!error.empty()) break;
+    CHECK(server.get("k") == bytes("v"));
+  }
+}
+
 TEST_CASE("TcpStore: a client that breaks the protocol is dropped; the others go on") {
   TcpStore server(opts(0, true));
   TcpStore client(opts(server.port(), false));
