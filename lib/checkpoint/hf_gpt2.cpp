@@ -74,7 +74,8 @@ NamedTensors read_weights(const std::string& folder) {
   std::set<std::string> files;
   try {
     std::ifstream f(index);
-    for (const auto& [name, file] : json::parse(f).at("weight_map").items())
+    const json doc = json::parse(f);  // a temporary would be gone before the loop's body
+    for (const auto& [name, file] : doc.at("weight_map").items())
       files.insert(file.get<std::string>());
   } catch (const json::exception& e) {
     throw CheckpointError(fmt::format("'{}': no weight_map ({})", index, first_line(e.what())));
