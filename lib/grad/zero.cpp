@@ -301,11 +301,7 @@ class Zero3Sync : public Zero2Sync {
   // `units` gathered, every other one released but the one prefetched.
   void gather(const std::vector<size_t>& units) {
     for (size_t u = 0; u < pending_.size(); ++u)
-      if (params_.resident(u) && u != ahead_ &&
-          std::find(units.begin(), units.end(), u) == units.end()) {
-        wait(u);
-        params_.release(u);
-      }
+      if (u != ahead_ && std::find(units.begin(), units.end(), u) == units.end()) drop(u);
     for (size_t u : units) start(u);
     for (size_t u : units) wait(u);
   }
@@ -343,11 +339,13 @@ class Zero3Sync : public Zero2Sync {
   void wait(size_t u) {
     if (pending_[u]) std::exchange(pending_[u], nullptr)->wait();
   }
+  // Unit u freed, once its gather (if any) has landed.
+  void drop(size_t u) {
+    wait(u);
+    if (params_.resident(u)) params_.release(u);
+  }
   void release_all() {
-    for (size_t u = 0; u < pending_.size(); ++u) {
-      wait(u);
-      if (params_.resident(u)) params_.release(u);
-    }
+    for (size_t u = 0; u < pending_.size(); ++u) drop(u);
     ahead_ = kNone;
   }
   static constexpr size_t kNone = size_t(-1);

@@ -60,13 +60,17 @@ struct Target {
   torch::Tensor local;
 };
 
-void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t seed, int64_t rank) {
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& t : targets) shapes[t.name] = t.full_shape;
-  const ShapeOf shape_of = [&](const std::string& name) {
+// Looks up a full shape by name among `shapes` (empty for a name not there).
+ShapeOf shape_lookup(std::map<std::string, std::vector<int64_t>> shapes) {
+  return [shapes = std::move(shapes)](const std::string& name) {
     auto it = shapes.find(name);
     return it == shapes.end() ? std::vector<int64_t>{} : it->second;
   };
+}
+
+// Each target drawn by its rule; `shape_of` answers for every parameter of the model.
+void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t seed,
+              int64_t rank, const ShapeOf& shape_of) {
   for (const auto& t : targets)
     init_parameter(rule(t.name, t.full_shape, shape_of), seed, t.name, t.full_shape, t.placement,
                    rank, t.local);
@@ -77,16 +81,14 @@ void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t
 void init_parameters(FlatParams& params, const InitRule& rule, uint64_t seed, int64_t rank) {
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& e : params.entries()) shapes[e.name] = e.full_shape;
-  const ShapeOf shape_of = [&](const std::string& name) {
-    auto it = shapes.find(name);
-    return it == shapes.end() ? std::vector<int64_t>{} : it->second;
-  };
+  const ShapeOf shape_of = shape_lookup(std::move(shapes));
   params.write_whole([&](size_t first, size_t last) {  // under ZeRO-3 a unit at a time
+    std::vector<Target> targets;
     for (size_t i = first; i < last; ++i) {
       const auto& e = params.entries()[i];
-      init_parameter(rule(e.name, e.full_shape, shape_of), seed, e.name, e.full_shape,
-                     e.placement, rank, params.value(i));
+      targets.push_back({e.name, e.full_shape, e.placement, params.value(i)});
     }
+    init_all(targets, rule, seed, rank, shape_of);
   });
 }
 
@@ -98,7 +100,9 @@ void init_parameters(torch::nn::Module& module, const InitRule& rule, uint64_t s
     const Placement place = it == placements.end() ? Placement::replicated() : it->second;
     targets.push_back({p.key(), place.full_shape(p.value().sizes().vec()), place, p.value()});
   }
-  init_all(targets, rule, seed, rank);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& t : targets) shapes[t.name] = t.full_shape;
+  init_all(targets, rule, seed, rank, shape_lookup(std::move(shapes)));
 }
 
 }  // namespace dtrain

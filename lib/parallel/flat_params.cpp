@@ -162,16 +162,19 @@ void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, cons
       if (opts.keep_values) slot.copy_(params_[i]);
       params_[i].set_data(slot);
     }
-  if (opts.keep_values) {
-    for (size_t u = 0; u < units_.size(); ++u) {  // as write_whole() ends
-      const auto& unit = units_[u];
-      const int64_t lo = std::max(unit.offset, data_held_.offset);
-      const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
-      if (lo < hi)
-        data_.narrow(0, lo - data_held_.offset, hi - lo).copy_(unit.buffer.narrow(0, lo - unit.offset, hi - lo));
+  if (opts.keep_values)
+    for (const auto& unit : units_) {  // as write_whole() ends
+      auto [mine, there] = shard_part(unit);
+      if (mine.defined()) mine.copy_(there);
     }
-  }
   for (size_t u = 0; u < units_.size(); ++u) release(u);
+}
+
+std::pair<torch::Tensor, torch::Tensor> FlatParams::shard_part(const Unit& unit) const {
+  const int64_t lo = std::max(unit.offset, data_held_.offset);
+  const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
+  if (lo >= hi) return {};
+  return {data_.narrow(0, lo - data_held_.offset, hi - lo), unit.buffer.narrow(0, lo - unit.offset, hi - lo)};
 }
 
 std::optional<size_t> FlatParams::unit_of(const torch::nn::Module& module) const {
@@ -229,21 +232,15 @@ void FlatParams::write_whole(const std::function<void(size_t first, size_t last)
     allocate(u);
     // The unit's part in this rank's shard: in before (what `write` leaves alone keeps
     // its value), out after.
-    const int64_t lo = std::max(unit.offset, data_held_.offset);
-    const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
-    torch::Tensor mine, there;
-    if (lo < hi) {
-      mine = data_.narrow(0, lo - data_held_.offset, hi - lo);
-      there = unit.buffer.narrow(0, lo - unit.offset, hi - lo);
-      there.copy_(mine);
-    }
+    auto [mine, there] = shard_part(unit);
+    if (mine.defined()) there.copy_(mine);
     try {
       write(unit.first, unit.last);
     } catch (...) {
       release(u);
       throw;
     }
-    if (lo < hi) mine.copy_(there);
+    if (mine.defined()) mine.copy_(there);
     release(u);
   }
 }

@@ -230,6 +230,9 @@ class FlatParams {
 
  private:
   torch::Tensor shaped(const torch::Tensor& slot, size_t i) const;
+  // Where `unit` and this rank's shard overlap: that part of data() and of the unit's
+  // buffer (both undefined when they do not).
+  std::pair<torch::Tensor, torch::Tensor> shard_part(const Unit& unit) const;
   void make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts);
   torch::Tensor data_, grad_;
   int64_t numel_ = 0;
