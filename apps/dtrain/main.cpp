@@ -23,6 +23,7 @@
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/shape.hpp"
+#include "verify/verify.hpp"
 
 namespace {
 
@@ -223,8 +224,9 @@ struct Cli {
   std::string run_dir, resume, nnodes, folder, out, format = "safetensors";
   int64_t nproc = 1, max_restarts = 0, check_nproc = 1, vocab = 0;
   bool no_requeue = false, reference = false;
+  VerifyOptions verify_opts;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
-           *export_ = nullptr;
+           *export_ = nullptr, *verify = nullptr;
 
   Cli() {
     app.set_version_flag("--version", fmt::format("dtrain {} ({})", DTRAIN_VERSION, build_info()));
@@ -254,6 +256,22 @@ struct Cli {
     validate->add_option("--nnodes", nnodes, "an elastic job's range of nodes, MIN:MAX (as "
                                              "torchrun's): check every world size in it, "
                                              "--nproc processes per node");
+    verify = app.add_subcommand("verify", "train one process and each parallel layout a few "
+                                          "steps; exit 0 when their losses agree");
+    verify->add_option("JOB", verify_opts.job_path, "job spec (YAML)")->required();
+    verify->add_option("--set", verify_opts.sets, "override a key in every run (repeatable)")
+        ->allow_extra_args(false);
+    verify->add_option("--layouts", verify_opts.layouts,
+                       "comma-separated: d2, t2, p2, d2xt2xp2, with z1..z3 for ZeRO (d2xz1); "
+                       "1 = one process");
+    verify->add_option("--steps", verify_opts.steps, "steps each run trains (default 20, or the "
+                                                     "--against file's)");
+    verify->add_option("--tolerance", verify_opts.tolerance,
+                       "largest relative loss difference allowed (default 1e-4)");
+    verify->add_option("--save", verify_opts.save, "write the one-process losses to FILE (JSON)");
+    verify->add_option("--against", verify_opts.against,
+                       "compare with the losses in FILE (from --save) instead of one process");
+    verify->add_flag("--keep", verify_opts.keep, "keep the runs' folders (the path is printed)");
     inspect = app.add_subcommand("inspect", "what a checkpoint holds");
     inspect->add_option("CHECKPOINT", folder, "checkpoint folder, a run directory (its "
                                               "latest checkpoint) or a Hugging Face GPT-2 folder")
@@ -325,6 +343,7 @@ int run_cli(int argc, char** argv) {
     std::cout << to_yaml(load(cli.job, "", world_for_check(cli.check_nproc)).cfg);
     return 0;
   }
+  if (*cli.verify) return verify(cli.verify_opts);
   if (*cli.inspect) return inspect(cli.folder);
   if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);
   return kExitBadSpec;

@@ -1,0 +1,386 @@
+#include "verify/verify.hpp"
+
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include "config/schema.hpp"
+#include "launch/device.hpp"
+#include "launch/world.hpp"
+#include "util/error.hpp"
+#include "util/files.hpp"
+
+namespace dtrain {
+
+std::vector<std::string> Layout::sets() const {
+  return {fmt::format("parallel.data={}", data), fmt::format("parallel.tensor={}", tensor),
+          fmt::format("parallel.pipeline={}", pipeline), fmt::format("parallel.zero={}", zero)};
+}
+
+Layout parse_layout(const std::string& text) {
+  Layout l;
+  l.text = text;
+  auto bad = [&](const std::string& why) {
+    return ConfigError(fmt::format("verify --layouts: '{}' {} (write d2, t2, p2 or z1..z3 "
+                                   "joined by x, e.g. d2xt2 or d2xz1; 1 is one process)",
+                                   text, why));
+  };
+  if (text == "1") return l;
+  if (text.empty()) throw bad("is empty");
+  std::map<char, int64_t*> dims{{'d', &l.data}, {'t', &l.tensor}, {'p', &l.pipeline}, {'z', &l.zero}};
+  std::map<char, bool> seen;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, 'x');) {
+    if (part.size() < 2 || !dims.count(part[0]) ||
+        part.find_first_not_of("0123456789", 1) != std::string::npos || part.size() > 5)
+      throw bad(fmt::format("has '{}'", part));
+    if (seen[part[0]]) throw bad(fmt::format("names '{}' twice", part.substr(0, 1)));
+    seen[part[0]] = true;
+    *dims[part[0]] = std::stoll(part.substr(1));
+  }
+  if (text.back() == 'x') throw bad("ends in x");
+  if (l.data < 1 || l.tensor < 1 || l.pipeline < 1) throw bad("has a size below 1");
+  if (l.zero > 3) throw bad("asks for a ZeRO stage above 3");
+  if (l.zero > 0 && l.data < 2) throw bad("shards with ZeRO over one data rank (add d2 or more)");
+  return l;
+}
+
+std::vector<Layout> parse_layouts(const std::string& list) {
+  std::vector<Layout> out;
+  std::stringstream in(list);
+  for (std::string item; std::getline(in, item, ',');) {
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    out.push_back(parse_layout(item));
+  }
+  if (!list.empty() && list.back() == ',') out.push_back(parse_layout(""));
+  return out;
+}
+
+namespace {
+
+// What verify sets on every run, the reference's too: N steps, each logged, one evaluation
+// (a capped one) and one checkpoint at the end, nothing else written.
+std::vector<std::string> run_sets(const VerifyOptions& o, int64_t steps, int64_t eval_samples) {
+  std::vector<std::string> s = o.sets;
+  for (auto x : {fmt::format("train.max_steps={}", steps), std::string("train.log_every=1"),
+                 fmt::format("train.eval_every={}", steps),
+                 fmt::format("train.eval_samples={}", eval_samples),
+                 fmt::format("checkpoint.every_steps={}", steps),
+                 std::string("logging.progress=off"), std::string("logging.tensorboard=false")})
+    s.push_back(x);
+  return s;
+}
+
+// The job as the reference runs it, without what differs between runs that train the same
+// model (the run folder, the layout's own keys): what --save records and --against compares.
+std::map<std::string, std::string> job_keys(const std::string& yaml_text) {
+  std::map<std::string, std::string> keys;
+  std::function<void(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& n,
+                                                                        const std::string& at) {
+    if (n.IsMap()) {
+      for (const auto& kv : n)
+        walk(kv.second, at.empty() ? kv.first.as<std::string>() : at + "." + kv.first.as<std::string>());
+    } else {
+      YAML::Emitter e;
+      e << YAML::Flow << n;
+      keys[at] = e.c_str();
+    }
+  };
+  walk(YAML::Load(yaml_text), "");
+  for (const char* k : {"name", "run_dir", "parallel.data", "parallel.tensor", "parallel.pipeline",
+                        "parallel.zero"})
+    keys.erase(k);
+  return keys;
+}
+
+std::string job_text(const VerifyOptions& o, int64_t steps, int64_t eval_samples) {
+  JobConfig cfg = load_job(o.job_path, run_sets(o, steps, eval_samples));
+  resolve(cfg);
+  std::string text;
+  for (const auto& [k, v] : job_keys(to_yaml(cfg))) text += k + ": " + v + "\n";
+  return text;
+}
+
+// The first key where two jobs differ, in words; "" when they are the same.
+std::string first_difference(const std::string& here, const std::string& there) {
+  auto parse = [](const std::string& text) {
+    std::map<std::string, std::string> m;
+    std::stringstream in(text);
+    for (std::string line; std::getline(in, line);)
+      if (auto c = line.find(": "); c != std::string::npos) m[line.substr(0, c)] = line.substr(c + 2);
+    return m;
+  };
+  const auto a = parse(here), b = parse(there);
+  for (const auto& [k, v] : a)
+    if (!b.count(k)) return fmt::format("{} (here {}, not in the file)", k, v);
+    else if (b.at(k) != v) return fmt::format("{} (here {}, there {})", k, v, b.at(k));
+  for (const auto& [k, v] : b)
+    if (!a.count(k)) return fmt::format("{} (there {}, not here)", k, v);
+  return "";
+}
+
+// Launcher variables make a child think it is a rank of that launcher's job: verify's runs
+// are worlds of their own.
+void clear_launcher_env() {
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "PET_NNODES",
+                        "TORCHELASTIC_USE_AGENT_STORE"})
+    ::unsetenv(v);
+}
+
+struct RunResult {
+  int code = 0;
+  std::string error;                  // the run's "dtrain: error:" line, if any
+  std::map<int64_t, double> losses;   // step -> train loss
+  std::optional<double> eval_loss;    // the evaluation at the last step
+  double seconds = 0;
+};
+
+// `dtrain run JOB --set ... [--nproc N]` in `dir`, its output in files there.
+RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<std::string>& sets,
+                     const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  std::vector<std::string> args{o.executable, "run", o.job_path, "--run-dir", dir + "/run"};
+  for (const auto& s : sets) args.insert(args.end(), {"--set", s});
+  for (const auto& s : l.sets()) args.insert(args.end(), {"--set", s});
+  if (l.processes() > 1) args.insert(args.end(), {"--nproc", std::to_string(l.processes())});
+  const auto start = std::chrono::steady_clock::now();
+  const std::string out = dir + "/stdout", err = dir + "/stderr";
+  pid_t pid = ::fork();
+  fail_if<RunDirError>(pid < 0, "verify: cannot start a run for layout {}", l.text);
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with verify
+    int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fo >= 0) ::dup2(fo, STDOUT_FILENO);
+    if (fe >= 0) ::dup2(fe, STDERR_FILENO);
+    clear_launcher_env();
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(o.executable.c_str(), argv.data());
+    ::_exit(kExitFailure);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  RunResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::ifstream errs(err);
+  for (std::string line; std::getline(errs, line);)
+    if (auto at = line.find("dtrain: error: "); at != std::string::npos && r.error.empty())
+      r.error = line.substr(at + 15);
+  std::ifstream metrics(dir + "/run/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains("kind")) continue;
+    if (j["kind"] == "train" && j.contains("loss") && j["loss"].is_number())
+      r.losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    if (j["kind"] == "eval" && j.contains("loss") && j["loss"].is_number())
+      r.eval_loss = j["loss"].get<double>();
+  }
+  return r;
+}
+
+// A failed run ends verify with its own exit code and words (2: the job cannot take this
+// layout, as validate would say).
+void require_ok(const RunResult& r, const Layout& l, const std::string& dir) {
+  if (r.code == 0) return;
+  const std::string what = fmt::format(
+      "verify: layout {} ({} process(es)) failed: {}", l.text == "1" ? "one process" : l.text,
+      l.processes(), r.error.empty() ? fmt::format("exit {} (see {}/stderr)", r.code, dir) : r.error);
+  if (r.code == kExitBadSpec) throw ConfigError(what);
+  if (r.code == kExitBadData) throw DataError(what);
+  if (r.code == kExitPeerFailed) throw DistError(what);
+  throw Error(kExitFailure, what);
+}
+
+struct Reference {
+  std::vector<double> losses;     // steps 1..N
+  std::optional<double> eval_loss;
+  std::string job, dtrain, libtorch;
+};
+
+Reference read_reference(const std::string& path) {
+  std::ifstream in(path);
+  fail_if<ConfigError>(!in, "verify --against: cannot read '{}'", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  fail_if<ConfigError>(!j.is_object() || j.value("format", "") != "dtrain-verify" ||
+                           !j.contains("losses") || !j["losses"].is_array() ||
+                           !j.contains("job") || !j["job"].is_string(),
+                       "verify --against: '{}' is not a file `dtrain verify --save` wrote", path);
+  Reference ref;
+  for (const auto& x : j["losses"]) {
+    fail_if<ConfigError>(!x.is_number(), "verify --against: '{}': a loss is not a number", path);
+    ref.losses.push_back(x.get<double>());
+  }
+  fail_if<ConfigError>(ref.losses.empty(), "verify --against: '{}' holds no losses", path);
+  if (j.contains("eval_loss") && j["eval_loss"].is_number()) ref.eval_loss = j["eval_loss"].get<double>();
+  ref.job = j["job"].get<std::string>();
+  ref.dtrain = j.value("dtrain", "?");
+  ref.libtorch = j.value("build", "?");
+  return ref;
+}
+
+void write_reference(const std::string& path, const Reference& ref) {
+  nlohmann::json j{{"format", "dtrain-verify"}, {"version", 1}, {"steps", ref.losses.size()},
+                   {"losses", ref.losses}, {"job", ref.job}, {"dtrain", DTRAIN_VERSION},
+                   {"build", build_info()}};
+  if (ref.eval_loss) j["eval_loss"] = *ref.eval_loss;
+  try {
+    write_file_atomic(path, j.dump(1) + "\n");
+  } catch (const std::exception& e) {
+    throw RunDirError(fmt::format("verify --save: cannot write '{}': {}", path, first_line(e.what())));
+  }
+}
+
+double relative(double a, double ref) {
+  if (!std::isfinite(a) || !std::isfinite(ref)) return a == ref ? 0.0 : INFINITY;
+  return std::abs(a - ref) / std::max(std::abs(ref), 1e-12);
+}
+
+// A temporary folder for the runs, removed at the end unless kept.
+struct WorkDir {
+  std::string path;
+  bool keep;
+  explicit WorkDir(bool keep) : keep(keep) {
+    std::string t = (std::filesystem::temp_directory_path() / "dtrain-verify-XXXXXX").string();
+    fail_if<RunDirError>(::mkdtemp(t.data()) == nullptr, "verify: cannot create a folder in {}",
+                         std::filesystem::temp_directory_path().string());
+    path = t;
+  }
+  ~WorkDir() {
+    if (keep) std::cerr << fmt::format("verify: the runs are in {}\n", path);
+    else remove_tree(path);
+  }
+};
+
+}  // namespace
+
+int verify(const VerifyOptions& o) {
+  fail_if<ConfigError>(!o.save.empty() && !o.against.empty(),
+                       "verify: --save and --against: one or the other (--against compares "
+                       "with a saved reference, --save writes one)");
+  fail_if<ConfigError>(o.layouts.empty() && o.save.empty() && o.against.empty(),
+                       "verify: --layouts LIST is required (e.g. --layouts d2,t2,p2,d2xz1), "
+                       "unless --save or --against");
+  fail_if<ConfigError>(o.steps < 0 || o.steps > 100000, "verify --steps: 1..100000 (got {})", o.steps);
+  fail_if<ConfigError>(!(o.tolerance >= 0) || !std::isfinite(o.tolerance),
+                       "verify --tolerance: a number >= 0 (got {})", o.tolerance);
+  {
+    const auto env = process_env();
+    fail_if<ConfigError>(detect_launcher(env) != "single" && discover_world(env, 0).world > 1,
+                         "verify: run it as one process; it starts each layout's processes itself");
+  }
+  std::vector<Layout> layouts = parse_layouts(o.layouts);
+  std::optional<Reference> saved;
+  if (!o.against.empty()) saved = read_reference(o.against);
+  // The schedule follows train.max_steps: a reference holds the losses of its own count.
+  fail_if<ConfigError>(saved && o.steps > 0 && o.steps != int64_t(saved->losses.size()),
+                       "verify --steps {}: '{}' holds the losses of {} steps (leave --steps out)",
+                       o.steps, o.against, saved ? saved->losses.size() : 0);
+  const int64_t steps = saved ? int64_t(saved->losses.size()) : o.steps > 0 ? o.steps : 20;
+  if (saved && layouts.empty()) layouts.push_back(parse_layout("1"));
+
+  // The job is checked before anything runs: a bad key or value is exit 2 here, once.
+  JobConfig job = load_job(o.job_path, o.sets);
+  resolve(job);
+  fail_if<ConfigError>(job.parallel.mode == "async_ps",
+                       "verify: parallel.mode async_ps: its workers run ahead of one another, "
+                       "so no layout repeats another's losses (verify sync or local_sgd jobs)");
+  const int64_t eval_samples = job.train.eval_samples > 0 ? job.train.eval_samples : 512;
+  const std::string text = job_text(o, steps, eval_samples);
+  if (saved) {
+    const auto diff = first_difference(text, saved->job);
+    fail_if<ConfigError>(!diff.empty(), "verify: {} is not the job '{}' was saved from: {}",
+                         o.job_path, o.against, diff);
+  }
+
+  WorkDir work(o.keep);
+  const auto sets = run_sets(o, steps, eval_samples);
+  Reference ref;
+  if (saved) {
+    ref = *saved;
+    std::cout << fmt::format("verify {}: {} steps against {} (dtrain {}, {})\n", o.job_path, steps,
+                             o.against, ref.dtrain, ref.libtorch);
+  } else {
+    const auto one = parse_layout("1");
+    const auto dir = work.path + "/reference";
+    const auto r = run_layout(o, one, sets, dir);
+    require_ok(r, one, dir);
+    for (int64_t s = 1; s <= steps; ++s) {
+      if (!r.losses.count(s))
+        throw Error(kExitFailure, fmt::format("verify: one process logged no loss at step {}", s));
+      ref.losses.push_back(r.losses.at(s));
+    }
+    ref.eval_loss = r.eval_loss;
+    ref.job = text;
+    std::cout << fmt::format("verify {}: {} steps, one process in {:.1f} s; tolerance {:.0e} "
+                             "(relative)\n", o.job_path, steps, r.seconds, o.tolerance);
+    if (!o.save.empty()) {
+      write_reference(o.save, ref);
+      std::cout << fmt::format("saved the reference losses to {}\n", o.save);
+    }
+  }
+  if (layouts.empty()) return 0;
+
+  std::cout << fmt::format("{:<14} {:>9} {:>6} {:>17} {:>10} {:>15} {:>8}\n", "layout",
+                           "processes", "steps", "largest rel diff", "first over", "eval rel diff",
+                           "time s");
+  int over = 0;
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const auto& l = layouts[i];
+    const auto dir = work.path + "/layout" + std::to_string(i);
+    const auto r = run_layout(o, l, sets, dir);
+    require_ok(r, l, dir);
+    double worst = 0;
+    int64_t first = 0;
+    for (int64_t s = 1; s <= steps; ++s) {
+      const double d = r.losses.count(s) ? relative(r.losses.at(s), ref.losses[size_t(s - 1)]) : INFINITY;
+      worst = std::max(worst, d);
+      if (d > o.tolerance && first == 0) first = s;
+    }
+    std::string eval = "-";
+    if (r.eval_loss && ref.eval_loss) {
+      const double d = relative(*r.eval_loss, *ref.eval_loss);
+      eval = fmt::format("{:.1e}", d);
+      if (d > o.tolerance && first == 0) first = steps;  // the last step's evaluation
+    }
+    if (first > 0) ++over;
+    std::cout << fmt::format("{:<14} {:>9} {:>6} {:>17.1e} {:>10} {:>15} {:>8.1f}\n",
+                             l.text == "1" ? "one process" : l.text, l.processes(), steps, worst,
+                             first > 0 ? std::to_string(first) : "-", eval, r.seconds)
+              << std::flush;
+  }
+  const std::string against = saved ? "the saved reference" : "one process";
+  if (over == 0)
+    std::cout << fmt::format("ok: every layout within {:.0e} of {}\n", o.tolerance, against);
+  else
+    std::cout << fmt::format("differ: {} of {} layout(s) past {:.0e} of {}\n", over,
+                             layouts.size(), o.tolerance, against);
+  return over == 0 ? 0 : 1;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,45 @@
+// `dtrain verify`: does a parallel layout still compute the same model? Trains the job on one
+// process and on each layout for a few steps from the same start, each in its own processes
+// (as `dtrain run --nproc` does), and compares every step's loss with one process's: the
+// layout-equivalence check dtrain's own tests make, as a command a user runs on a job of
+// theirs. The reference losses can be saved and compared with later (a golden-loss check
+// across commits and machines).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+// One layout of `--layouts`: "d2", "t2", "p2", "d2xt2xp2", with "z1".."z3" for ZeRO, e.g.
+// "d2xz1"; "1" is one process.
+struct Layout {
+  int64_t data = 1, tensor = 1, pipeline = 1, zero = 0;
+  std::string text;
+
+  int64_t processes() const { return data * tensor * pipeline; }
+  // The --set assignments that make a job this layout.
+  std::vector<std::string> sets() const;
+};
+
+// Throws ConfigError naming the layout that does not parse.
+Layout parse_layout(const std::string& text);
+std::vector<Layout> parse_layouts(const std::string& comma_separated);
+
+struct VerifyOptions {
+  std::string job_path;
+  std::vector<std::string> sets;  // the user's --set, applied to every run
+  std::string layouts;            // comma-separated; may be empty with --save or --against
+  int64_t steps = 0;              // 0: the --against file's, else 20
+  double tolerance = 1e-4;        // largest relative loss difference
+  std::string save, against;      // reference losses: write them / compare with them
+  bool keep = false;              // keep the runs' folder (its path is printed)
+  std::string executable = "/proc/self/exe";
+};
+
+// Prints the table; returns the exit code: 0 every layout within the tolerance, 1 one is
+// not. A bad layout, job or reference file throws ConfigError (exit 2); a run that fails
+// otherwise throws an error with its exit code, naming the layout and the run's own words.
+int verify(const VerifyOptions& opts);
+
+}  // namespace dtrain
