@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Elastic training under the real torchrun: two agents on this machine (--nnodes 1:2, one
-# worker each, the c10d rendezvous).
-#  1. Join: agent A trains alone; agent B joins. torchrun stops A's worker (dtrain writes a
-#     checkpoint) and starts both at world 2 with the same restart count; they resume
-#     from that checkpoint, as workers of the same elastic run, and complete: both agents
-#     exit 0, every step is logged once, the summary says world_size 2, and the losses
-#     after the join are those of a run resumed at world 2 from the same checkpoint by hand.
-#  2. Leave: A and B train at world 2; B's agent and worker are killed. A's worker fails
-#     (exit 4), A restarts it at world 1 (--max_restarts 1), it resumes and completes:
-#     every step logged once, world_size 1.
+# Elastic training under the real torchrun: two agents on this machine (--nnodes 1:2, the
+# c10d rendezvous).
+#  1. Join, two workers per agent: agent A trains alone at world 2; agent B joins. torchrun
+#     stops A's workers (dtrain writes a checkpoint) and starts all four at world 4 with the
+#     same restart count; they resume from that checkpoint, as workers of the same elastic
+#     run, and complete: both agents exit 0, every step is logged once, the summary says
+#     world_size 4, and the losses after the join are those of a run resumed at world 4
+#     from the same checkpoint by hand. (Each agent's workers are fewer than the world:
+#     rank 0's store must listen beyond loopback, decided before it listens.)
+#  2. Leave, one worker per agent: C and D train at world 2; D's agent and worker are
+#     killed. C's worker fails (exit 4), C restarts it at world 1 (--max_restarts 1), it
+#     resumes and completes: every step logged once, world_size 1.
 # Exit 77 (skipped) without python3-torch. Usage: test_elastic.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,17 +39,26 @@ wait_for_step() {  # RUN_DIR STEP AGENT_PID: up to 120 s, while the agent lives
   done
   return 1
 }
-steps=20000
-job=(run "$here/job.yaml" --set train.max_steps=$steps --set model.hidden=[256,256]
-     --set train.log_every=10 --set checkpoint.every_steps=500 --set checkpoint.keep_last=100
-     --set dist.timeout_s=30)
-agent() {  # ID RDZV_PORT MAX_RESTARTS LOG RUN_DIR
-  timeout 300 "$py" "$root/scripts/torchrun" --nnodes 1:2 --nproc_per_node 1 --rdzv_backend c10d \
-    --rdzv_endpoint "127.0.0.1:$2" --rdzv_id "$1" --rdzv_conf last_call_timeout=1 \
-    --max_restarts "$3" --no_python "$dtrain" "${job[@]}" --run-dir "$5" > "$4" 2>&1
+# A constant learning rate: a resume by hand that stops early follows the same losses.
+common=(--set model.hidden=[256,256] --set schedule.decay=constant --set train.log_every=10
+        --set checkpoint.keep_last=100 --set dist.timeout_s=30)
+# The join: rank 0 sleeps 10 ms a step, so that any machine is still short of the last step
+# when B has joined (four workers on two cores run ~100 steps/s; two would run 450).
+join_steps=2500
+join_job=(run "$here/job.yaml" --set train.max_steps=$join_steps "${common[@]}"
+          --set checkpoint.every_steps=250 --set train.debug_slow_rank=0 --set train.debug_slow_ms=10)
+leave_steps=8000
+leave_job=(run "$here/job.yaml" --set train.max_steps=$leave_steps "${common[@]}"
+           --set checkpoint.every_steps=500)
+agent() {  # ID RDZV_PORT MAX_RESTARTS LOG RUN_DIR NPROC_PER_NODE JOB...
+  local id=$1 port=$2 restarts=$3 log=$4 dir=$5 nproc=$6
+  shift 6
+  timeout 300 "$py" "$root/scripts/torchrun" --nnodes 1:2 --nproc_per_node "$nproc" --rdzv_backend c10d \
+    --rdzv_endpoint "127.0.0.1:$port" --rdzv_id "$id" --rdzv_conf last_call_timeout=1 \
+    --max_restarts "$restarts" --no_python "$dtrain" "$@" --run-dir "$dir" > "$log" 2>&1
 }
-each_step_once() {  # RUN_DIR WORLD_SIZE
-  $py - "$1/metrics.jsonl" $steps "$2" <<'PYEOF'
+each_step_once() {  # RUN_DIR WORLD_SIZE STEPS
+  $py - "$1/metrics.jsonl" "$3" "$2" <<'PYEOF'
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 steps, world = int(sys.argv[2]), int(sys.argv[3])
@@ -62,10 +73,10 @@ PYEOF
 
 # 1. Join.
 p=$(port)
-agent join "$p" 0 "$work/a.out" "$work/join" &
+agent join "$p" 0 "$work/a.out" "$work/join" 2 "${join_job[@]}" &
 a=$!
 wait_for_step "$work/join" 300 $a || { cat "$work/a.out"; fail "agent A did not start training"; }
-agent join "$p" 0 "$work/b.out" "$work/join" &
+agent join "$p" 0 "$work/b.out" "$work/join" 2 "${join_job[@]}" &
 b=$!
 wait $a; ra=$?
 wait $b; rb=$?
@@ -73,14 +84,15 @@ tail -n 5 "$work/a.out"
 [ $ra -eq 0 ] && [ $rb -eq 0 ] || { tail -n 30 "$work/a.out" "$work/b.out"; fail "after a join the agents exited $ra and $rb"; }
 at=$(sed -n 's/.*resumed at step \([0-9]*\).*/\1/p' "$work/a.out" "$work/b.out" | head -n 1)
 [ -n "$at" ] || fail "the workers did not resume after the join"
-each_step_once "$work/join" 2 || fail "the joined run's log is not one run"
-# The same checkpoint resumed at world 2 by hand: the same losses after it.
+each_step_once "$work/join" 4 $join_steps || fail "the joined run's log is not one run"
+# The same checkpoint resumed at world 4 by hand: the same losses for 300 steps after it.
 mkdir -p "$work/hand/checkpoints"
 ckpt=$(printf 'step-%08d' "$at")
 cp -r "$work/join/checkpoints/$ckpt" "$work/hand/checkpoints/"
 echo "$ckpt" > "$work/hand/checkpoints/latest"
-timeout 300 "$dtrain" "${job[@]}" --run-dir "$work/hand" --nproc 2 --resume auto > "$work/hand.out" 2>&1 ||
-  { tail -n 20 "$work/hand.out"; fail "resuming by hand at world 2 failed"; }
+timeout 300 "$dtrain" "${join_job[@]}" --set train.max_steps=$((at + 300)) --set train.debug_slow_ms=0 \
+  --run-dir "$work/hand" --nproc 4 --resume auto > "$work/hand.out" 2>&1 ||
+  { tail -n 20 "$work/hand.out"; fail "resuming by hand at world 4 failed"; }
 $py - "$work/join/metrics.jsonl" "$work/hand/metrics.jsonl" "$at" <<'PYEOF' || fail "the losses after the join differ from a resume by hand"
 import json, sys
 def losses(p): return {l["step"]: l["loss"] for l in map(json.loads, open(p)) if l["kind"] == "train"}
@@ -96,10 +108,10 @@ PYEOF
 # 2. Leave. Agent C starts first and hosts the rendezvous (torchrun's c10d backend lives
 # in the first agent: that one going away ends every agent); D joins it.
 p=$(port)
-agent leave "$p" 1 "$work/c.out" "$work/leave" &
+agent leave "$p" 1 "$work/c.out" "$work/leave" 1 "${leave_job[@]}" &
 c=$!
 sleep 0.5
-agent leave "$p" 1 "$work/d.out" "$work/leave" &
+agent leave "$p" 1 "$work/d.out" "$work/leave" 1 "${leave_job[@]}" &
 d=$!
 for _ in $(seq 1 1200); do  # up to 120 s for both to train together
   cat "$work/c.out" "$work/d.out" 2>/dev/null | grep -q "world 2 (" && break
@@ -115,5 +127,5 @@ wait $c; rc=$?
 tail -n 5 "$work/c.out"
 [ $rc -eq 0 ] || { tail -n 30 "$work/c.out"; fail "after a node left, the surviving agent exited $rc"; }
 grep -q "resumed at step" "$work/c.out" || fail "the surviving worker did not resume"
-each_step_once "$work/leave" 1 || fail "the run after a leave is not one run"
+each_step_once "$work/leave" 1 $leave_steps || fail "the run after a leave is not one run"
 echo "elastic: join and leave ok"
