@@ -9,7 +9,10 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -21,17 +24,13 @@
 #include <yaml-cpp/yaml.h>
 
 #include "config/schema.hpp"
+#include "job/validate.hpp"
 #include "launch/device.hpp"
 #include "launch/world.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 
 namespace dtrain {
-
-std::vector<std::string> Layout::sets() const {
-  return {fmt::format("parallel.data={}", data), fmt::format("parallel.tensor={}", tensor),
-          fmt::format("parallel.pipeline={}", pipeline), fmt::format("parallel.zero={}", zero)};
-}
 
 Layout parse_layout(const std::string& text) {
   Layout l;
@@ -43,19 +42,22 @@ Layout parse_layout(const std::string& text) {
   };
   if (text == "1") return l;
   if (text.empty()) throw bad("is empty");
+  if (text.back() == 'x') throw bad("ends in x");
   std::map<char, int64_t*> dims{{'d', &l.data}, {'t', &l.tensor}, {'p', &l.pipeline}, {'z', &l.zero}};
   std::map<char, bool> seen;
   std::stringstream in(text);
   for (std::string part; std::getline(in, part, 'x');) {
+    if (part.empty()) throw bad("has an empty part");
     if (part.size() < 2 || !dims.count(part[0]) ||
-        part.find_first_not_of("0123456789", 1) != std::string::npos || part.size() > 5)
+        part.find_first_not_of("0123456789", 1) != std::string::npos || part.size() > 5 ||
+        (part[1] == '0' && part.size() > 2))
       throw bad(fmt::format("has '{}'", part));
     if (seen[part[0]]) throw bad(fmt::format("names '{}' twice", part.substr(0, 1)));
     seen[part[0]] = true;
     *dims[part[0]] = std::stoll(part.substr(1));
   }
-  if (text.back() == 'x') throw bad("ends in x");
   if (l.data < 1 || l.tensor < 1 || l.pipeline < 1) throw bad("has a size below 1");
+  if (l.processes() > 1024) throw bad("needs more than 1024 processes");
   if (l.zero > 3) throw bad("asks for a ZeRO stage above 3");
   if (l.zero > 0 && l.data < 2) throw bad("shards with ZeRO over one data rank (add d2 or more)");
   return l;
@@ -65,8 +67,8 @@ std::vector<Layout> parse_layouts(const std::string& list) {
   std::vector<Layout> out;
   std::stringstream in(list);
   for (std::string item; std::getline(in, item, ',');) {
-    item.erase(0, item.find_first_not_of(' '));
-    item.erase(item.find_last_not_of(' ') + 1);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
     out.push_back(parse_layout(item));
   }
   if (!list.empty() && list.back() == ',') out.push_back(parse_layout(""));
@@ -74,6 +76,18 @@ std::vector<Layout> parse_layouts(const std::string& list) {
 }
 
 namespace {
+
+// The --set assignments that make `job` this layout: its sizes and ZeRO stage replace the
+// job's; a stage list written for another pipeline goes back to the balanced split.
+std::vector<std::string> layout_sets(const Layout& l, const JobConfig& job) {
+  std::vector<std::string> s{fmt::format("parallel.data={}", l.data),
+                             fmt::format("parallel.tensor={}", l.tensor),
+                             fmt::format("parallel.pipeline={}", l.pipeline),
+                             fmt::format("parallel.zero={}", l.zero)};
+  if (l.pipeline != job.parallel.pipeline) s.push_back("parallel.stages=[]");
+  if (l.pipeline == 1) s.push_back("parallel.virtual_stages=1");
+  return s;
+}
 
 // What verify sets on every run, the reference's too: N steps, each logged, one evaluation
 // (a capped one) and one checkpoint at the end, nothing else written.
@@ -104,9 +118,18 @@ std::map<std::string, std::string> job_keys(const std::string& yaml_text) {
     }
   };
   walk(YAML::Load(yaml_text), "");
-  for (const char* k : {"name", "run_dir", "parallel.data", "parallel.tensor", "parallel.pipeline",
-                        "parallel.zero"})
-    keys.erase(k);
+  // What tells runs apart without changing what they compute: names and places, threads,
+  // the layout (verify's own), checkpoints, logs and the rendezvous.
+  for (auto it = keys.begin(); it != keys.end();) {
+    const auto& k = it->first;
+    const bool skip = k == "name" || k == "run_dir" || k == "data.path" || k == "data.workers" ||
+                      k == "data.prefetch" || k == "train.threads" || k == "train.pin_threads" ||
+                      k == "train.memory_check" || k == "parallel.data" || k == "parallel.tensor" ||
+                      k == "parallel.pipeline" || k == "parallel.zero" || k == "parallel.stages" ||
+                      k.rfind("checkpoint.", 0) == 0 || k.rfind("logging.", 0) == 0 ||
+                      k.rfind("dist.", 0) == 0;
+    it = skip ? keys.erase(it) : std::next(it);
+  }
   return keys;
 }
 
@@ -128,11 +151,20 @@ std::string first_difference(const std::string& here, const std::string& there) 
     return m;
   };
   const auto a = parse(here), b = parse(there);
+  // A key one side lacks (added or removed between the versions that wrote them) counts
+  // only where it is not at its default.
+  const auto defaults = job_keys(to_yaml(JobConfig{}));
+  auto is_default = [&](const std::string& k, const std::string& v) {
+    return defaults.count(k) && defaults.at(k) == v;
+  };
   for (const auto& [k, v] : a)
-    if (!b.count(k)) return fmt::format("{} (here {}, not in the file)", k, v);
-    else if (b.at(k) != v) return fmt::format("{} (here {}, there {})", k, v, b.at(k));
+    if (!b.count(k)) {
+      if (!is_default(k, v)) return fmt::format("{} (here {}, not in the file)", k, v);
+    } else if (b.at(k) != v) {
+      return fmt::format("{} (here {}, there {})", k, v, b.at(k));
+    }
   for (const auto& [k, v] : b)
-    if (!a.count(k)) return fmt::format("{} (there {}, not here)", k, v);
+    if (!a.count(k) && !is_default(k, v)) return fmt::format("{} (there {}, not here)", k, v);
   return "";
 }
 
@@ -155,36 +187,54 @@ struct RunResult {
   double seconds = 0;
 };
 
+// A stop signal to verify goes on to the run in progress (which checkpoints and exits),
+// and verify stops after it.
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
 // `dtrain run JOB --set ... [--nproc N]` in `dir`, its output in files there.
 RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<std::string>& sets,
-                     const std::string& dir) {
+                     const std::vector<std::string>& layout, const std::string& dir) {
   std::filesystem::create_directories(dir);
   std::vector<std::string> args{o.executable, "run", o.job_path, "--run-dir", dir + "/run"};
   for (const auto& s : sets) args.insert(args.end(), {"--set", s});
-  for (const auto& s : l.sets()) args.insert(args.end(), {"--set", s});
+  for (const auto& s : layout) args.insert(args.end(), {"--set", s});
   if (l.processes() > 1) args.insert(args.end(), {"--nproc", std::to_string(l.processes())});
   const auto start = std::chrono::steady_clock::now();
   const std::string out = dir + "/stdout", err = dir + "/stderr";
   pid_t pid = ::fork();
   fail_if<RunDirError>(pid < 0, "verify: cannot start a run for layout {}", l.text);
   if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with verify
-    int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with verify, should verify be killed outright
+    if (::getppid() == 1) ::_exit(kExitFailure);
+    int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fo >= 0) ::dup2(fo, STDOUT_FILENO);
     if (fe >= 0) ::dup2(fe, STDERR_FILENO);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
     clear_launcher_env();
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     ::execv(o.executable.c_str(), argv.data());
+    std::fprintf(stderr, "dtrain: error: cannot start %s: %s\n", o.executable.c_str(),
+                 std::strerror(errno));
     ::_exit(kExitFailure);
   }
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  bool forwarded = false;
+  for (;;) {
+    if (::waitpid(pid, &status, 0) == pid) break;
+    if (errno != EINTR) {
+      status = -1;
+      break;
+    }
+    if (g_stop_signal && !forwarded) ::kill(pid, g_stop_signal), forwarded = true;
   }
   RunResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.code = status == -1 ? kExitFailure
+           : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::ifstream errs(err);
   for (std::string line; std::getline(errs, line);)
@@ -202,17 +252,18 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
   return r;
 }
 
-// A failed run ends verify with its own exit code and words (2: the job cannot take this
-// layout, as validate would say).
+// A failed run ends verify with the run's exit code and words (a stop signal to verify
+// with the signal's code); its folder is kept (WorkDir) and named.
 void require_ok(const RunResult& r, const Layout& l, const std::string& dir) {
+  if (g_stop_signal)
+    throw Error(ExitCode(128 + g_stop_signal),
+                fmt::format("verify: stopped by signal {} during {}", int(g_stop_signal),
+                            l.text == "1" ? "the one-process run" : "layout " + l.text));
   if (r.code == 0) return;
-  const std::string what = fmt::format(
-      "verify: layout {} ({} process(es)) failed: {}", l.text == "1" ? "one process" : l.text,
-      l.processes(), r.error.empty() ? fmt::format("exit {} (see {}/stderr)", r.code, dir) : r.error);
-  if (r.code == kExitBadSpec) throw ConfigError(what);
-  if (r.code == kExitBadData) throw DataError(what);
-  if (r.code == kExitPeerFailed) throw DistError(what);
-  throw Error(kExitFailure, what);
+  throw Error(ExitCode(r.code),
+              fmt::format("verify: layout {} ({} process(es)) failed: {} (its output: {})",
+                          l.text == "1" ? "one process" : l.text, l.processes(),
+                          r.error.empty() ? fmt::format("exit {}", r.code) : r.error, dir));
 }
 
 struct Reference {
@@ -227,9 +278,11 @@ Reference read_reference(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
-  fail_if<ConfigError>(!j.is_object() || j.value("format", "") != "dtrain-verify" ||
-                           !j.contains("losses") || !j["losses"].is_array() ||
-                           !j.contains("job") || !j["job"].is_string(),
+  auto text = [&](const char* k) {
+    return j.is_object() && j.contains(k) && j[k].is_string() ? j[k].get<std::string>() : "";
+  };
+  fail_if<ConfigError>(text("format") != "dtrain-verify" || !j.contains("losses") ||
+                           !j["losses"].is_array() || text("job").empty(),
                        "verify --against: '{}' is not a file `dtrain verify --save` wrote", path);
   Reference ref;
   for (const auto& x : j["losses"]) {
@@ -238,9 +291,9 @@ Reference read_reference(const std::string& path) {
   }
   fail_if<ConfigError>(ref.losses.empty(), "verify --against: '{}' holds no losses", path);
   if (j.contains("eval_loss") && j["eval_loss"].is_number()) ref.eval_loss = j["eval_loss"].get<double>();
-  ref.job = j["job"].get<std::string>();
-  ref.dtrain = j.value("dtrain", "?");
-  ref.libtorch = j.value("build", "?");
+  ref.job = text("job");
+  ref.dtrain = text("dtrain");
+  ref.libtorch = text("build");
   return ref;
 }
 
@@ -256,9 +309,11 @@ void write_reference(const std::string& path, const Reference& ref) {
   }
 }
 
+// Relative to the reference, or to 1e-3 for a loss below it (a loss near 0 would make
+// rounding alone look large).
 double relative(double a, double ref) {
   if (!std::isfinite(a) || !std::isfinite(ref)) return a == ref ? 0.0 : INFINITY;
-  return std::abs(a - ref) / std::max(std::abs(ref), 1e-12);
+  return std::abs(a - ref) / std::max(std::abs(ref), 1e-3);
 }
 
 // A temporary folder for the runs, removed at the end unless kept.
@@ -271,9 +326,17 @@ struct WorkDir {
                          std::filesystem::temp_directory_path().string());
     path = t;
   }
+  // Kept, and named, also when verify stops on an error: the failed run's output is there.
   ~WorkDir() {
-    if (keep) std::cerr << fmt::format("verify: the runs are in {}\n", path);
-    else remove_tree(path);
+    if (keep || std::uncaught_exceptions() > 0) {
+      std::cerr << fmt::format("verify: the runs are in {}\n", path);
+      return;
+    }
+    try {
+      remove_tree(path);
+    } catch (const std::exception& e) {
+      std::cerr << fmt::format("verify: warning: cannot remove {}: {}\n", path, first_line(e.what()));
+    }
   }
 };
 
@@ -318,8 +381,25 @@ int verify(const VerifyOptions& o) {
                          o.job_path, o.against, diff);
   }
 
-  WorkDir work(o.keep);
   const auto sets = run_sets(o, steps, eval_samples);
+  // Every layout checked as `run --nproc` would check it, before anything runs.
+  for (const auto& l : layouts) {
+    auto with = sets;
+    for (const auto& s : layout_sets(l, job)) with.push_back(s);
+    try {
+      JobConfig c = load_job(o.job_path, with);
+      resolve(c);
+      validate(c, l.processes());
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("verify: layout {}: {}", l.text, first_line(e.what())));
+    }
+  }
+
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;  // no SA_RESTART: the wait for a run wakes up
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  WorkDir work(o.keep);
   Reference ref;
   if (saved) {
     ref = *saved;
@@ -328,7 +408,7 @@ int verify(const VerifyOptions& o) {
   } else {
     const auto one = parse_layout("1");
     const auto dir = work.path + "/reference";
-    const auto r = run_layout(o, one, sets, dir);
+    const auto r = run_layout(o, one, sets, layout_sets(one, job), dir);
     require_ok(r, one, dir);
     for (int64_t s = 1; s <= steps; ++s) {
       if (!r.losses.count(s))
@@ -337,7 +417,7 @@ int verify(const VerifyOptions& o) {
     }
     ref.eval_loss = r.eval_loss;
     ref.job = text;
-    std::cout << fmt::format("verify {}: {} steps, one process in {:.1f} s; tolerance {:.0e} "
+    std::cout << fmt::format("verify {}: {} steps, one process in {:.1f} s; tolerance {:g} "
                              "(relative)\n", o.job_path, steps, r.seconds, o.tolerance);
     if (!o.save.empty()) {
       write_reference(o.save, ref);
@@ -353,7 +433,7 @@ int verify(const VerifyOptions& o) {
   for (size_t i = 0; i < layouts.size(); ++i) {
     const auto& l = layouts[i];
     const auto dir = work.path + "/layout" + std::to_string(i);
-    const auto r = run_layout(o, l, sets, dir);
+    const auto r = run_layout(o, l, sets, layout_sets(l, job), dir);
     require_ok(r, l, dir);
     double worst = 0;
     int64_t first = 0;
@@ -376,9 +456,9 @@ int verify(const VerifyOptions& o) {
   }
   const std::string against = saved ? "the saved reference" : "one process";
   if (over == 0)
-    std::cout << fmt::format("ok: every layout within {:.0e} of {}\n", o.tolerance, against);
+    std::cout << fmt::format("ok: every layout within {:g} of {}\n", o.tolerance, against);
   else
-    std::cout << fmt::format("differ: {} of {} layout(s) past {:.0e} of {}\n", over,
+    std::cout << fmt::format("differ: {} of {} layout(s) past {:g} of {}\n", over,
                              layouts.size(), o.tolerance, against);
   return over == 0 ? 0 : 1;
 }

@@ -18,8 +18,6 @@ struct Layout {
   std::string text;
 
   int64_t processes() const { return data * tensor * pipeline; }
-  // The --set assignments that make a job this layout.
-  std::vector<std::string> sets() const;
 };
 
 // Throws ConfigError naming the layout that does not parse.
@@ -38,8 +36,9 @@ struct VerifyOptions {
 };
 
 // Prints the table; returns the exit code: 0 every layout within the tolerance, 1 one is
-// not. A bad layout, job or reference file throws ConfigError (exit 2); a run that fails
-// otherwise throws an error with its exit code, naming the layout and the run's own words.
+// not. A bad layout, job or reference file, or a layout the job cannot take, throws
+// ConfigError (exit 2) before anything runs; a run that fails otherwise throws an error
+// with its exit code, naming the layout and the run's own words.
 int verify(const VerifyOptions& opts);
 
 }  // namespace dtrain

@@ -43,7 +43,7 @@ TEST_SUITE("verify") {
     auto r = dtrain("verify " + job + " --layouts d2,t2,p2,d2xz1 --steps 6 --save " + dir + "/ref.json");
     INFO(r.out << r.err);
     REQUIRE(r.code == 0);
-    CHECK(r.out.find("ok: every layout within 1e-04 of one process") != std::string::npos);
+    CHECK(r.out.find("ok: every layout within 0.0001 of one process") != std::string::npos);
     for (const char* l : {"d2", "t2", "p2", "d2xz1"}) {
       const auto w = row(r.out, l);
       REQUIRE(w.size() == 7);
@@ -112,20 +112,36 @@ TEST_SUITE("verify") {
     for (const auto& [layouts, says] : std::vector<std::pair<std::string, std::string>>{
              {"d2xq3", "'d2xq3' has 'q3'"}, {"d0", "'d0' has a size below 1"},
              {"z1", "'z1' shards with ZeRO over one data rank"}, {"d2,", "'' is empty"},
-             {"d2xd2", "'d2xd2' names 'd' twice"}, {"d2xz4", "ZeRO stage above 3"}}) {
+             {"d2xd2", "'d2xd2' names 'd' twice"}, {"d2xz4", "ZeRO stage above 3"},
+             {"d02", "'d02' has 'd02'"}, {"xd2", "'xd2' has an empty part"},
+             {"d2x", "'d2x' ends in x"}, {"d2048", "more than 1024 processes"}}) {
       auto r = dtrain("verify " + job + " --layouts " + layouts);
       INFO(layouts << ": " << r.err);
       CHECK(r.code == 2);
       CHECK(r.err.find(says) != std::string::npos);
     }
-    // hidden [32, 16] does not split over 3 tensor ranks: the run's own words, exit 2.
+    // hidden [32, 16] does not split over 3 tensor ranks: named before anything runs.
     auto t3 = dtrain("verify " + job + " --steps 2 --layouts d2,t3");
     INFO(t3.out << t3.err);
     CHECK(t3.code == 2);
-    CHECK(t3.err.find("layout t3 (3 process(es)) failed: ") != std::string::npos);
+    CHECK(t3.err.find("verify: layout t3: ") != std::string::npos);
     CHECK(t3.err.find("parallel.tensor") != std::string::npos);
+    CHECK(t3.out.empty());
+    // A run that fails on its own (here: its data unreadable) ends verify with the run's
+    // code and words, and its folder is kept and named.
+    auto unreadable = dtrain("verify " + job + " --steps 2 --layouts d2 --set data.dataset=fashion_mnist"
+                             " --set data.path=" + dir + "/no-such-data");
+    INFO(unreadable.err);
+    CHECK(unreadable.code == 3);
+    CHECK(unreadable.err.find("no-such-data") != std::string::npos);
+    const auto kept = unreadable.err.find("verify: the runs are in ");
+    REQUIRE(kept != std::string::npos);
+    const auto folder = unreadable.err.substr(kept + 24, unreadable.err.find('\n', kept) - kept - 24);
+    CHECK(std::filesystem::exists(folder + "/reference/stderr"));
+    std::filesystem::remove_all(folder);
     auto both = dtrain("verify " + job + " --layouts d2 --save a.json --against b.json");
     CHECK(both.code == 2);
+    CHECK(both.err.find("one or the other") != std::string::npos);
     auto none = dtrain("verify " + job);
     CHECK(none.code == 2);
     CHECK(none.err.find("--layouts") != std::string::npos);
