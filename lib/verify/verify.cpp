@@ -195,6 +195,7 @@ extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 // `dtrain run JOB --set ... [--nproc N]` in `dir`, its output in files there.
 RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<std::string>& sets,
                      const std::vector<std::string>& layout, const std::string& dir) {
+  if (g_stop_signal) return RunResult{128 + g_stop_signal, "", {}, {}, 0};  // between runs
   std::filesystem::create_directories(dir);
   std::vector<std::string> args{o.executable, "run", o.job_path, "--run-dir", dir + "/run"};
   for (const auto& s : sets) args.insert(args.end(), {"--set", s});

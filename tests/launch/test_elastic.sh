@@ -90,7 +90,8 @@ mkdir -p "$work/hand/checkpoints"
 ckpt=$(printf 'step-%08d' "$at")
 cp -r "$work/join/checkpoints/$ckpt" "$work/hand/checkpoints/"
 echo "$ckpt" > "$work/hand/checkpoints/latest"
-timeout 300 "$dtrain" "${join_job[@]}" --set train.max_steps=$((at + 300)) --set train.debug_slow_ms=0 \
+# (A multiple of log_every: the last step is logged whatever its number.)
+timeout 300 "$dtrain" "${join_job[@]}" --set train.max_steps=$(((at + 300) / 10 * 10)) --set train.debug_slow_ms=0 \
   --run-dir "$work/hand" --nproc 4 --resume auto > "$work/hand.out" 2>&1 ||
   { tail -n 20 "$work/hand.out"; fail "resuming by hand at world 4 failed"; }
 $py - "$work/join/metrics.jsonl" "$work/hand/metrics.jsonl" "$at" <<'PYEOF' || fail "the losses after the join differ from a resume by hand"
