@@ -221,5 +221,7 @@ TEST_SUITE("gpt_text") {
     // Random tokens over a 50304-value vocabulary: the loss starts at about ln(50304).
     CHECK(train[0]["loss"].get<double>() == doctest::Approx(std::log(50304.0)).epsilon(0.05));
     CHECK(r.err.find("gpt (124") != std::string::npos);  // 124M parameters, in the start line
+    // Its checkpoint is 1.4 GB: a suite run again and again must not fill the disk.
+    std::system(("rm -rf '" + dir + "'").c_str());
   }
 }
