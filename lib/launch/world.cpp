@@ -138,6 +138,15 @@ const LauncherVars* find_launcher(const Env& env) {
 
 }  // namespace
 
+void clear_launcher_env() {
+  for (const auto& l : kLaunchers)
+    for (const char* v : {l.rank, l.size, l.local_rank, l.local_size})
+      if (v) ::unsetenv(v);
+  for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "PET_NNODES"})
+    ::unsetenv(v);
+}
+
 std::string detect_launcher(const Env& env) {
   const auto* l = find_launcher(env);
   return l ? l->name : "single";

@@ -36,6 +36,10 @@ Env map_env(std::map<std::string, std::string> vars);  // for tests
 // The launcher whose variables are set: env | slurm | openmpi | pmi, or single.
 std::string detect_launcher(const Env& env);
 
+// Unsets every launcher's rank and world variables (and torchrun's elastic ones) in this
+// process, so that a dtrain it starts is a world of its own (`dtrain verify`'s runs).
+void clear_launcher_env();
+
 // Expands a SLURM hostlist ("node[01-03,07],gpu-a1") into host names, in order.
 // Throws ConfigError on malformed input.
 std::vector<std::string> expand_hostlist(const std::string& list);

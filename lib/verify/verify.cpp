@@ -168,17 +168,6 @@ std::string first_difference(const std::string& here, const std::string& there) 
   return "";
 }
 
-// Launcher variables make a child think it is a rank of that launcher's job: verify's runs
-// are worlds of their own.
-void clear_launcher_env() {
-  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
-                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "PET_NNODES",
-                        "TORCHELASTIC_USE_AGENT_STORE"})
-    ::unsetenv(v);
-}
-
 struct RunResult {
   int code = 0;
   std::string error;                  // the run's "dtrain: error:" line, if any
@@ -258,12 +247,11 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
 void require_ok(const RunResult& r, const Layout& l, const std::string& dir) {
   if (g_stop_signal)
     throw Error(ExitCode(128 + g_stop_signal),
-                fmt::format("verify: stopped by signal {} during {}", int(g_stop_signal),
-                            l.text == "1" ? "the one-process run" : "layout " + l.text));
+                fmt::format("verify: stopped by signal {} during the run of {}", int(g_stop_signal), l.name()));
   if (r.code == 0) return;
   throw Error(ExitCode(r.code),
-              fmt::format("verify: layout {} ({} process(es)) failed: {} (its output: {})",
-                          l.text == "1" ? "one process" : l.text, l.processes(),
+              fmt::format("verify: {} ({} process(es)) failed: {} (its output: {})",
+                          l.name(), l.processes(),
                           r.error.empty() ? fmt::format("exit {}", r.code) : r.error, dir));
 }
 

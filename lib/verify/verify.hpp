@@ -18,6 +18,8 @@ struct Layout {
   std::string text;
 
   int64_t processes() const { return data * tensor * pipeline; }
+  // In messages: "layout d2xt2", or "one process".
+  std::string name() const { return text == "1" ? "one process" : "layout " + text; }
 };
 
 // Throws ConfigError naming the layout that does not parse.
