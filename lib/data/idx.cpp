@@ -2,6 +2,7 @@
 // uint32 sizes, then the raw data. zlib's gzread reads .gz and plain files alike.
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -147,8 +148,16 @@ DataSplits synthetic(const DataConfig& cfg, uint64_t seed) {
 
 std::vector<double> TensorDataset::fingerprint() const {
   if (size() == 0) return {0, 0, 0, 0};
-  // Each sample's sum, then those weighted by the sample's place; the labels likewise.
-  const auto rows = x.reshape({size(), -1}).sum(1, /*keepdim=*/false, torch::kFloat64);
+  // Each sample's sum, then those weighted by the sample's place; the labels likewise. A
+  // chunk of samples at a time: summing in fp64 converts its input to fp64 first, which for
+  // all of Fashion-MNIST at once held 376 MB besides the 188 MB of the data (the main
+  // job's peak memory).
+  const auto flat = x.reshape({size(), -1});
+  std::vector<torch::Tensor> sums;
+  for (int64_t at = 0; at < size(); at += 4096)
+    sums.push_back(flat.narrow(0, at, std::min<int64_t>(4096, size() - at))
+                       .sum(1, /*keepdim=*/false, torch::kFloat64));
+  const auto rows = torch::cat(sums);
   const auto place = torch::arange(1, size() + 1, torch::kFloat64);
   return {double(size()), rows.sum().item<double>(), (rows * place).sum().item<double>(),
           (y.to(torch::kFloat64) * place).sum().item<double>()};
