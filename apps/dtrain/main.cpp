@@ -11,6 +11,7 @@
 #include "checkpoint/hf_gpt2.hpp"
 #include "config/schema.hpp"
 #include "job/validate.hpp"
+#include "plan/plan.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/device.hpp"
@@ -106,7 +107,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   auto env = process_env();
   if (nproc > 1 && detect_launcher(env) == "single") {
     const auto checked = load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
-    check_machine(checked.cfg, checked.dims, nproc);
+    check_machine(checked.cfg, nproc, nproc);
     const JobConfig cfg = checked.cfg;
     const auto& mode = mode_spec(cfg.parallel.mode);
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
@@ -118,7 +119,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   resolve(cfg);
   auto world = discover_world(env, cfg.dist.port);
   const ParallelDims dims = validate(cfg, world.world);
-  check_machine(cfg, dims, world.local_world);
+  check_machine(cfg, world.world, world.local_world);
   // An elastic range torchrun was given through its environment: every size in it must
   // work, not only this one (a join would otherwise stop the job later).
   if (auto range = env("PET_NNODES"); range && !world.run_id.empty()) {
@@ -223,10 +224,10 @@ struct Cli {
   JobArgs job;
   std::string run_dir, resume, nnodes, folder, out, format = "safetensors";
   int64_t nproc = 1, max_restarts = 0, check_nproc = 1, vocab = 0;
-  bool no_requeue = false, reference = false;
+  bool no_requeue = false, reference = false, json = false;
   VerifyOptions verify_opts;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
-           *export_ = nullptr, *verify = nullptr;
+           *export_ = nullptr, *verify = nullptr, *plan = nullptr;
 
   Cli() {
     app.set_version_flag("--version", fmt::format("dtrain {} ({})", DTRAIN_VERSION, build_info()));
@@ -249,7 +250,11 @@ struct Cli {
     add_job_args(config, job, /*required=*/false);
     config->add_flag("--reference", reference,
                      "print every job key with its type, default and meaning (Markdown)");
-    for (auto* cmd : {validate, config})
+    plan = app.add_subcommand("plan", "what the job costs each rank, without training: memory "
+                                      "by part, bytes sent, bubble, FLOPs");
+    add_job_args(plan, job);
+    plan->add_flag("--json", json, "one JSON object instead of the table");
+    for (auto* cmd : {validate, config, plan})
       cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
                                               "world size, else 1)")
           ->check(CLI::Range(int64_t(1), int64_t(1 << 20)));
@@ -303,7 +308,7 @@ int validate_job(const Cli& cli) {
   }
   const int64_t world = world_for_check(cli.check_nproc);
   auto checked = load(cli.job, "", world);
-  check_machine(checked.cfg, checked.dims, std::min(world, local_for_check(cli.check_nproc)));
+  check_machine(checked.cfg, world, std::min(world, local_for_check(cli.check_nproc)));
   check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
   const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
   // A mode may set ranks apart from the layout (async_ps's servers).
@@ -344,6 +349,14 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
   if (*cli.verify) return verify(cli.verify_opts);
+  if (*cli.plan) {
+    const int64_t world = world_for_check(cli.check_nproc);
+    const auto checked = load(cli.job, "", world);
+    const Plan plan = plan_job(checked.cfg, world);
+    if (cli.json) std::cout << plan_json(checked.cfg, plan).dump() << "\n";
+    else std::cout << cli.job.path << ": " << plan_table(checked.cfg, plan);
+    return 0;
+  }
   if (*cli.inspect) return inspect(cli.folder);
   if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);
   return kExitBadSpec;

@@ -386,6 +386,42 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
 
 std::shared_ptr<Comm> make_local_comm() { return std::make_shared<LocalComm>(); }
 
+namespace {
+// A group that only tells its rank and size: what a rank's share of the model is built with
+// where no group exists (dtrain plan's outlines). It never communicates.
+class ShapeComm : public Comm {
+ public:
+  ShapeComm(int64_t rank, int64_t size) : rank_(rank), size_(size) {}
+  int64_t rank() const override { return rank_; }
+  int64_t size() const override { return size_; }
+  std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override { return none(); }
+  std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override { return none(); }
+  std::unique_ptr<Pending> broadcast_async(torch::Tensor, int64_t) override { return none(); }
+  std::vector<torch::Tensor> all_gather(const torch::Tensor&) override { none(); return {}; }
+  std::unique_ptr<Pending> all_gather_async(torch::Tensor, const torch::Tensor&) override {
+    return none();
+  }
+  bool can_sum(torch::ScalarType) const override { return true; }
+  void reduce_scatter(torch::Tensor, const torch::Tensor&, ReduceOp) override { none(); }
+  void barrier() override { none(); }
+  std::unique_ptr<Pending> exchange_async(std::vector<P2POp>) override { return none(); }
+  std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>&) override {
+    none();
+    return nullptr;
+  }
+
+ private:
+  [[noreturn]] static std::unique_ptr<Pending> none() {
+    throw std::logic_error("a shape-only group cannot communicate");
+  }
+  int64_t rank_, size_;
+};
+}  // namespace
+
+std::shared_ptr<Comm> make_shape_comm(int64_t rank, int64_t size) {
+  return std::make_shared<ShapeComm>(rank, size);
+}
+
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
   c10::intrusive_ptr<c10d::Store> store;
   try {

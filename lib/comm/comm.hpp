@@ -142,6 +142,10 @@ inline Comm* comm_from_handle(int64_t handle) { return reinterpret_cast<Comm*>(h
 // A world of one: every collective is the identity and nothing is set up.
 std::shared_ptr<Comm> make_local_comm();
 
+// A group that only says its rank and size, for building a rank's share of a model where
+// no group exists (`dtrain plan`); any communication throws std::logic_error.
+std::shared_ptr<Comm> make_shape_comm(int64_t rank, int64_t size);
+
 struct CommOptions {
   std::string backend = "gloo";          // gloo | nccl
   std::chrono::seconds timeout{120};

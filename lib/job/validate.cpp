@@ -13,6 +13,7 @@
 #include "config/schema.hpp"
 #include "launch/device.hpp"
 #include "models/model.hpp"
+#include "plan/plan.hpp"
 #include "run/mode.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
@@ -66,41 +67,6 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
                          cfg.train.grad_accum, layout.pipeline);
 }
 
-// A rough estimate, in bytes, of one process's memory: its share of the parameters, their
-// gradients and the optimizer's state, and the activations of the micro-batches it holds at
-// once (a pipeline under GPipe holds them all). Doubles: the keys can be absurd.
-struct MemoryEstimate {
-  double parameters = 0, state = 0, activations = 0;
-  double total() const { return parameters + state + activations; }
-};
-
-MemoryEstimate estimate_memory(const JobConfig& cfg, const ParallelDims& dims) {
-  const auto& p = cfg.parallel;
-  const auto kind = data_kind(cfg.data);
-  SizeContext sc;
-  sc.sample_shape = kind.sample_shape;
-  sc.classes = kind.classes;
-  sc.rows = double(cfg.data.batch_size) / double(dims.data * cfg.train.grad_accum);
-  sc.dims = dims;
-  sc.recompute = cfg.train.recompute == "blocks";
-  const ModelSize size = model_spec(cfg.model.arch).size(cfg.model, sc);
-  // Micro-batches held at once: all under GPipe, the pipeline's depth under 1F1B, about
-  // twice it interleaved.
-  const double depth = double(dims.pipeline) * (p.schedule == "interleaved_1f1b" ? 2 : 1);
-  const double held = dims.pipeline == 1 ? 1
-                      : p.schedule == "gpipe" ? double(cfg.train.grad_accum)
-                                              : std::min(depth, double(cfg.train.grad_accum));
-  const double optimizer = cfg.optimizer.name == "adamw" ? 8 : cfg.optimizer.momentum > 0 ? 4 : 0;
-  const double share = size.params / double(dims.tensor * dims.pipeline);
-  // ZeRO keeps the optimizer state (1), the gradient too (2) and the parameters too (3,
-  // which then holds about two layers whole at a time besides) for a data rank's shard.
-  const double data = double(dims.data);
-  const double gradient = 4 * share / (p.zero >= 2 ? data : 1);
-  const double state = optimizer * share / (p.zero >= 1 ? data : 1);
-  const double params = p.zero >= 3 ? 4 * share / data + 2 * 4 * size.largest_unit / double(dims.tensor) : 4 * share;
-  return {params, gradient + state, held * size.activation_bytes};
-}
-
 // MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).
 double available_memory() {
   std::ifstream in("/proc/meminfo");
@@ -114,7 +80,7 @@ double available_memory() {
 
 }  // namespace
 
-void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local_processes) {
+void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes) {
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   fail_if<ConfigError>(cfg.train.threads > 4 * cores,
                        "train.threads: {} threads per process is more than 4 per core of this "
@@ -125,16 +91,25 @@ void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local
   if (plan.device.is_cuda()) return;  // the GPU's memory is LibTorch's to report, at run
   const double available = available_memory();
   if (available <= 0) return;
-  const MemoryEstimate e = estimate_memory(cfg, dims);
-  const double needed = e.total() * double(local_processes);
+  // The ranks on this machine: the first ones (a launcher numbers a node's ranks together).
+  MemoryPlan sum;
+  for (int64_t r = 0; r < std::min(world, local_processes); ++r) {
+    const MemoryPlan m = plan_rank(cfg, world, r).memory;
+    sum.params += m.params, sum.grads += m.grads, sum.optimizer += m.optimizer;
+    sum.activations += m.activations, sum.buffers += m.buffers;
+    sum.data = sum.data.value_or(0) + m.data.value_or(0);
+    sum.runtime = sum.runtime.value_or(0) + m.runtime.value_or(0);
+  }
   const double gib = 1024.0 * 1024.0 * 1024.0;
-  fail_if<ConfigError>(needed > available,
-                       "model: this job needs about {:.3g} GiB on this machine ({} process(es) x "
-                       "{:.3g} GiB: parameters {:.3g}, gradients and optimizer state {:.3g}, "
-                       "activations {:.3g}) and {:.3g} GiB is available; make the model or the "
-                       "micro-batch smaller, or set train.memory_check: false",
-                       needed / gib, local_processes, e.total() / gib, e.parameters / gib,
-                       e.state / gib, e.activations / gib, available / gib);
+  fail_if<ConfigError>(sum.total() > available,
+                       "model: this job needs about {:.3g} GiB on this machine ({} process(es): "
+                       "parameters {:.3g}, gradients and optimizer state {:.3g}, activations "
+                       "{:.3g}, buffers {:.3g}, data and runtime {:.3g}; `dtrain plan` shows it by "
+                       "rank) and {:.3g} GiB is available; make the model or the micro-batch "
+                       "smaller, or set train.memory_check: false",
+                       sum.total() / gib, local_processes, sum.params / gib,
+                       (sum.grads + sum.optimizer) / gib, sum.activations / gib, sum.buffers / gib,
+                       (sum.data.value_or(0) + sum.runtime.value_or(0)) / gib, available / gib);
 }
 
 void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes,

@@ -21,9 +21,10 @@ void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes
 
 // Refuses (ConfigError naming train.threads) more intra-op threads than 4 per core of this
 // machine, and, unless train.memory_check is off, a job on the CPU whose estimated memory
-// for `local_processes` processes exceeds what this machine has available: what would
-// otherwise hang in setup or fail to allocate long after starting.
-void check_machine(const JobConfig& cfg, const ParallelDims& dims, int64_t local_processes);
+// (plan/plan.hpp's, for the first `local_processes` ranks of `world`) exceeds what this
+// machine has available: what would otherwise hang in setup or fail to allocate long after
+// starting.
+void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes);
 
 // The model's checks that need the data (its windows' length and vocabulary, the images'
 // shape): what `validate` runs once it has read the data, as `run` would refuse it.

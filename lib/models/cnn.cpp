@@ -81,27 +81,30 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   return m;
 }
 
-// Parameters and the activations backward keeps: each conv stage's conv, ReLU and pool
-// outputs, then the dense layers'.
-ModelSize cnn_size(const ModelConfig& cfg, const SizeContext& ctx) {
-  double params = 0, conv_units = 0, in = 1, conv_largest = 0;
+// Per conv stage: what backward keeps (the conv's, the norm's, the ReLU's and the pool's
+// outputs), the convolution's multiply-adds, the pooled output handed on; then the dense
+// layers'.
+std::vector<PartCost> cnn_costs(const ModelConfig& cfg, const SizeContext& ctx) {
+  std::vector<PartCost> parts;
+  double in = 1;
   for (auto x : ctx.sample_shape) in *= double(x);
   if (ctx.sample_shape.size() == 3) {
     double c = double(ctx.sample_shape[0]), h = double(ctx.sample_shape[1]),
            w = double(ctx.sample_shape[2]);
     for (auto out : cfg.channels) {
-      params += c * double(out) * 9 + double(out) * (cfg.batch_norm ? 3 : 1);
-      conv_largest = std::max(conv_largest, c * double(out) * 9 + double(out));
-      conv_units += double(out) * h * w * 3;  // conv, ReLU, pool
+      PartCost p;
+      const double maps = double(out) * h * w;
+      p.flops = 2 * c * 9 * maps;
       c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
+      p.output = c * h * w;
+      p.activation_bytes = 4 * (maps * (cfg.batch_norm ? 3 : 2) + p.output);
+      parts.push_back(p);
     }
     in = c * h * w;
   }
-  auto s = dense_size(in, cfg.fc, ctx.classes);
-  s.params += params;
-  s.largest_unit = std::max(s.largest_unit, conv_largest);
-  s.activation_bytes = ctx.rows * (s.activation_bytes + 4 * conv_units);
-  return s;
+  for (const auto& p : dense_costs(in, cfg.fc, ctx.classes, /*tensor=*/1, /*first=*/false))
+    parts.push_back(p);
+  return parts;
 }
 
 }  // namespace
@@ -113,7 +116,7 @@ ModelSpec cnn_spec() {
   s.build = build_cnn;
   s.parts = cnn_parts;
   s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };
-  s.size = cnn_size;
+  s.costs = cnn_costs;
   s.format = torch::MemoryFormat::ChannelsLast;
   s.fits = cnn_fits;
   return s;

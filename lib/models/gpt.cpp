@@ -278,19 +278,40 @@ InitRule gpt_init(int64_t layers) {
   };
 }
 
-// Parameters, and the activations one micro-batch leaves for backward: per layer, fp32,
-// Megatron-LM's 34 s b h + 5 a s^2 b (in fp16 bytes), doubled, the second term (the
-// attention scores) only where attention is not fused; with recompute a block keeps only
-// its input. Then the logits, their log-softmax and gradient.
-ModelSize gpt_size(const ModelConfig& m, const SizeContext& ctx) {
-  const double d = double(m.dim), s = double(m.seq_len), v = double(m.vocab), l = double(m.layers);
-  const double params = v * d + s * d + l * (12 * d * d + 13 * d) + 2 * d;
-  const double rows = ctx.rows, tensor = double(ctx.dims.tensor);
+// Per window of s tokens. A block keeps Megatron-LM's 34 s h + 5 a s^2 values (fp16 bytes
+// there, so doubled in fp32; the second term, the attention scores, only where attention is
+// not fused) and runs 24 s h^2 + 4 s^2 h flops (its matmuls and the scores, causal or not, as
+// MFU counts them); over T tensor ranks each holds 1/T of both and all-reduces its
+// attention's and MLP's outputs in forward, its two inputs' gradients in backward. The
+// embeddings all-reduce their sum (vocabulary-parallel); the head keeps the logits, their
+// softmax and gradient (12 s v / T bytes) and all-reduces three numbers per token for the
+// loss.
+std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
+  const double d = double(m.dim), v = double(m.vocab), t = double(ctx.tensor);
+  const double s = ctx.sample_shape.empty() ? double(m.seq_len) : double(ctx.sample_shape[0]);
+  const bool split = ctx.tensor > 1;
+  std::vector<PartCost> parts;
+  PartCost embeddings;
+  embeddings.activation_bytes = 4 * 2 * s * d;  // the sum and its dropout
+  embeddings.flops = s * d;
+  embeddings.reduced = split ? s * d : 0;
+  embeddings.output = s * d;
+  parts.push_back(embeddings);
+  PartCost block;
   const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
-  const double per_layer =
-      ctx.recompute ? 4 * rows * s * d : 2 * rows * s * (34 * d + scores) / tensor;
-  return {params, l / double(ctx.dims.pipeline) * per_layer + 12 * rows * s * v / tensor,
-          std::max(v * d, 12 * d * d + 13 * d)};
+  block.activation_bytes = 2 * s * (34 * d + scores) / t;
+  block.flops = (24 * s * d * d + 4 * s * s * d) / t;
+  block.reduced = block.reduced_back = split ? 2 * s * d : 0;
+  block.output = s * d;
+  block.block = true;
+  for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
+  PartCost head;
+  head.activation_bytes = 12 * s * v / t + 4 * 2 * s * d;
+  head.flops = 2 * s * d * v / t;
+  head.reduced = split ? 3 * s : 0;
+  head.reduced_back = split ? s * d : 0;
+  parts.push_back(head);
+  return parts;
 }
 
 }  // namespace
@@ -302,7 +323,7 @@ ModelSpec gpt_spec() {
   s.build = build_gpt;
   s.parts = gpt_parts;
   s.init = [](const ModelConfig& cfg) { return gpt_init(cfg.layers); };
-  s.size = gpt_size;
+  s.costs = gpt_costs;
   s.blocks = true;
   s.fits = gpt_fits;
   return s;

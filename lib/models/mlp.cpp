@@ -73,10 +73,9 @@ NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
   return m;
 }
 
-ModelSize mlp_size(const ModelConfig& cfg, const SizeContext& ctx) {
-  auto s = dense_size(double(product(ctx.sample_shape)), cfg.hidden, ctx.classes);
-  s.activation_bytes *= ctx.rows;
-  return s;
+std::vector<PartCost> mlp_costs(const ModelConfig& cfg, const SizeContext& ctx) {
+  return dense_costs(double(product(ctx.sample_shape)), cfg.hidden, ctx.classes, ctx.tensor,
+                     /*first=*/true);
 }
 
 }  // namespace
@@ -88,7 +87,7 @@ ModelSpec mlp_spec() {
   s.build = build_mlp;
   s.parts = mlp_parts;
   s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };
-  s.size = mlp_size;
+  s.costs = mlp_costs;
   return s;
 }
 

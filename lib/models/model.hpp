@@ -88,25 +88,29 @@ struct ModelContext {
   }
 };
 
-// What validation asks of a model's size: its parameters, whole, and the activations one
-// micro-batch leaves on one rank for backward (fp32 bytes).
-struct ModelSize {
-  double params = 0, activation_bytes = 0;
-  // The parameters of the largest unit (Network::units), which ZeRO-3 gathers whole.
-  double largest_unit = 0;
+// What one part of the model (Network::part_params' order) costs per sample on one rank of
+// a tensor group of SizeContext::tensor ranks: what `dtrain plan` and the memory check add
+// up over the parts a pipeline stage holds. Counts are of fp32 values unless named bytes.
+struct PartCost {
+  double activation_bytes = 0;  // what its forward leaves for backward
+  double flops = 0;             // its forward's (backward takes twice that)
+  double reduced = 0;           // values all-reduced over the tensor group in forward
+  double reduced_back = 0;      // ... and in backward
+  double output = 0;            // values it hands the next part (what a pipeline sends)
+  bool block = false;           // train.recompute keeps only its input for backward
 };
 struct SizeContext {
-  Ints sample_shape;       // as the data says
+  Ints sample_shape;  // as the data says
   int64_t classes = 0;
-  double rows = 1;         // samples per micro-batch on a data rank
-  ParallelDims dims;       // the layout: tensor splits layers, pipeline splits blocks
-  bool recompute = false;  // train.recompute: blocks
+  int64_t tensor = 1;  // parallel.tensor: split layers cost 1 / tensor of themselves
 };
 
-// Dense layers from `in` inputs through `widths` to `classes` outputs: their weights and
-// biases, and the activations backward keeps per sample (each layer's output and its
-// ReLU's, fp32 bytes).
-ModelSize dense_size(double in, const Ints& widths, int64_t classes);
+// Dense layers from `in` inputs through `widths` to `classes` outputs, alternately
+// column- and row-parallel over `tensor` ranks as the mlp splits them (tensor 1 for the
+// cnn's): a part per layer. `first`: the model's first part is the first layer's (its
+// input, the data, has no gradient to reduce).
+std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes, int64_t tensor,
+                                  bool first);
 
 struct ModelSpec {
   const Task* task;
@@ -119,8 +123,8 @@ struct ModelSpec {
   std::function<int64_t(const ModelConfig&)> parts;
   // How each parameter starts, by name (models/init.hpp).
   std::function<InitRule(const ModelConfig&)> init;
-  // Its size, for the memory check.
-  std::function<ModelSize(const ModelConfig&, const SizeContext&)> size;
+  // Its parts' costs (PartCost), for the memory check and `dtrain plan`.
+  std::function<std::vector<PartCost>(const ModelConfig&, const SizeContext&)> costs;
   // The memory format the model's kernels run fastest on: ChannelsLast for convolutional
   // models (oneDNN on CPU: the CNN's step 1.4x faster), Contiguous otherwise.
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;

@@ -46,17 +46,31 @@ std::vector<const torch::nn::Module*> LayerStack::units() const {
   return out;
 }
 
-ModelSize dense_size(double in, const Ints& widths, int64_t classes) {
-  ModelSize s;
-  for (auto width : widths) {
-    s.params += in * double(width) + double(width);
-    s.largest_unit = std::max(s.largest_unit, in * double(width) + double(width));
-    s.activation_bytes += 4 * 2 * double(width);
-    in = double(width);
-  }
-  s.params += in * double(classes) + double(classes);
-  s.largest_unit = std::max(s.largest_unit, in * double(classes) + double(classes));
-  return s;
+std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes, int64_t tensor,
+                                  bool first) {
+  enum Split { kColumn, kRow, kWhole };
+  const double t = double(tensor);
+  std::vector<PartCost> parts;
+  auto add = [&](double out, Split split, bool last) {
+    PartCost c;
+    // A column-parallel layer takes the whole input and makes its share of the outputs; a
+    // row-parallel one takes that share and all-reduces the whole output.
+    const double in_here = split == kRow ? in / t : in, out_here = split == kColumn ? out / t : out;
+    c.flops = 2 * in_here * out_here;
+    c.activation_bytes = 4 * 2 * out_here;  // the output and its ReLU's (or the log-softmax)
+    if (tensor > 1) {
+      c.reduced = split == kRow ? out : 0;
+      // backward all-reduces a column-parallel layer's input gradient (the data has none)
+      c.reduced_back = split == kColumn && !(first && parts.empty()) ? in : 0;
+    }
+    c.output = last ? 0 : out_here;
+    parts.push_back(c);
+    in = out;
+  };
+  for (size_t i = 0; i < widths.size(); ++i) add(double(widths[i]), i % 2 == 0 ? kColumn : kRow, false);
+  // The classifier is row-parallel after a column-parallel layer, else whole on every rank.
+  add(double(classes), widths.size() % 2 == 1 ? kRow : kWhole, true);
+  return parts;
 }
 
 NetworkPtr build_initialised(const ModelConfig& cfg, const ModelContext& ctx, uint64_t seed) {

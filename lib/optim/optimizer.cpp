@@ -26,11 +26,6 @@ torch::Tensor scalar_named(const NamedTensors& state, const std::string& name) {
   throw CheckpointError(fmt::format("optimizer state has no '{}'", name));
 }
 
-// Whether this LibTorch has the optimizer's fused kernel for the parameters' device.
-bool has_fused_kernel(const std::string& name, const c10::Device& device) {
-  if (device.is_cuda()) return name == "adamw" ? DTRAIN_HAS_FUSED_ADAMW : DTRAIN_HAS_FUSED_SGD;
-  return device.is_cpu() && DTRAIN_HAS_FUSED_CPU;
-}
 
 // What both optimizers share: the shard's views of the parameters and gradients, the
 // weight-decay groups, named slot buffers, and the lists the fused kernels take.
@@ -236,6 +231,11 @@ class AdamW : public FlatOptimizer {
 };
 
 }  // namespace
+
+bool has_fused_kernel(const std::string& name, const c10::Device& device) {
+  if (device.is_cuda()) return name == "adamw" ? DTRAIN_HAS_FUSED_ADAMW : DTRAIN_HAS_FUSED_SGD;
+  return device.is_cpu() && DTRAIN_HAS_FUSED_CPU;
+}
 
 bool keeps_shard(const Optimizer& opt, const FlatParams& params) {
   return opt.shard().numel != params.numel();

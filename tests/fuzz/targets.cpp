@@ -58,7 +58,8 @@ void job_spec(const uint8_t* data, size_t size) {
   for (int64_t world : {1, 2, 4}) {
     try {
       // The machine checks too: the memory estimate's arithmetic on absurd sizes.
-      check_machine(cfg, validate(cfg, world), world);
+      validate(cfg, world);
+      check_machine(cfg, world, world);
     } catch (const ConfigError&) {
     }
   }

@@ -1,0 +1,494 @@
+#include "plan/plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <system_error>
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "comm/comm.hpp"
+#include "data/dataset.hpp"
+#include "grad/zero.hpp"
+#include "launch/device.hpp"
+#include "models/model.hpp"
+#include "optim/optimizer.hpp"
+#include "pipeline/schedule.hpp"
+#include "run/mode.hpp"
+
+namespace dtrain {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+// A dtrain process before any model, on the CPU: LibTorch's libraries, its thread pools
+// and Gloo (170 MB, measured with LibTorch 1.13 on a one-unit MLP, a few synthetic samples
+// and no loader threads, at 1 and 2 processes alike), and each loader thread's heap (7 MB).
+constexpr double kRuntimeBytes = 170 * kMiB, kLoaderThreadBytes = 7 * kMiB;
+// ZeRO-2's buckets in flight at once (grad/zero.cpp's Zero2Sync::kInFlight).
+constexpr double kZeroInFlight = 4;
+
+double ring(double bytes, int64_t ranks) {
+  return ranks > 1 ? 2 * bytes * double(ranks - 1) / double(ranks) : 0;
+}
+
+// What the planner knows of the job for its world.
+struct Job {
+  const JobConfig& cfg;
+  const ModeSpec& mode;
+  ParallelDims dims;
+  int64_t world = 1, servers = 0;  // servers: async_ps's ranks apart from the layout
+  bool cuda = false;
+  ModelContext mc;                 // the data's shape, as the model is built from it
+  std::vector<PartCost> costs;     // each part's, at dims.tensor
+  std::vector<PartRange> split;    // each global stage's parts
+  int64_t chunks = 1;              // stages per pipeline rank (interleaved: virtual_stages)
+  int64_t micro = 1;               // micro-batches per step
+  double rows = 1;                 // samples per micro-batch on a data rank
+
+  Job(const JobConfig& c, int64_t w) : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
+    const int64_t trainers = mode.trainers(cfg, world);
+    dims = ParallelDims::resolve(cfg.parallel, trainers);
+    servers = world - trainers;
+    cuda = plan_device(cfg, 0, 1, mode.any_source).device.is_cuda();
+    const auto kind = data_kind(cfg.data);
+    mc.sample_shape = kind.sample_shape;
+    mc.classes = kind.classes;
+    mc.vocab = cfg.model.vocab;  // the outline's shapes are the model's, whatever the data
+    const auto& spec = model_spec(cfg.model.arch);
+    SizeContext sc{kind.sample_shape, kind.classes, dims.tensor};
+    costs = spec.costs(cfg.model, sc);
+    chunks = dims.pipeline > 1 ? cfg.parallel.virtual_stages : 1;
+    ModelContext whole = outline_context(0);
+    split = split_stages(spec.build(cfg.model, whole)->part_params(), dims.pipeline * chunks,
+                         cfg.parallel.stages);
+    micro = cfg.train.grad_accum;
+    rows = double(cfg.data.batch_size) / double(dims.data * micro);
+  }
+  // A tensor rank's share of the model, shapes only.
+  ModelContext outline_context(int64_t tensor_rank) const {
+    ModelContext c = mc;
+    c.options = torch::TensorOptions().device(torch::kMeta);
+    c.tensor = dims.tensor > 1 ? make_shape_comm(tensor_rank, dims.tensor) : make_local_comm();
+    return c;
+  }
+  int64_t stages() const { return dims.pipeline * chunks; }
+};
+
+// The parameters a pipeline rank holds, as FlatParams lays them out: its chunks' in order,
+// each once; ZeRO-3's units over them; forward's uses of the units.
+struct Held {
+  struct Entry {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+  };
+  struct Unit {
+    int64_t offset = 0, numel = 0;
+    size_t chunk = 0;
+  };
+  std::vector<Entry> entries;
+  std::vector<Unit> units;
+  std::vector<std::vector<std::vector<size_t>>> uses;  // per chunk: the units each use gathers
+  int64_t total = 0;       // parameters
+  int64_t tied = 0;        // of them, a weight tied across stages (summed over the pipeline)
+  bool first = false, last = false;  // holds the model's first / last part
+};
+
+Held held_by(const Job& job, int64_t pipeline_rank) {
+  const auto& spec = model_spec(job.cfg.model.arch);
+  Held h;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<std::string> tied_names;
+  for (int64_t c = 0; c < job.chunks; ++c) {
+    const int64_t stage = c * job.dims.pipeline + pipeline_rank;
+    ModelContext ctx = job.outline_context(0);
+    ctx.first_part = job.split[size_t(stage)].first;
+    ctx.last_part = job.split[size_t(stage)].last;
+    h.first = h.first || stage == 0;
+    h.last = h.last || stage == job.stages() - 1;
+    const auto net = spec.build(job.cfg.model, ctx);
+    tied_names = net->tied_parameters();
+    std::map<const c10::TensorImpl*, size_t> entry_of;
+    for (const auto& p : net->named_parameters(/*recurse=*/true)) {
+      if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
+      entry_of[p.value().unsafeGetTensorImpl()] = h.entries.size();
+      h.entries.push_back({p.key(), p.value().sizes().vec(), p.value().numel()});
+    }
+    // Entries' offsets, for the units.
+    std::vector<int64_t> offset(h.entries.size() + 1, 0);
+    for (size_t i = 0; i < h.entries.size(); ++i) offset[i + 1] = offset[i] + h.entries[i].numel;
+    std::vector<size_t> chunk_units;
+    std::set<size_t> claimed;
+    size_t tied_unit = size_t(-1);
+    for (const auto* module : net->units()) {
+      int64_t lo = -1, hi = -1;
+      bool has_tied = false;
+      for (const auto& p : module->named_parameters(/*recurse=*/true)) {
+        auto it = entry_of.find(p.value().unsafeGetTensorImpl());
+        if (it == entry_of.end() || !claimed.insert(it->second).second) continue;
+        const int64_t at = offset[it->second], end = at + h.entries[it->second].numel;
+        lo = lo < 0 ? at : std::min(lo, at), hi = std::max(hi, end);
+        for (const auto& name : tied_names)
+          has_tied = has_tied || h.entries[it->second].name == name;
+      }
+      if (lo < 0) continue;
+      if (has_tied) tied_unit = h.units.size();
+      chunk_units.push_back(h.units.size());
+      h.units.push_back({lo, hi - lo, size_t(c)});
+    }
+    // Forward gathers each unit in turn; a head tied to the embedding gathers it again.
+    std::vector<std::vector<size_t>> uses;
+    for (size_t u : chunk_units) uses.push_back({u});
+    const bool both_ends = ctx.holds(0, int64_t(job.costs.size())) &&
+                           ctx.holds(int64_t(job.costs.size()) - 1, int64_t(job.costs.size()));
+    if (both_ends && tied_unit != size_t(-1) && !uses.empty() && uses.back()[0] != tied_unit)
+      uses.back().push_back(tied_unit);
+    h.uses.push_back(uses);
+  }
+  for (const auto& e : h.entries) {
+    h.total += e.numel;
+    if (std::find(tied_names.begin(), tied_names.end(), e.name) != tied_names.end()) h.tied += e.numel;
+  }
+  // A tied weight is summed across stages only where its two users sit on different ranks.
+  if (h.first == h.last) h.tied = 0;
+  return h;
+}
+
+// The actions of one step on a pipeline rank, as its runner takes them.
+std::vector<Action> step_actions(const Job& job, int64_t pipeline_rank) {
+  if (job.dims.pipeline > 1)
+    return pipeline_schedule(job.cfg.parallel.schedule, pipeline_rank, job.dims.pipeline, job.micro,
+                             job.chunks);
+  std::vector<Action> out;
+  for (int64_t m = 0; m < job.micro; ++m) {
+    out.push_back({Action::kForward, m, 0});
+    out.push_back({Action::kBackward, m, 0});
+  }
+  return out;
+}
+
+// A chunk's parts, per sample: what backward keeps (a recomputed block only its input), the
+// flops of forward and backward (and recompute's second forward), the values all-reduced
+// over the tensor group.
+struct ChunkCost {
+  double activation_bytes = 0, recompute_peak = 0, flops = 0, reduced = 0;
+  double sent_forward = 0, sent_backward = 0;  // to the next stage, to the previous one
+};
+ChunkCost chunk_cost(const Job& job, int64_t stage) {
+  const bool recompute = job.cfg.train.recompute == "blocks";
+  const PartRange r = job.split[size_t(stage)];
+  ChunkCost c;
+  for (int64_t i = r.first; i < r.last; ++i) {
+    const PartCost& p = job.costs[size_t(i)];
+    const double input = i > 0 ? job.costs[size_t(i - 1)].output : 0;
+    const bool again = recompute && p.block;
+    c.activation_bytes += again ? 4 * input : p.activation_bytes;
+    if (again) c.recompute_peak = std::max(c.recompute_peak, p.activation_bytes);
+    c.flops += p.flops * (again ? 4 : 3);
+    c.reduced += p.reduced * (again ? 2 : 1) + p.reduced_back;
+  }
+  if (stage + 1 < job.stages()) c.sent_forward = job.costs[size_t(r.last - 1)].output;
+  if (stage > 0) c.sent_backward = job.costs[size_t(r.first - 1)].output;
+  return c;
+}
+
+// ZeRO-3's gathers over a step, as grad/zero.cpp's Zero3Sync makes them: each use gathers
+// its units unless resident, frees every other but the one gathered ahead, and starts the
+// next unit's gather (forward: the one after; backward: the one before, within a chunk).
+// Returns the bytes this data rank sends and the most it holds gathered at once.
+std::pair<double, double> zero3_gathers(const Job& job, const Held& h, int64_t pipeline_rank,
+                                        int64_t shard, int64_t data_rank) {
+  const int64_t d = job.dims.data;
+  std::set<size_t> resident;
+  size_t ahead = size_t(-1);
+  double sent = 0, held = 0, peak = 0;
+  auto start = [&](size_t u) {
+    if (!resident.insert(u).second) return;
+    const auto& unit = h.units[u];
+    held += double(unit.numel);
+    const int64_t lo = std::max(unit.offset, data_rank * shard);
+    const int64_t hi = std::min(unit.offset + unit.numel, (data_rank + 1) * shard);
+    if (hi > lo) sent += double(hi - lo) * 4 * double(d - 1);
+  };
+  auto gather = [&](const std::vector<size_t>& units, int step) {
+    for (auto it = resident.begin(); it != resident.end();)
+      if (*it != ahead && std::find(units.begin(), units.end(), *it) == units.end())
+        held -= double(h.units[*it].numel), it = resident.erase(it);
+      else
+        ++it;
+    for (size_t u : units) start(u);
+    peak = std::max(peak, held);
+    const size_t top = *std::max_element(units.begin(), units.end());
+    const int64_t next = int64_t(top) + step;
+    ahead = size_t(-1);
+    if (next >= 0 && next < int64_t(h.units.size()) && h.units[size_t(next)].chunk == h.units[top].chunk) {
+      ahead = size_t(next);
+      start(ahead);
+      peak = std::max(peak, held);
+    }
+  };
+  for (const Action& a : step_actions(job, pipeline_rank)) {
+    const auto& uses = h.uses[size_t(a.chunk)];
+    if (a.kind == Action::kForward)
+      for (const auto& use : uses) gather(use, +1);
+    else
+      for (auto it = uses.rbegin(); it != uses.rend(); ++it) gather(*it, -1);
+  }
+  return {sent, peak * 4};
+}
+
+// The dataset each process holds in memory, bytes: images as fp32 with int64 labels, text as
+// int64 tokens, token shards mapped (resident once scanned).
+double bytes_on_disk(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return double(fs::file_size(path, ec));
+  double sum = 0;
+  if (fs::is_directory(path, ec))
+    for (const auto& e : fs::recursive_directory_iterator(path, ec))
+      if (e.is_regular_file(ec)) sum += double(e.file_size(ec));
+  return sum;
+}
+double data_bytes(const JobConfig& cfg) {
+  const auto& d = cfg.data;
+  const auto kind = data_kind(d);
+  double sample = 1;
+  for (auto x : kind.sample_shape) sample *= double(x);
+  if (d.dataset == "fashion_mnist" || d.dataset == "mnist") return 70000 * (4 * sample + 8);
+  if (d.dataset == "synthetic") return double(d.samples + d.test_samples) * (4 * sample + 8);
+  if (d.dataset == "synthetic_tokens") return double(d.samples + d.test_samples) * sample * 8;
+  if (d.dataset == "text") return 8 * bytes_on_disk(d.path);
+  return bytes_on_disk(d.path) + (d.eval_path.empty() ? 0 : bytes_on_disk(d.eval_path));
+}
+// One step's batch on a data rank, as the loader holds it.
+double batch_bytes(const JobConfig& cfg, double rows) {
+  const auto kind = data_kind(cfg.data);
+  double sample = 1;
+  for (auto x : kind.sample_shape) sample *= double(x);
+  return rows * (kind.tokens ? 2 * 8 * sample : 4 * sample + 8);
+}
+
+int64_t optimizer_slots(const OptimizerConfig& o) {
+  return o.name == "adamw" ? 2 : o.momentum != 0 ? 1 : 0;
+}
+
+// The gradient sync's bytes for the data group, ZeRO's aside (after compression's warm-up).
+double sync_bytes(const Job& job, const Held& h, double numel) {
+  const auto& p = job.cfg.parallel;
+  const int64_t d = job.dims.data;
+  const double g = 4 * numel;
+  if (p.compression == "fp16" || p.compression == "bf16")
+    return job.cuda && job.cfg.dist.backend == "nccl" ? ring(g / 2, d) : g / 2 * double(d - 1);
+  if (p.compression == "sign") {
+    double blocks = 0;
+    for (const auto& e : h.entries) blocks += std::ceil(double(e.numel) / 256);
+    return (std::ceil(numel / 8) + 4 * blocks) * double(d - 1);
+  }
+  if (p.compression == "topk") {
+    double k = 0;
+    for (const auto& e : h.entries) k += std::max(1.0, std::ceil(p.topk_ratio * double(e.numel)));
+    return 8 * k * double(d - 1);
+  }
+  if (p.compression == "powersgd") {
+    double bytes = 0, plain = numel;
+    for (const auto& e : h.entries) {
+      if (e.shape.size() < 2) continue;
+      const double n = double(e.shape[0]), m = double(e.numel) / n, r = double(p.powersgd_rank);
+      if ((n + m) * r * 2 >= n * m) continue;
+      bytes += ring(4 * (n + m) * r, d), plain -= double(e.numel);
+    }
+    return bytes + ring(4 * plain, d);
+  }
+  return ring(g, d);
+}
+
+}  // namespace
+
+RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank) {
+  const Job job(cfg, world);
+  const auto& p = cfg.parallel;
+  RankPlan out;
+  out.rank = rank;
+  const bool server = rank < job.servers;  // async_ps's servers are the first ranks
+  const int64_t trainer = rank - job.servers;
+  out.coord = server ? Coord{} : job.dims.coord_of(trainer);
+  const Coord at = out.coord;
+  const int64_t d = job.dims.data;
+  const Held h = held_by(job, at.pipeline);
+  // FlatParams' buffers: padded to cut into equal shards under ZeRO (or over the servers).
+  const int64_t pad = p.mode == "async_ps" ? (job.servers > 1 ? job.servers * kShardAlign : 1)
+                      : p.zero > 0 && d > 1 ? d * kShardAlign
+                                            : 1;
+  const int64_t numel = (h.total + pad - 1) / pad * pad;
+  const int64_t shard = p.zero > 0 && d > 1 ? numel / d : numel;
+  const int64_t slots = optimizer_slots(cfg.optimizer);
+  MemoryPlan& m = out.memory;
+  if (!job.cuda) {
+    m.data = data_bytes(cfg);
+    m.runtime = kRuntimeBytes + kLoaderThreadBytes * double(cfg.data.workers);
+  }
+  const bool fused = has_fused_kernel(cfg.optimizer.name, job.cuda ? torch::kCUDA : torch::kCPU);
+  double largest = 0;
+  for (const auto& e : h.entries) largest = std::max(largest, double(e.numel));
+  if (server) {
+    // A server keeps the whole buffer layout and updates its range of it.
+    out.role = "server";
+    out.alike = job.servers;
+    const int64_t range = numel / job.servers;
+    m.params = m.grads = 4 * double(numel);
+    m.optimizer = 4 * double(slots * range);
+    if (!fused && cfg.optimizer.name == "adamw") m.buffers = 2 * 4 * double(range);
+    return out;
+  }
+  out.role = job.stages() > 1 ? fmt::format("stage {} of {}", at.pipeline, job.dims.pipeline)
+                              : (job.servers > 0 ? "worker" : "");
+  out.alike = d * job.dims.tensor;
+
+  // Parameters, gradients, optimizer state: as the summary's parameters_mb, gradient_mb,
+  // optimizer_state_mb count them.
+  const bool async = p.mode == "async_ps";
+  m.params = 4 * double(p.zero >= 3 && d > 1 ? shard : numel);
+  m.grads = 4 * double(p.zero >= 2 && d > 1 ? shard : numel);
+  m.optimizer = async ? 0 : 4 * double(slots * shard);
+
+  // Activations: the micro-batches the schedule holds at once, each chunk's.
+  std::vector<ChunkCost> chunk(size_t(job.chunks));
+  for (int64_t c = 0; c < job.chunks; ++c) chunk[size_t(c)] = chunk_cost(job, c * job.dims.pipeline + at.pipeline);
+  double live = 0, most = 0, recompute_peak = 0;
+  for (const Action& a : step_actions(job, at.pipeline)) {
+    const auto& cc = chunk[size_t(a.chunk)];
+    live += (a.kind == Action::kForward ? 1 : -1) * cc.activation_bytes;
+    most = std::max(most, live);
+    recompute_peak = std::max(recompute_peak, cc.recompute_peak);
+  }
+  m.activations = job.rows * (most + recompute_peak);
+
+  // Buffers: the loader's batches; autograd's gradient of the largest parameter before it
+  // is added into the flat gradient; ZeRO's buckets and gathered units; error feedback's
+  // residual; the unfused optimizer's temporaries.
+  m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro));
+  double comm = 0;
+  double zero3_sent = 0;
+  if (p.zero >= 2 && d > 1) {
+    m.buffers += kZeroInFlight * p.bucket_mb * kMiB + 4 * double(h.tied);
+    if (job.micro > 1) m.buffers += 4 * double(h.total);  // micro-batches add up whole
+    if (p.zero >= 3) {
+      const auto [sent, peak] = zero3_gathers(job, h, at.pipeline, shard, at.data);
+      zero3_sent = sent;
+      m.buffers += peak;
+    }
+  } else {
+    m.buffers += 4 * largest;
+  }
+  if (p.compression == "sign" || p.compression == "topk" || p.compression == "powersgd")
+    m.buffers += 4 * double(numel);
+  if (!fused && cfg.optimizer.name == "adamw" && !async) m.buffers += 2 * 4 * double(shard);
+
+  // Bytes sent per step: the data group's gradient sync (or local SGD's averages), the
+  // tensor group's all-reduces, the pipeline's activations and gradients, a tied weight's
+  // sum.
+  if (p.mode == "local_sgd") {
+    const double averaged = double(numel) * (1 + (p.average_optimizer ? double(slots) : 0));
+    comm += ring(4 * averaged, d) / double(p.average_every);
+  } else if (d > 1 && p.zero > 0) {
+    const double g = 4 * double(numel), tied = 4 * double(h.tied);
+    comm += (g - tied) * double(d - 1) / double(d) + (g - tied - 4 * double(shard)) / double(d);
+    comm += ring(tied, d);
+    if (p.zero < 3) comm += 4 * double(shard) * double(d - 1);
+    comm += zero3_sent;
+  } else if (d > 1) {
+    comm += sync_bytes(job, h, double(numel));
+  }
+  double reduced = 0, piped = 0;
+  for (const auto& cc : chunk) {
+    reduced += cc.reduced;
+    piped += cc.sent_forward + cc.sent_backward;
+    out.flops += cc.flops;
+  }
+  const double rows_step = job.rows * double(job.micro);
+  comm += ring(4 * reduced * rows_step, job.dims.tensor) + 4 * piped * rows_step;
+  comm += ring(4 * double(h.tied), 2);
+  out.flops *= rows_step;
+  if (!async) out.comm_bytes = comm;
+
+  if (job.dims.pipeline > 1)
+    out.bubble = double(job.dims.pipeline - 1) /
+                 double(job.chunks * job.micro + job.dims.pipeline - 1);
+  return out;
+}
+
+Plan plan_job(const JobConfig& cfg, int64_t world) {
+  const Job job(cfg, world);
+  Plan plan;
+  plan.dims = job.dims;
+  plan.world = world;
+  plan.device = job.cuda ? "cuda" : "cpu";
+  if (job.servers > 0) plan.ranks.push_back(plan_rank(cfg, world, 0));
+  for (int64_t s = 0; s < job.dims.pipeline; ++s)
+    plan.ranks.push_back(plan_rank(cfg, world, job.servers + job.dims.rank_of({0, 0, s})));
+  return plan;
+}
+
+std::string plan_table(const JobConfig& cfg, const Plan& plan) {
+  const auto& p = cfg.parallel;
+  std::string out = fmt::format(
+      "{} process(es): {}{}, zero {}, {} micro-batch(es) of {} sample(s){}, {}\n",
+      plan.world, plan.dims.str(),
+      plan.world > plan.dims.world() ? fmt::format(" + {} server(s)", plan.world - plan.dims.world()) : "",
+      p.zero, cfg.train.grad_accum,
+      cfg.data.batch_size / (plan.dims.data * cfg.train.grad_accum),
+      plan.dims.pipeline > 1 ? fmt::format(", schedule {}", p.schedule) : "", plan.device);
+  auto mb = [](double bytes) { return fmt::format("{:.1f}", bytes / kMiB); };
+  auto opt = [&](const std::optional<double>& v) { return v ? mb(*v) : std::string("-"); };
+  out += fmt::format("{:<5} {:<14} {:>5} | {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} | {:>9} | {:>11} {:>6} {:>10}\n",
+                     "rank", "role", "alike", "params", "grads", "optimizer", "activ.", "buffers",
+                     "data", "runtime", "total MB", "sent MB/step", "bubble", "GFLOP/step");
+  for (const auto& r : plan.ranks) {
+    const auto& m = r.memory;
+    out += fmt::format("{:<5} {:<14} {:>5} | {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} | {:>9} | {:>11} {:>6.3f} {:>10.3f}\n",
+                       r.rank, r.role.empty() ? "-" : r.role, r.alike, mb(m.params), mb(m.grads),
+                       mb(m.optimizer), mb(m.activations), mb(m.buffers), opt(m.data),
+                       opt(m.runtime), mb(m.total()),
+                       r.comm_bytes ? fmt::format("{:.3f}", *r.comm_bytes / kMiB) : std::string("-"),
+                       r.bubble, r.flops / 1e9);
+  }
+  return out;
+}
+
+nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan) {
+  auto mb = [](const std::optional<double>& bytes) -> nlohmann::json {
+    if (!bytes) return nullptr;
+    return *bytes / kMiB;
+  };
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& r : plan.ranks) {
+    const auto& m = r.memory;
+    ranks.push_back({{"rank", r.rank},
+                     {"role", r.role},
+                     {"alike", r.alike},
+                     {"coord", {{"data", r.coord.data}, {"tensor", r.coord.tensor}, {"pipeline", r.coord.pipeline}}},
+                     {"memory_mb", {{"params", mb(m.params)}, {"grads", mb(m.grads)},
+                                    {"optimizer", mb(m.optimizer)}, {"activations", mb(m.activations)},
+                                    {"buffers", mb(m.buffers)}, {"data", mb(m.data)},
+                                    {"runtime", mb(m.runtime)}, {"total", mb(m.total())}}},
+                     {"comm_bytes", r.comm_bytes ? nlohmann::json(*r.comm_bytes) : nlohmann::json(nullptr)},
+                     {"bubble", r.bubble},
+                     {"flops", r.flops}});
+  }
+  const auto& p = cfg.parallel;
+  return {{"layout", {{"data", plan.dims.data}, {"tensor", plan.dims.tensor},
+                      {"pipeline", plan.dims.pipeline}, {"zero", p.zero},
+                      {"schedule", p.schedule}, {"grad_accum", cfg.train.grad_accum},
+                      {"mode", p.mode}}},
+          {"world", plan.world},
+          {"device", plan.device},
+          {"ranks", ranks},
+          {"step_s", plan.step_s ? nlohmann::json(*plan.step_s) : nlohmann::json(nullptr)},
+          {"samples_per_s", plan.samples_per_s ? nlohmann::json(*plan.samples_per_s) : nlohmann::json(nullptr)}};
+}
+
+}  // namespace dtrain

@@ -1,0 +1,61 @@
+// `dtrain plan`: what a job will cost each rank, worked out from the job alone, without
+// training: memory by part, the bytes it sends per step (as the train line's comm_bytes
+// counts them), its pipeline bubble and its FLOPs. The model's parameters come from its
+// outline (each rank's share, built on the meta device: the shapes a run builds, no
+// memory); activations, FLOPs and tensor-parallel traffic from the model's cost sheet
+// (models/model.hpp's PartCost); the rest from the layout, the schedule and ZeRO's rules.
+// The memory check of `validate` and `run` uses the same estimate.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "config/config.hpp"
+#include "parallel/dims.hpp"
+
+namespace dtrain {
+
+// One rank's memory, bytes. `data` (the dataset each process holds) and `runtime` (what a
+// LibTorch process takes before any model: measured on the CPU) are host memory: on a GPU
+// they are left out (nullopt), so the total compares with the allocator's peak there and
+// with the train line's peak_rss_mb on a CPU.
+struct MemoryPlan {
+  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
+  std::optional<double> data, runtime;
+  double total() const { return params + grads + optimizer + activations + buffers +
+                                data.value_or(0) + runtime.value_or(0); }
+};
+
+struct RankPlan {
+  int64_t rank = 0;            // the world rank planned (the lowest of those alike)
+  Coord coord;
+  std::string role;            // "stage 1 of 2", "server" (async_ps)
+  int64_t alike = 1;           // ranks with this plan (they differ in data or tensor rank)
+  MemoryPlan memory;
+  std::optional<double> comm_bytes;  // per step, after any compression warm-up
+  double bubble = 0;           // the schedule's idle fraction of a step, ideal
+  double flops = 0;            // per step, forward and backward (and recompute)
+};
+
+struct Plan {
+  ParallelDims dims;
+  int64_t world = 1;
+  std::string device;            // "cpu", "cuda"
+  std::vector<RankPlan> ranks;   // one per distinct rank: each pipeline stage (and server)
+  std::optional<double> step_s, samples_per_s;  // with a machine profile (none yet)
+};
+
+// The plan of a job validated for `world` processes.
+Plan plan_job(const JobConfig& cfg, int64_t world);
+
+// Rank `rank`'s plan alone (the memory check sums a machine's local ranks).
+RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank);
+
+// The human table and the --json object.
+std::string plan_table(const JobConfig& cfg, const Plan& plan);
+nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan);
+
+}  // namespace dtrain
