@@ -211,6 +211,14 @@ class Gpt : public Network {
     return out;
   }
 
+  std::vector<Modules> uses() const override {
+    std::vector<Modules> out;
+    if (embeddings_) out.push_back({wte.get(), wpe.get()});
+    for (const auto& block : blocks_) out.push_back({block.get()});
+    if (head_) out.push_back({ln_f.get(), wte.get()});
+    return out;
+  }
+
   std::vector<int64_t> part_params() const override { return sizes_; }
 
   std::vector<std::string> tied_parameters() const override { return {"wte.weight"}; }

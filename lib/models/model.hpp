@@ -45,6 +45,14 @@ class Network : public torch::nn::Module {
   // waits there for their gathers, still in flight, or starts them), and after, with what
   // they made (ZeRO-3 gathers them again before that output's backward).
   using Modules = std::vector<const torch::nn::Module*>;
+  // Those calls in the order forward makes them (each `with`'s modules; a module may come
+  // twice, as GPT's tied embedding does): what ZeRO-3 gathers when, which `dtrain plan`
+  // follows. Default: each unit alone, in order.
+  virtual std::vector<Modules> uses() const {
+    std::vector<Modules> out;
+    for (const auto* m : units()) out.push_back({m});
+    return out;
+  }
   struct UseHooks {
     std::function<void(const Modules&)> before;
     std::function<void(const Modules&, const torch::Tensor&)> after;

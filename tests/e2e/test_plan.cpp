@@ -1,0 +1,170 @@
+// `dtrain plan` against what runs of the same jobs measure: the parameters, gradients and
+// optimizer state a rank keeps (the summary's), the bytes it sends per step (the train
+// line's comm_bytes) on every kind of layout, its peak memory (peak_rss_mb) within a
+// stated margin; the FLOPs against the published count for a GPT (6N + 12 L s d per token).
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "run.hpp"
+
+using namespace e2e;
+
+namespace {
+
+Job gpt_job() {
+  Job j;
+  j.name = "plan-gpt";
+  j.data = "{dataset: synthetic_tokens, samples: 256, test_samples: 32, batch_size: 8, workers: 1}";
+  j.model = "{arch: gpt, layers: 2, heads: 2, dim: 32, vocab: 64, seq_len: 16}";
+  j.optimizer = "{name: adamw, lr: 0.001}";
+  j.train = "grad_accum: 2";
+  return j;
+}
+
+Job cnn_job() {
+  Job j;
+  j.name = "plan-cnn";
+  j.data = "{dataset: synthetic, samples: 256, test_samples: 32, input_shape: [1, 12, 12], classes: 4,"
+           " batch_size: 16, workers: 1}";
+  j.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
+  j.train = "grad_accum: 2";
+  return j;
+}
+
+nlohmann::json plan_of(const std::string& job, int64_t nproc, const std::string& sets) {
+  auto r = dtrain("plan " + job + " --json --nproc " + std::to_string(nproc) + sets);
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  return nlohmann::json::parse(r.out);
+}
+
+struct Case {
+  const char* what;
+  Job job;
+  int64_t nproc;
+  std::string sets;
+};
+
+}  // namespace
+
+TEST_SUITE("plan") {
+  TEST_CASE("plan: state and bytes sent equal a run's on every kind of layout") {
+    auto dir = temp_dir("plan");
+    Job mlp;
+    mlp.name = "plan-mlp";
+    mlp.optimizer = "{name: adamw, lr: 0.01}";
+    mlp.model = "{arch: mlp, hidden: [64, 32, 16]}";
+    const std::string warm = " --set parallel.compression_warmup=0";
+    const std::vector<Case> cases = {
+        {"mlp d2", mlp, 2, ""},
+        {"mlp t2", mlp, 2, " --set parallel.tensor=2"},
+        {"mlp p2 1f1b", mlp, 2, " --set parallel.pipeline=2 --set parallel.schedule=1f1b"},
+        {"mlp d2 zero1", mlp, 2, " --set parallel.zero=1"},
+        {"mlp d2 zero2", mlp, 2, " --set parallel.zero=2"},
+        {"mlp d2 zero3", mlp, 2, " --set parallel.zero=3"},
+        {"mlp d2 sign", mlp, 2, " --set parallel.compression=sign" + warm},
+        {"mlp d2 topk", mlp, 2, " --set parallel.compression=topk" + warm},
+        {"mlp d2 fp16", mlp, 2, " --set parallel.compression=fp16" + warm},
+        {"mlp d2 local_sgd", mlp, 2, " --set parallel.mode=local_sgd --set parallel.average_every=2"},
+        {"gpt t2", gpt_job(), 2, " --set parallel.tensor=2"},
+        {"gpt p2 gpipe (tied head)", gpt_job(), 2, " --set parallel.pipeline=2 --set parallel.schedule=gpipe"},
+        {"gpt d2 zero3", gpt_job(), 2, " --set parallel.zero=3"},
+        {"gpt d2 powersgd", gpt_job(), 2, " --set parallel.compression=powersgd" + warm},
+        {"gpt d2xt2 recompute", gpt_job(), 4, " --set parallel.tensor=2 --set train.recompute=blocks"},
+        {"gpt p2xd2 zero2 interleaved", gpt_job(), 4,
+         " --set parallel.pipeline=2 --set parallel.schedule=interleaved_1f1b"
+         " --set parallel.virtual_stages=2 --set parallel.zero=2"},
+        {"cnn p2", cnn_job(), 2, " --set parallel.pipeline=2"},
+    };
+    int n = 0;
+    for (const auto& c : cases) {
+      const std::string what = c.what;
+      CAPTURE(what);
+      const auto job = c.job.write(dir, "job" + std::to_string(n) + ".yaml");
+      const std::string run_dir = dir + "/run" + std::to_string(n++);
+      const std::string sets = c.sets + " --set train.max_steps=4 --set train.log_every=2";
+      const auto plan = plan_of(job, c.nproc, sets);
+      run_ok("run " + job + " --nproc " + std::to_string(c.nproc) + " --run-dir " + run_dir + sets);
+      const auto lines = metrics(run_dir);
+      const auto summary = of_kind(lines, "summary").at(0);
+      const auto train = of_kind(lines, "train").back();
+      // Rank 0 writes the lines: the plan's first rank.
+      const auto& r = plan["ranks"][0];
+      REQUIRE(r["rank"] == 0);
+      const auto& m = r["memory_mb"];
+      CHECK(m["params"].get<double>() == doctest::Approx(summary["parameters_mb"].get<double>()).epsilon(1e-9));
+      CHECK(m["grads"].get<double>() == doctest::Approx(summary["gradient_mb"].get<double>()).epsilon(1e-9));
+      CHECK(m["optimizer"].get<double>() ==
+            doctest::Approx(summary["optimizer_state_mb"].get<double>()).epsilon(1e-9));
+      // Bytes sent: within 0.5%, and a few hundred bytes for the scalars that travel besides
+      // (the step's figures, the gradient norm) where a group is the whole world.
+      const double sent = train["comm_bytes"].get<double>();
+      CHECK(std::abs(r["comm_bytes"].get<double>() - sent) <= 0.005 * sent + 256);
+      // Memory: the plan's total against the peak the process reached (its resident set).
+      const double rss = train["peak_rss_mb"].get<double>(), total = m["total"].get<double>();
+      CHECK(total > 0.8 * rss);
+      CHECK(total < 1.25 * rss);
+    }
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+
+  TEST_CASE("plan: a GPT's FLOPs are 6N + 12 L s d per token; the bubble is the schedule's") {
+    auto dir = temp_dir("plan-flops");
+    const auto job = gpt_job().write(dir);
+    // Kaplan et al. / PaLM: N the parameters the matmuls use (each block's 12 d^2, the head's
+    // d v), 12 L s d the attention scores, forward and backward, per token.
+    const double L = 2, d = 32, v = 64, s = 16, tokens = 8 * s;
+    const double expected = (6 * (12 * L * d * d + d * v) + 12 * L * s * d) * tokens;
+    const auto one = plan_of(job, 1, "");
+    CHECK(one["ranks"][0]["flops"].get<double>() == doctest::Approx(expected).epsilon(0.01));
+    CHECK(one["ranks"][0]["bubble"] == 0.0);
+    // Over tensor 2 each rank runs half of it; over data 2 half the batch.
+    const auto t2 = plan_of(job, 2, " --set parallel.tensor=2");
+    CHECK(t2["ranks"][0]["flops"].get<double>() == doctest::Approx(expected / 2).epsilon(0.02));
+    // Pipeline 2 with 4 micro-batches: (p - 1) / (m + p - 1) idle; interleaved with 2
+    // chunks: (p - 1) / (v m + p - 1).
+    const auto p2 = plan_of(job, 2, " --set parallel.pipeline=2 --set train.grad_accum=4");
+    REQUIRE(p2["ranks"].size() == 2);
+    CHECK(p2["ranks"][1]["rank"] == 1);
+    CHECK(p2["ranks"][0]["bubble"].get<double>() == doctest::Approx(1.0 / 5));
+    const auto p2i = plan_of(job, 2, " --set parallel.pipeline=2 --set train.grad_accum=4 --set "
+                                     "parallel.schedule=interleaved_1f1b --set parallel.virtual_stages=2");
+    CHECK(p2i["ranks"][0]["bubble"].get<double>() == doctest::Approx(1.0 / 9));
+    // The two stages' FLOPs add up to one process's.
+    CHECK(p2["ranks"][0]["flops"].get<double>() + p2["ranks"][1]["flops"].get<double>() ==
+          doctest::Approx(expected).epsilon(0.01));
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+
+  TEST_CASE("plan: the table, the JSON's fields, async_ps's servers and bad input") {
+    auto dir = temp_dir("plan-cli");
+    const auto job = gpt_job().write(dir);
+    auto table = dtrain("plan " + job + " --nproc 4 --set parallel.pipeline=2 --set parallel.zero=1");
+    INFO(table.out << table.err);
+    REQUIRE(table.code == 0);
+    CHECK(table.out.find("data 2 x tensor 1 x pipeline 2, zero 1") != std::string::npos);
+    CHECK(table.out.find("stage 1 of 2") != std::string::npos);
+    const auto j = plan_of(job, 4, " --set parallel.pipeline=2");
+    for (const char* k : {"data", "tensor", "pipeline", "zero", "schedule", "grad_accum"})
+      CHECK(j["layout"].contains(k));
+    for (const char* k : {"params", "grads", "optimizer", "activations", "buffers", "runtime", "total"})
+      CHECK(j["ranks"][0]["memory_mb"].contains(k));
+    CHECK(j["step_s"].is_null());  // no machine profile yet
+    CHECK(j["ranks"][1]["rank"] == 2);  // stage 1's first rank (tensor, then data, then pipeline)
+    // async_ps: the server has the optimizer state, the workers none; no byte estimate.
+    const auto ps = plan_of(job, 3, " --set parallel.mode=async_ps");
+    REQUIRE(ps["ranks"].size() == 2);
+    CHECK(ps["ranks"][0]["role"] == "server");
+    CHECK(ps["ranks"][0]["memory_mb"]["optimizer"].get<double>() > 0);
+    CHECK(ps["ranks"][1]["memory_mb"]["optimizer"].get<double>() == 0);
+    CHECK(ps["ranks"][1]["comm_bytes"].is_null());
+    // Bad input: as validate says it, exit 2.
+    auto bad = dtrain("plan " + job + " --nproc 3 --set parallel.tensor=2");
+    CHECK(bad.code == 2);
+    CHECK(bad.err.find("parallel.tensor") != std::string::npos);
+    auto missing = dtrain("plan " + dir + "/nope.yaml");
+    CHECK(missing.code == 2);
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+}
