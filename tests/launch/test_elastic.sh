@@ -115,10 +115,12 @@ sleep 0.5
 agent leave "$p" 1 "$work/d.out" "$work/leave" 1 "${leave_job[@]}" &
 d=$!
 for _ in $(seq 1 1200); do  # up to 120 s for both to train together
-  cat "$work/c.out" "$work/d.out" 2>/dev/null | grep -q "world 2 (" && break
+  grep -qs "world 2 (" "$work/c.out" "$work/d.out" && break
   sleep 0.1
 done
-cat "$work/c.out" "$work/d.out" | grep -q "world 2 (" ||
+# grep the files, not `cat | grep -q`: under pipefail, grep leaving at its first match
+# while cat still writes a large log makes the pipeline fail (SIGPIPE).
+grep -qs "world 2 (" "$work/c.out" "$work/d.out" ||
   { tail -n 20 "$work/c.out" "$work/d.out"; fail "the agents did not train at world 2"; }
 from=$(last_step "$work/leave")  # on past a checkpoint written at world 2
 wait_for_step "$work/leave" $(( (from / 500 + 1) * 500 + 100 )) $c || { tail -n 20 "$work/c.out"; fail "no progress at world 2"; }
