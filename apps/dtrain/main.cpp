@@ -12,6 +12,8 @@
 #include "config/schema.hpp"
 #include "job/validate.hpp"
 #include "plan/plan.hpp"
+#include "plan/profile.hpp"
+#include "plan/search.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/device.hpp"
@@ -224,7 +226,9 @@ struct Cli {
   JobArgs job;
   std::string run_dir, resume, nnodes, folder, out, format = "safetensors";
   int64_t nproc = 1, max_restarts = 0, check_nproc = 1, vocab = 0;
-  bool no_requeue = false, reference = false, json = false;
+  bool no_requeue = false, reference = false, json = false, measure = false, all = false;
+  std::string profile;
+  double memory_gb = 0;
   VerifyOptions verify_opts;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
            *export_ = nullptr, *verify = nullptr, *plan = nullptr;
@@ -252,8 +256,18 @@ struct Cli {
                      "print every job key with its type, default and meaning (Markdown)");
     plan = app.add_subcommand("plan", "what the job costs each rank, without training: memory "
                                       "by part, bytes sent, bubble, FLOPs");
-    add_job_args(plan, job);
+    add_job_args(plan, job, /*required=*/false);
     plan->add_flag("--json", json, "one JSON object instead of the table");
+    plan->add_flag("--measure", measure, "time this machine's matmuls, memory and Gloo between "
+                                         "--nproc local ranks (default 2), and keep the profile "
+                                         "for the time estimates");
+    plan->add_option("--profile", profile, "the machine profile to write or read (default "
+                                           "$DTRAIN_PROFILE, else ~/.cache/dtrain/machine.json)");
+    plan->add_flag("--all", all, "every layout of --nproc processes the job can take, fastest "
+                                 "first, marking those that do not fit");
+    plan->add_option("--memory-gb", memory_gb, "with --all: the memory to fit in, GiB (default: "
+                                               "what this machine has available; on a GPU: none)")
+        ->check(CLI::PositiveNumber);
     for (auto* cmd : {validate, config, plan})
       cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
                                               "world size, else 1)")
@@ -322,6 +336,45 @@ int validate_job(const Cli& cli) {
   return 0;
 }
 
+// `plan`: measure the machine (--measure), then plan the job, or every layout (--all).
+int plan_command(const Cli& cli) {
+  const std::string profile_path = cli.profile.empty() ? default_profile_path() : cli.profile;
+  fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
+  if (cli.measure) {
+    std::cerr << "measuring this machine (a few seconds)...\n";
+    save_profile(measure_machine(std::max<int64_t>(2, cli.check_nproc)), profile_path);
+    std::cerr << "wrote " << profile_path << "\n";
+    if (cli.job.path.empty()) return 0;
+  }
+  const auto profile = load_profile(profile_path);
+  const MachineProfile* measured = profile ? &*profile : nullptr;
+  const int64_t world = world_for_check(cli.check_nproc);
+  if (cli.all) {
+    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
+    resolve(cfg);
+    const bool cuda = plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
+    const double limit = cli.memory_gb > 0 ? cli.memory_gb * 1024 * 1024 * 1024
+                         : cuda            ? 0
+                                           : available_memory();
+    const auto all = all_layouts(cfg, world, measured, limit);
+    fail_if<ConfigError>(all.empty(), "plan --all: no layout of {} process(es) validates for {} "
+                         "(`dtrain validate --nproc {}` says why for the job's own)",
+                         world, cli.job.path, world);
+    if (cli.json) std::cout << candidates_json(all, limit).dump() << "\n";
+    else std::cout << cli.job.path << ": " << candidates_table(all, limit);
+    return 0;
+  }
+  const auto checked = load(cli.job, "", world);
+  const Plan plan = plan_job(checked.cfg, world, measured);
+  if (cli.json) {
+    std::cout << plan_json(checked.cfg, plan).dump() << "\n";
+  } else {
+    std::cout << cli.job.path << ": " << plan_table(checked.cfg, plan);
+    if (!measured) std::cout << "(no machine profile: `dtrain plan --measure` makes one for the time estimates)\n";
+  }
+  return 0;
+}
+
 int run_cli(int argc, char** argv) {
   Cli cli;
   try {
@@ -349,14 +402,7 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
   if (*cli.verify) return verify(cli.verify_opts);
-  if (*cli.plan) {
-    const int64_t world = world_for_check(cli.check_nproc);
-    const auto checked = load(cli.job, "", world);
-    const Plan plan = plan_job(checked.cfg, world);
-    if (cli.json) std::cout << plan_json(checked.cfg, plan).dump() << "\n";
-    else std::cout << cli.job.path << ": " << plan_table(checked.cfg, plan);
-    return 0;
-  }
+  if (*cli.plan) return plan_command(cli);
   if (*cli.inspect) return inspect(cli.folder);
   if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);
   return kExitBadSpec;

@@ -68,7 +68,7 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
 }
 
 // MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).
-double available_memory() {
+double meminfo_available() {
   std::ifstream in("/proc/meminfo");
   std::string key;
   double kib = 0;
@@ -79,6 +79,8 @@ double available_memory() {
 }
 
 }  // namespace
+
+double available_memory() { return meminfo_available(); }
 
 void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes) {
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());

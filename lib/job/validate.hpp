@@ -26,6 +26,9 @@ void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes
 // starting.
 void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes);
 
+// What this machine has available (MemAvailable), bytes; 0 where that cannot be read.
+double available_memory();
+
 // The model's checks that need the data (its windows' length and vocabulary, the images'
 // shape): what `validate` runs once it has read the data, as `run` would refuse it.
 void check_model_fits_data(const JobConfig& cfg, const DataSplits& data);

@@ -304,6 +304,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.flops = s * d;
   embeddings.reduced = split ? s * d : 0;
   embeddings.output = s * d;
+  embeddings.matmuls = 0;
   parts.push_back(embeddings);
   PartCost block;
   const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
@@ -311,6 +312,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.flops = (24 * s * d * d + 4 * s * s * d) / t;
   block.reduced = block.reduced_back = split ? 2 * s * d : 0;
   block.output = s * d;
+  block.matmuls = 6;  // Q K V, the scores, their weighting of V, the projection, the MLP's two
   block.block = true;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;

@@ -105,6 +105,7 @@ struct PartCost {
   double reduced = 0;           // values all-reduced over the tensor group in forward
   double reduced_back = 0;      // ... and in backward
   double output = 0;            // values it hands the next part (what a pipeline sends)
+  double matmuls = 1;           // the matrix multiplies its flops are spread over
   bool block = false;           // train.recompute keeps only its input for backward
 };
 struct SizeContext {

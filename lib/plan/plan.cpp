@@ -1,8 +1,11 @@
 #include "plan/plan.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <system_error>
@@ -24,10 +27,21 @@ namespace dtrain {
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
-// A dtrain process before any model, on the CPU: LibTorch's libraries, its thread pools
-// and Gloo (170 MB, measured with LibTorch 1.13 on a one-unit MLP, a few synthetic samples
-// and no loader threads, at 1 and 2 processes alike), and each loader thread's heap (7 MB).
-constexpr double kRuntimeBytes = 170 * kMiB, kLoaderThreadBytes = 7 * kMiB;
+constexpr double kLoaderThreadBytes = 7 * kMiB;
+
+// A dtrain process before any model, on the CPU: LibTorch's libraries and their start-up,
+// read off this process (one such: 165 MB with LibTorch 1.13 here), the thread pools and
+// Gloo a run adds (5 MB; a run with no loader threads peaked at 170 MB before its model).
+// Each loader thread's heap adds kLoaderThreadBytes (measured).
+double runtime_bytes() {
+  static const double base = [] {
+    std::ifstream statm("/proc/self/statm");
+    double size = 0, resident = 0;
+    if (statm >> size >> resident && resident > 0) return resident * double(::sysconf(_SC_PAGESIZE));
+    return 165 * kMiB;
+  }();
+  return base + 5 * kMiB;
+}
 // ZeRO-2's buckets in flight at once (grad/zero.cpp's Zero2Sync::kInFlight).
 constexpr double kZeroInFlight = 4;
 
@@ -175,7 +189,7 @@ std::vector<Action> step_actions(const Job& job, int64_t pipeline_rank) {
 // flops of forward and backward (and recompute's second forward), the values all-reduced
 // over the tensor group.
 struct ChunkCost {
-  double activation_bytes = 0, recompute_peak = 0, flops = 0, reduced = 0;
+  double activation_bytes = 0, recompute_peak = 0, flops = 0, reduced = 0, reductions = 0;
   double sent_forward = 0, sent_backward = 0;  // to the next stage, to the previous one
 };
 ChunkCost chunk_cost(const Job& job, int64_t stage) {
@@ -194,10 +208,34 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
     if (again) c.recompute_peak = std::max(c.recompute_peak, 2 * p.activation_bytes);
     c.flops += p.flops * (again ? 4 : 3);
     c.reduced += p.reduced * (again ? 2 : 1) + p.reduced_back;
+    c.reductions += (p.reduced > 0 ? (again ? 2 : 1) : 0) + (p.reduced_back > 0 ? 1 : 0);
   }
   if (stage + 1 < job.stages()) c.sent_forward = job.costs[size_t(r.last - 1)].output;
   if (stage > 0) c.sent_backward = job.costs[size_t(r.first - 1)].output;
   return c;
+}
+
+// Seconds a stage computes in a step: each part's matrix multiplies at the rate the profile
+// measured for their size (per micro-batch), the rest of its work (activations written in
+// forward, read and written in backward) at memory speed; backward is twice forward, and a
+// recomputed block runs forward twice.
+double compute_seconds(const Job& job, int64_t stage, const MachineProfile& profile, double threads) {
+  const bool recompute = job.cfg.train.recompute == "blocks";
+  const PartRange r = job.split[size_t(stage)];
+  const double rows_step = job.rows * double(job.micro);
+  double seconds = 0;
+  for (int64_t i = r.first; i < r.last; ++i) {
+    const PartCost& p = job.costs[size_t(i)];
+    const double passes = recompute && p.block ? 4 : 3;
+    if (p.flops > 0 && p.matmuls > 0) {
+      const double size = std::cbrt(p.flops * job.rows / p.matmuls / 2);
+      seconds += passes * p.flops * rows_step / profile.matmul_flops(size, threads);
+    } else if (p.flops > 0) {
+      seconds += passes * 4 * p.flops * rows_step / profile.memory_bytes(threads);
+    }
+    seconds += passes * p.activation_bytes * rows_step / profile.memory_bytes(threads);
+  }
+  return seconds;
 }
 
 // ZeRO-3's gathers over a step, as grad/zero.cpp's Zero3Sync makes them: each use gathers
@@ -312,7 +350,7 @@ double sync_bytes(const Job& job, const Held& h, double numel) {
 
 }  // namespace
 
-RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank) {
+RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const MachineProfile* profile) {
   const Job job(cfg, world);
   const auto& p = cfg.parallel;
   RankPlan out;
@@ -333,7 +371,7 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank) {
   MemoryPlan& m = out.memory;
   if (!job.cuda) {
     m.data = data_bytes(cfg);
-    m.runtime = kRuntimeBytes + kLoaderThreadBytes * double(cfg.data.workers);
+    m.runtime = runtime_bytes() + kLoaderThreadBytes * double(cfg.data.workers);
   }
   const bool fused = has_fused_kernel(cfg.optimizer.name, job.cuda ? torch::kCUDA : torch::kCPU);
   double largest = 0;
@@ -375,7 +413,6 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank) {
   // is added into the flat gradient; ZeRO's buckets and gathered units; error feedback's
   // residual; the unfused optimizer's temporaries.
   m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro));
-  double comm = 0;
   double zero3_sent = 0;
   if (p.zero >= 2 && d > 1) {
     m.buffers += kZeroInFlight * p.bucket_mb * kMiB + 4 * double(h.tied);
@@ -394,10 +431,13 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank) {
 
   // Bytes sent per step: the data group's gradient sync (or local SGD's averages), the
   // tensor group's all-reduces, the pipeline's activations and gradients, a tied weight's
-  // sum.
+  // sum; and the operations they take (each pays the link's latency).
+  double data_bytes = 0, data_ops = 0;
+  const double buckets = std::ceil(4 * double(numel) / (p.bucket_mb * kMiB));
   if (p.mode == "local_sgd") {
     const double averaged = double(numel) * (1 + (p.average_optimizer ? double(slots) : 0));
-    comm += ring(4 * averaged, d) / double(p.average_every);
+    data_bytes = ring(4 * averaged, d) / double(p.average_every);
+    data_ops = (p.average_optimizer ? double(1 + slots) : 1) / double(p.average_every);
   } else if (d > 1 && p.zero > 0) {
     // Each slice reduced to its owner: (D-1)/D of it, and 1/D more off the owner; the tied
     // weight all-reduced instead (every data rank needs it whole to sum it across stages).
@@ -405,40 +445,83 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank) {
     for (const auto& [lo, hi] : h.tied_at)
       tied_here += double(std::max<int64_t>(0, std::min(hi, (at.data + 1) * shard) - std::max(lo, at.data * shard)));
     const double others = 4 * double(numel - h.tied), owned = 4 * (double(shard) - tied_here);
-    comm += others * double(d - 1) / double(d) + (others - owned) / double(d);
-    comm += ring(4 * double(h.tied), d);
-    if (p.zero < 3) comm += 4 * double(shard) * double(d - 1);
-    comm += zero3_sent;
+    data_bytes = others * double(d - 1) / double(d) + (others - owned) / double(d);
+    data_bytes += ring(4 * double(h.tied), d);
+    if (p.zero < 3) data_bytes += 4 * double(shard) * double(d - 1);
+    data_bytes += zero3_sent;
+    data_ops = 2 * buckets + (p.zero >= 3 ? 2 * double(job.micro * int64_t(h.units.size())) : 0);
   } else if (d > 1) {
-    comm += sync_bytes(job, h, double(numel));
+    data_bytes = sync_bytes(job, h, double(numel));
+    data_ops = p.compression == "powersgd" ? 2 * buckets : buckets;
   }
-  double reduced = 0, piped = 0;
+  double reduced = 0, reductions = 0, piped = 0;
   for (const auto& cc : chunk) {
     reduced += cc.reduced;
+    reductions += cc.reductions;
     piped += cc.sent_forward + cc.sent_backward;
     out.flops += cc.flops;
   }
   const double rows_step = job.rows * double(job.micro);
-  comm += ring(4 * reduced * rows_step, job.dims.tensor) + 4 * piped * rows_step;
-  comm += ring(4 * double(h.tied), 2);
+  const double tensor_bytes = ring(4 * reduced * rows_step, job.dims.tensor);
+  const double pipe_bytes = 4 * piped * rows_step, tied_bytes = ring(4 * double(h.tied), 2);
   out.flops *= rows_step;
-  if (!async) out.comm_bytes = comm;
+  if (!async) out.comm_bytes = data_bytes + tensor_bytes + pipe_bytes + tied_bytes;
 
   if (job.dims.pipeline > 1)
     out.bubble = double(job.dims.pipeline - 1) /
                  double(job.chunks * job.micro + job.dims.pipeline - 1);
+
+  // The time of a step, where a profile of this CPU says how fast it computes and talks:
+  // the chunks' matmuls at the rate of their size and the rest of their work at memory
+  // speed, stretched by the bubble; the optimizer streaming its shard; each group's bytes
+  // at its link's rate plus a latency per operation, not overlapped with computing.
+  if (profile && !job.cuda && !async && !profile->matmul.empty()) {
+    const double threads = cfg.train.threads > 0
+                               ? double(cfg.train.threads)
+                               : std::max(1.0, std::floor(double(profile->cores) / double(world)));
+    double compute = 0;
+    for (int64_t c = 0; c < job.chunks; ++c)
+      compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, *profile, threads);
+    if (out.bubble < 1) compute /= 1 - out.bubble;
+    const double passes = cfg.optimizer.name == "adamw" ? 12 : 4;
+    // More threads than cores over the processes (all planned on this machine) share them.
+    const double shared = std::max(1.0, double(world) * threads / double(profile->cores));
+    double seconds = shared * (compute + passes * 4 * double(shard) / profile->memory_bytes(threads));
+    auto talk = [&](const std::vector<MachineProfile::Link>& links, int64_t ranks, double bytes,
+                    double ops) {
+      const auto* l = profile->link(links, ranks);
+      if (bytes > 0 && l) seconds += ops * l->latency_s + bytes / l->bytes_per_s;
+    };
+    talk(profile->all_reduce, d, data_bytes, data_ops);
+    talk(profile->all_reduce, job.dims.tensor, tensor_bytes, double(job.micro) * reductions);
+    talk(profile->send, 2, pipe_bytes, double(job.micro * job.chunks) * 2);
+    talk(profile->all_reduce, 2, tied_bytes, 1);
+    out.step_s = seconds;
+  }
   return out;
 }
 
-Plan plan_job(const JobConfig& cfg, int64_t world) {
+Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile) {
   const Job job(cfg, world);
   Plan plan;
   plan.dims = job.dims;
   plan.world = world;
   plan.device = job.cuda ? "cuda" : "cpu";
-  if (job.servers > 0) plan.ranks.push_back(plan_rank(cfg, world, 0));
+  if (job.servers > 0) plan.ranks.push_back(plan_rank(cfg, world, 0, profile));
   for (int64_t s = 0; s < job.dims.pipeline; ++s)
-    plan.ranks.push_back(plan_rank(cfg, world, job.servers + job.dims.rank_of({0, 0, s})));
+    plan.ranks.push_back(plan_rank(cfg, world, job.servers + job.dims.rank_of({0, 0, s}), profile));
+  bool timed = profile != nullptr;
+  double slowest = 0;
+  for (const auto& r : plan.ranks) {
+    plan.world_memory += r.memory.total() * double(r.alike);
+    if (r.role == "server") continue;
+    timed = timed && r.step_s.has_value();
+    if (r.step_s) slowest = std::max(slowest, *r.step_s);
+  }
+  if (timed && slowest > 0) {
+    plan.step_s = slowest;
+    plan.samples_per_s = double(cfg.data.batch_size) / slowest;
+  }
   return plan;
 }
 
@@ -465,6 +548,9 @@ std::string plan_table(const JobConfig& cfg, const Plan& plan) {
                        r.comm_bytes ? fmt::format("{:.3f}", *r.comm_bytes / kMiB) : std::string("-"),
                        r.bubble, r.flops / 1e9);
   }
+  if (plan.step_s)
+    out += fmt::format("expected step {:.4g} s, {:.4g} samples/s (the slowest rank; from the "
+                       "machine profile)\n", *plan.step_s, *plan.samples_per_s);
   return out;
 }
 
@@ -486,7 +572,8 @@ nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan) {
                                     {"runtime", mb(m.runtime)}, {"total", mb(m.total())}}},
                      {"comm_bytes", r.comm_bytes ? nlohmann::json(*r.comm_bytes) : nlohmann::json(nullptr)},
                      {"bubble", r.bubble},
-                     {"flops", r.flops}});
+                     {"flops", r.flops},
+                     {"step_s", r.step_s ? nlohmann::json(*r.step_s) : nlohmann::json(nullptr)}});
   }
   const auto& p = cfg.parallel;
   return {{"layout", {{"data", plan.dims.data}, {"tensor", plan.dims.tensor},

@@ -15,6 +15,7 @@
 
 #include "config/config.hpp"
 #include "parallel/dims.hpp"
+#include "plan/profile.hpp"
 
 namespace dtrain {
 
@@ -38,6 +39,7 @@ struct RankPlan {
   std::optional<double> comm_bytes;  // per step, after any compression warm-up
   double bubble = 0;           // the schedule's idle fraction of a step, ideal
   double flops = 0;            // per step, forward and backward (and recompute)
+  std::optional<double> step_s;  // with a machine profile (CPU, sync and local SGD modes)
 };
 
 struct Plan {
@@ -45,14 +47,17 @@ struct Plan {
   int64_t world = 1;
   std::string device;            // "cpu", "cuda"
   std::vector<RankPlan> ranks;   // one per distinct rank: each pipeline stage (and server)
-  std::optional<double> step_s, samples_per_s;  // with a machine profile (none yet)
+  std::optional<double> step_s, samples_per_s;  // the slowest rank's, with a machine profile
+  // Every rank's memory added up (what one machine holds when all run on it), bytes.
+  double world_memory = 0;
 };
 
-// The plan of a job validated for `world` processes.
-Plan plan_job(const JobConfig& cfg, int64_t world);
+// The plan of a job validated for `world` processes; times where `profile` is given.
+Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile = nullptr);
 
 // Rank `rank`'s plan alone (the memory check sums a machine's local ranks).
-RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank);
+RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank,
+                   const MachineProfile* profile = nullptr);
 
 // The human table and the --json object.
 std::string plan_table(const JobConfig& cfg, const Plan& plan);

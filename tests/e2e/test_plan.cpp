@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <fstream>
+#include <set>
 
 #include "run.hpp"
 
@@ -165,6 +167,67 @@ TEST_SUITE("plan") {
     CHECK(bad.err.find("parallel.tensor") != std::string::npos);
     auto missing = dtrain("plan " + dir + "/nope.yaml");
     CHECK(missing.code == 2);
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+
+  TEST_CASE("plan: --measure keeps a profile; the step time it expects is near a run's; --all ranks the layouts") {
+    auto dir = temp_dir("plan-measure");
+    const std::string profile = dir + "/machine.json";
+    auto m = dtrain("plan --measure --nproc 2 --profile " + profile);
+    INFO(m.out << m.err);
+    REQUIRE(m.code == 0);
+    const auto p = nlohmann::json::parse(slurp(profile));
+    CHECK(p["format"] == "dtrain-machine");
+    REQUIRE(p["matmul_fp32"].size() >= 4);
+    for (const auto& x : p["matmul_fp32"]) CHECK(x["one_thread_flops"].get<double>() > 1e6);
+    CHECK(p["gloo_all_reduce"][0]["bytes_per_s"].get<double>() > 1e6);
+    CHECK(p["gloo_send"][0]["latency_s"].get<double>() >= 0);
+
+    // A GPT at 2 data ranks: the expected step against the run's median step, within 2x
+    // either way (the README reports the measured ratios).
+    auto job = gpt_job();
+    job.model = "{arch: gpt, layers: 2, heads: 4, dim: 128, vocab: 256, seq_len: 64}";
+    job.data = "{dataset: synthetic_tokens, samples: 512, test_samples: 32, batch_size: 16, workers: 1}";
+    job.threads = std::nullopt;  // the default: the cores shared among the processes
+    const auto path = job.write(dir);
+    const auto plan = nlohmann::json::parse(
+        dtrain("plan " + path + " --json --nproc 2 --profile " + profile).out);
+    REQUIRE(plan["step_s"].is_number());
+    CHECK(plan["samples_per_s"].get<double>() == doctest::Approx(16 / plan["step_s"].get<double>()));
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/run --set train.max_steps=30 --set train.log_every=10");
+    const auto summary = of_kind(metrics(dir + "/run"), "summary").at(0);
+    const double ratio = plan["step_s"].get<double>() * 1000 / summary["step_ms_median"].get<double>();
+    CAPTURE(ratio);
+    CHECK(ratio > 0.5);
+    CHECK(ratio < 2.0);
+
+    // Every layout of 4 processes, fastest first among those that fit; a limit nothing
+    // fits marks them all.
+    auto all = dtrain("plan " + path + " --all --json --nproc 4 --profile " + profile);
+    INFO(all.err);
+    REQUIRE(all.code == 0);
+    const auto list = nlohmann::json::parse(all.out)["layouts"];
+    CHECK(list.size() >= 20);
+    double last = 0;
+    std::set<std::string> labels;
+    for (const auto& l : list) {
+      REQUIRE(l["fits"] == true);
+      CHECK(l["step_s"].get<double>() >= last);
+      last = l["step_s"].get<double>();
+      labels.insert(l["label"].get<std::string>());
+    }
+    CHECK(labels.size() == list.size());
+    CHECK(labels.count("d4 x t1 x p1, zero 0, 1 micro-batch(es)") == 1);
+    CHECK(labels.count("d1 x t2 x p2, zero 0, interleaved_1f1b x2, 2 micro-batch(es), recompute") == 1);
+    auto tight = dtrain("plan " + path + " --all --nproc 4 --memory-gb 0.01 --profile " + profile);
+    CHECK(tight.code == 0);
+    CHECK(tight.out.find(" yes\n") == std::string::npos);
+    CHECK(tight.out.find(" no\n") != std::string::npos);
+    // A profile that does not parse is named.
+    std::ofstream(dir + "/bad.json") << "{";
+    auto bad = dtrain("plan " + path + " --profile " + dir + "/bad.json");
+    CHECK(bad.code == 3);
+    CHECK(bad.err.find("bad.json") != std::string::npos);
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }

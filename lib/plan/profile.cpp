@@ -1,0 +1,229 @@
+#include "plan/profile.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "comm/comm.hpp"
+#include "launch/device.hpp"
+#include "util/error.hpp"
+#include "util/files.hpp"
+
+namespace dtrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Seconds per call of `fn`, over at least `budget` seconds after a warm-up call.
+template <class Fn>
+double seconds_per(Fn fn, double budget = 0.2) {
+  fn();
+  int64_t calls = 0;
+  const auto start = Clock::now();
+  double took = 0;
+  do {
+    fn();
+    ++calls;
+    took = std::chrono::duration<double>(Clock::now() - start).count();
+  } while (took < budget);
+  return took / double(calls);
+}
+
+double matmul_rate(int64_t n) {
+  auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
+  return 2.0 * double(n) * double(n) * double(n) / seconds_per([&] { at::mm_out(c, a, b); });
+}
+
+double memory_rate() {
+  auto a = torch::zeros({int64_t(16) << 20}), b = torch::ones({int64_t(16) << 20});
+  return 3.0 * 4 * double(a.numel()) / seconds_per([&] { a.add_(b); });  // read a and b, write a
+}
+
+// Latency and bandwidth from the time of a small and a large operation.
+MachineProfile::Link fit(int64_t ranks, double small_bytes, double small_s, double large_bytes,
+                         double large_s) {
+  MachineProfile::Link l;
+  l.ranks = ranks;
+  l.bytes_per_s = (large_bytes - small_bytes) / std::max(large_s - small_s, 1e-9);
+  l.latency_s = std::max(0.0, small_s - small_bytes / l.bytes_per_s);
+  return l;
+}
+
+// All-reduce and send/recv among `n` ranks as threads of this process, real Gloo on
+// loopback: the links of rank 0, which sends as every rank does.
+std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
+  static int calls = 0;
+  const std::string rendezvous = fmt::format("profile-{}-{}", ::getpid(), calls++);
+  const int64_t small = 1024, large = int64_t(4) << 20;  // floats
+  std::vector<double> times(4, 0);
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto comm = make_in_process_comm(rendezvous, r, n);
+        // A fixed number of each (every rank must make the same calls).
+        for (int k = 0; k < 2; ++k) {
+          auto t = torch::ones({k == 0 ? small : large});
+          const int reps = k == 0 ? 200 : 10;
+          comm->all_reduce(t);  // warm-up
+          comm->barrier();
+          const auto start = Clock::now();
+          for (int i = 0; i < reps; ++i) comm->all_reduce(t);
+          if (r == 0) times[size_t(k)] = std::chrono::duration<double>(Clock::now() - start).count() / reps;
+        }
+        for (int k = 0; k < 2; ++k) {
+          auto t = torch::ones({k == 0 ? small : large});
+          comm->barrier();
+          // Rank 0 sends to 1 and back, a fixed number of times (both must agree on it).
+          const int reps = k == 0 ? 200 : 10;
+          const auto start = Clock::now();
+          for (int i = 0; i < reps; ++i) {
+            if (r == 0) comm->send(t, 1), comm->recv(t, 1);
+            if (r == 1) comm->recv(t, 0), comm->send(t, 0);
+          }
+          if (r == 0)
+            times[size_t(2 + k)] = std::chrono::duration<double>(Clock::now() - start).count() / (2.0 * reps);
+        }
+        comm->barrier();
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  auto ring = [&](double floats) { return 2 * 4 * floats * double(n - 1) / double(n); };
+  return {fit(n, ring(double(small)), times[0], ring(double(large)), times[1]),
+          fit(n, 4.0 * double(small), times[2], 4.0 * double(large), times[3])};
+}
+
+}  // namespace
+
+double MachineProfile::matmul_flops(double size, double threads) const {
+  if (matmul.empty()) return 0;
+  auto at_threads = [&](const Matmul& m) {
+    const double t = std::clamp(threads, 1.0, double(cores));
+    return cores > 1 ? m.one + (m.all - m.one) * (t - 1) / double(cores - 1) : m.one;
+  };
+  if (size <= matmul.front().size) return at_threads(matmul.front()) * size / matmul.front().size;
+  for (size_t i = 1; i < matmul.size(); ++i)
+    if (size <= matmul[i].size) {
+      const double w = std::log(size / matmul[i - 1].size) / std::log(matmul[i].size / matmul[i - 1].size);
+      return at_threads(matmul[i - 1]) * (1 - w) + at_threads(matmul[i]) * w;
+    }
+  return at_threads(matmul.back());
+}
+
+double MachineProfile::memory_bytes(double threads) const {
+  const double t = std::clamp(threads, 1.0, double(cores));
+  return cores > 1 ? memory_one + (memory_all - memory_one) * (t - 1) / double(cores - 1) : memory_one;
+}
+
+const MachineProfile::Link* MachineProfile::link(const std::vector<Link>& links, int64_t ranks) const {
+  const Link* best = nullptr;
+  for (const auto& l : links)
+    if (!best || std::abs(l.ranks - ranks) < std::abs(best->ranks - ranks)) best = &l;
+  return best;
+}
+
+MachineProfile measure_machine(int64_t max_ranks) {
+  MachineProfile p;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  p.host = host;
+  p.build = build_info();
+  p.cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  torch::NoGradGuard no_grad;
+  const int before = torch::get_num_threads();
+  for (int64_t n : {32, 64, 128, 256, 512, 1024}) {
+    MachineProfile::Matmul m;
+    m.size = double(n);
+    torch::set_num_threads(1);
+    m.one = matmul_rate(n);
+    torch::set_num_threads(int(p.cores));
+    m.all = p.cores > 1 ? matmul_rate(n) : m.one;
+    p.matmul.push_back(m);
+  }
+  torch::set_num_threads(1);
+  p.memory_one = memory_rate();
+  torch::set_num_threads(int(p.cores));
+  p.memory_all = p.cores > 1 ? memory_rate() : p.memory_one;
+  torch::set_num_threads(1);
+  for (int64_t n = 2; n <= std::max<int64_t>(2, max_ranks); n *= 2) {
+    auto [all_reduce, send] = measure_links(n);
+    p.all_reduce.push_back(all_reduce);
+    p.send.push_back(send);
+  }
+  torch::set_num_threads(before);
+  return p;
+}
+
+std::string default_profile_path() {
+  if (const char* p = std::getenv("DTRAIN_PROFILE"); p && *p) return p;
+  if (const char* c = std::getenv("XDG_CACHE_HOME"); c && *c) return std::string(c) + "/dtrain/machine.json";
+  const char* home = std::getenv("HOME");
+  return std::string(home && *home ? home : "/tmp") + "/.cache/dtrain/machine.json";
+}
+
+nlohmann::json profile_json(const MachineProfile& p) {
+  nlohmann::json matmul = nlohmann::json::array(), all_reduce = nlohmann::json::array(),
+                 send = nlohmann::json::array();
+  for (const auto& m : p.matmul) matmul.push_back({{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}});
+  for (const auto& l : p.all_reduce) all_reduce.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
+  for (const auto& l : p.send) send.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
+  return {{"format", "dtrain-machine"}, {"version", 1},    {"host", p.host},
+          {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", matmul},
+          {"memory_one_thread_bytes_per_s", p.memory_one},
+          {"memory_all_threads_bytes_per_s", p.memory_all},
+          {"gloo_all_reduce", all_reduce},
+          {"gloo_send", send}};
+}
+
+void save_profile(const MachineProfile& p, const std::string& path) {
+  std::error_code ec;
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  try {
+    write_file_atomic(path, profile_json(p).dump(2) + "\n");
+  } catch (const std::exception& e) {
+    throw RunDirError(fmt::format("plan --measure: cannot write '{}': {}", path, e.what()));
+  }
+}
+
+std::optional<MachineProfile> load_profile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  try {
+    const auto j = nlohmann::json::parse(in);
+    if (j.at("format") != "dtrain-machine" || j.at("version") != 1)
+      throw std::runtime_error("not a dtrain machine profile of version 1");
+    MachineProfile p;
+    p.host = j.at("host");
+    p.build = j.at("build");
+    p.cores = j.at("cores");
+    for (const auto& m : j.at("matmul_fp32"))
+      p.matmul.push_back({m.at("size"), m.at("one_thread_flops"), m.at("all_threads_flops")});
+    p.memory_one = j.at("memory_one_thread_bytes_per_s");
+    p.memory_all = j.at("memory_all_threads_bytes_per_s");
+    for (const auto& l : j.at("gloo_all_reduce")) p.all_reduce.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});
+    for (const auto& l : j.at("gloo_send")) p.send.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});
+    if (p.matmul.empty() || p.memory_one <= 0) throw std::runtime_error("no measurements");
+    return p;
+  } catch (const std::exception& e) {
+    throw RunDirError(fmt::format("the machine profile '{}' does not read: {} (run `dtrain plan "
+                                  "--measure` again)", path, e.what()));
+  }
+}
+
+}  // namespace dtrain

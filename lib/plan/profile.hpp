@@ -1,0 +1,52 @@
+// A machine profile for `dtrain plan`'s time estimates (`dtrain plan --measure`): how fast
+// this machine multiplies matrices (by size, on one thread and on all cores), how fast it
+// streams memory, and what Gloo's all-reduce and send cost between local processes. Kept
+// as JSON under the user's cache folder.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace dtrain {
+
+struct MachineProfile {
+  std::string host, build;   // where and with what it was measured
+  int64_t cores = 1;
+  // fp32 matrix multiplies of square matrices of `size`: flop/s on one thread and on all
+  // `cores` threads.
+  struct Matmul {
+    double size = 0, one = 0, all = 0;
+  };
+  std::vector<Matmul> matmul;
+  double memory_one = 0, memory_all = 0;  // bytes/s an in-place add streams, 1 and all threads
+  // A collective between `ranks` local processes over Gloo: a fixed cost per operation and
+  // the bytes per second a rank sends (counted as comm_bytes counts them).
+  struct Link {
+    int64_t ranks = 2;
+    double latency_s = 0, bytes_per_s = 0;
+  };
+  std::vector<Link> all_reduce, send;
+
+  // Interpolated in log(size) and linearly in threads between 1 and `cores`.
+  double matmul_flops(double size, double threads) const;
+  double memory_bytes(double threads) const;
+  // The measured link nearest `ranks` (all-reduce's cost grows with the ranks).
+  const Link* link(const std::vector<Link>& links, int64_t ranks) const;
+};
+
+// Measures this machine (a few seconds per part): matmuls, memory, and the collectives
+// between 2 to `max_ranks` local ranks (threads of this process over Gloo on loopback, as
+// between processes).
+MachineProfile measure_machine(int64_t max_ranks);
+
+// $DTRAIN_PROFILE, else $XDG_CACHE_HOME/dtrain/machine.json, else ~/.cache/dtrain/machine.json.
+std::string default_profile_path();
+void save_profile(const MachineProfile& p, const std::string& path);
+// nullopt where there is no file; RunDirError naming the file where it does not parse.
+std::optional<MachineProfile> load_profile(const std::string& path);
+nlohmann::json profile_json(const MachineProfile& p);
+
+}  // namespace dtrain
