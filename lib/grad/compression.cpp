@@ -165,7 +165,6 @@ std::vector<int64_t> cuts_of(const FlatParams& params, int64_t block = 0) {
 // 256 values costs 1/8 of a bit per value: 28x fewer bytes than fp32 instead of 32x.)
 // Within one parameter, so a replicated parameter's scales are the same on every tensor
 // rank whatever the split parameters beside it in the slice hold.
-constexpr int64_t kSignBlock = 256;
 
 class Sign : public EachSlice {
  public:
@@ -283,7 +282,7 @@ class PowerSgd : public ErrorFeedback {
       const auto& shape = entries_[i].shape;
       if (shape.size() < 2) continue;
       const int64_t n = shape[0], m = entries_[i].numel / n;
-      if ((n + m) * rank * 2 >= n * m) continue;
+      if (!powersgd_compresses(n, m, rank)) continue;
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_of(entries_[i].name));
       auto q = torch::randn({m, rank}, gen, torch::kFloat32);
       orthonormalise(q);

@@ -23,6 +23,12 @@
 
 namespace dtrain {
 
+// sign: the values of one parameter that share one scale (the mean magnitude) on the wire.
+constexpr int64_t kSignBlock = 256;
+// powersgd: whether an n x m matrix goes as a rank-r product (when that shrinks it at least
+// 2x, PyTorch's rule); others go as they are.
+inline bool powersgd_compresses(int64_t n, int64_t m, int64_t rank) { return (n + m) * rank * 2 < n * m; }
+
 class Comm;
 
 std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shared_ptr<Comm> comm,

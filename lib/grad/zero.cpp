@@ -164,7 +164,7 @@ class ZeroSync : public BucketedSync {
 // whole until it has been summed across stages.
 class Zero2Sync : public ZeroSync {
  public:
-  static constexpr size_t kInFlight = 4;
+  static constexpr size_t kInFlight = size_t(kZeroInFlight);
   Zero2Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
             double bucket_mb, int64_t micro_batches)
       : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches),

@@ -12,6 +12,8 @@ namespace dtrain {
 // Shards start at a multiple of this many elements (64 bytes in fp32): aligned for the
 // vectorised update.
 constexpr int64_t kShardAlign = 16;
+// ZeRO-2's (and 3's) buckets reduced at once: the gradient takes the shard plus these.
+constexpr int64_t kZeroInFlight = 4;
 
 // The flat buffers' options under parallel.zero: padded so that they cut into equal
 // shards, and under ZeRO-2 the gradient held for this rank's shard only.

@@ -16,6 +16,7 @@
 
 #include "comm/comm.hpp"
 #include "data/dataset.hpp"
+#include "grad/compression.hpp"
 #include "grad/zero.hpp"
 #include "launch/device.hpp"
 #include "models/model.hpp"
@@ -42,8 +43,6 @@ double runtime_bytes() {
   }();
   return base + 5 * kMiB;
 }
-// ZeRO-2's buckets in flight at once (grad/zero.cpp's Zero2Sync::kInFlight).
-constexpr double kZeroInFlight = 4;
 
 double ring(double bytes, int64_t ranks) {
   return ranks > 1 ? 2 * bytes * double(ranks - 1) / double(ranks) : 0;
@@ -327,7 +326,7 @@ double sync_bytes(const Job& job, const Held& h, double numel) {
     return job.cuda && job.cfg.dist.backend == "nccl" ? ring(g / 2, d) : g / 2 * double(d - 1);
   if (p.compression == "sign") {
     double blocks = 0;
-    for (const auto& e : h.entries) blocks += std::ceil(double(e.numel) / 256);
+    for (const auto& e : h.entries) blocks += std::ceil(double(e.numel) / double(kSignBlock));
     return (std::ceil(numel / 8) + 4 * blocks) * double(d - 1);
   }
   if (p.compression == "topk") {
@@ -339,9 +338,9 @@ double sync_bytes(const Job& job, const Held& h, double numel) {
     double bytes = 0, plain = numel;
     for (const auto& e : h.entries) {
       if (e.shape.size() < 2) continue;
-      const double n = double(e.shape[0]), m = double(e.numel) / n, r = double(p.powersgd_rank);
-      if ((n + m) * r * 2 >= n * m) continue;
-      bytes += ring(4 * (n + m) * r, d), plain -= double(e.numel);
+      const int64_t n = e.shape[0], m = e.numel / n;
+      if (!powersgd_compresses(n, m, p.powersgd_rank)) continue;
+      bytes += ring(4 * double((n + m) * p.powersgd_rank), d), plain -= double(e.numel);
     }
     return bytes + ring(4 * plain, d);
   }
@@ -415,7 +414,7 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const Mach
   m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro));
   double zero3_sent = 0;
   if (p.zero >= 2 && d > 1) {
-    m.buffers += kZeroInFlight * p.bucket_mb * kMiB + 4 * double(h.tied);
+    m.buffers += double(kZeroInFlight) * p.bucket_mb * kMiB + 4 * double(h.tied);
     if (job.micro > 1) m.buffers += 4 * double(h.total);  // micro-batches add up whole
     if (p.zero >= 3) {
       const auto [sent, peak] = zero3_gathers(job, h, at.pipeline, shard, at.data);
