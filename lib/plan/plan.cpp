@@ -117,6 +117,7 @@ Held held_by(const Job& job, int64_t pipeline_rank) {
   Held h;
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<std::string> tied_names;
+  std::vector<NetworkPtr> nets;
   for (int64_t c = 0; c < job.chunks; ++c) {
     const int64_t stage = c * job.dims.pipeline + pipeline_rank;
     ModelContext ctx = job.outline_context(0);
@@ -124,7 +125,10 @@ Held held_by(const Job& job, int64_t pipeline_rank) {
     ctx.last_part = job.split[size_t(stage)].last;
     h.first = h.first || stage == 0;
     h.last = h.last || stage == job.stages() - 1;
-    const auto net = spec.build(job.cfg.model, ctx);
+    // Kept alive to the end: a freed chunk's tensors' addresses could come back in the
+    // next one's and pass for the same parameter.
+    nets.push_back(spec.build(job.cfg.model, ctx));
+    const auto& net = nets.back();
     tied_names = net->tied_parameters();
     std::map<const c10::TensorImpl*, size_t> entry_of;
     for (const auto& p : net->named_parameters(/*recurse=*/true)) {
