@@ -351,10 +351,10 @@ double sync_bytes(const Job& job, const Held& h, double numel) {
   return ring(g, d);
 }
 
-}  // namespace
-
-RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const MachineProfile* profile) {
-  const Job job(cfg, world);
+// Rank `rank`'s plan, from the job worked out once for every rank planned.
+RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) {
+  const JobConfig& cfg = job.cfg;
+  const int64_t world = job.world;
   const auto& p = cfg.parallel;
   RankPlan out;
   out.rank = rank;
@@ -504,15 +504,21 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const Mach
   return out;
 }
 
+}  // namespace
+
+RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const MachineProfile* profile) {
+  return rank_plan(Job(cfg, world), rank, profile);
+}
+
 Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile) {
   const Job job(cfg, world);
   Plan plan;
   plan.dims = job.dims;
   plan.world = world;
   plan.device = job.cuda ? "cuda" : "cpu";
-  if (job.servers > 0) plan.ranks.push_back(plan_rank(cfg, world, 0, profile));
+  if (job.servers > 0) plan.ranks.push_back(rank_plan(job, 0, profile));
   for (int64_t s = 0; s < job.dims.pipeline; ++s)
-    plan.ranks.push_back(plan_rank(cfg, world, job.servers + job.dims.rank_of({0, 0, s}), profile));
+    plan.ranks.push_back(rank_plan(job, job.servers + job.dims.rank_of({0, 0, s}), profile));
   bool timed = profile != nullptr;
   double slowest = 0;
   for (const auto& r : plan.ranks) {
