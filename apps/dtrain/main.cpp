@@ -43,18 +43,30 @@ void add_job_args(CLI::App* cmd, JobArgs& a, bool required = true) {
       ->allow_extra_args(false);
 }
 
-// A job resolved and validated for `world_size` processes, with the layout it resolves to.
+// A job resolved and validated for `world_size` processes (`local` of them on this
+// machine), with the layout it resolves to: parallel.auto's choice, said on stderr where
+// `say`.
 struct Job {
   JobConfig cfg;
   ParallelDims dims;
 };
 
-Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size) {
+Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say) {
   Job job{load_job(a.path, a.sets), {}};
   if (!run_dir.empty()) job.cfg.run_dir = run_dir;
   resolve(job.cfg);
+  auto choice = auto_layout(job.cfg, world_size, local, false);
+  if (say && !choice.line.empty()) std::cerr << "dtrain: " << choice.line << "\n";
+  job.cfg = std::move(choice.cfg);
   job.dims = validate(job.cfg, world_size);
   return job;
+}
+
+// An elastic job's check at each world size: under parallel.auto, that some layout
+// validates (the one auto_layout would take at that size).
+WorldCheck elastic_check(const JobConfig& cfg) {
+  if (!cfg.parallel.auto_layout) return nullptr;
+  return [](const JobConfig& c, int64_t world) { choose_layout(c, world, nullptr, 0); };
 }
 
 // The world size validate and config check against: --nproc, else the launcher's
@@ -108,7 +120,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
             bool requeue, int64_t nproc, int64_t max_restarts, int argc, char** argv) {
   auto env = process_env();
   if (nproc > 1 && detect_launcher(env) == "single") {
-    const auto checked = load(job, run_dir, nproc);  // a bad spec fails here, once, not in every worker
+    // A bad spec fails here, once, not in every worker (rank 0 says parallel.auto's choice).
+    const auto checked = load(job, run_dir, nproc, nproc, false);
     check_machine(checked.cfg, nproc, nproc);
     const JobConfig cfg = checked.cfg;
     const auto& mode = mode_spec(cfg.parallel.mode);
@@ -120,24 +133,34 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   if (!run_dir.empty()) cfg.run_dir = run_dir;
   resolve(cfg);
   auto world = discover_world(env, cfg.dist.port);
+  // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
+  const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
+  const auto device = [&] {
+    return plan_device(cfg, world.local_rank, world.local_world, mode_spec(cfg.parallel.mode).any_source);
+  };
+  const auto connect = [&]() -> std::shared_ptr<Comm> {
+    if (world.world == 1) return make_local_comm();
+    const DevicePlan plan = device();
+    return make_c10d_comm(world, {plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
+                                  cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device});
+  };
+  std::shared_ptr<Comm> comm;
+  if (cfg.parallel.auto_layout) {  // the ranks agree on one choice, over the job's comm
+    comm = connect();
+    cfg = agree_on_layout(cfg, world.local_world, !resume_from.empty(), *comm);
+  }
   const ParallelDims dims = validate(cfg, world.world);
   check_machine(cfg, world.world, world.local_world);
   // An elastic range torchrun was given through its environment: every size in it must
   // work, not only this one (a join would otherwise stop the job later).
   if (auto range = env("PET_NNODES"); range && !world.run_id.empty()) {
     const auto [lo, hi] = node_range(*range, "PET_NNODES");
-    validate_elastic(cfg, lo, hi, world.local_world);
+    validate_elastic(cfg, lo, hi, world.local_world, elastic_check(cfg));
   }
-  // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
-  const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
-  const DevicePlan plan = plan_device(cfg, world.local_rank, world.local_world,
-                                     mode_spec(cfg.parallel.mode).any_source);
-  RunOptions opts{resume_from, "", plan.device};
+  RunOptions opts{resume_from, "", device().device};
   if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
     opts.requeue_job = slurm_job_to_requeue(env);
-  const CommOptions comm_opts{plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
-                              cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device};
-  std::shared_ptr<Comm> comm = world.world == 1 ? make_local_comm() : make_c10d_comm(world, comm_opts);
+  if (!comm) comm = connect();
   return run_training(cfg, dims, opts, world, comm).exit_code;
 }
 
@@ -318,11 +341,12 @@ int validate_job(const Cli& cli) {
     const auto [lo, hi] = node_range(cli.nnodes, "--nnodes");
     JobConfig cfg = load_job(cli.job.path, cli.job.sets);
     resolve(cfg);
-    validate_elastic(cfg, lo, hi, cli.check_nproc);
+    validate_elastic(cfg, lo, hi, cli.check_nproc, elastic_check(cfg));
   }
   const int64_t world = world_for_check(cli.check_nproc);
-  auto checked = load(cli.job, "", world);
-  check_machine(checked.cfg, world, std::min(world, local_for_check(cli.check_nproc)));
+  const int64_t local = std::min(world, local_for_check(cli.check_nproc));
+  auto checked = load(cli.job, "", world, local, true);
+  check_machine(checked.cfg, world, local);
   check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
   const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
   // A mode may set ranks apart from the layout (async_ps's servers).
@@ -338,7 +362,9 @@ int validate_job(const Cli& cli) {
 
 // `plan`: measure the machine (--measure), then plan the job, or every layout (--all).
 int plan_command(const Cli& cli) {
-  const std::string profile_path = cli.profile.empty() ? default_profile_path() : cli.profile;
+  // --profile stands for $DTRAIN_PROFILE, which parallel.auto's choice reads too.
+  if (!cli.profile.empty()) ::setenv("DTRAIN_PROFILE", cli.profile.c_str(), 1);
+  const std::string profile_path = default_profile_path();
   fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
   if (cli.measure) {
     std::cerr << "measuring this machine (a few seconds)...\n";
@@ -346,12 +372,14 @@ int plan_command(const Cli& cli) {
     std::cerr << "wrote " << profile_path << "\n";
     if (cli.job.path.empty()) return 0;
   }
-  const auto profile = load_profile(profile_path);
-  const MachineProfile* measured = profile ? &*profile : nullptr;
   const int64_t world = world_for_check(cli.check_nproc);
   if (cli.all) {
     JobConfig cfg = load_job(cli.job.path, cli.job.sets);
     resolve(cfg);
+    // An auto job's list is ranked as its choice is: by time, measuring where need be.
+    const auto profile = cfg.parallel.auto_layout ? std::optional(profile_for_auto(world))
+                                                  : load_profile(profile_path);
+    const MachineProfile* measured = profile ? &*profile : nullptr;
     const bool cuda = plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
     const double limit = cli.memory_gb > 0 ? cli.memory_gb * 1024 * 1024 * 1024
                          : cuda            ? 0
@@ -364,7 +392,9 @@ int plan_command(const Cli& cli) {
     else std::cout << cli.job.path << ": " << candidates_table(all, limit);
     return 0;
   }
-  const auto checked = load(cli.job, "", world);
+  const auto checked = load(cli.job, "", world, world, true);
+  const auto profile = load_profile(profile_path);  // after load: parallel.auto may have made it
+  const MachineProfile* measured = profile ? &*profile : nullptr;
   const Plan plan = plan_job(checked.cfg, world, measured);
   if (cli.json) {
     std::cout << plan_json(checked.cfg, plan).dump() << "\n";
@@ -398,7 +428,8 @@ int run_cli(int argc, char** argv) {
       return 0;
     }
     fail_if<ConfigError>(cli.job.path.empty(), "config: JOB is required (or --reference)");
-    std::cout << to_yaml(load(cli.job, "", world_for_check(cli.check_nproc)).cfg);
+    const int64_t world = world_for_check(cli.check_nproc);
+    std::cout << to_yaml(load(cli.job, "", world, std::min(world, local_for_check(cli.check_nproc)), true).cfg);
     return 0;
   }
   if (*cli.verify) return verify(cli.verify_opts);

@@ -5,6 +5,7 @@
 // (`dtrain config --reference`, docs/keys.md) are all driven from those lists (schema.hpp).
 #pragma once
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -238,8 +239,13 @@ struct ParallelConfig {
   int64_t average_every = 8;
   int64_t local_after = 0;
   bool average_optimizer = false;
+  bool auto_layout = false;
 
   template <class V> void visit(V&& v) {
+    v("auto", auto_layout,
+      "choose the layout at start: the fastest that fits this machine's memory of those "
+      "`dtrain plan --all` ranks (data x tensor x pipeline, zero, schedule, virtual_stages, "
+      "train.grad_accum, train.recompute); the ones the job sets itself stay as set");
     v("data", data, "data-parallel replicas; 0 = the world over tensor x pipeline");
     v("tensor", tensor, "tensor-parallel ranks each layer is split over (mlp, gpt)");
     v("pipeline", pipeline, "pipeline stages the model's parts are split over");
@@ -363,6 +369,9 @@ struct JobConfig {
   DistConfig dist;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
+  // Not a key: the leaf keys the job file and its --set arguments named (parallel.auto
+  // holds those of the layout fixed).
+  std::set<std::string> given;
 
   template <class V> void visit(V&& v) {
     v("name", name, "the job's name: letters, digits, '.', '_', '-'; the run folder is runs/NAME");

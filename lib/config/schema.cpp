@@ -179,7 +179,8 @@ void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
 }
 
 void load_map(std::vector<Field>& fields, const YAML::Node& map, const std::string& prefix,
-              const std::string& origin, const std::vector<std::string>& sections) {
+              const std::string& origin, const std::vector<std::string>& sections,
+              std::set<std::string>& given) {
   std::set<std::string> seen;
   for (auto it = map.begin(); it != map.end(); ++it) {
     const std::string key = prefix + it->first.as<std::string>();
@@ -190,12 +191,13 @@ void load_map(std::vector<Field>& fields, const YAML::Node& map, const std::stri
       if (it->second.IsNull()) continue;
       if (!it->second.IsMap())
         throw ConfigError(fmt::format("{}: '{}' must be a mapping of keys", at, key));
-      load_map(fields, it->second, key + ".", origin, sections);
+      load_map(fields, it->second, key + ".", origin, sections, given);
       continue;
     }
     Field* f = find_field(fields, key);
     if (!f) throw unknown_key(at, key);
     set_field(*f, it->second, where(it->second.Mark(), origin));
+    given.insert(key);
   }
 }
 
@@ -206,7 +208,7 @@ JobConfig from_node(const YAML::Node& root, const std::string& origin,
   if (root.IsDefined() && !root.IsNull()) {
     if (!root.IsMap())
       throw ConfigError(fmt::format("{}: a job spec must be a mapping of keys", origin));
-    load_map(fields, root, "", origin, section_names());
+    load_map(fields, root, "", origin, section_names(), cfg.given);
   }
   for (const auto& o : overrides) apply_override(cfg, o);
   return cfg;
@@ -291,6 +293,7 @@ void apply_override(JobConfig& cfg, const std::string& assignment) {
     }
   }
   set_field(*f, node, at);
+  cfg.given.insert(key);
 }
 
 JobConfig parse_job(const std::string& yaml_text, const std::string& origin,

@@ -115,10 +115,11 @@ void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes)
 }
 
 void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes,
-                      int64_t per_node) {
+                      int64_t per_node, const WorldCheck& check) {
   for (int64_t nodes = min_nodes; nodes <= max_nodes; ++nodes) {
     try {
-      validate(cfg, nodes * per_node);
+      if (check) check(cfg, nodes * per_node);
+      else validate(cfg, nodes * per_node);
     } catch (const ConfigError& e) {
       throw ConfigError(fmt::format("at {} node(s) x {} process(es) (the elastic range {}:{}): {}",
                                     nodes, per_node, min_nodes, max_nodes, e.what()));

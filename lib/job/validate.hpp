@@ -3,6 +3,7 @@
 // job spec stays a leaf that knows nothing of these; each model checks its own keys.
 #pragma once
 #include <cstdint>
+#include <functional>
 
 #include "config/config.hpp"
 #include "data/dataset.hpp"
@@ -15,9 +16,12 @@ namespace dtrain {
 // would be valid.
 ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1);
 
-// validate() at every world size an elastic job may take: `min_nodes` to `max_nodes` nodes
-// of `per_node` processes. The error names the world size that fails.
-void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes, int64_t per_node);
+// `check` (validate() where none is given) at every world size an elastic job may take:
+// `min_nodes` to `max_nodes` nodes of `per_node` processes. The error names the world size
+// that fails.
+using WorldCheck = std::function<void(const JobConfig&, int64_t world)>;
+void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes, int64_t per_node,
+                      const WorldCheck& check = nullptr);
 
 // Refuses (ConfigError naming train.threads) more intra-op threads than 4 per core of this
 // machine, and, unless train.memory_check is off, a job on the CPU whose estimated memory

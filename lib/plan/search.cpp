@@ -1,15 +1,27 @@
 #include "plan/search.hpp"
 
 #include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <tuple>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include "checkpoint/checkpointer.hpp"
+#include "config/schema.hpp"
 #include "job/validate.hpp"
+#include "launch/device.hpp"
 #include "models/model.hpp"
+#include "run/mode.hpp"
 #include "util/error.hpp"
+#include "util/files.hpp"
 
 namespace dtrain {
 namespace {
+
+namespace fs = std::filesystem;
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -22,54 +34,203 @@ double largest_rank(const Plan& p) {
 // What a candidate needs of the limit: all ranks on a CPU, the largest on a GPU.
 double needed(const Plan& p) { return p.device == "cuda" ? largest_rank(p) : p.world_memory; }
 
+// Without a time estimate (no profile, a GPU, async_ps), what a layout costs beyond the
+// work itself, in order: the busiest rank's bubble, bytes sent and FLOPs (recompute's
+// extra forward), the micro-batches (smaller matmuls), then the memory it needs.
+std::tuple<double, double, double, int64_t, double> overhead(const Candidate& c) {
+  double bubble = 0, bytes = 0, flops = 0;
+  for (const auto& r : c.plan.ranks)
+    bubble = std::max(bubble, r.bubble), bytes = std::max(bytes, r.comm_bytes.value_or(0)),
+    flops = std::max(flops, r.flops);
+  return {bubble, bytes, flops, c.cfg.train.grad_accum, needed(c.plan)};
+}
+
+// The layout keys parallel.auto holds as the job sets them.
+std::set<std::string> held_keys(const JobConfig& cfg) {
+  std::set<std::string> out;
+  if (!cfg.parallel.auto_layout) return out;
+  for (const auto& k : cfg.given)
+    if (kLayoutKeys.count(k)) out.insert(k);
+  return out;
+}
+
+// `options`, or only the job's own value where the key is held; the job's own value is
+// always a candidate (a grad_accum of 3 is not on the list but is what the job asks).
+std::vector<int64_t> values(const std::set<std::string>& held, const std::string& key,
+                            int64_t own, std::vector<int64_t> options) {
+  if (held.count(key)) return {own};
+  if (std::find(options.begin(), options.end(), own) == options.end()) options.push_back(own);
+  return options;
+}
+
 }  // namespace
+
+const std::set<std::string> kLayoutKeys{
+    "parallel.data",   "parallel.tensor",         "parallel.pipeline",
+    "parallel.stages", "parallel.schedule",       "parallel.virtual_stages",
+    "parallel.zero",   "train.grad_accum",        "train.recompute"};
 
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
                                    double memory_bytes) {
   std::vector<Candidate> out;
+  const auto held = held_keys(cfg);
+  const auto is_held = [&](const char* key) { return held.count(key) > 0; };
+  const auto& own = cfg.parallel;
   const bool blocks = model_spec(cfg.model.arch).blocks;
-  for (int64_t t = 1; t <= world; ++t) {
-    if (world % t) continue;
-    for (int64_t p = 1; p <= world / t; ++p) {
-      if ((world / t) % p) continue;
-      const int64_t d = world / t / p;
-      for (int64_t zero = 0; zero <= (d > 1 ? 3 : 0); ++zero)
+  // The ranks that train (async_ps sets its servers apart).
+  const int64_t trainers = mode_spec(own.mode).trainers(cfg, world);
+  for (int64_t t = 1; t <= trainers; ++t) {
+    if (trainers % t || (is_held("parallel.tensor") && t != own.tensor)) continue;
+    for (int64_t p = 1; p <= trainers / t; ++p) {
+      if ((trainers / t) % p || (is_held("parallel.pipeline") && p != own.pipeline)) continue;
+      const int64_t d = trainers / t / p;
+      if (is_held("parallel.data") && own.data != 0 && d != own.data) continue;
+      for (int64_t zero : values(held, "parallel.zero", own.zero, {0, 1, 2, 3})) {
+        if (d == 1 && zero > 0 && !is_held("parallel.zero")) continue;  // nothing to shard over
         for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b"}) {
           if (p == 1 && schedule != "1f1b") continue;  // one stage: no schedule to choose
-          for (int64_t accum : {1, 2, 4, 8})
-            for (bool recompute : {false, true}) {
-              if (recompute && !blocks) continue;
-              JobConfig c = cfg;
-              auto& par = c.parallel;
-              par.data = d, par.tensor = t, par.pipeline = p, par.zero = zero;
-              par.schedule = p > 1 ? schedule : cfg.parallel.schedule;
-              par.virtual_stages = schedule == "interleaved_1f1b" && p > 1 ? 2 : 1;
-              par.stages.clear();
-              c.train.grad_accum = accum;
-              c.train.recompute = recompute ? "blocks" : "none";
-              try {
-                validate(c, world);
-              } catch (const ConfigError&) {
-                continue;  // a layout the job cannot take
+          if (p > 1 && is_held("parallel.schedule") && schedule != own.schedule) continue;
+          const bool interleaved = p > 1 && schedule == "interleaved_1f1b";
+          std::vector<int64_t> chunks{1};  // model chunks per pipeline rank
+          if (is_held("parallel.virtual_stages")) chunks = {own.virtual_stages};
+          else if (interleaved) chunks = own.virtual_stages > 2 ? std::vector<int64_t>{2, own.virtual_stages}
+                                                                : std::vector<int64_t>{2};
+          for (int64_t virtual_stages : chunks)
+            for (int64_t accum : values(held, "train.grad_accum", cfg.train.grad_accum, {1, 2, 4, 8}))
+              for (bool recompute : {false, true}) {
+                if (recompute && !blocks) continue;
+                if (is_held("train.recompute") && recompute != (cfg.train.recompute == "blocks")) continue;
+                JobConfig c = cfg;
+                auto& par = c.parallel;
+                par.data = d, par.tensor = t, par.pipeline = p, par.zero = zero;
+                par.schedule = p > 1 ? schedule : own.schedule;
+                par.virtual_stages = virtual_stages;
+                if (!is_held("parallel.stages")) par.stages.clear();
+                c.train.grad_accum = accum;
+                c.train.recompute = recompute ? "blocks" : "none";
+                try {
+                  validate(c, world);
+                } catch (const ConfigError&) {
+                  continue;  // a layout the job cannot take
+                }
+                Candidate cand;
+                cand.layout = fmt::format(
+                    "d{} x t{} x p{}, zero {}{}, {} micro-batch(es){}", d, t, p, zero,
+                    p > 1 ? ", " + par.schedule +
+                                (virtual_stages > 1 ? fmt::format(" x{}", virtual_stages) : "")
+                          : "",
+                    accum, recompute ? ", recompute" : "");
+                cand.plan = plan_job(c, world, profile);
+                cand.fits = memory_bytes <= 0 || needed(cand.plan) <= memory_bytes;
+                cand.cfg = std::move(c);
+                out.push_back(std::move(cand));
               }
-              Candidate cand;
-              cand.layout = fmt::format("d{} x t{} x p{}, zero {}{}, {} micro-batch(es){}", d, t, p,
-                                        zero, p > 1 ? ", " + par.schedule + (par.virtual_stages > 1 ? " x2" : "") : "",
-                                        accum, recompute ? ", recompute" : "");
-              cand.plan = plan_job(c, world, profile);
-              cand.fits = memory_bytes <= 0 || needed(cand.plan) <= memory_bytes;
-              cand.cfg = std::move(c);
-              out.push_back(std::move(cand));
-            }
         }
+      }
     }
   }
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
     if (a.fits != b.fits) return a.fits;
     if (a.plan.step_s && b.plan.step_s) return *a.plan.step_s < *b.plan.step_s;
-    return needed(a.plan) < needed(b.plan);
+    return overhead(a) < overhead(b);
   });
   return out;
+}
+
+Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
+                        double memory_bytes) {
+  auto all = all_layouts(cfg, world, profile, memory_bytes);
+  if (!all.empty()) return std::move(all.front());
+  try {
+    validate(cfg, world);  // the job's own layout says why, where it can
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("parallel.auto: no layout of {} process(es) validates for this "
+                                  "job; its own: {}", world, first_line(e.what())));
+  }
+  const auto held = held_keys(cfg);
+  throw ConfigError(fmt::format("parallel.auto: no layout of {} process(es) validates for this job "
+                                "with {} as set", world, fmt::join(held, ", ")));
+}
+
+JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
+  JobConfig c = cfg;
+  auto& par = c.parallel;
+  const auto& was = earlier.parallel;
+  par.data = was.data, par.tensor = was.tensor, par.pipeline = was.pipeline;
+  par.stages = was.stages, par.schedule = was.schedule, par.virtual_stages = was.virtual_stages;
+  par.zero = was.zero;
+  c.train.grad_accum = earlier.train.grad_accum;
+  c.train.recompute = earlier.train.recompute;
+  c.given.insert(kLayoutKeys.begin(), kLayoutKeys.end());
+  return c;
+}
+
+MachineProfile profile_for_auto(int64_t local) {
+  const std::string path = default_profile_path();
+  if (auto stored = load_profile(path)) return *stored;
+  std::cerr << "dtrain: parallel.auto: no machine profile at " << path
+            << "; measuring this machine (a few seconds)\n";
+  auto measured = measure_machine(std::clamp<int64_t>(local, 2, 8));
+  try {
+    save_profile(measured, path);
+  } catch (const Error& e) {  // a read-only home: measured again next time, nothing lost
+    std::cerr << "dtrain: warning: " << first_line(e.what()) << "\n";
+  }
+  return measured;
+}
+
+AutoChoice auto_layout(const JobConfig& cfg, int64_t world, int64_t local, bool resuming) {
+  if (!cfg.parallel.auto_layout) return {cfg, ""};
+  const auto earlier_yaml = fs::path(cfg.run_dir) / "config.yaml";
+  std::error_code ec;
+  if (resuming && fs::is_regular_file(earlier_yaml, ec)) {
+    try {
+      const JobConfig earlier = parse_job(read_file(earlier_yaml.string()), earlier_yaml.string());
+      auto kept = choose_layout(with_layout_of(cfg, earlier), world, nullptr, 0);
+      return {std::move(kept.cfg), fmt::format("parallel.auto: {} (as {} records)", kept.layout,
+                                               earlier_yaml.string())};
+    } catch (const ConfigError&) {
+      // another world size, or a job changed since: chosen again below
+    }
+  }
+  const bool cuda = plan_device(cfg, 0, local, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
+  // A plan counts every rank; this machine holds `local` of them (a GPU's memory is
+  // LibTorch's to report, at run).
+  const double limit = cuda ? 0 : available_memory() * double(world) / double(std::max<int64_t>(1, local));
+  const MachineProfile profile = profile_for_auto(local);
+  auto all = all_layouts(cfg, world, &profile, limit);
+  if (all.empty()) choose_layout(cfg, world, nullptr, 0);  // throws, saying why
+  const auto fit = std::count_if(all.begin(), all.end(), [](const Candidate& c) { return c.fits; });
+  // None fits: the one that needs least, for check_machine to refuse (or to run where
+  // train.memory_check is off).
+  auto& best = fit ? all.front()
+                   : *std::min_element(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+                       return needed(a.plan) < needed(b.plan);
+                     });
+  const std::string why =
+      !fit ? fmt::format("none of {} layout(s) fits: the one that needs least", all.size())
+      : best.plan.step_s
+          ? fmt::format("expected {:.3g} s a step, the fastest of {} layout(s) that fit", *best.plan.step_s, fit)
+          : fmt::format("no time estimate here: the least bubble, bytes sent and work of {} layout(s) that fit", fit);
+  std::string line = fmt::format("parallel.auto: {} ({})", best.layout, why);
+  return {std::move(best.cfg), std::move(line)};
+}
+
+JobConfig agree_on_layout(const JobConfig& cfg, int64_t local, bool resuming, Comm& job) {
+  if (!cfg.parallel.auto_layout) return cfg;
+  std::string chosen;
+  const int64_t bytes = root_does(job, "choose a layout (parallel.auto)", [&] {
+    auto choice = auto_layout(cfg, job.size(), local, resuming);
+    std::cout << "dtrain: " << choice.line << std::endl;
+    chosen = to_yaml(choice.cfg);
+    return int64_t(chosen.size());
+  });
+  auto text = torch::zeros({bytes}, torch::kUInt8);
+  if (job.rank() == 0) std::memcpy(text.data_ptr(), chosen.data(), chosen.size());
+  job.broadcast(text, 0);
+  job.take_sent();  // not a step's traffic
+  const std::string yaml(static_cast<const char*>(text.data_ptr()), size_t(bytes));
+  return with_layout_of(cfg, parse_job(yaml, "rank 0's layout (parallel.auto)"));
 }
 
 std::string candidates_table(const std::vector<Candidate>& all, double memory_bytes) {

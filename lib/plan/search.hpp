@@ -3,13 +3,16 @@
 // uses the plan's memory estimate).
 #pragma once
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.hpp"
 #include "config/config.hpp"
 #include "plan/plan.hpp"
+#include "plan/profile.hpp"
 
 namespace dtrain {
 
@@ -22,11 +25,43 @@ struct Candidate {
   bool fits = true;    // its memory within the limit
 };
 
-// Every candidate that validates for `world` processes, fastest first (without a profile:
-// least memory first). `memory_bytes`: what the machine has for all of them on a CPU (every
-// rank on it), what one device has on a GPU (the largest rank).
+// The keys a candidate sets: the layout parallel.auto chooses.
+extern const std::set<std::string> kLayoutKeys;
+
+// Every candidate that validates for `world` processes, those that fit first, each part
+// fastest first (without a time estimate: least bubble, bytes sent, work, micro-batches,
+// memory). `memory_bytes`: what the machine has for all of them on a CPU (every rank on
+// it), what one device has on a GPU (the largest rank); 0 = no limit. Under parallel.auto the layout keys the job sets itself
+// (JobConfig::given) are held as set: the list parallel.auto takes the first of.
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
                                    double memory_bytes);
+
+// parallel.auto: the job with all_layouts' first layout. Throws ConfigError where none
+// validates (the job's own layout's reason, with the keys held).
+Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
+                        double memory_bytes);
+
+// `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose).
+JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier);
+
+// What parallel.auto's choice ranks by: the stored machine profile (plan/profile.hpp), else
+// this machine measured for up to `local` local ranks and stored for the next start.
+MachineProfile profile_for_auto(int64_t local);
+
+// parallel.auto at a start: the job with the layout chosen for `world` processes (`local`
+// of them on this machine, whose free memory is the limit on a CPU), and the line that says
+// which. A resume keeps the layout its run's config.yaml records while that validates.
+// Without parallel.auto, the job as it is and no line.
+struct AutoChoice {
+  JobConfig cfg;
+  std::string line;
+};
+AutoChoice auto_layout(const JobConfig& cfg, int64_t world, int64_t local, bool resuming);
+
+// auto_layout over the job's processes, a collective: rank 0 chooses (and says so) and
+// every rank takes its layout (two ranks' own choices could differ with a node's free
+// memory or profile). Rank 0's failure is every rank's.
+JobConfig agree_on_layout(const JobConfig& cfg, int64_t local, bool resuming, Comm& job);
 std::string candidates_table(const std::vector<Candidate>& all, double memory_bytes);
 nlohmann::json candidates_json(const std::vector<Candidate>& all, double memory_bytes);
 

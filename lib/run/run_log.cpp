@@ -233,6 +233,13 @@ nlohmann::json RunLog::summary(const std::string& status) const {
     s["final_eval_loss"] = st.last_eval->loss;
   }
   if (facts_.summary) facts_.summary(s);
+  if (cfg_.parallel.auto_layout) {  // what parallel.auto chose, besides the mesh's sizes
+    const auto& p = cfg_.parallel;
+    auto& layout = s["layout"];
+    layout["zero"] = p.zero, layout["schedule"] = p.schedule;
+    layout["virtual_stages"] = p.virtual_stages, layout["grad_accum"] = cfg_.train.grad_accum;
+    layout["recompute"] = cfg_.train.recompute, layout["chosen_by"] = "parallel.auto";
+  }
   for (const auto& more : more_summary_) more(s);
   return s;
 }

@@ -97,7 +97,8 @@ std::vector<std::string> run_sets(const VerifyOptions& o, int64_t steps, int64_t
                  fmt::format("train.eval_every={}", steps),
                  fmt::format("train.eval_samples={}", eval_samples),
                  fmt::format("checkpoint.every_steps={}", steps),
-                 std::string("logging.progress=off"), std::string("logging.tensorboard=false")})
+                 std::string("logging.progress=off"), std::string("logging.tensorboard=false"),
+                 std::string("parallel.auto=false")})  // the layouts are verify's to set
     s.push_back(x);
   return s;
 }
@@ -126,6 +127,7 @@ std::map<std::string, std::string> job_keys(const std::string& yaml_text) {
                       k == "data.prefetch" || k == "train.threads" || k == "train.pin_threads" ||
                       k == "train.memory_check" || k == "parallel.data" || k == "parallel.tensor" ||
                       k == "parallel.pipeline" || k == "parallel.zero" || k == "parallel.stages" ||
+                      k == "parallel.auto" ||
                       k.rfind("checkpoint.", 0) == 0 || k.rfind("logging.", 0) == 0 ||
                       k.rfind("dist.", 0) == 0;
     it = skip ? keys.erase(it) : std::next(it);

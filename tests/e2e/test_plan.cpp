@@ -147,12 +147,12 @@ TEST_SUITE("plan") {
     REQUIRE(table.code == 0);
     CHECK(table.out.find("data 2 x tensor 1 x pipeline 2, zero 1") != std::string::npos);
     CHECK(table.out.find("stage 1 of 2") != std::string::npos);
-    const auto j = plan_of(job, 4, " --set parallel.pipeline=2");
+    const auto j = plan_of(job, 4, " --set parallel.pipeline=2 --profile " + dir + "/none.json");
     for (const char* k : {"data", "tensor", "pipeline", "zero", "schedule", "grad_accum"})
       CHECK(j["layout"].contains(k));
     for (const char* k : {"params", "grads", "optimizer", "activations", "buffers", "runtime", "total"})
       CHECK(j["ranks"][0]["memory_mb"].contains(k));
-    CHECK(j["step_s"].is_null());  // no machine profile yet
+    CHECK(j["step_s"].is_null());  // no machine profile there
     CHECK(j["ranks"][1]["rank"] == 2);  // stage 1's first rank (tensor, then data, then pipeline)
     // async_ps: the server has the optimizer state, the workers none; no byte estimate.
     const auto ps = plan_of(job, 3, " --set parallel.mode=async_ps");
@@ -170,7 +170,7 @@ TEST_SUITE("plan") {
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 
-  TEST_CASE("plan: --measure keeps a profile; the step time it expects is near a run's; --all ranks the layouts") {
+  TEST_CASE("plan: --measure keeps a profile; the step time it expects is near a run's; --all ranks the layouts; parallel.auto takes the first") {
     auto dir = temp_dir("plan-measure");
     const std::string profile = dir + "/machine.json";
     auto m = dtrain("plan --measure --nproc 2 --profile " + profile);
@@ -228,6 +228,64 @@ TEST_SUITE("plan") {
     auto bad = dtrain("plan " + path + " --profile " + dir + "/bad.json");
     CHECK(bad.code == 3);
     CHECK(bad.err.find("bad.json") != std::string::npos);
+
+    // parallel.auto takes --all's first layout, holding the layout keys the job sets (its
+    // grad_accum 2, and here zero 1): the plan of an auto job is that layout's, and a run
+    // trains on it, says so and records it.
+    const std::string with_profile = "timeout 500 env DTRAIN_PROFILE=" + profile;
+    const std::string held = " --set parallel.auto=true --set parallel.zero=1";
+    auto first = dtrain("plan " + path + " --all --json --nproc 4" + held, with_profile);
+    INFO(first.err);
+    REQUIRE(first.code == 0);
+    const auto choices = nlohmann::json::parse(first.out)["layouts"];
+    REQUIRE(choices.size() >= 3);
+    CHECK(choices.size() < list.size());
+    for (const auto& l : choices) {
+      CHECK(l["layout"]["zero"] == 1);
+      CHECK(l["layout"]["grad_accum"] == 2);
+    }
+    auto chosen = dtrain("plan " + path + " --json --nproc 4" + held, with_profile);
+    INFO(chosen.err);
+    REQUIRE(chosen.code == 0);
+    CHECK(nlohmann::json::parse(chosen.out)["layout"] == choices[0]["layout"]);
+    CHECK(chosen.err.find("parallel.auto: " + choices[0]["label"].get<std::string>()) != std::string::npos);
+
+    // A run at 2 processes: the choice said, in config.yaml and the summary, and the same
+    // model trained as on one process.
+    const std::string steps = " --set train.max_steps=6 --set train.log_every=1" + std::string(kQuiet);
+    auto ran = dtrain("run " + path + " --nproc 2 --run-dir " + dir + "/auto" + held + steps, with_profile);
+    INFO(ran.out << ran.err);
+    REQUIRE(ran.code == 0);
+    CHECK(ran.out.find("parallel.auto: d") != std::string::npos);
+    const auto s2 = of_kind(metrics(dir + "/auto"), "summary").at(0);
+    CAPTURE(s2.dump());
+    CHECK(s2["layout"]["chosen_by"] == "parallel.auto");
+    CHECK(s2["layout"]["zero"] == 1);
+    CHECK(s2["layout"]["grad_accum"] == 2);
+    const auto yaml = slurp(dir + "/auto/config.yaml");
+    CHECK(yaml.find("auto: true") != std::string::npos);
+    CHECK(yaml.find("data: " + std::to_string(s2["layout"]["data"].get<int64_t>())) != std::string::npos);
+    run_ok("run " + path + " --run-dir " + dir + "/one" + steps);
+    check_losses_close(train_losses(dir + "/one"), train_losses(dir + "/auto"), 1e-5, "auto");
+
+    // A resume keeps the layout config.yaml records, though this job no longer holds
+    // tensor at 2 and a fresh choice could differ.
+    auto t2 = dtrain("run " + path + " --nproc 2 --run-dir " + dir + "/t2" + held +
+                     " --set parallel.tensor=2 --set checkpoint.every_steps=3" + steps, with_profile);
+    INFO(t2.err);
+    REQUIRE(t2.code == 0);
+    auto resumed = dtrain("run " + path + " --nproc 2 --resume auto --run-dir " + dir + "/t2" + held +
+                          " --set train.max_steps=9 --set train.log_every=1" + kQuiet, with_profile);
+    INFO(resumed.out << resumed.err);
+    REQUIRE(resumed.code == 0);
+    CHECK(resumed.out.find("config.yaml records") != std::string::npos);
+    CHECK(of_kind(metrics(dir + "/t2"), "summary").back()["layout"]["tensor"] == 2);
+
+    // No layout validates with what the job holds: exit 2 naming parallel.auto.
+    auto none = dtrain("validate " + path + " --nproc 2 --set parallel.auto=true --set parallel.tensor=3",
+                       with_profile);
+    CHECK(none.code == 2);
+    CHECK(none.err.find("parallel.auto") != std::string::npos);
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <regex>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -168,6 +169,9 @@ TEST_CASE("config: --set overrides are typed by the schema and applied after the
   CHECK(layered.optimizer.lr == 0.4);
   CHECK(layered.data.batch_size == 32);
   CHECK(layered.train.epochs == 5);
+  // The keys the file and the overrides named, and only those (parallel.auto holds them).
+  CHECK(layered.given == std::set<std::string>{"optimizer.lr", "data.batch_size", "train.epochs"});
+  CHECK(parse_job("", "empty.yaml").given.empty());
 
   SUBCASE("bad overrides") {
     std::string msg = override_error("data.batchsize=32");
