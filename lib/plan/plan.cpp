@@ -197,6 +197,7 @@ struct ChunkCost {
 };
 ChunkCost chunk_cost(const Job& job, int64_t stage) {
   const bool recompute = job.cfg.train.recompute == "blocks";
+  const bool bf16 = job.cfg.precision.dtype == "bf16";  // autocast's matmuls
   const PartRange r = job.split[size_t(stage)];
   ChunkCost c;
   for (int64_t i = r.first; i < r.last; ++i) {
@@ -224,6 +225,7 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
 // recomputed block runs forward twice.
 double compute_seconds(const Job& job, int64_t stage, const MachineProfile& profile, double threads) {
   const bool recompute = job.cfg.train.recompute == "blocks";
+  const bool bf16 = job.cfg.precision.dtype == "bf16";  // autocast's matmuls
   const PartRange r = job.split[size_t(stage)];
   const double rows_step = job.rows * double(job.micro);
   double seconds = 0;
@@ -232,7 +234,7 @@ double compute_seconds(const Job& job, int64_t stage, const MachineProfile& prof
     const double passes = recompute && p.block ? 4 : 3;
     if (p.flops > 0 && p.matmuls > 0) {
       const double size = std::cbrt(p.flops * job.rows / p.matmuls / 2);
-      seconds += passes * p.flops * rows_step / profile.matmul_flops(size, threads);
+      seconds += passes * p.flops * rows_step / profile.matmul_flops(size, threads, bf16);
     } else if (p.flops > 0) {
       seconds += passes * 4 * p.flops * rows_step / profile.memory_bytes(threads);
     }

@@ -39,8 +39,9 @@ double seconds_per(Fn fn, double budget = 0.2) {
   return took / double(calls);
 }
 
-double matmul_rate(int64_t n) {
-  auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
+double matmul_rate(int64_t n, torch::Dtype dtype) {
+  const auto like = torch::TensorOptions().dtype(dtype);
+  auto a = torch::randn({n, n}, like), b = torch::randn({n, n}, like), c = torch::empty({n, n}, like);
   return 2.0 * double(n) * double(n) * double(n) / seconds_per([&] { at::mm_out(c, a, b); });
 }
 
@@ -110,7 +111,8 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
 
 }  // namespace
 
-double MachineProfile::matmul_flops(double size, double threads) const {
+double MachineProfile::matmul_flops(double size, double threads, bool bf16) const {
+  const auto& matmul = bf16 && !matmul_bf16.empty() ? matmul_bf16 : this->matmul;
   if (matmul.empty()) return 0;
   auto at_threads = [&](const Matmul& m) {
     const double t = std::clamp(threads, 1.0, double(cores));
@@ -146,15 +148,16 @@ MachineProfile measure_machine(int64_t max_ranks) {
   p.cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   torch::NoGradGuard no_grad;
   const int before = torch::get_num_threads();
-  for (int64_t n : {32, 64, 128, 256, 512, 1024}) {
-    MachineProfile::Matmul m;
-    m.size = double(n);
-    torch::set_num_threads(1);
-    m.one = matmul_rate(n);
-    torch::set_num_threads(int(p.cores));
-    m.all = p.cores > 1 ? matmul_rate(n) : m.one;
-    p.matmul.push_back(m);
-  }
+  for (auto [dtype, into] : {std::pair{torch::kFloat32, &p.matmul}, std::pair{torch::kBFloat16, &p.matmul_bf16}})
+    for (int64_t n : {32, 64, 128, 256, 512, 1024}) {
+      MachineProfile::Matmul m;
+      m.size = double(n);
+      torch::set_num_threads(1);
+      m.one = matmul_rate(n, dtype);
+      torch::set_num_threads(int(p.cores));
+      m.all = p.cores > 1 ? matmul_rate(n, dtype) : m.one;
+      into->push_back(m);
+    }
   torch::set_num_threads(1);
   p.memory_one = memory_rate();
   torch::set_num_threads(int(p.cores));
@@ -177,13 +180,17 @@ std::string default_profile_path() {
 }
 
 nlohmann::json profile_json(const MachineProfile& p) {
-  nlohmann::json matmul = nlohmann::json::array(), all_reduce = nlohmann::json::array(),
-                 send = nlohmann::json::array();
-  for (const auto& m : p.matmul) matmul.push_back({{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}});
+  nlohmann::json all_reduce = nlohmann::json::array(), send = nlohmann::json::array();
+  auto rates = [](const std::vector<MachineProfile::Matmul>& list) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& m : list) out.push_back({{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}});
+    return out;
+  };
   for (const auto& l : p.all_reduce) all_reduce.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
   for (const auto& l : p.send) send.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
   return {{"format", "dtrain-machine"}, {"version", 1},    {"host", p.host},
-          {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", matmul},
+          {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
+          {"matmul_bf16", rates(p.matmul_bf16)},
           {"memory_one_thread_bytes_per_s", p.memory_one},
           {"memory_all_threads_bytes_per_s", p.memory_all},
           {"gloo_all_reduce", all_reduce},
@@ -212,8 +219,11 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     p.host = j.at("host");
     p.build = j.at("build");
     p.cores = j.at("cores");
-    for (const auto& m : j.at("matmul_fp32"))
-      p.matmul.push_back({m.at("size"), m.at("one_thread_flops"), m.at("all_threads_flops")});
+    auto rates = [&](const char* key, std::vector<MachineProfile::Matmul>& into) {
+      for (const auto& m : j.at(key)) into.push_back({m.at("size"), m.at("one_thread_flops"), m.at("all_threads_flops")});
+    };
+    rates("matmul_fp32", p.matmul);
+    if (j.contains("matmul_bf16")) rates("matmul_bf16", p.matmul_bf16);  // (not in the first profiles)
     p.memory_one = j.at("memory_one_thread_bytes_per_s");
     p.memory_all = j.at("memory_all_threads_bytes_per_s");
     for (const auto& l : j.at("gloo_all_reduce")) p.all_reduce.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});

@@ -15,12 +15,13 @@ namespace dtrain {
 struct MachineProfile {
   std::string host, build;   // where and with what it was measured
   int64_t cores = 1;
-  // fp32 matrix multiplies of square matrices of `size`: flop/s on one thread and on all
-  // `cores` threads.
+  // Matrix multiplies of square matrices of `size`: flop/s on one thread and on all `cores`
+  // threads.
   struct Matmul {
     double size = 0, one = 0, all = 0;
   };
   std::vector<Matmul> matmul;
+  std::vector<Matmul> matmul_bf16;  // the same in bf16 (precision.dtype bf16's autocast); may be empty
   double memory_one = 0, memory_all = 0;  // bytes/s an in-place add streams, 1 and all threads
   // A collective between `ranks` local processes over Gloo: a fixed cost per operation and
   // the bytes per second a rank sends (counted as comm_bytes counts them).
@@ -30,8 +31,9 @@ struct MachineProfile {
   };
   std::vector<Link> all_reduce, send;
 
-  // Interpolated in log(size) and linearly in threads between 1 and `cores`.
-  double matmul_flops(double size, double threads) const;
+  // Interpolated in log(size) and linearly in threads between 1 and `cores`; bf16's rates
+  // where asked and measured, else fp32's.
+  double matmul_flops(double size, double threads, bool bf16 = false) const;
   double memory_bytes(double threads) const;
   // The measured link nearest `ranks` (all-reduce's cost grows with the ranks).
   const Link* link(const std::vector<Link>& links, int64_t ranks) const;

@@ -180,6 +180,8 @@ TEST_SUITE("plan") {
     CHECK(p["format"] == "dtrain-machine");
     REQUIRE(p["matmul_fp32"].size() >= 4);
     for (const auto& x : p["matmul_fp32"]) CHECK(x["one_thread_flops"].get<double>() > 1e6);
+    REQUIRE(p["matmul_bf16"].size() == p["matmul_fp32"].size());
+    for (const auto& x : p["matmul_bf16"]) CHECK(x["all_threads_flops"].get<double>() > 1e6);
     CHECK(p["gloo_all_reduce"][0]["bytes_per_s"].get<double>() > 1e6);
     CHECK(p["gloo_send"][0]["latency_s"].get<double>() >= 0);
 
@@ -194,6 +196,10 @@ TEST_SUITE("plan") {
         dtrain("plan " + path + " --json --nproc 2 --profile " + profile).out);
     REQUIRE(plan["step_s"].is_number());
     CHECK(plan["samples_per_s"].get<double>() == doctest::Approx(16 / plan["step_s"].get<double>()));
+    // Under bf16 autocast the matmuls take bf16's measured rates.
+    const auto bf16 = nlohmann::json::parse(
+        dtrain("plan " + path + " --json --nproc 2 --set precision.dtype=bf16 --profile " + profile).out);
+    CHECK(bf16["step_s"].get<double>() != plan["step_s"].get<double>());
     run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/run --set train.max_steps=30 --set train.log_every=10");
     const auto summary = of_kind(metrics(dir + "/run"), "summary").at(0);
     const double ratio = plan["step_s"].get<double>() * 1000 / summary["step_ms_median"].get<double>();
