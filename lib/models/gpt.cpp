@@ -312,7 +312,10 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.flops = (24 * s * d * d + 4 * s * s * d) / t;
   block.reduced = block.reduced_back = split ? 2 * s * d : 0;
   block.output = s * d;
-  block.matmuls = 6;  // Q K V, the scores, their weighting of V, the projection, the MLP's two
+  block.matmuls = 4;  // Q K V, the projection, the MLP's two: each with a side of d / T or more
+  block.side = d / t;
+  block.small_flops = 4 * s * s * d / t;  // the scores and their weighting of V, head by head
+  block.small_side = std::cbrt(s * s * d / double(m.heads));  // one head's product's volume
   block.block = true;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;

@@ -197,7 +197,6 @@ struct ChunkCost {
 };
 ChunkCost chunk_cost(const Job& job, int64_t stage) {
   const bool recompute = job.cfg.train.recompute == "blocks";
-  const bool bf16 = job.cfg.precision.dtype == "bf16";  // autocast's matmuls
   const PartRange r = job.split[size_t(stage)];
   ChunkCost c;
   for (int64_t i = r.first; i < r.last; ++i) {
@@ -232,12 +231,17 @@ double compute_seconds(const Job& job, int64_t stage, const MachineProfile& prof
   for (int64_t i = r.first; i < r.last; ++i) {
     const PartCost& p = job.costs[size_t(i)];
     const double passes = recompute && p.block ? 4 : 3;
-    if (p.flops > 0 && p.matmuls > 0) {
-      const double size = std::cbrt(p.flops * job.rows / p.matmuls / 2);
-      seconds += passes * p.flops * rows_step / profile.matmul_flops(size, threads, bf16);
-    } else if (p.flops > 0) {
-      seconds += passes * 4 * p.flops * rows_step / profile.memory_bytes(threads);
+    const double dense = p.flops - p.small_flops;
+    if (dense > 0 && p.matmuls > 0) {
+      // A matmul of this volume; no faster than a square one of its smallest side.
+      double size = std::cbrt(dense * job.rows / p.matmuls / 2);
+      if (p.side > 0) size = std::min(size, p.side);
+      seconds += passes * dense * rows_step / profile.matmul_flops(size, threads, bf16);
+    } else if (dense > 0) {
+      seconds += passes * 4 * dense * rows_step / profile.memory_bytes(threads);
     }
+    if (p.small_flops > 0)
+      seconds += passes * p.small_flops * rows_step / profile.matmul_flops(p.small_side, threads, bf16);
     seconds += passes * p.activation_bytes * rows_step / profile.memory_bytes(threads);
   }
   return seconds;
