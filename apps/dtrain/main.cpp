@@ -66,7 +66,7 @@ Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64
 // validates (the one auto_layout would take at that size).
 WorldCheck elastic_check(const JobConfig& cfg) {
   if (!cfg.parallel.auto_layout) return nullptr;
-  return [](const JobConfig& c, int64_t world) { choose_layout(c, world, nullptr, 0); };
+  return check_some_layout;
 }
 
 // The world size validate and config check against: --nproc, else the launcher's

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <iostream>
 #include <tuple>
+#include <variant>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -19,6 +20,12 @@
 #include "util/files.hpp"
 
 namespace dtrain {
+
+const std::set<std::string> kLayoutKeys{
+    "parallel.data",   "parallel.tensor",         "parallel.pipeline",
+    "parallel.stages", "parallel.schedule",       "parallel.virtual_stages",
+    "parallel.zero",   "train.grad_accum",        "train.recompute"};
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -63,15 +70,9 @@ std::vector<int64_t> values(const std::set<std::string>& held, const std::string
   return options;
 }
 
-}  // namespace
-
-const std::set<std::string> kLayoutKeys{
-    "parallel.data",   "parallel.tensor",         "parallel.pipeline",
-    "parallel.stages", "parallel.schedule",       "parallel.virtual_stages",
-    "parallel.zero",   "train.grad_accum",        "train.recompute"};
-
-std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                                   double memory_bytes) {
+// Every layout the job validates for on `world` processes (the held keys as set), not yet
+// planned.
+std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world) {
   std::vector<Candidate> out;
   const auto held = held_keys(cfg);
   const auto is_held = [&](const char* key) { return held.count(key) > 0; };
@@ -120,14 +121,36 @@ std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const Ma
                                 (virtual_stages > 1 ? fmt::format(" x{}", virtual_stages) : "")
                           : "",
                     accum, recompute ? ", recompute" : "");
-                cand.plan = plan_job(c, world, profile);
-                cand.fits = memory_bytes <= 0 || needed(cand.plan) <= memory_bytes;
                 cand.cfg = std::move(c);
                 out.push_back(std::move(cand));
               }
         }
       }
     }
+  }
+  return out;
+}
+
+// No layout validates: the job's own layout's reason where it has one, else the keys held.
+[[noreturn]] void no_layout(const JobConfig& cfg, int64_t world) {
+  try {
+    validate(cfg, world);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("parallel.auto: no layout of {} process(es) validates for this "
+                                  "job; its own: {}", world, first_line(e.what())));
+  }
+  throw ConfigError(fmt::format("parallel.auto: no layout of {} process(es) validates for this job "
+                                "with {} as set", world, fmt::join(held_keys(cfg), ", ")));
+}
+
+}  // namespace
+
+std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
+                                   double memory_bytes) {
+  auto out = valid_layouts(cfg, world);
+  for (auto& c : out) {
+    c.plan = plan_job(c.cfg, world, profile);
+    c.fits = memory_bytes <= 0 || needed(c.plan) <= memory_bytes;
   }
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
     if (a.fits != b.fits) return a.fits;
@@ -140,27 +163,20 @@ std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const Ma
 Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
                         double memory_bytes) {
   auto all = all_layouts(cfg, world, profile, memory_bytes);
-  if (!all.empty()) return std::move(all.front());
-  try {
-    validate(cfg, world);  // the job's own layout says why, where it can
-  } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("parallel.auto: no layout of {} process(es) validates for this "
-                                  "job; its own: {}", world, first_line(e.what())));
-  }
-  const auto held = held_keys(cfg);
-  throw ConfigError(fmt::format("parallel.auto: no layout of {} process(es) validates for this job "
-                                "with {} as set", world, fmt::join(held, ", ")));
+  if (all.empty()) no_layout(cfg, world);
+  return std::move(all.front());
+}
+
+void check_some_layout(const JobConfig& cfg, int64_t world) {
+  if (valid_layouts(cfg, world).empty()) no_layout(cfg, world);
 }
 
 JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
-  JobConfig c = cfg;
-  auto& par = c.parallel;
-  const auto& was = earlier.parallel;
-  par.data = was.data, par.tensor = was.tensor, par.pipeline = was.pipeline;
-  par.stages = was.stages, par.schedule = was.schedule, par.virtual_stages = was.virtual_stages;
-  par.zero = was.zero;
-  c.train.grad_accum = earlier.train.grad_accum;
-  c.train.recompute = earlier.train.recompute;
+  JobConfig c = cfg, from = earlier;
+  auto to_fields = fields_of(c), from_fields = fields_of(from);  // the same keys, in order
+  for (size_t i = 0; i < to_fields.size(); ++i)
+    if (kLayoutKeys.count(to_fields[i].key))
+      std::visit([&](auto* to) { *to = *std::get<decltype(to)>(from_fields[i].value); }, to_fields[i].value);
   c.given.insert(kLayoutKeys.begin(), kLayoutKeys.end());
   return c;
 }
@@ -199,7 +215,7 @@ AutoChoice auto_layout(const JobConfig& cfg, int64_t world, int64_t local, bool 
   const double limit = cuda ? 0 : available_memory() * double(world) / double(std::max<int64_t>(1, local));
   const MachineProfile profile = profile_for_auto(local);
   auto all = all_layouts(cfg, world, &profile, limit);
-  if (all.empty()) choose_layout(cfg, world, nullptr, 0);  // throws, saying why
+  if (all.empty()) no_layout(cfg, world);
   const auto fit = std::count_if(all.begin(), all.end(), [](const Candidate& c) { return c.fits; });
   // None fits: the one that needs least, for check_machine to refuse (or to run where
   // train.memory_check is off).

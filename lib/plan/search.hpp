@@ -41,6 +41,10 @@ std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const Ma
 Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
                         double memory_bytes);
 
+// Throws choose_layout's ConfigError where no layout of `world` processes validates (an
+// elastic auto job's check at each size, with nothing planned).
+void check_some_layout(const JobConfig& cfg, int64_t world);
+
 // `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose).
 JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier);
 
