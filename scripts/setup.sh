@@ -6,6 +6,7 @@
 #   scripts/setup.sh            install + build
 #   scripts/setup.sh --test     also what the tests use: SLURM, munge, OpenMPI, torchrun, and
 #                               the pinned Python packages of scripts/requirements-test.txt in .venv/
+#                               (and GPT-2's BPE ranks for scripts/prepare_tokens.py)
 #   scripts/setup.sh --bench    also the baselines' PyTorch: Debian's, and today's pinned in
 #                               .venv-bench/ (scripts/requirements-bench.txt)
 #   scripts/setup.sh --no-build only the packages (scripts/build-cuda.sh builds elsewhere)
@@ -54,6 +55,25 @@ if [ "$venv" = yes ]; then
     [ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
     .venv/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
     cp scripts/requirements-test.txt "$stamp"
+  fi
+  # GPT-2's BPE ranks for scripts/prepare_tokens.py. tiktoken downloads them from a host of
+  # its own at first use; the package index has them inside Whisper's source package
+  # (whisper/assets/gpt2.tiktoken, byte for byte tiktoken's r50k_base: the script checks
+  # its sha256), so only that file is taken, nothing installed.
+  bpe=.venv/share/dtrain/gpt2.tiktoken
+  if [ ! -f "$bpe" ]; then
+    tmp=$(mktemp -d)
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
+      --no-binary :all: --dest "$tmp" openai-whisper==20250625
+    mkdir -p "$(dirname "$bpe")"
+    .venv/bin/python - "$tmp"/openai_whisper-*.tar.gz "$bpe" <<'PY'
+import sys, tarfile
+with tarfile.open(sys.argv[1]) as t:
+    member = next(m for m in t.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
+    open(sys.argv[2] + ".part", "wb").write(t.extractfile(member).read())
+PY
+    mv "$bpe.part" "$bpe"
+    rm -rf "$tmp"
   fi
 fi
 
