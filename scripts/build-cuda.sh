@@ -105,12 +105,12 @@ cmake --build "$BUILD" -j "$(nproc)"
 step "CPU tests, no GPU visible"
 export CUDA_VISIBLE_DEVICES=""
 if [ "$tests" = all ]; then
-  ctest --test-dir "$BUILD" -LE cuda --output-on-failure --timeout 900
+  ctest --test-dir "$BUILD" -LE cuda --output-on-failure --timeout 900 -j "$(nproc)"
 else
   # CI's subset (about 100 s; CI's 90 minutes hold no more): the unit tests, the fuzz
   # corpus, the symbol check (a CUDA LibTorch interposes its own remove_all), every parallel
   # layout against one process, checkpoint operations and old checkpoints, Hugging Face
   # GPT-2. (The CLI's contract and exact resume also pass here: --all-tests.)
-  ctest --test-dir "$BUILD" -LE cuda --output-on-failure --timeout 900 \
+  ctest --test-dir "$BUILD" -LE cuda --output-on-failure --timeout 900 -j "$(nproc)" \
     -R '^(unit|fuzz_corpus|symbols|docs_keys|e2e_layouts|e2e_checkpoint_ops|e2e_fixtures|hf)$'
 fi

@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 cmake --build build -j "$(nproc)"
-ctest --test-dir build --output-on-failure "$@"
+# Side by side, as many cores as the machine has (tests/CMakeLists.txt says which use two).
+ctest --test-dir build --output-on-failure -j "$(nproc)" "$@"

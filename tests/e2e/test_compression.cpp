@@ -168,7 +168,7 @@ TEST_SUITE("compression") {
       gpt.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}";
       gpt.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1}";
       gpt.schedule = "{decay: step, step_size: 10}";
-      gpt.max_steps = 20, gpt.eval_every = 10, gpt.train = "";
+      gpt.max_steps = 20, gpt.eval_every = 10, gpt.train = "eval_samples: 256";
       gpt.checkpoint = "{every_steps: 10}";
       gpt.parallel = "{pipeline: 2, tensor: 2, compression: " + how +
                      ", topk_ratio: 0.05, compression_warmup: 0}";

@@ -129,7 +129,7 @@ TEST_SUITE("modes") {
       j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}";
       j.optimizer = optimizer;
       j.schedule = "{decay: step, step_size: 10}";
-      j.max_steps = 16, j.eval_every = 8, j.train = "";
+      j.max_steps = 16, j.eval_every = 8, j.train = "eval_samples: 256";
       j.checkpoint = "{every_steps: 8}";
       j.parallel = "{pipeline: 2, tensor: 2}";
       j.dist = "{timeout_s: 60}";

@@ -170,6 +170,11 @@ TEST_SUITE("plan") {
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 
+}
+
+// Its own ctest entry with the machine to itself: it times this machine, then compares a
+// run's step time with what the timing expects (tests/CMakeLists.txt).
+TEST_SUITE("plan_measure") {
   TEST_CASE("plan: --measure keeps a profile; the step time it expects is near a run's; --all ranks the layouts; parallel.auto takes the first") {
     auto dir = temp_dir("plan-measure");
     const std::string profile = dir + "/machine.json";

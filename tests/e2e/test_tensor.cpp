@@ -30,7 +30,8 @@ std::string mlp_job(const std::string& dir) {
 }
 
 // A 2-layer GPT on the fortunes corpus (setup installs it), small enough for 4 ranks on
-// 2 cores; AdamW, clipping and weight decay groups all in play.
+// 2 cores; AdamW, clipping and weight decay groups all in play. An evaluation reads 256 of
+// the held-out windows (all of them, ~3800, took most of a short run).
 std::string gpt_job(const std::string& dir) {
   Job j;
   j.name = "tp-gpt", j.seed = 5;
@@ -39,7 +40,7 @@ std::string gpt_job(const std::string& dir) {
   j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
   j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}";
   j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
-  j.max_steps = 30, j.eval_every = 15, j.train = "eval_batch_size: 256";
+  j.max_steps = 30, j.eval_every = 15, j.train = "eval_batch_size: 256, eval_samples: 256";
   j.checkpoint = "{every_steps: 15}";
   j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");

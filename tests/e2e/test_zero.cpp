@@ -41,7 +41,7 @@ std::string gpt_job(const std::string& dir) {
   j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
   j.optimizer = kAdamW;
   j.schedule = "{warmup_steps: 5, decay: cosine}";
-  j.max_steps = 20, j.eval_every = 20, j.train = "";
+  j.max_steps = 20, j.eval_every = 20, j.train = "eval_samples: 256";
   j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");
 }
