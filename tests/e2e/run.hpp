@@ -10,8 +10,11 @@
 #include <vector>
 
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <nlohmann/json.hpp>
+#include <sys/file.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 namespace e2e {
 
@@ -63,6 +66,39 @@ inline void run_ok(const std::string& args) {
   auto r = dtrain(args + kQuiet);
   INFO(args << ": " << r.err);
   REQUIRE(r.code == 0);
+}
+
+// A run that several suites compare against (the same job file and settings, run by the
+// same dtrain binary: the same losses, bit for bit), made once and kept in the build tree
+// for the suites that come later, in other ctest processes too. A changed job file,
+// settings or binary makes it again. A suite that finds another making it (side by side
+// under ctest -j) makes its own copy rather than wait with a core idle.
+inline std::string shared_run(const std::string& job, const std::string& sets) {
+  namespace fs = std::filesystem;
+  const fs::path root = DTRAIN_SHARED_RUNS;
+  fs::create_directories(root);
+  char key[32];
+  std::snprintf(key, sizeof key, "%016zx", std::hash<std::string>{}(slurp(job) + "\n" + sets));
+  const fs::path bin = DTRAIN_BIN;
+  const auto made_by = std::to_string(fs::file_size(bin)) + " " +
+                       std::to_string(fs::last_write_time(bin).time_since_epoch().count()) + " " +
+                       job + sets;
+  auto dir = (root / key).string();
+  const int fd = ::open((dir + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
+  REQUIRE(fd >= 0);
+  const bool mine = ::flock(fd, LOCK_EX | LOCK_NB) == 0;  // released at close or exit
+  if (!mine) dir = temp_dir("shared-" + std::string(key));
+  if (!mine || slurp(dir + "/made-by") != made_by) {
+    std::system(("rm -rf '" + dir + "'").c_str());
+    auto r = dtrain("run " + job + " --run-dir " + dir + sets + kQuiet);
+    if (r.code == 0 && mine) std::ofstream(dir + "/made-by") << made_by;
+    ::close(fd);
+    INFO("run " << job << sets << ": " << r.err);
+    REQUIRE(r.code == 0);
+    return dir;
+  }
+  ::close(fd);
+  return dir;
 }
 
 inline std::vector<nlohmann::json> metrics(const std::string& run_dir) {
@@ -140,6 +176,13 @@ struct Job {
   }
 };
 inline std::string config(const std::string& name) { return std::string(DTRAIN_CONFIGS) + "/" + name; }
+
+// A shipped job's synchronous run at 2 ranks for STEPS steps (logged every 100): what the
+// accuracy tests of local SGD, async_ps and compression compare against, run once for all.
+inline std::string sync_reference(const std::string& config_name, const std::string& steps) {
+  return shared_run(config(config_name),
+                    " --nproc 2 --set train.max_steps=" + steps + " --set train.log_every=100");
+}
 
 }  // namespace e2e
 

@@ -54,13 +54,17 @@ TEST_SUITE("compression") {
     // against none's: the README has their accuracy).
     std::map<std::string, double> accuracy, loss100;
     std::map<std::string, int64_t> bytes, first_bytes;
+    // (none is the sync run local SGD and async_ps compare with too: sync_reference.)
     for (const std::string how : {"none", "fp16", "bf16", "sign", "topk", "powersgd"}) {
-      const auto out = dir + "/" + how;
+      auto out = dir + "/" + how;
       const bool rounding = how == "fp16" || how == "bf16";
-      run("run " + config("fashion_mnist_cnn.yaml") + " --nproc 2 --run-dir " + out +
-          " --set train.max_steps=" + (rounding ? "100" : "400") +
-          " --set train.log_every=100 --set parallel.compression=" + how +
-          (rounding ? " --set train.eval_samples=1000" : ""));
+      if (how == "none")
+        out = sync_reference("fashion_mnist_cnn.yaml", "400");
+      else
+        run("run " + config("fashion_mnist_cnn.yaml") + " --nproc 2 --run-dir " + out +
+            " --set train.max_steps=" + (rounding ? "100" : "400") +
+            " --set train.log_every=100 --set parallel.compression=" + how +
+            (rounding ? " --set train.eval_samples=1000" : ""));
       accuracy[how] = metrics(out).back()["final_accuracy"];
       bytes[how] = of_kind(metrics(out), "train").back()["comm_bytes"];
       first_bytes[how] = of_kind(metrics(out), "train").front()["comm_bytes"];
