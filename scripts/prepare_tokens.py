@@ -14,6 +14,7 @@
 import argparse
 import array
 import base64
+import codecs
 import hashlib
 import os
 import sys
@@ -81,13 +82,26 @@ def input_files(inputs):
     return files
 
 
+# Bytes that are not UTF-8 become U+FFFD; the files that had any are named at the end.
+not_utf8, _current = {}, [None]
+
+
+def _count_and_replace(error):
+    not_utf8[_current[0]] = not_utf8.get(_current[0], 0) + (error.end - error.start)
+    return "\ufffd", error.end
+
+
+codecs.register_error("dtrain-count", _count_and_replace)
+
+
 def documents(files, separator, chunk_bytes):
     """Yields (new_document, text) pieces. A document longer than chunk_bytes comes in
     pieces, cut only where a lone "\n" stands between two characters that are not white
     space: GPT-2's pre-tokenizer ends a piece there whether or not text follows (after a
     longer run of white space it would not), so the ids are those of the whole document."""
     for path in files:
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        with open(path, encoding="utf-8", errors="dtrain-count", newline="") as f:
+            _current[0] = path
             piece, size, new = [], 0, True
             for line in f:
                 if separator is not None and line.rstrip("\r\n") == separator:
@@ -207,6 +221,11 @@ def main():
         print(file=sys.stderr)
     for s in splits.values():
         s.flush()
+    if docs == 0:
+        fail(f"no text in {' '.join(a.inputs)}: the files are empty")
+    for path, count in not_utf8.items():
+        print(f"prepare_tokens: warning: {path}: {count} byte(s) that are not UTF-8, read as "
+              "U+FFFD", file=sys.stderr)
     for s in splits.values():
         for path, count in s.paths:
             print(f"prepare_tokens: wrote {path} ({count:,} tokens)")

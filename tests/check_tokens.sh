@@ -135,4 +135,10 @@ mkdir "$dir/binary" && printf 'a\0b' > "$dir/binary/x.dat"
 refused binary "no text files" "$dir/binary" --out "$dir/x"
 refused bpe "not GPT-2's" "$dir/long.txt" --out "$dir/x" --bpe "$dir/long.txt"
 refused fraction "val-fraction" "$dir/long.txt" --out "$dir/x" --val-fraction 1
+: > "$dir/empty.txt"
+refused empty "are empty" "$dir/empty.txt" --out "$dir/x"
+# Bytes that are not UTF-8 are read as U+FFFD, and the file is named.
+printf 'caf\xe9 au lait\n' > "$dir/latin1.txt"
+prep "$dir/latin1.txt" --out "$dir/latin1" > "$dir/latin1.log" 2>&1 || fail "latin1: $(tail -1 "$dir/latin1.log")"
+grep -q "latin1.txt: 1 byte(s) that are not UTF-8" "$dir/latin1.log" || fail "no warning naming latin1.txt: $(cat "$dir/latin1.log")"
 echo "check_tokens: ok"
