@@ -126,6 +126,11 @@ class Shards:
         self.out, self.prefix, self.limit = out, f"{name}_{split}", shard_tokens
         self.buffer, self.index, self.written, self.paths = array.array("H"), 0, 0, []
 
+    @property
+    def tokens(self):
+        """Every id added so far, written or not."""
+        return self.written + len(self.buffer)
+
     def add(self, ids):
         self.buffer.extend(ids)
         while len(self.buffer) >= self.limit:
@@ -188,14 +193,13 @@ def main():
     def write(batch):
         nonlocal docs, split, done_bytes, last_draw
         # tiktoken encodes a batch on every core; the pieces are then placed in order.
-        encoded = enc.encode_ordinary_batch([text for _, text in batch], num_threads=threads)
-        for ((new, size), _), ids in zip(batch, encoded):
+        encoded = enc.encode_ordinary_batch([text for _, _, text in batch], num_threads=threads)
+        for (new, size, _), ids in zip(batch, encoded):
             if new:
                 # A document goes to val while val holds less than its share of the tokens
                 # so far: the val set is spread over every file, its size the fraction's.
-                seen = splits["train"].written + len(splits["train"].buffer)
-                held = splits["val"].written + len(splits["val"].buffer)
-                split = "val" if held < a.val_fraction * (seen + held) else "train"
+                val, train = splits["val"].tokens, splits["train"].tokens
+                split = "val" if val < a.val_fraction * (train + val) else "train"
                 splits[split].add([EOT])
                 docs += 1
             splits[split].add(ids)
@@ -203,7 +207,7 @@ def main():
         if bar and time.monotonic() - last_draw > 0.2:
             last_draw = time.monotonic()
             share = min(done_bytes / max(total_bytes, 1), 1.0)
-            tokens = sum(s.written + len(s.buffer) for s in splits.values())
+            tokens = sum(s.tokens for s in splits.values())
             print(f"\rprepare_tokens [{'#' * int(share * 30):<30}] {share:4.0%} "
                   f"{done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB, {tokens:,} tokens",
                   end="", file=sys.stderr, flush=True)
@@ -211,8 +215,9 @@ def main():
     threads = os.cpu_count() or 1
     batch, batch_bytes = [], 0
     for new, text in documents(files, a.separator, a.chunk_bytes):
-        batch.append(((new, len(text.encode("utf-8", errors="replace"))), text))
-        batch_bytes += len(text)
+        size = len(text.encode("utf-8", errors="replace"))
+        batch.append((new, size, text))
+        batch_bytes += size
         if batch_bytes >= 8 * a.chunk_bytes:
             write(batch)
             batch, batch_bytes = [], 0
