@@ -84,20 +84,18 @@ inline std::string shared_run(const std::string& job, const std::string& sets) {
                        std::to_string(fs::last_write_time(bin).time_since_epoch().count()) + " " +
                        job + sets;
   auto dir = (root / key).string();
-  const int fd = ::open((dir + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
-  REQUIRE(fd >= 0);
-  const bool mine = ::flock(fd, LOCK_EX | LOCK_NB) == 0;  // released at close or exit
+  struct Lock {  // released at close, or when the process exits
+    int fd;
+    ~Lock() { if (fd >= 0) ::close(fd); }
+  } lock{::open((dir + ".lock").c_str(), O_CREAT | O_RDWR, 0644)};
+  REQUIRE(lock.fd >= 0);
+  const bool mine = ::flock(lock.fd, LOCK_EX | LOCK_NB) == 0;
   if (!mine) dir = temp_dir("shared-" + std::string(key));
   if (!mine || slurp(dir + "/made-by") != made_by) {
     std::system(("rm -rf '" + dir + "'").c_str());
-    auto r = dtrain("run " + job + " --run-dir " + dir + sets + kQuiet);
-    if (r.code == 0 && mine) std::ofstream(dir + "/made-by") << made_by;
-    ::close(fd);
-    INFO("run " << job << sets << ": " << r.err);
-    REQUIRE(r.code == 0);
-    return dir;
+    run_ok("run " + job + " --run-dir " + dir + sets);
+    if (mine) std::ofstream(dir + "/made-by") << made_by;
   }
-  ::close(fd);
   return dir;
 }
 
