@@ -14,3 +14,24 @@ baseline_python() {
     { echo "no PyTorch for --baseline $1 at $py: run scripts/setup.sh --bench first" >&2; exit 2; }
   echo "$py"
 }
+
+# baseline_comm PYTHON NPROC ARGS...: PyTorch's samples/s for scripts/baselines/ddp_comm.py
+# ARGS at NPROC ranks under torchrun, or "nan" where that PyTorch has no such way (an older
+# torch without FSDP2, a hook Gloo cannot reduce): its last error line goes to stderr.
+baseline_comm() {
+  local py=$1 nproc=$2 root out err
+  shift 2
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  err=$(mktemp)
+  out=$(cd "$(dirname "$err")" && "$py" "$root/scripts/torchrun" --nproc_per_node "$nproc" \
+          "$root/scripts/baselines/ddp_comm.py" "$@" 2>"$err" | grep '^{' | tail -n 1) || true
+  if [ -n "$out" ]; then
+    "$py" -c 'import json, sys; print(json.loads(sys.argv[1])["samples_per_s"])' "$out"
+  else
+    # A rank's own error, not torchrun's summary of it.
+    echo "baseline ($*): $({ grep -E '^\[rank[0-9]+\]: [A-Za-z.]*Error' "$err" || grep -E 'Error' "$err"; } |
+                           head -n 1 | cut -c 1-240)" >&2
+    echo nan
+  fi
+  rm -f "$err"
+}

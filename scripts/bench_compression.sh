@@ -10,11 +10,25 @@
 #             memory during training (the last train line's, before any checkpoint).
 #   accuracy: the Fashion-MNIST CNN (configs/fashion_mnist_cnn.yaml) for EPOCHS epochs at
 #             2 ranks, each compression's test accuracy against none's.
-#   scripts/bench_compression.sh [speed|memory|accuracy|all] [EPOCHS]     (default: all 3)
+# The speed tables run PyTorch's own counterpart beside each (scripts/baselines/ddp_comm.py
+# under torchrun: DDP, its fp16/bf16/PowerSGD comm hooks, ZeroRedundancyOptimizer, FSDP2 as
+# ZeRO-2; sign and top-k have none), same model, global batch and threads, and give
+# dtrain's ratio to it. --baseline current (the default: today's PyTorch, .venv-bench/) or
+# debian (python3-torch); both need scripts/setup.sh --bench.
+#   scripts/bench_compression.sh [speed|memory|accuracy|all] [EPOCHS] [--baseline current|debian]
+#   (default: all 3)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-compression}"
-WHAT=${1:-all} EPOCHS=${2:-3}
+WHICH=current args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --baseline) WHICH=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+WHAT=${args[0]:-all} EPOCHS=${args[1]:-3}
+source "$ROOT/scripts/baseline.sh"
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_compression: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -50,24 +64,36 @@ speed_table() {  # TITLE EXTRA...
   local title=$1; shift
   echo
   echo "$title"
-  printf '%-8s %-7s %12s %9s %14s %9s\n' model how samples/s "vs none" comm_bytes "fewer"
+  printf '%-8s %-7s %12s %9s %14s %9s %12s %11s\n' model how samples/s "vs none" comm_bytes "fewer" \
+    "PyTorch/s" "vs PyTorch"
   for model in mlp gpt; do
+    # dtrain's summary leaves its first min(20, steps/5) steps out; PyTorch's warm-up is the same.
     local job=$ROOT/configs/fashion_mnist_mlp.yaml extra=(--set train.max_steps=300 --set train.log_every=100)
+    local timed=(--steps 280 --warmup 20)
     if [ $model = gpt ]; then
       job=$ROOT/configs/gpt_text.yaml
       extra=(--set train.max_steps=40 --set train.log_every=10 --set train.eval_every=100000)
+      timed=(--steps 32 --warmup 8)
     fi
     local base_s="" base_b=""
     for how in "${STRATEGIES[@]}"; do
+      local torch_s=nan
+      case $how in sign|topk) ;; *) torch_s=$(baseline_comm "$BPY" 2 --model $model --how $how "${timed[@]}") ;; esac
       read -r sps bytes _ < <(run "$job" "speed-$model-$how" "${extra[@]}" $(sets_of $how) "$@")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
-      python3 -c "import sys; m,h,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{m:<8} {h:<7} {s:12.0f} {s/bs:8.2f}x {b:14.0f} {bb/b:8.1f}x')" \
-        $model $how "$sps" "$bytes" "$base_s" "$base_b"
+      python3 -c "
+import math, sys
+m, h, s, b, bs, bb, t = sys.argv[1:]; s, b, bs, bb, t = map(float, (s, b, bs, bb, t))
+vs = '-' if math.isnan(t) else f'{s / t:.2f}x'
+print(f'{m:<8} {h:<7} {s:12.0f} {s/bs:8.2f}x {b:14.0f} {bb/b:8.1f}x {t:12.0f} {vs:>11}'.replace(' nan', '   -'))" \
+        $model $how "$sps" "$bytes" "$base_s" "$base_b" "$torch_s"
     done
   done
 }
 
 if [ "$WHAT" = speed ] || [ "$WHAT" = all ]; then
+  BPY=$(baseline_python "$WHICH")
+  echo "baseline: PyTorch $($BPY -c 'import torch; print(torch.__version__)') (--baseline $WHICH)"
   speed_table "speed, --nproc 2 on loopback ($(nproc) cores)"
   if tc qdisc add dev lo root netem rate "$RATE" 2>/dev/null; then qdisc="tc netem"
   elif tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms 2>/dev/null; then qdisc="tc tbf"

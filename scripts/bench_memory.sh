@@ -4,11 +4,22 @@
 # window, fp32 on the CPU: plain PyTorch (scripts/baselines/gpt_memory.py) beside dtrain on
 # one process and rank 0 of pipeline 4 and of tensor 4, in one run. The figure is the
 # process's high-water mark (peak_rss_mb of dtrain's last train line, before the final
-# checkpoint; the kernel's ru_maxrss for PyTorch), reported against PyTorch's.
-#   scripts/bench_memory.sh [PYTHON]      # default: Debian's python3 (its torch)
+# checkpoint; the kernel's ru_maxrss for PyTorch), reported against PyTorch's eager.
+# PyTorch runs eager and torch.compile'd with --baseline current (the default: today's
+# PyTorch, .venv-bench/), and Debian's python3-torch (1.13 on Debian 12) eager beside it
+# where installed; --baseline debian: Debian's only. Needs scripts/setup.sh --bench.
+#   scripts/bench_memory.sh [--baseline current|debian]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-PY="${1:-/usr/bin/python3}"
+WHICH=current
+case "${1:-}" in
+  --baseline) WHICH=${2:?--baseline current|debian} ;;
+  "") ;;
+  *) echo "usage: scripts/bench_memory.sh [--baseline current|debian]" >&2; exit 2 ;;
+esac
+source "$ROOT/scripts/baseline.sh"
+BPY=$(baseline_python "$WHICH")
+PY=/usr/bin/python3   # the figures' arithmetic
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-memory}"
 [ -x "$ROOT/build/dtrain" ] || { echo "bench_memory: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -25,7 +36,17 @@ schedule: {decay: constant}
 train: {max_steps: 2, grad_accum: 4, log_every: 1, eval_every: 1000, threads: 1}
 checkpoint: {keep_last: 1}
 YAML
-(cd "$ROOT/scripts/baselines" && "$PY" gpt_memory.py --threads 1) >> "$rows"
+pytorch() {  # PYTHON LABEL EXTRA...
+  local py=$1 label=$2; shift 2
+  (cd "$ROOT/scripts/baselines" && "$py" gpt_memory.py --threads 1 "$@") |
+    "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); d["who"] = sys.argv[1] + " " + d["torch"].split("+")[0] + sys.argv[2]; print(json.dumps(d))' \
+      "$label" "$([ $# -gt 0 ] && echo " compiled" || echo " eager")" >> "$rows"
+}
+pytorch "$BPY" PyTorch   # the first row: what the others are reported against
+if [ "$WHICH" = current ]; then
+  pytorch "$BPY" PyTorch --compile
+  "$PY" -c 'import torch' 2>/dev/null && pytorch "$PY" PyTorch
+fi
 run() {  # label, extra args...
   local label=$1; shift
   rm -rf "$OUT_DIR/run"
@@ -46,7 +67,7 @@ run "dtrain tensor 4" --nproc 4 --set parallel.tensor=4
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 base = rows[0]["peak_rss_mb"]
-print(f"{'who':18} {'rank 0 peak MiB':>16} {'vs PyTorch':>11}")
+print(f"{'who':26} {'rank 0 peak MiB':>16} {'vs ' + rows[0]['who']:>24}")
 for r in rows:
-    print(f"{r['who']:18} {r['peak_rss_mb']:16.0f} {r['peak_rss_mb'] / base:11.2f}")
+    print(f"{r['who']:26} {r['peak_rss_mb']:16.0f} {r['peak_rss_mb'] / base:24.2f}")
 PYEOF

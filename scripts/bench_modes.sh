@@ -8,11 +8,26 @@
 #             where the replicas meet, and async_ps only as far as the staleness bound.
 #   accuracy: the MLP and the CNN (configs/fashion_mnist_*.yaml) for EPOCHS epochs with 2
 #             workers: test accuracy of local_sgd and async_ps against sync, same samples.
-#   scripts/bench_modes.sh [speed|accuracy|all] [EPOCHS]     (default: all 1)
+# The speed tables run PyTorch's own counterpart beside sync and local_sgd
+# (scripts/baselines/ddp_comm.py under torchrun: DDP, and model_averaging's
+# PeriodicModelAverager every EVERY steps; PyTorch has no parameter server), same model,
+# global batch, threads and slowed rank, and give dtrain's ratio to it. --baseline current
+# (the default: today's PyTorch, .venv-bench/) or debian (python3-torch); both need
+# scripts/setup.sh --bench.
+#   scripts/bench_modes.sh [speed|accuracy|all] [EPOCHS] [--baseline current|debian]
+#   (default: all 1)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-modes}"
-WHAT=${1:-all} EPOCHS=${2:-1}
+WHICH=current args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --baseline) WHICH=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+WHAT=${args[0]:-all} EPOCHS=${args[1]:-1}
+source "$ROOT/scripts/baseline.sh"
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_modes: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -41,30 +56,48 @@ print(s["samples_per_s"], wire, s.get("final_accuracy", float("nan")))
 PYEOF
 }
 
-speed_table() {  # TITLE EXTRA...
-  local title=$1; shift
+speed_table() {  # TITLE SLOW_MS (rank 1 sleeps that long before each step; 0: nobody)
+  local title=$1 slow=$2
+  local slowed=() torch_slowed=()
+  if [ "$slow" != 0 ]; then
+    slowed=(--set train.debug_slow_rank=1 --set train.debug_slow_ms=$slow)
+    torch_slowed=(--slow-rank 1 --slow-ms "$slow")
+  fi
   echo
   echo "$title"
-  printf '%-7s %-10s %12s %9s %15s %9s\n' workers mode samples/s "vs sync" bytes/sample "fewer"
+  printf '%-7s %-10s %12s %9s %15s %9s %12s %11s\n' workers mode samples/s "vs sync" bytes/sample "fewer" \
+    "PyTorch/s" "vs PyTorch"
   for workers in 2 4; do
     local base_s="" base_b=""
     for mode in "${MODES[@]}"; do
+      # dtrain's summary leaves its first 20 steps out; PyTorch's warm-up is the same.
+      local torch_s=nan
+      case $mode in
+        sync) torch_s=$(baseline_comm "$BPY" "$workers" --how none --steps 580 "${torch_slowed[@]}") ;;
+        local_sgd) torch_s=$(baseline_comm "$BPY" "$workers" --how local_sgd --every "$EVERY" --steps 580 \
+                             "${torch_slowed[@]}") ;;
+      esac
       read -r sps bytes _ < <(run "$ROOT/configs/fashion_mnist_mlp.yaml" "speed-$workers-$mode" \
         "$(procs $mode $workers)" \
         --set train.max_steps=600 --set train.log_every=100 --set train.eval_every=100000 \
         --set parallel.mode=$mode --set parallel.average_every=$EVERY \
-        --set parallel.staleness=$STALENESS "$@")
+        --set parallel.staleness=$STALENESS "${slowed[@]}")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
-      python3 -c "import sys; n,m,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{n:<7} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.2f}x')" \
-        $workers $mode "$sps" "$bytes" "$base_s" "$base_b"
+      python3 -c "
+import math, sys
+n, m, s, b, bs, bb, t = sys.argv[1:]; s, b, bs, bb, t = map(float, (s, b, bs, bb, t))
+vs = '-' if math.isnan(t) else f'{s / t:.2f}x'
+print(f'{n:<7} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.2f}x {t:12.0f} {vs:>11}'.replace(' nan', '   -'))" \
+        $workers $mode "$sps" "$bytes" "$base_s" "$base_b" "$torch_s"
     done
   done
 }
 
 if [ "$WHAT" = speed ] || [ "$WHAT" = all ]; then
-  speed_table "speed, MLP, local_sgd averaging every $EVERY steps, async_ps 1 server at staleness $STALENESS ($(nproc) cores, loopback)"
-  speed_table "speed, the same with rank 1 sleeping $SLOW_MS ms before each step" \
-    --set train.debug_slow_rank=1 --set train.debug_slow_ms=$SLOW_MS
+  BPY=$(baseline_python "$WHICH")
+  echo "baseline: PyTorch $($BPY -c 'import torch; print(torch.__version__)') (--baseline $WHICH)"
+  speed_table "speed, MLP, local_sgd averaging every $EVERY steps, async_ps 1 server at staleness $STALENESS ($(nproc) cores, loopback)" 0
+  speed_table "speed, the same with rank 1 sleeping $SLOW_MS ms before each step" "$SLOW_MS"
 fi
 
 if [ "$WHAT" = accuracy ] || [ "$WHAT" = all ]; then
