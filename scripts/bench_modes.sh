@@ -22,7 +22,7 @@ OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-modes}"
 WHICH=current args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --baseline) WHICH=$2; shift 2 ;;
+    --baseline) WHICH=${2:?--baseline current|debian}; shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done
