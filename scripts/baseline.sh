@@ -1,7 +1,18 @@
 # Sourced by the benchmark scripts: which PyTorch the baseline runs on.
+#   baseline_flag ARGS...             takes --baseline out of a script's arguments
 #   baseline_python current|debian    prints that Python, or exits 2 saying how to set it up
 # current: today's PyTorch, pinned in scripts/requirements-bench.txt, in .venv-bench/;
 # debian: Debian's python3-torch (1.13 on Debian 12, 2.6 on 13). Both from setup.sh --bench.
+baseline_flag() {  # sets WHICH (default current) and REST (the other arguments, in order)
+  WHICH=current REST=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --baseline) WHICH=${2:?--baseline current|debian}; shift 2 ;;
+      *) REST+=("$1"); shift ;;
+    esac
+  done
+}
+
 baseline_python() {
   local root py
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,4 +45,12 @@ baseline_comm() {
     echo nan
   fi
   rm -f "$err"
+}
+
+# torch_columns DTRAIN_S TORCH_S: the two columns a bench row ends with, PyTorch's samples/s
+# and dtrain's ratio to it, "-" where PyTorch has no such way (TORCH_S nan).
+torch_columns() {
+  python3 -c 'import math, sys
+s, t = map(float, sys.argv[1:])
+print("%12s %11s" % (("-", "-") if math.isnan(t) else (f"{t:.0f}", f"{s / t:.2f}x")))' "$1" "$2"
 }

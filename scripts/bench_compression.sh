@@ -20,15 +20,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-compression}"
-WHICH=current args=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --baseline) WHICH=${2:?--baseline current|debian}; shift 2 ;;
-    *) args+=("$1"); shift ;;
-  esac
-done
-WHAT=${args[0]:-all} EPOCHS=${args[1]:-3}
 source "$ROOT/scripts/baseline.sh"
+baseline_flag "$@"
+WHAT=${REST[0]:-all} EPOCHS=${REST[1]:-3}
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_compression: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -81,12 +75,8 @@ speed_table() {  # TITLE EXTRA...
       case $how in sign|topk) ;; *) torch_s=$(baseline_comm "$BPY" 2 --model $model --how $how "${timed[@]}") ;; esac
       read -r sps bytes _ < <(run "$job" "speed-$model-$how" "${extra[@]}" $(sets_of $how) "$@")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
-      python3 -c "
-import math, sys
-m, h, s, b, bs, bb, t = sys.argv[1:]; s, b, bs, bb, t = map(float, (s, b, bs, bb, t))
-vs = '-' if math.isnan(t) else f'{s / t:.2f}x'
-print(f'{m:<8} {h:<7} {s:12.0f} {s/bs:8.2f}x {b:14.0f} {bb/b:8.1f}x {t:12.0f} {vs:>11}'.replace(' nan', '   -'))" \
-        $model $how "$sps" "$bytes" "$base_s" "$base_b" "$torch_s"
+      echo "$(python3 -c "import sys; m,h,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{m:<8} {h:<7} {s:12.0f} {s/bs:8.2f}x {b:14.0f} {bb/b:8.1f}x')" \
+        $model $how "$sps" "$bytes" "$base_s" "$base_b") $(torch_columns "$sps" "$torch_s")"
     done
   done
 }

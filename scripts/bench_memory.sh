@@ -11,13 +11,9 @@
 #   scripts/bench_memory.sh [--baseline current|debian]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-WHICH=current
-case "${1:-}" in
-  --baseline) WHICH=${2:?--baseline current|debian} ;;
-  "") ;;
-  *) echo "usage: scripts/bench_memory.sh [--baseline current|debian]" >&2; exit 2 ;;
-esac
 source "$ROOT/scripts/baseline.sh"
+baseline_flag "$@"
+[ ${#REST[@]} -eq 0 ] || { echo "usage: scripts/bench_memory.sh [--baseline current|debian]" >&2; exit 2; }
 BPY=$(baseline_python "$WHICH")
 PY=/usr/bin/python3   # the figures' arithmetic
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-memory}"
@@ -36,16 +32,15 @@ schedule: {decay: constant}
 train: {max_steps: 2, grad_accum: 4, log_every: 1, eval_every: 1000, threads: 1}
 checkpoint: {keep_last: 1}
 YAML
-pytorch() {  # PYTHON LABEL EXTRA...
-  local py=$1 label=$2; shift 2
+pytorch() {  # PYTHON [--compile]: a row named by the run's own torch and compile fields
+  local py=$1; shift
   (cd "$ROOT/scripts/baselines" && "$py" gpt_memory.py --threads 1 "$@") |
-    "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); d["who"] = sys.argv[1] + " " + d["torch"].split("+")[0] + sys.argv[2]; print(json.dumps(d))' \
-      "$label" "$([ $# -gt 0 ] && echo " compiled" || echo " eager")" >> "$rows"
+    "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); d["who"] = "PyTorch " + d["torch"].split("+")[0] + (" compiled" if d["compile"] else " eager"); print(json.dumps(d))' >> "$rows"
 }
-pytorch "$BPY" PyTorch   # the first row: what the others are reported against
+pytorch "$BPY"   # the first row: what the others are reported against
 if [ "$WHICH" = current ]; then
-  pytorch "$BPY" PyTorch --compile
-  "$PY" -c 'import torch' 2>/dev/null && pytorch "$PY" PyTorch
+  pytorch "$BPY" --compile
+  "$PY" -c 'import torch' 2>/dev/null && pytorch "$PY"
 fi
 run() {  # label, extra args...
   local label=$1; shift

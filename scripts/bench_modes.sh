@@ -19,15 +19,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-modes}"
-WHICH=current args=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --baseline) WHICH=${2:?--baseline current|debian}; shift 2 ;;
-    *) args+=("$1"); shift ;;
-  esac
-done
-WHAT=${args[0]:-all} EPOCHS=${args[1]:-1}
 source "$ROOT/scripts/baseline.sh"
+baseline_flag "$@"
+WHAT=${REST[0]:-all} EPOCHS=${REST[1]:-1}
 DTRAIN="$ROOT/build/dtrain"
 [ -x "$DTRAIN" ] || { echo "bench_modes: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
@@ -83,12 +77,8 @@ speed_table() {  # TITLE SLOW_MS (rank 1 sleeps that long before each step; 0: n
         --set parallel.mode=$mode --set parallel.average_every=$EVERY \
         --set parallel.staleness=$STALENESS "${slowed[@]}")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
-      python3 -c "
-import math, sys
-n, m, s, b, bs, bb, t = sys.argv[1:]; s, b, bs, bb, t = map(float, (s, b, bs, bb, t))
-vs = '-' if math.isnan(t) else f'{s / t:.2f}x'
-print(f'{n:<7} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.2f}x {t:12.0f} {vs:>11}'.replace(' nan', '   -'))" \
-        $workers $mode "$sps" "$bytes" "$base_s" "$base_b" "$torch_s"
+      echo "$(python3 -c "import sys; n,m,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{n:<7} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.2f}x')" \
+        $workers $mode "$sps" "$bytes" "$base_s" "$base_b") $(torch_columns "$sps" "$torch_s")"
     done
   done
 }
