@@ -27,7 +27,6 @@
 namespace dtrain {
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
 constexpr double kLoaderThreadBytes = 7 * kMiB;
 
 // A dtrain process before any model, on the CPU: LibTorch's libraries and their start-up,

@@ -19,6 +19,8 @@
 
 namespace dtrain {
 
+constexpr double kMiB = 1024.0 * 1024.0;
+
 // One rank's memory, bytes. `data` (the dataset each process holds) and `runtime` (what a
 // LibTorch process takes before any model: measured on the CPU) are host memory: on a GPU
 // they are left out (nullopt), so the total compares with the allocator's peak there and

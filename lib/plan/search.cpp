@@ -30,7 +30,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr double kMiB = 1024.0 * 1024.0;
 
 double largest_rank(const Plan& p) {
   double most = 0;

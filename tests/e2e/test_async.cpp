@@ -16,7 +16,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::async_tests {
 
 namespace {
 const std::string kAsync = " --set parallel.mode=async_ps";
@@ -278,3 +278,5 @@ TEST_SUITE("async") {
     }
   }
 }
+
+}  // namespace e2e::async_tests

@@ -17,7 +17,8 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::async_save_tests {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -196,3 +197,5 @@ TEST_SUITE("async_save") {
           std::string::npos);
   }
 }
+
+}  // namespace e2e::async_save_tests

@@ -5,7 +5,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::augment_tests {
 
 namespace {
 
@@ -75,3 +75,5 @@ TEST_SUITE("augment") {
     }
   }
 }
+
+}  // namespace e2e::augment_tests

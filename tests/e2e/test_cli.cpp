@@ -7,7 +7,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::cli_tests {
 
 namespace {
 // Every error is one line on stderr that starts with "dtrain: error:".
@@ -172,3 +172,5 @@ TEST_SUITE("cli") {
     check_one_line_error(r, 3, dir + "/none.txt");
   }
 }
+
+}  // namespace e2e::cli_tests

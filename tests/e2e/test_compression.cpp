@@ -10,7 +10,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::compression_tests {
 
 namespace {
 
@@ -228,3 +228,5 @@ TEST_SUITE("compression") {
     }
   }
 }
+
+}  // namespace e2e::compression_tests

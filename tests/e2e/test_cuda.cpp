@@ -10,7 +10,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::cuda_tests {
 
 namespace {
 
@@ -288,3 +288,5 @@ TEST_SUITE("cuda") {
     CHECK(r.err.find("train.device") != std::string::npos);
   }
 }
+
+}  // namespace e2e::cuda_tests

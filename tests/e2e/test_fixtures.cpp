@@ -12,7 +12,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::fixtures_tests {
 
 namespace {
 std::string fixture(const std::string& name) {
@@ -45,3 +45,5 @@ TEST_SUITE("fixtures") {
     resumes_as_written("async_ps", 1e-6);
   }
 }
+
+}  // namespace e2e::fixtures_tests

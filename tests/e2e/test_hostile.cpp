@@ -16,7 +16,8 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::hostile_tests {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -231,3 +232,5 @@ TEST_SUITE("hostile") {
     CHECK(r.err.find("... (100014 bytes)") != std::string::npos);
   }
 }
+
+}  // namespace e2e::hostile_tests

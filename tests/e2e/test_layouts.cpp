@@ -17,7 +17,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::layouts_tests {
 
 namespace {
 
@@ -158,3 +158,5 @@ TEST_SUITE("layouts") {
     CHECK(pipeline < 2 * 1024 + 256);
   }
 }
+
+}  // namespace e2e::layouts_tests

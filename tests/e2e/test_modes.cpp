@@ -17,7 +17,7 @@
 #include "checkpoint/safetensors.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::modes_tests {
 
 namespace {
 
@@ -293,3 +293,5 @@ TEST_SUITE("modes") {
     }
   }
 }
+
+}  // namespace e2e::modes_tests

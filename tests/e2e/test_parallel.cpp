@@ -11,7 +11,7 @@
 #include "checkpoint/safetensors.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::parallel_tests {
 
 namespace {
 
@@ -235,3 +235,5 @@ TEST_SUITE("failures") {
     CHECK(r.err.find("restarting") == std::string::npos);
   }
 }
+
+}  // namespace e2e::parallel_tests

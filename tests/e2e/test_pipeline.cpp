@@ -12,7 +12,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::pipeline_tests {
 
 namespace {
 
@@ -232,3 +232,5 @@ TEST_SUITE("pipeline") {
     }
   }
 }
+
+}  // namespace e2e::pipeline_tests

@@ -10,7 +10,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::plan_tests {
 
 namespace {
 
@@ -300,3 +300,5 @@ TEST_SUITE("plan_measure") {
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }
+
+}  // namespace e2e::plan_tests

@@ -12,7 +12,8 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::robust_tests {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -322,3 +323,5 @@ TEST_SUITE("robust") {
           std::string::npos);
   }
 }
+
+}  // namespace e2e::robust_tests

@@ -12,7 +12,7 @@
 #include "checkpoint/safetensors.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::tensor_tests {
 
 namespace {
 
@@ -226,3 +226,5 @@ TEST_SUITE("gpt_text") {
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }
+
+}  // namespace e2e::tensor_tests

@@ -11,7 +11,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::tokens_tests {
 
 namespace {
 const std::string kCorpus = "/usr/share/games/fortunes/computers";  // 238 KB of text
@@ -190,3 +190,5 @@ TEST_SUITE("tokens") {
     }
   }
 }
+
+}  // namespace e2e::tokens_tests

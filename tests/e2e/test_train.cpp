@@ -8,7 +8,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::train_tests {
 
 namespace {
 
@@ -381,3 +381,5 @@ TEST_SUITE("divergence") {
     CHECK(metrics(dir + "/ok").back()["skipped_steps"] == 0);
   }
 }
+
+}  // namespace e2e::train_tests

@@ -8,7 +8,7 @@
 
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::verify_tests {
 
 namespace {
 
@@ -153,3 +153,5 @@ TEST_SUITE("verify") {
     CHECK(async.err.find("async_ps") != std::string::npos);
   }
 }
+
+}  // namespace e2e::verify_tests

@@ -10,7 +10,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "run.hpp"
 
-using namespace e2e;
+namespace e2e::zero_tests {
 
 namespace {
 
@@ -205,3 +205,5 @@ TEST_SUITE("zero") {
     CHECK(e2e::dtrain("validate " + j + " --nproc 2 --set parallel.zero=3").code == 0);
   }
 }
+
+}  // namespace e2e::zero_tests

@@ -19,6 +19,8 @@
 #include "parallel/flat_params.hpp"
 #include "precision/autocast.hpp"
 
+namespace unit_cuda {
+
 using namespace dtrain;
 
 namespace {
@@ -141,3 +143,5 @@ TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
     }, o);
   }
 }
+
+}  // namespace unit_cuda

@@ -19,6 +19,8 @@
 #include "util/error.hpp"
 #include "util/files.hpp"
 
+namespace unit_checkpoint_checkpoint {
+
 using namespace dtrain;
 using dtrain::test::TempDir;
 namespace fs = std::filesystem;
@@ -504,3 +506,5 @@ TEST_CASE("checkpoint store: ZeRO's shards, one file per data rank, merged on lo
   CHECK_THROWS_WITH_AS(load_checkpoint(write(4, {0})),
                        doctest::Contains("are in no file (a ZeRO shard's file missing)"), CheckpointError);
 }
+
+}  // namespace unit_checkpoint_checkpoint

@@ -22,6 +22,8 @@
 #include "layers/vocab_parallel.hpp"
 #include "util/error.hpp"
 
+namespace unit_comm_comm {
+
 using namespace dtrain;
 using test::quick;
 using test::RankFailures;
@@ -83,3 +85,5 @@ TEST_CASE("comm: collectives over ranks as threads") {
   }, quick());
   failures.check();
 }
+
+}  // namespace unit_comm_comm

@@ -13,6 +13,8 @@
 
 #include "comm/tcp_store.hpp"
 
+namespace unit_comm_store {
+
 using namespace dtrain;
 
 namespace {
@@ -286,3 +288,5 @@ TEST_CASE("TcpStore: a socket connected to itself is told apart from a connectio
   CHECK_FALSE(connected_to_itself(client));
   ::close(client);
 }
+
+}  // namespace unit_comm_store

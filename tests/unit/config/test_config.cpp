@@ -14,6 +14,8 @@
 #include "job/validate.hpp"
 #include "util/error.hpp"
 
+namespace unit_config_config {
+
 using namespace dtrain;
 
 namespace {
@@ -409,3 +411,5 @@ TEST_CASE("config: nearest_key") {
   CHECK(nearest_key("train.warmup_steps") == "schedule.warmup_steps");
   CHECK(nearest_key("completely.unrelated.thing") == "");
 }
+
+}  // namespace unit_config_config

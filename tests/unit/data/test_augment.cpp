@@ -7,6 +7,8 @@
 
 #include "data/augment.hpp"
 
+namespace unit_data_augment {
+
 using namespace dtrain;
 
 namespace {
@@ -64,3 +66,5 @@ TEST_CASE("augment: a sample's draws depend on seed, epoch and index, not on its
   CHECK(!torch::equal(other.apply(batch, indices, 2), all));  // another seed
   CHECK(torch::equal(batch, before));  // the input is left as it was
 }
+
+}  // namespace unit_data_augment

@@ -13,6 +13,8 @@
 #include "temp_dir.hpp"
 #include "util/error.hpp"
 
+namespace unit_data_idx {
+
 using namespace dtrain;
 
 namespace {
@@ -271,3 +273,5 @@ TEST_CASE("evenly_spaced: train.eval_samples' n samples spread over the split, o
   CHECK(torch::equal(b.y, torch::tensor({0, 2, 5, 7}, torch::kInt64)));
   CHECK(four->fingerprint().size() == split->fingerprint().size() + 1);
 }
+
+}  // namespace unit_data_idx

@@ -11,6 +11,8 @@
 #include "data/loader.hpp"
 #include "data/sampler.hpp"
 
+namespace unit_data_loader {
+
 using namespace dtrain;
 
 namespace {
@@ -117,3 +119,5 @@ TEST_CASE("loader: an error in a worker reaches next() and does not hang") {
     CHECK(delivered == 1);
   }
 }
+
+}  // namespace unit_data_loader

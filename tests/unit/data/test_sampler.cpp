@@ -12,6 +12,8 @@
 #include "data/sampler.hpp"
 #include "util/error.hpp"
 
+namespace unit_data_sampler {
+
 using namespace dtrain;
 
 namespace {
@@ -160,3 +162,5 @@ TEST_CASE("sampler: impossible batch layouts throw ConfigError") {
     CHECK(e.code == kExitBadSpec);
   }
 }
+
+}  // namespace unit_data_sampler

@@ -10,6 +10,8 @@
 #include "parallel/flat_params.hpp"
 #include "grad/buckets.hpp"
 
+namespace unit_grad_buckets {
+
 using namespace dtrain;
 
 namespace {
@@ -57,3 +59,5 @@ TEST_CASE("grad buckets: final slices during backward, in order, each once a ste
   buckets.flush();     // and all of it at flush, still in order
   check_cover(got, total);
 }
+
+}  // namespace unit_grad_buckets

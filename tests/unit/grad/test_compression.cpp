@@ -22,6 +22,8 @@
 #include "layers/vocab_parallel.hpp"
 #include "util/error.hpp"
 
+namespace unit_grad_compression {
+
 using namespace dtrain;
 using test::quick;
 using test::RankFailures;
@@ -208,3 +210,5 @@ TEST_CASE("compression: the warm-up, a number or auto (a share of the run for th
   CHECK(warmup("sign", "0", 400) == 0);
   CHECK(warmup("fp16", "300", 400) == 300);
 }
+
+}  // namespace unit_grad_compression

@@ -13,6 +13,8 @@
 #include "parallel/mesh.hpp"
 #include "ranks.hpp"
 
+namespace unit_grad_zero {
+
 using namespace dtrain;
 using test::quick;
 using test::RankFailures;
@@ -196,3 +198,5 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
   }, quick());
   failures.check();
 }
+
+}  // namespace unit_grad_zero

@@ -16,6 +16,8 @@
 #include "precision/loss_scaler.hpp"
 #include "util/error.hpp"
 
+namespace unit_launch_device {
+
 using namespace dtrain;
 
 namespace {
@@ -125,3 +127,5 @@ TEST_CASE("device: fp16 on the CPU is refused with a pointer to bf16") {
   CHECK(plan_device(cfg, 0, 1).device == c10::Device(c10::kCPU));
   CHECK(plan_device(cfg, 0, 1).backend == "gloo");
 }
+
+}  // namespace unit_launch_device

@@ -5,6 +5,8 @@
 #include "launch/world.hpp"
 #include "util/error.hpp"
 
+namespace unit_launch_world {
+
 using namespace dtrain;
 
 namespace {
@@ -115,3 +117,5 @@ TEST_CASE("slurm_job_to_requeue: the job id, or ARRAYJOB_TASK for an array task"
   CHECK(slurm_job_to_requeue(map_env({{"SLURM_JOB_ID", "815"}, {"SLURM_ARRAY_JOB_ID", "812"},
                                       {"SLURM_ARRAY_TASK_ID", "3"}})) == "812_3");
 }
+
+}  // namespace unit_launch_world

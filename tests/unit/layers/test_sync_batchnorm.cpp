@@ -12,6 +12,8 @@
 #include "precision/loss_scaler.hpp"
 #include "util/error.hpp"
 
+namespace unit_layers_sync_batchnorm {
+
 using namespace dtrain;
 
 TEST_CASE("sync batchnorm: a bf16 or fp16 input (autocast's) keeps fp32 statistics") {
@@ -37,3 +39,5 @@ TEST_CASE("sync batchnorm: a bf16 or fp16 input (autocast's) keeps fp32 statisti
     }
   }
 }
+
+}  // namespace unit_layers_sync_batchnorm

@@ -23,6 +23,8 @@
 #include "layers/vocab_parallel.hpp"
 #include "util/error.hpp"
 
+namespace unit_layers_tensor_parallel {
+
 using namespace dtrain;
 using test::quick;
 using test::RankFailures;
@@ -221,3 +223,5 @@ TEST_CASE("tensor parallel: a GPT's replicated parameters stay bitwise identical
   }, quick());
   failures.check();
 }
+
+}  // namespace unit_layers_tensor_parallel

@@ -8,6 +8,8 @@
 
 #include "logging/tensorboard.hpp"
 
+namespace unit_logging_tensorboard {
+
 using namespace dtrain;
 
 TEST_CASE("tensorboard: CRC-32C and TFRecord's framing") {
@@ -48,3 +50,5 @@ TEST_CASE("tensorboard: a metrics line's scalars") {
   CHECK(train[0].second == 0.5f);
   CHECK(scalars_of({{"kind", "summary"}, {"steps", 4}}).empty());
 }
+
+}  // namespace unit_logging_tensorboard

@@ -8,6 +8,8 @@
 
 #include "models/dropout.hpp"
 
+namespace unit_models_dropout {
+
 using namespace dtrain;
 
 namespace {
@@ -88,3 +90,5 @@ TEST_CASE("dropout: the gradient is the mask, and a scope restores the one it re
   CHECK(current_dropout_draw()->step == 7);
   CHECK(dropout_site("h.0.attn.out") != dropout_site("h.1.attn.out"));
 }
+
+}  // namespace unit_models_dropout

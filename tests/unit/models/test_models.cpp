@@ -16,6 +16,8 @@
 #include "util/compat.hpp"
 #include "util/error.hpp"
 
+namespace unit_models_models {
+
 using namespace dtrain;
 
 namespace {
@@ -339,3 +341,5 @@ TEST_CASE("models: initial weights are a function of the seed and each parameter
   auto e = build_initialised(cfg, ctx, 5);
   CHECK(torch::equal(d->named_parameters()["1.weight"], e->named_parameters()["1.weight"]));
 }
+
+}  // namespace unit_models_models

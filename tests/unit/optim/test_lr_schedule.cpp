@@ -6,6 +6,8 @@
 #include "config/config.hpp"
 #include "optim/schedule.hpp"
 
+namespace unit_optim_lr_schedule {
+
 using namespace dtrain;
 
 namespace {
@@ -113,3 +115,5 @@ TEST_CASE("schedule: every decay is finite, positive and at most the peak") {
     }
   }
 }
+
+}  // namespace unit_optim_lr_schedule

@@ -16,6 +16,8 @@
 #include "optim/optimizer.hpp"
 #include "util/error.hpp"
 
+namespace unit_optim_optimizer {
+
 using namespace dtrain;
 
 namespace {
@@ -515,3 +517,5 @@ TEST_CASE("clip_grad: torch's clip_grad_norm_ factor, and fp16's unscaling, in o
   clip_grad(flat, torch::Tensor(), 0.0, 1024);
   CHECK(torch::allclose(flat.grad(), g, 1e-6, 1e-9));
 }
+
+}  // namespace unit_optim_optimizer

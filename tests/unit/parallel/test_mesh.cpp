@@ -22,6 +22,8 @@
 #include "layers/vocab_parallel.hpp"
 #include "util/error.hpp"
 
+namespace unit_parallel_mesh {
+
 using namespace dtrain;
 using test::quick;
 using test::RankFailures;
@@ -107,3 +109,5 @@ struct Reference {
   torch::nn::Linear a{nullptr}, b{nullptr};
 };
 }  // namespace
+
+}  // namespace unit_parallel_mesh

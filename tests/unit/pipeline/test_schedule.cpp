@@ -14,13 +14,15 @@
 
 #include "pipeline/schedule.hpp"
 
-using namespace dtrain;
-
 namespace dtrain {
 std::ostream& operator<<(std::ostream& os, const PartRange& r) {
   return os << "[" << r.first << ", " << r.last << ")";
 }
 }  // namespace dtrain
+
+namespace unit_pipeline_schedule {
+
+using namespace dtrain;
 
 namespace {
 
@@ -177,3 +179,5 @@ TEST_CASE("pipeline: stages balanced by parameters, or as parallel.stages says")
   // Explicit: parts per stage, in order.
   CHECK(split_stages(gpt, 3, {2, 10, 2}) == std::vector<PartRange>{{0, 2}, {2, 12}, {12, 14}});
 }
+
+}  // namespace unit_pipeline_schedule

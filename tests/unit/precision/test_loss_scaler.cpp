@@ -13,6 +13,8 @@
 #include "precision/loss_scaler.hpp"
 #include "util/error.hpp"
 
+namespace unit_precision_loss_scaler {
+
 using namespace dtrain;
 
 TEST_CASE("loss scaler: dynamic scale grows after clean steps, halves and skips on overflow") {
@@ -124,3 +126,5 @@ TEST_CASE("loss scaler: injected inf and nan gradients overflow; finite ones uns
     CHECK(scaler.scale() == before / 2);
   }
 }
+
+}  // namespace unit_precision_loss_scaler

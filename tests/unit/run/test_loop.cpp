@@ -17,6 +17,8 @@
 #include "temp_dir.hpp"
 #include "util/error.hpp"
 
+namespace unit_run_loop {
+
 using namespace dtrain;
 
 namespace {
@@ -246,3 +248,5 @@ TEST_CASE("run log: the best metric follows the task's direction; the max_skippe
   CHECK(!l2.log.nonfinite(5, who, /*meets=*/false));
   CHECK(l2.log.state().diverged_at == 5);
 }
+
+}  // namespace unit_run_loop

@@ -9,6 +9,8 @@
 #include "ranks.hpp"
 #include "util/error.hpp"
 
+namespace unit_run_modes {
+
 using namespace dtrain;
 using test::quick;
 
@@ -81,3 +83,5 @@ TEST_CASE("modes: local SGD's replicas meet after the synchronous steps and ever
     CHECK(sync_replicas[r] == 2);
   }
 }
+
+}  // namespace unit_run_modes

@@ -15,6 +15,8 @@
 #include "run/mode.hpp"
 #include "run/step.hpp"
 
+namespace unit_run_step {
+
 using namespace dtrain;
 
 namespace {
@@ -118,3 +120,5 @@ TEST_CASE("step: a non-finite loss under on_nonfinite: skip makes no update") {
   CHECK(s.nonfinite_rank == 0);
   CHECK(torch::equal(b.weight->weight, torch::tensor({{1.0f, 2.0f, 3.0f}})));
 }
+
+}  // namespace unit_run_step
