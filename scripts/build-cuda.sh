@@ -11,8 +11,8 @@
 # calls symbols of 2.30 that the toolkit's older NCCL lacks) and the three the toolkit does
 # not have (cuSPARSELt, NVSHMEM's host library, cuFile) come from their own wheels. The wheels
 # and their unpacked C++ side are cached in the user's cache folder (~/.cache/dtrain/cuda,
-# 4 GB; DTRAIN_CUDA_CACHE moves it), outside the checkout, so that a fresh clone (CI's)
-# neither downloads 2.6 GB nor unpacks them again.
+# 2.6 GB; DTRAIN_CUDA_CACHE moves it), outside the checkout, so that a fresh clone (CI's)
+# neither downloads the 1 GB of wheels nor unpacks them again.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
