@@ -255,27 +255,21 @@ TEST_SUITE("async") {
                       "parallel.mode async_ps") != std::string::npos);
   }
 
-  TEST_CASE("Fashion-MNIST MLP and CNN: 2 workers at staleness 4 within 2 points of sync") {
+  TEST_CASE("Fashion-MNIST MLP: 2 workers at staleness 4 within 2 points of sync") {
     auto dir = temp_dir("async-accuracy");
-    struct Case {
-      std::string config, steps;
-    };
-    // One epoch each: at 300 steps the CNN (momentum 0.9, which asynchrony adds to) was
-    // still 2.4 points behind; after an epoch 0.5.
-    for (const Case& k : {Case{"fashion_mnist_mlp.yaml", "937"}, Case{"fashion_mnist_cnn.yaml", "937"}}) {
-      CAPTURE(k.config);
-      const std::string common = " --set train.max_steps=" + k.steps + " --set train.log_every=100";
-      // The asynchronous run first: the sync one is local SGD's too, and that suite, run
-      // beside this one, has made it by then.
-      run_ok("run " + config(k.config) + " --nproc 3 --run-dir " + dir + "/ps-" + k.config + common +
-             kAsync + " --set parallel.staleness=4");
-      const auto reference = sync_reference(k.config, k.steps);
-      const double sync = summary(reference)["final_accuracy"];
-      const double ps = summary(dir + "/ps-" + k.config)["final_accuracy"];
-      MESSAGE(k.config << " accuracy: sync " << sync << ", async_ps " << ps);
-      CHECK(sync > 0.8);
-      CHECK(ps > sync - 0.02);
-    }
+    // One epoch. (The CNN's epoch, 0.7 points behind sync when measured for the README, took
+    // two thirds of this suite's time: momentum 0.9 needs the whole epoch to catch up, at
+    // 300 steps it was 2.4 points behind. The MLP's is the check that runs every time.)
+    const std::string config = "fashion_mnist_mlp.yaml", steps = "937";
+    // The asynchronous run first: the sync one is local SGD's too, and that suite, run
+    // beside this one, has made it by then.
+    run_ok("run " + e2e::config(config) + " --nproc 3 --run-dir " + dir + "/ps --set train.max_steps=" +
+           steps + " --set train.log_every=100" + kAsync + " --set parallel.staleness=4");
+    const double sync = summary(sync_reference(config, steps))["final_accuracy"];
+    const double ps = summary(dir + "/ps")["final_accuracy"];
+    MESSAGE("MLP accuracy: sync " << sync << ", async_ps " << ps);
+    CHECK(sync > 0.8);
+    CHECK(ps > sync - 0.02);
   }
 }
 
