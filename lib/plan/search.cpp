@@ -30,7 +30,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-
 double largest_rank(const Plan& p) {
   double most = 0;
   for (const auto& r : p.ranks) most = std::max(most, r.memory.total());
