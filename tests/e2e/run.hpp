@@ -226,6 +226,25 @@ inline int wait_for(pid_t pid, std::chrono::seconds limit) {
   return -1;
 }
 
+// Waits until process `pid`, once it runs dtrain, has a handler for `sig` (its /proc status
+// lists the signal as caught), up to `limit`; false if it did not in time or has exited. A
+// test that signals dtrain "during setup" must not signal it while it is still loading its
+// libraries, where the default action ends it without a word: on a loaded machine that takes
+// seconds. (Before its exec the child is a copy of this test, doctest's handlers and all.)
+inline bool wait_until_catching(pid_t pid, int sig, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  const auto proc = "/proc/" + std::to_string(pid);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto status = slurp(proc + "/status");
+    const auto at = status.find("SigCgt:");
+    if (at == std::string::npos) return false;
+    const auto mask = std::stoull(status.substr(at + 7), nullptr, 16);
+    if (slurp(proc + "/comm") == "dtrain\n" && (mask & (1ULL << (sig - 1)))) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 // The child process of `parent` whose environment says RANK=`rank`, or -1.
 inline pid_t worker_pid(pid_t parent, int rank) {
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {

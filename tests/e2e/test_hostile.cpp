@@ -189,7 +189,10 @@ TEST_SUITE("hostile") {
     auto bg = start_dtrain("run " + job + " --run-dir " + dir + "/run --set model.dim=1024"
                            " --set model.heads=8 --set model.layers=48 --set optimizer.name=sgd"
                            " --set optimizer.momentum=0" + std::string(kQuiet));
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    // Signalled once its handler is in and setup has begun (building this model takes
+    // seconds); a fixed delay raced process start on a loaded machine.
+    REQUIRE(wait_until_catching(bg.pid, SIGTERM, std::chrono::seconds(60)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
     const auto t0 = std::chrono::steady_clock::now();
     ::kill(bg.pid, SIGTERM);
     const int code = wait_for(bg.pid, std::chrono::seconds(20));
