@@ -1,16 +1,20 @@
 # Sourced by the benchmark scripts: which PyTorch the baseline runs on.
-#   baseline_flag ARGS...             takes --baseline out of a script's arguments
+#   baseline_flag ARGS...             takes --baseline and --no-compile out of a script's arguments
 #   baseline_python current|debian    prints that Python, or exits 2 saying how to set it up
 # current: today's PyTorch, pinned in scripts/requirements-bench.txt, in .venv-bench/;
 # debian: Debian's python3-torch (1.13 on Debian 12, 2.6 on 13). Both from setup.sh --bench.
-baseline_flag() {  # sets WHICH (default current) and REST (the other arguments, in order)
-  WHICH=current REST=()
+# Sets WHICH (default current), COMPILE (yes, but no with --no-compile or for debian, whose
+# 1.13 has no torch.compile) and REST (the other arguments, in order).
+baseline_flag() {
+  WHICH=current COMPILE=yes REST=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --baseline) WHICH=${2:?--baseline current|debian}; shift 2 ;;
+      --no-compile) COMPILE=no; shift ;;
       *) REST+=("$1"); shift ;;
     esac
   done
+  if [ "$WHICH" = debian ]; then COMPILE=no; fi
 }
 
 baseline_python() {
@@ -47,10 +51,23 @@ baseline_comm() {
   rm -f "$err"
 }
 
-# torch_columns DTRAIN_S TORCH_S: the two columns a bench row ends with, PyTorch's samples/s
-# and dtrain's ratio to it, "-" where PyTorch has no such way (TORCH_S nan).
+# baseline_comm_compiled PYTHON NPROC ARGS...: the same, torch.compile'd; "nan" without
+# asking when COMPILE is no.
+baseline_comm_compiled() {
+  if [ "${COMPILE:-yes}" = yes ]; then baseline_comm "$@" --compile; else echo nan; fi
+}
+
+# torch_columns DTRAIN_S TORCH_S [COMPILED_S]: the columns a bench row ends with, PyTorch's
+# samples/s and dtrain's ratio to it, then (given COMPILED_S) the same for PyTorch
+# compiled; "-" where PyTorch has no such way (nan).
 torch_columns() {
   python3 -c 'import math, sys
-s, t = map(float, sys.argv[1:])
-print("%12s %11s" % (("-", "-") if math.isnan(t) else (f"{t:.0f}", f"{s / t:.2f}x")))' "$1" "$2"
+s, *ts = map(float, sys.argv[1:])
+print(" ".join("%12s %11s" % (("-", "-") if math.isnan(t) else (f"{t:.0f}", f"{s / t:.2f}x")) for t in ts))' "$@"
+}
+
+# torch_headers [compiled]: the headers of torch_columns' columns.
+torch_headers() {
+  printf '%12s %11s' "PyTorch/s" "vs PyTorch"
+  if [ "${1:-}" = compiled ]; then printf ' %12s %11s' "compiled/s" "vs compiled"; fi
 }

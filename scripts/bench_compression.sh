@@ -13,9 +13,11 @@
 # The speed tables run PyTorch's own counterpart beside each (scripts/baselines/ddp_comm.py
 # under torchrun: DDP, its fp16/bf16/PowerSGD comm hooks, ZeroRedundancyOptimizer, FSDP2 as
 # ZeRO-2; sign and top-k have none), same model, global batch and threads, and give
-# dtrain's ratio to it. --baseline current (the default: today's PyTorch, .venv-bench/) or
-# debian (python3-torch); both need scripts/setup.sh --bench.
+# dtrain's ratio to it, eager and torch.compile'd (ddp_comm.py --compile; --no-compile:
+# eager only). --baseline current (the default: today's PyTorch, .venv-bench/) or debian
+# (python3-torch, eager only); both need scripts/setup.sh --bench.
 #   scripts/bench_compression.sh [speed|memory|accuracy|all] [EPOCHS] [--baseline current|debian]
+#                                [--no-compile]
 #   (default: all 3)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -58,8 +60,8 @@ speed_table() {  # TITLE EXTRA...
   local title=$1; shift
   echo
   echo "$title"
-  printf '%-8s %-7s %12s %9s %14s %9s %12s %11s\n' model how samples/s "vs none" comm_bytes "fewer" \
-    "PyTorch/s" "vs PyTorch"
+  printf '%-8s %-7s %12s %9s %14s %9s ' model how samples/s "vs none" comm_bytes "fewer"
+  torch_headers compiled; echo
   for model in mlp gpt; do
     # dtrain's summary leaves its first min(20, steps/5) steps out; PyTorch's warm-up is the same.
     local job=$ROOT/configs/fashion_mnist_mlp.yaml extra=(--set train.max_steps=300 --set train.log_every=100)
@@ -71,12 +73,16 @@ speed_table() {  # TITLE EXTRA...
     fi
     local base_s="" base_b=""
     for how in "${STRATEGIES[@]}"; do
-      local torch_s=nan
-      case $how in sign|topk) ;; *) torch_s=$(baseline_comm "$BPY" 2 --model $model --how $how "${timed[@]}") ;; esac
+      local torch_s=nan torch_c=nan
+      case $how in
+        sign|topk) ;;
+        *) torch_s=$(baseline_comm "$BPY" 2 --model $model --how $how "${timed[@]}")
+           torch_c=$(baseline_comm_compiled "$BPY" 2 --model $model --how $how "${timed[@]}") ;;
+      esac
       read -r sps bytes _ < <(run "$job" "speed-$model-$how" "${extra[@]}" $(sets_of $how) "$@")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
       echo "$(python3 -c "import sys; m,h,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{m:<8} {h:<7} {s:12.0f} {s/bs:8.2f}x {b:14.0f} {bb/b:8.1f}x')" \
-        $model $how "$sps" "$bytes" "$base_s" "$base_b") $(torch_columns "$sps" "$torch_s")"
+        $model $how "$sps" "$bytes" "$base_s" "$base_b") $(torch_columns "$sps" "$torch_s" "$torch_c")"
     done
   done
 }

@@ -11,10 +11,11 @@
 # The speed tables run PyTorch's own counterpart beside sync and local_sgd
 # (scripts/baselines/ddp_comm.py under torchrun: DDP, and model_averaging's
 # PeriodicModelAverager every EVERY steps; PyTorch has no parameter server), same model,
-# global batch, threads and slowed rank, and give dtrain's ratio to it. --baseline current
-# (the default: today's PyTorch, .venv-bench/) or debian (python3-torch); both need
+# global batch, threads and slowed rank, and give dtrain's ratio to it, eager and
+# torch.compile'd (ddp_comm.py --compile; --no-compile: eager only). --baseline current (the
+# default: today's PyTorch, .venv-bench/) or debian (python3-torch, eager only); both need
 # scripts/setup.sh --bench.
-#   scripts/bench_modes.sh [speed|accuracy|all] [EPOCHS] [--baseline current|debian]
+#   scripts/bench_modes.sh [speed|accuracy|all] [EPOCHS] [--baseline current|debian] [--no-compile]
 #   (default: all 1)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -59,18 +60,21 @@ speed_table() {  # TITLE SLOW_MS (rank 1 sleeps that long before each step; 0: n
   fi
   echo
   echo "$title"
-  printf '%-7s %-10s %12s %9s %15s %9s %12s %11s\n' workers mode samples/s "vs sync" bytes/sample "fewer" \
-    "PyTorch/s" "vs PyTorch"
+  printf '%-7s %-10s %12s %9s %15s %9s ' workers mode samples/s "vs sync" bytes/sample "fewer"
+  torch_headers compiled; echo
   for workers in 2 4; do
     local base_s="" base_b=""
     for mode in "${MODES[@]}"; do
       # dtrain's summary leaves its first 20 steps out; PyTorch's warm-up is the same.
-      local torch_s=nan
+      local torch_s=nan torch_c=nan torch_args=()
       case $mode in
-        sync) torch_s=$(baseline_comm "$BPY" "$workers" --how none --steps 580 "${torch_slowed[@]}") ;;
-        local_sgd) torch_s=$(baseline_comm "$BPY" "$workers" --how local_sgd --every "$EVERY" --steps 580 \
-                             "${torch_slowed[@]}") ;;
+        sync) torch_args=(--how none) ;;
+        local_sgd) torch_args=(--how local_sgd --every "$EVERY") ;;
       esac
+      if [ ${#torch_args[@]} -gt 0 ]; then
+        torch_s=$(baseline_comm "$BPY" "$workers" "${torch_args[@]}" --steps 580 "${torch_slowed[@]}")
+        torch_c=$(baseline_comm_compiled "$BPY" "$workers" "${torch_args[@]}" --steps 580 "${torch_slowed[@]}")
+      fi
       read -r sps bytes _ < <(run "$ROOT/configs/fashion_mnist_mlp.yaml" "speed-$workers-$mode" \
         "$(procs $mode $workers)" \
         --set train.max_steps=600 --set train.log_every=100 --set train.eval_every=100000 \
@@ -78,7 +82,7 @@ speed_table() {  # TITLE SLOW_MS (rank 1 sleeps that long before each step; 0: n
         --set parallel.staleness=$STALENESS "${slowed[@]}")
       [ -z "$base_s" ] && base_s=$sps base_b=$bytes
       echo "$(python3 -c "import sys; n,m,s,b,bs,bb=sys.argv[1:]; s,b,bs,bb=map(float,(s,b,bs,bb)); print(f'{n:<7} {m:<10} {s:12.0f} {s/bs:8.2f}x {b:15.0f} {bb/b:8.2f}x')" \
-        $workers $mode "$sps" "$bytes" "$base_s" "$base_b") $(torch_columns "$sps" "$torch_s")"
+        $workers $mode "$sps" "$bytes" "$base_s" "$base_b") $(torch_columns "$sps" "$torch_s" "$torch_c")"
     done
   done
 }

@@ -17,7 +17,10 @@ configs/gpt_text.yaml's GPT (gpt_text.py's network, AdamW, clipping at 1.0; rand
 windows). --batch is the global batch, split over the ranks. --slow-rank/--slow-ms: that
 rank sleeps before each step (dtrain's train.debug_slow_rank). Prints one JSON line from
 rank 0; samples_per_s is the global batch times the timed steps over their time, after
---warmup steps, as dtrain's summary counts it."""
+--warmup steps, as dtrain's summary counts it. --compile: the wrapped model through
+torch.compile (PyTorch >= 2.0, Inductor's C++ on the CPU), compiled in the warm-up; DDP is
+compiled around, as PyTorch's documentation has it, so that its buckets still overlap the
+backward."""
 import argparse
 import json
 import os
@@ -84,6 +87,7 @@ def main():
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--data-dir", default=common.FASHION)
+    p.add_argument("--compile", action="store_true", help="torch.compile the wrapped model")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -109,6 +113,8 @@ def main():
             w = tokens[i % tokens.shape[0]]
             return net_(w[:, :-1], w[:, 1:])
     net_, opt = wrap(net, a.how, a.model, a)
+    if a.compile:
+        net_ = torch.compile(net_)
     averager = None
     if a.how == "local_sgd":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -135,7 +141,7 @@ def main():
     seconds = time.perf_counter() - t0
     if rank == 0:
         print(json.dumps({"model": a.model, "how": a.how, "world_size": world, "batch": batch,
-                          "torch": torch.__version__, "samples_per_s": batch * a.steps / seconds,
+                          "torch": torch.__version__, "compile": a.compile, "samples_per_s": batch * a.steps / seconds,
                           "step_ms_mean": seconds / a.steps * 1e3}), flush=True)
     dist.destroy_process_group()
 
