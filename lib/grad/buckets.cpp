@@ -6,11 +6,12 @@
 #include <torch/torch.h>
 
 #include "parallel/flat_params.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
 
 int64_t bucket_numel(const FlatParams& params, double bucket_mb) {
-  return std::max<int64_t>(1, int64_t(bucket_mb * 1024 * 1024 / double(params.data().element_size())));
+  return std::max<int64_t>(1, int64_t(bucket_mb * kMiB / double(params.data().element_size())));
 }
 
 GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready, Arrived arrived)

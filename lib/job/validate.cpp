@@ -17,6 +17,7 @@
 #include "run/mode.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
 namespace {
@@ -102,16 +103,16 @@ void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes)
     sum.data = sum.data.value_or(0) + m.data.value_or(0);
     sum.runtime = sum.runtime.value_or(0) + m.runtime.value_or(0);
   }
-  const double gib = 1024.0 * 1024.0 * 1024.0;
   fail_if<ConfigError>(sum.total() > available,
                        "model: this job needs about {:.3g} GiB on this machine ({} process(es): "
                        "parameters {:.3g}, gradients and optimizer state {:.3g}, activations "
                        "{:.3g}, buffers {:.3g}, data and runtime {:.3g}; `dtrain plan` shows it by "
                        "rank) and {:.3g} GiB is available; make the model or the micro-batch "
                        "smaller, or set train.memory_check: false",
-                       sum.total() / gib, local_processes, sum.params / gib,
-                       (sum.grads + sum.optimizer) / gib, sum.activations / gib, sum.buffers / gib,
-                       (sum.data.value_or(0) + sum.runtime.value_or(0)) / gib, available / gib);
+                       sum.total() / kGiB, local_processes, sum.params / kGiB,
+                       (sum.grads + sum.optimizer) / kGiB, sum.activations / kGiB,
+                       sum.buffers / kGiB, (sum.data.value_or(0) + sum.runtime.value_or(0)) / kGiB,
+                       available / kGiB);
 }
 
 void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes,

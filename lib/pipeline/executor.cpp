@@ -35,6 +35,7 @@
 #include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/memory.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
 namespace {
@@ -108,7 +109,7 @@ class Pipeline : public MicroBatchRunner {
     finish_sends();
     const double step_ms = ms_since(t_step);
     s.bubble = step_ms > 0 ? wait_ms_ / step_ms : 0;
-    s.activation_mb = double(memory_peak - memory_base) / (1024.0 * 1024.0);
+    s.activation_mb = double(memory_peak - memory_base) / kMiB;
     if (!held_.empty()) throw std::logic_error("pipeline: micro-batches left without backward");
     if (holds_last()) return losses;
     return {};

@@ -16,10 +16,9 @@
 #include "config/config.hpp"
 #include "parallel/dims.hpp"
 #include "plan/profile.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
-
-constexpr double kMiB = 1024.0 * 1024.0;
 
 // One rank's memory, bytes. `data` (the dataset each process holds) and `runtime` (what a
 // LibTorch process takes before any model: measured on the CPU) are host memory: on a GPU

@@ -20,6 +20,7 @@
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/memory.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -200,12 +201,11 @@ void build_log(Run& run, bool root) {
     s["layout"] = run.mode->layout();
     s["device"] = run.device().str();
     // rank 0's: under ZeRO each data rank keeps about 1 / data of it
-    s["optimizer_state_mb"] = double(optimizer_state_bytes(*run.optimizer)) / (1024.0 * 1024.0);
-    s["gradient_mb"] = double(run.params->grad().numel() * run.params->grad().element_size()) /
-                       (1024.0 * 1024.0);
+    s["optimizer_state_mb"] = double(optimizer_state_bytes(*run.optimizer)) / kMiB;
+    const auto mib = [](const torch::Tensor& t) { return double(t.numel() * t.element_size()) / kMiB; };
+    s["gradient_mb"] = mib(run.params->grad());
     // The parameters it keeps (under ZeRO-3 its shard; a unit or two more while gathered).
-    s["parameters_mb"] = double(run.params->data().numel() * run.params->data().element_size()) /
-                         (1024.0 * 1024.0);
+    s["parameters_mb"] = mib(run.params->data());
     if (run.scaler) {
       s["loss_scale"] = run.scaler->scale();
       s["overflow_steps"] = run.scaler->overflows();
