@@ -4,21 +4,24 @@
 # process, and dtrain on 2 processes as tensor 2 and as data 2 (same global batch). Runs
 # are interleaved and repeated; medians of tokens/s are reported, with ratios to PyTorch.
 #
-#   scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian]
-# --baseline: today's PyTorch (the default) or Debian's (scripts/baseline.sh; setup.sh --bench).
+#   scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian] [--no-compile]
+# --baseline: today's PyTorch (the default), eager and torch.compile'd (--no-compile: eager
+# only), or Debian's, eager (scripts/baseline.sh; setup.sh --bench).
 # DTRAIN_BIN=PATH benchmarks another dtrain binary the same way. Results: $OUT_DIR/bench_gpt.jsonl.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-gpt}"
-REPEATS=3 STEPS=60 WHICH=current
+REPEATS=3 STEPS=60 WHICH=current COMPILE=yes
 while [ $# -gt 0 ]; do
   case "$1" in
     --baseline) WHICH=$2; shift 2 ;;
+    --no-compile) COMPILE=no; shift ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
-    *) echo "usage: scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian]" >&2; exit 2 ;;
+    *) echo "usage: scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian] [--no-compile]" >&2; exit 2 ;;
   esac
 done
+[ "$WHICH" = debian ] && COMPILE=no  # 1.13 has no torch.compile
 PY=/usr/bin/python3   # the figures' arithmetic
 source "$ROOT/scripts/baseline.sh"
 BPY=$(baseline_python "$WHICH")
@@ -44,6 +47,11 @@ PYEOF
 for r in $(seq 1 "$REPEATS"); do
   echo "== repeat $r/$REPEATS" >&2
   $BPY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
+  if [ "$COMPILE" = yes ]; then
+    $BPY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 --compile \
+      2> "$OUT_DIR/compile.err" >> "$OUT_DIR/bench_gpt.jsonl" ||
+      { echo "bench_gpt: torch.compile failed, see $OUT_DIR/compile.err" >&2; exit 1; }
+  fi
   dtrain_run "dtrain 1 process" --set train.threads=2
   dtrain_run "dtrain tensor 2" --nproc 2 --set parallel.tensor=2 --set train.threads=1
   dtrain_run "dtrain data 2" --nproc 2 --set train.threads=1
@@ -55,8 +63,10 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 who = list(dict.fromkeys(r["who"] for r in rows))
 med = {w: statistics.median(r["tokens_per_s"] for r in rows if r["who"] == w) for w in who}
 ms = {w: statistics.median(r["step_ms"] for r in rows if r["who"] == w) for w in who}
-base = med["pytorch"]
-print(f"{'run':20} {'tokens/s':>10} {'step ms':>8} {'vs PyTorch 1 process':>21}")
+base, compiled = med["pytorch"], med.get("pytorch compiled")
+print(f"{'run':20} {'tokens/s':>10} {'step ms':>8} {'vs PyTorch 1 process':>21}"
+      + (f" {'vs compiled':>12}" if compiled else ""))
 for w in who:
-    print(f"{w:20} {med[w]:10.0f} {ms[w]:8.1f} {med[w] / base:21.2f}")
+    print(f"{w:20} {med[w]:10.0f} {ms[w]:8.1f} {med[w] / base:21.2f}"
+          + (f" {med[w] / compiled:12.2f}" if compiled else ""))
 PYEOF

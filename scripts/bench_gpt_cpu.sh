@@ -8,18 +8,22 @@
 # kernels are the same, so a gap there is elsewhere (see scripts/bench_gpu.sh's phases).
 # (scripts/bench_gpt.sh measures configs/gpt_text.yaml's byte-level GPT against its own
 # Python copy; this one is the GPU benchmark's model, whose LM head dominates as GPT-2's.)
-#   scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian]   (scripts/setup.sh --bench)
-# --baseline: today's PyTorch (the default) or Debian's (scripts/baseline.sh).
+#   scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian] [--no-compile]
+#   (scripts/setup.sh --bench)
+# --baseline: today's PyTorch (the default), eager and torch.compile'd (--no-compile: eager
+# only), or Debian's, eager (scripts/baseline.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-REPEATS=3 WHICH=current
+REPEATS=3 WHICH=current COMPILE=yes
 while [ $# -gt 0 ]; do
   case "$1" in
     --baseline) WHICH=$2; shift 2 ;;
+    --no-compile) COMPILE=no; shift ;;
     [0-9]*) REPEATS=$1; shift ;;
-    *) echo "usage: scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian]" >&2; exit 2 ;;
+    *) echo "usage: scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian] [--no-compile]" >&2; exit 2 ;;
   esac
 done
+[ "$WHICH" = debian ] && COMPILE=no  # 1.13 has no torch.compile
 BASELINE=${BASELINE:-$ROOT/scripts/baselines/gpu.py}
 PY=/usr/bin/python3   # the figures' arithmetic
 source "$ROOT/scripts/baseline.sh"
@@ -47,6 +51,13 @@ for r in $(seq "$REPEATS"); do
   echo "== repeat $r/$REPEATS: pytorch" >&2
   $BPY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
     --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20 >> "$rows"
+  if [ "$COMPILE" = yes ]; then
+    echo "== repeat $r/$REPEATS: pytorch compiled" >&2
+    $BPY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
+      --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20 --compile \
+      2> "$OUT_DIR/compile.err" >> "$rows" ||
+      { echo "bench_gpt_cpu: torch.compile failed, see $OUT_DIR/compile.err" >&2; exit 1; }
+  fi
   echo "== repeat $r/$REPEATS: dtrain" >&2
   rm -rf "$OUT_DIR/run"
   "$DTRAIN" run "$OUT_DIR/job.yaml" --run-dir "$OUT_DIR/run" > /dev/null 2>&1
@@ -64,14 +75,19 @@ $PY - "$rows" <<'PYEOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 med = lambda who, k: statistics.median(r[k] for r in rows if r["who"] == who)
-p, d = {}, {}
-for k in ("step_ms", "forward_ms", "backward_ms"):
-    p[k], d[k] = med("pytorch", k), med("dtrain", k)
-p["norm+update"] = statistics.median(r["norm_ms"] + r["optim_ms"] for r in rows if r["who"] == "pytorch")
-d["norm+update"] = med("dtrain", "optim_ms")
-print(f"{'ms (median)':14} {'pytorch':>9} {'dtrain':>9}")
-for k in p:
-    print(f"{k:14} {p[k]:9.1f} {d[k]:9.1f}")
-print(json.dumps({"kind": "ratio", "model": "gpt-cpu", "pytorch_step_ms": p["step_ms"],
-                  "dtrain_step_ms": d["step_ms"], "ratio": p["step_ms"] / d["step_ms"]}))
+whos = [w for w in ("pytorch", "pytorch compiled") if any(r["who"] == w for r in rows)]
+cols = {w: {} for w in whos + ["dtrain"]}
+for w in cols:
+    for k in ("step_ms", "forward_ms", "backward_ms"):
+        cols[w][k] = med(w, k)
+    cols[w]["norm+update"] = (med(w, "optim_ms") if w == "dtrain" else
+                              statistics.median(r["norm_ms"] + r["optim_ms"] for r in rows if r["who"] == w))
+print(f"{'ms (median)':14}" + "".join(f" {w:>17}" for w in cols))
+for k in cols["dtrain"]:
+    print(f"{k:14}" + "".join(f" {cols[w][k]:17.1f}" for w in cols))
+d = cols["dtrain"]["step_ms"]
+print(json.dumps({"kind": "ratio", "model": "gpt-cpu", "pytorch_step_ms": cols["pytorch"]["step_ms"],
+                  "dtrain_step_ms": d, "ratio": cols["pytorch"]["step_ms"] / d,
+                  "ratio_compiled": (cols["pytorch compiled"]["step_ms"] / d
+                                     if "pytorch compiled" in cols else None)}))
 PYEOF

@@ -11,6 +11,8 @@ side; a phase where dtrain is slower is where to look.
 Prints one JSON line of median milliseconds per phase. --device cpu, a smaller shape
 (--layers, --dim, --heads, --seq) and --dtype fp32 run it on a CPU (scripts/bench_gpt_cpu.sh;
 a torch without scaled_dot_product_attention gets the plain causal attention dtrain uses).
+--compile: the model through torch.compile (compiled in the warm-up steps; its forward and
+backward are then Inductor's, the norm and the update eager as before).
 """
 import argparse
 import importlib.util
@@ -44,6 +46,7 @@ def main():
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     a = p.parse_args()
     spec = importlib.util.spec_from_file_location("gpu_baseline", a.baseline)
     base = importlib.util.module_from_spec(spec)
@@ -61,6 +64,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             **({"fused": True} if cuda else {}))
     idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=dev)
+    forward = torch.compile(model) if a.compile else model
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     phases = {"forward_ms": [], "backward_ms": [], "norm_ms": [], "optim_ms": [], "step_ms": []}
 
@@ -77,7 +81,7 @@ def main():
             t = now
 
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
-            loss = model(idx[:, :-1], idx[:, 1:])
+            loss = forward(idx[:, :-1], idx[:, 1:])
         lap("forward_ms")
         loss.backward()
         lap("backward_ms")
@@ -103,7 +107,7 @@ def main():
 
     for i in range(a.warmup + a.steps):
         step(i >= a.warmup)
-    print(json.dumps({"who": "pytorch", "model": "gpt-phases",
+    print(json.dumps({"who": "pytorch compiled" if a.compile else "pytorch", "model": "gpt-phases",
                       **{k: statistics.median(v) for k, v in phases.items()}}), flush=True)
 
 

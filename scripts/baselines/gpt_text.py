@@ -4,7 +4,8 @@ GPT-2-shaped network (pre-LayerNorm blocks, plain causal attention as Debian's t
 has no fused kernel, tanh GELU, tied head), AdamW with weight decay on >= 2-D parameters,
 clipping at 1.0, fp32; --dropout P adds GPT-2's dropout (embeddings, attention weights,
 both residual branches) as dtrain's model.dropout does. Random byte tokens (loading is not what is measured). Prints one JSON
-line: tokens/s over the steady state (median step after warm-up)."""
+line: tokens/s over the steady state (median step after warm-up). --compile: the model
+through torch.compile (PyTorch >= 2.0, Inductor's C++ on the CPU), compiled in the warm-up."""
 import argparse, json, math, statistics, time
 
 import torch
@@ -59,6 +60,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -68,10 +70,11 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=2e-3, betas=(0.9, 0.99))
     data = torch.randint(0, 256, (a.steps + a.warmup, a.batch, a.seq + 1))
+    forward = torch.compile(model) if a.compile else model
     times = []
     for i in range(a.steps + a.warmup):
         t0 = time.perf_counter()
-        loss = model(data[i, :, :-1], data[i, :, 1:])
+        loss = forward(data[i, :, :-1], data[i, :, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -79,7 +82,7 @@ def main():
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     s = statistics.median(times)
-    print(json.dumps({"who": "pytorch", "tokens_per_s": a.batch * a.seq / s, "step_ms": s * 1e3,
+    print(json.dumps({"who": "pytorch compiled" if a.compile else "pytorch", "tokens_per_s": a.batch * a.seq / s, "step_ms": s * 1e3,
                       "params": sum(q.numel() for q in model.parameters()), "torch": torch.__version__}))
 
 
