@@ -19,11 +19,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BASELINE="${DTRAIN_BASELINE:-$ROOT/scripts/baselines/cpu.py}"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench}"
-REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1 WHICH=current COMPILE=yes
+REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1
+source "$ROOT/scripts/baseline.sh"
+baseline_flag "$@"  # WHICH and COMPILE
+set -- "${REST[@]}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --baseline) WHICH=$2; shift 2 ;;
-    --no-compile) COMPILE=no; shift ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --models) MODELS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
@@ -33,9 +34,7 @@ while [ $# -gt 0 ]; do
 done
 [ -f "$BASELINE" ] || { echo "bench: no baseline at $BASELINE (set DTRAIN_BASELINE)" >&2; exit 2; }
 PY=/usr/bin/python3   # the figures' arithmetic; the baseline runs under BPY
-source "$ROOT/scripts/baseline.sh"
 BPY=$(baseline_python "$WHICH")
-[ "$WHICH" = debian ] && COMPILE=no
 WHO="baseline"; [ "$COMPILE" = yes ] && WHO="baseline compiled"
 echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)') ($WHO)" >&2
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"

@@ -11,19 +11,18 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-gpt}"
-REPEATS=3 STEPS=60 WHICH=current COMPILE=yes
+REPEATS=3 STEPS=60
+source "$ROOT/scripts/baseline.sh"
+baseline_flag "$@"  # WHICH and COMPILE
+set -- "${REST[@]}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --baseline) WHICH=$2; shift 2 ;;
-    --no-compile) COMPILE=no; shift ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
     *) echo "usage: scripts/bench_gpt.sh [--repeats N] [--steps S] [--baseline current|debian] [--no-compile]" >&2; exit 2 ;;
   esac
 done
-[ "$WHICH" = debian ] && COMPILE=no  # 1.13 has no torch.compile
 PY=/usr/bin/python3   # the figures' arithmetic
-source "$ROOT/scripts/baseline.sh"
 BPY=$(baseline_python "$WHICH")
 echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)')" >&2
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"  # another build (e.g. build-cuda/dtrain, LibTorch 2.15)
@@ -46,10 +45,10 @@ PYEOF
 
 for r in $(seq 1 "$REPEATS"); do
   echo "== repeat $r/$REPEATS" >&2
-  $BPY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 >> "$OUT_DIR/bench_gpt.jsonl"
+  torch_side=("$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2)
+  $BPY "${torch_side[@]}" >> "$OUT_DIR/bench_gpt.jsonl"
   if [ "$COMPILE" = yes ]; then
-    $BPY "$ROOT/scripts/baselines/gpt_text.py" --steps "$STEPS" --threads 2 --compile \
-      2> "$OUT_DIR/compile.err" >> "$OUT_DIR/bench_gpt.jsonl" ||
+    $BPY "${torch_side[@]}" --compile 2> "$OUT_DIR/compile.err" >> "$OUT_DIR/bench_gpt.jsonl" ||
       { echo "bench_gpt: torch.compile failed, see $OUT_DIR/compile.err" >&2; exit 1; }
   fi
   dtrain_run "dtrain 1 process" --set train.threads=2

@@ -14,19 +14,18 @@
 # only), or Debian's, eager (scripts/baseline.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-REPEATS=3 WHICH=current COMPILE=yes
+REPEATS=3
+source "$ROOT/scripts/baseline.sh"
+baseline_flag "$@"  # WHICH and COMPILE
+set -- "${REST[@]}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --baseline) WHICH=$2; shift 2 ;;
-    --no-compile) COMPILE=no; shift ;;
     [0-9]*) REPEATS=$1; shift ;;
     *) echo "usage: scripts/bench_gpt_cpu.sh [REPEATS] [--baseline current|debian] [--no-compile]" >&2; exit 2 ;;
   esac
 done
-[ "$WHICH" = debian ] && COMPILE=no  # 1.13 has no torch.compile
 BASELINE=${BASELINE:-$ROOT/scripts/baselines/gpu.py}
 PY=/usr/bin/python3   # the figures' arithmetic
-source "$ROOT/scripts/baseline.sh"
 BPY=$(baseline_python "$WHICH")
 echo "baseline: torch $($BPY -c 'import torch; print(torch.__version__)')" >&2
 DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
@@ -47,15 +46,14 @@ train: {max_steps: 23, eval_every: 100000, log_every: 1, threads: 2}
 checkpoint: {every_steps: 100000}
 logging: {progress: off}
 EOF
+torch_side=("$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256
+            --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20)
 for r in $(seq "$REPEATS"); do
   echo "== repeat $r/$REPEATS: pytorch" >&2
-  $BPY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
-    --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20 >> "$rows"
+  $BPY "${torch_side[@]}" >> "$rows"
   if [ "$COMPILE" = yes ]; then
     echo "== repeat $r/$REPEATS: pytorch compiled" >&2
-    $BPY "$ROOT/scripts/gpt_phases.py" "$BASELINE" --device cpu --dtype fp32 --layers 4 --dim 256 \
-      --heads 4 --seq 128 --batch 8 --threads 2 --warmup 3 --steps 20 --compile \
-      2> "$OUT_DIR/compile.err" >> "$rows" ||
+    $BPY "${torch_side[@]}" --compile 2> "$OUT_DIR/compile.err" >> "$rows" ||
       { echo "bench_gpt_cpu: torch.compile failed, see $OUT_DIR/compile.err" >&2; exit 1; }
   fi
   echo "== repeat $r/$REPEATS: dtrain" >&2
