@@ -28,6 +28,8 @@
 #include "util/shape.hpp"
 #include "verify/verify.hpp"
 
+int dtrain_main(int argc, char** argv);
+
 namespace {
 
 using namespace dtrain;
@@ -116,6 +118,15 @@ std::vector<std::string> worker_args(int argc, char** argv) {
   return out;
 }
 
+// A worker that the supervisor forked without exec (SupervisorOptions::start_here): the
+// command line a worker would have been started with, run in this process.
+int start_worker_here(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  return dtrain_main(int(args.size()), argv.data());
+}
+
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
             bool requeue, int64_t nproc, int64_t max_restarts, int argc, char** argv) {
   auto env = process_env();
@@ -126,7 +137,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     const JobConfig cfg = checked.cfg;
     const auto& mode = mode_spec(cfg.parallel.mode);
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
-                      [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); }});
+                      [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); },
+                      workers_forked(nproc) ? start_worker_here : nullptr});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = load_job(job.path, job.sets);
@@ -449,7 +461,8 @@ int fail(int code, const std::string& what) {
   return code;
 }
 
-int main(int argc, char** argv) {
+// The whole command: main's, and a worker's that the supervisor forks without exec.
+int dtrain_main(int argc, char** argv) {
   try {
     return run_cli(argc, argv);
   } catch (const dtrain::Error& e) {
@@ -462,3 +475,5 @@ int main(int argc, char** argv) {
     return fail(dtrain::kExitFailure, std::string("internal error: ") + e.what());
   }
 }
+
+int main(int argc, char** argv) { return dtrain_main(argc, argv); }

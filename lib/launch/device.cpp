@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -94,13 +95,23 @@ bool nccl_built() {
 #endif
 }
 
+namespace {
+// The CUDA runtime's version (e.g. 12040), or nothing where the CUDA hooks are not linked in
+// (they answer only where LibTorch's CUDA library is).
+std::optional<long> cuda_runtime_version() {
+  try {
+    return at::detail::getCUDAHooks().versionCUDART();
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+}  // namespace
+
+bool cuda_linked() { return cuda_runtime_version().has_value(); }
+
 std::string build_info() {
   std::string cuda = "no CUDA";
-  try {  // the CUDA hooks answer only where LibTorch's CUDA library is linked in
-    const long v = at::detail::getCUDAHooks().versionCUDART();  // e.g. 12040
-    cuda = fmt::format("CUDA {}.{}", v / 1000, (v % 1000) / 10);
-  } catch (const c10::Error&) {
-  }
+  if (const auto v = cuda_runtime_version()) cuda = fmt::format("CUDA {}.{}", *v / 1000, (*v % 1000) / 10);
 #ifdef NCCL_MAJOR
   const std::string nccl = fmt::format("NCCL {}.{}.{}", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
 #else

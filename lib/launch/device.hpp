@@ -43,6 +43,10 @@ DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_w
 
 int64_t visible_gpus();
 bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group
+
+// LibTorch's CUDA library is linked in (whether or not a GPU is there); asks without
+// starting CUDA.
+bool cuda_linked();
 // This build, for --version and bug reports: the LibTorch it was compiled against, CUDA's
 // runtime version where that LibTorch has CUDA, and NCCL where dtrain was built with it,
 // e.g. "LibTorch 1.13.0, no CUDA, no NCCL".

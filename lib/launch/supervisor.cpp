@@ -1,6 +1,7 @@
 #include "launch/supervisor.hpp"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -11,6 +12,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -19,6 +22,8 @@
 
 #include <fmt/format.h>
 
+#include "launch/device.hpp"
+#include "launch/world.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -26,6 +31,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 volatile sig_atomic_t g_forward = 0;  // a signal to pass on to the workers
+bool g_forked_worker = false;          // this process is a worker the supervisor forked
 extern "C" void on_signal(int sig) { g_forward = sig; }
 
 struct Worker {
@@ -161,6 +167,22 @@ std::pair<size_t, std::string> blame(const std::vector<Worker>& ws, size_t first
   return {first, describe(int(first), first_status)};
 }
 
+// What exec would have done for a forked worker that is not exec'd: the supervisor's signal
+// handlers back to the default (the worker installs its own), and the descriptors marked
+// close-on-exec (the other workers' pipes, this one's read ends) closed.
+void as_if_exec() {
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) ::signal(sig, SIG_DFL);
+  std::vector<int> fds;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (const dirent* e = ::readdir(d)) {
+      const int fd = std::atoi(e->d_name);
+      if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC)) fds.push_back(fd);
+    }
+    ::closedir(d);
+  }
+  for (int fd : fds) ::close(fd);
+}
+
 std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
   std::vector<std::string> args{o.executable};
   for (size_t i = 0; i < o.run_args.size(); ++i) {
@@ -177,6 +199,7 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
     int out[2], err[2];
     if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
       throw std::runtime_error("cannot create pipes for the workers");
+    std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
     pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("cannot start a worker process");
     if (pid == 0) {
@@ -191,6 +214,13 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
       set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
       set("MASTER_ADDR", "127.0.0.1");
       set("MASTER_PORT", std::to_string(port));
+      if (o.start_here) {
+        as_if_exec();
+        g_forked_worker = true;
+        // ps and top tell the ranks apart (an exec'd worker shows RANK in /proc's environ).
+        ::prctl(PR_SET_NAME, fmt::format("dtrain rank {}", r).c_str());
+        std::exit(o.start_here(args));
+      }
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -230,6 +260,11 @@ void stop_all(std::vector<Worker>& ws, std::chrono::seconds grace) {
 }
 
 }  // namespace
+
+bool workers_forked(int64_t world) {
+  if (g_forked_worker) return true;
+  return world > 1 && detect_launcher(process_env()) == "single" && !cuda_linked();
+}
 
 int free_local_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -1,5 +1,5 @@
 // `dtrain run JOB --nproc N`: starts N worker processes of this same executable on this
-// machine with torchrun-style environment variables, prefixes their output with the rank,
+// machine (forked, or forked and exec'd: SupervisorOptions::start_here) with torchrun-style environment variables, prefixes their output with the rank,
 // and supervises them. When one fails, the others are stopped within seconds and the job
 // either ends (exit 4, naming the rank and its status or signal) or, with --max-restarts,
 // starts again from the latest checkpoint (--resume auto). A worker that exits 2 or 3 (bad
@@ -21,10 +21,23 @@ struct SupervisorOptions {
   // A rank's part in the job, named in the message about a failed rank ("" when all are
   // alike: the training mode's ModeSpec::role).
   std::function<std::string(int64_t rank)> role;
+  // Where set, a worker runs this on the command line it would have been exec'd with,
+  // in the supervisor's forked process, and exits with its result: LibTorch is loaded and
+  // its operators registered already, which costs a CPU-second per process otherwise.
+  // Sound only while the supervisor runs single-threaded and has computed nothing (no
+  // OpenMP region: GNU OpenMP's pool does not survive a fork) and has not started CUDA:
+  // dtrain sets it where its LibTorch has no CUDA.
+  std::function<int(std::vector<std::string> args)> start_here;
 };
 
 // Returns the job's exit code.
 int supervise(const SupervisorOptions& opts);
+
+// Whether a run's workers on this machine share the supervisor's start-up (forked, not
+// exec'd): this process is such a worker, or it is where `dtrain run --nproc` would start
+// `world` of them (no launcher around it) and this build forks them (its LibTorch has no
+// CUDA). Their memory is smaller by the library pages LibTorch's start-up touched.
+bool workers_forked(int64_t world);
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
 int free_local_port();

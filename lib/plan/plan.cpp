@@ -1,7 +1,5 @@
 #include "plan/plan.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -19,6 +17,7 @@
 #include "grad/compression.hpp"
 #include "grad/zero.hpp"
 #include "launch/device.hpp"
+#include "launch/supervisor.hpp"
 #include "models/model.hpp"
 #include "optim/optimizer.hpp"
 #include "pipeline/schedule.hpp"
@@ -29,18 +28,27 @@ namespace {
 
 constexpr double kLoaderThreadBytes = 7 * kMiB;
 
-// A dtrain process before any model, on the CPU: LibTorch's libraries and their start-up,
-// read off this process (one such: 165 MB with LibTorch 1.13 here), the thread pools and
-// Gloo a run adds (5 MB; a run with no loader threads peaked at 170 MB before its model).
-// Each loader thread's heap adds kLoaderThreadBytes (measured).
-double runtime_bytes() {
-  static const double base = [] {
-    std::ifstream statm("/proc/self/statm");
-    double size = 0, resident = 0;
-    if (statm >> size >> resident && resident > 0) return resident * double(::sysconf(_SC_PAGESIZE));
-    return 165 * kMiB;
+// A dtrain process before any model, on the CPU, read off this process: LibTorch's
+// libraries and their start-up. Exec'd (one process, a launcher's workers), it holds its
+// anonymous memory and the library pages its start-up touched (165 MB with LibTorch 1.13
+// here, 100 of them pages of the libraries); forked by `dtrain run --nproc`
+// (launch/supervisor.hpp), it shares those and maps only the library code training runs
+// (kForkedLibraryBytes, measured: 31 MB for the MLP). Then the thread pools and Gloo a run
+// adds (5 MB; a run with no loader threads peaked at 170 MB before its model). Each loader
+// thread's heap adds kLoaderThreadBytes (measured).
+constexpr double kForkedLibraryBytes = 32 * kMiB;
+double runtime_bytes(bool forked) {
+  static const std::pair<double, double> own = [] {  // anonymous, library pages
+    std::ifstream status("/proc/self/status");
+    double anon = 0, file = 0;
+    for (std::string key; status >> key;) {
+      if (key == "RssAnon:") status >> anon;
+      else if (key == "RssFile:") status >> file;
+    }
+    if (anon <= 0) return std::pair{60 * kMiB, 105 * kMiB};
+    return std::pair{anon * 1024, file * 1024};  // kB
   }();
-  return base + 5 * kMiB;
+  return own.first + (forked ? kForkedLibraryBytes : own.second) + 5 * kMiB;
 }
 
 double ring(double bytes, int64_t ranks) {
@@ -379,7 +387,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   MemoryPlan& m = out.memory;
   if (!job.cuda) {
     m.data = data_bytes(cfg);
-    m.runtime = runtime_bytes() + kLoaderThreadBytes * double(cfg.data.workers);
+    m.runtime = runtime_bytes(workers_forked(job.world)) + kLoaderThreadBytes * double(cfg.data.workers);
   }
   const bool fused = has_fused_kernel(cfg.optimizer.name, job.cuda ? torch::kCUDA : torch::kCPU);
   double largest = 0;

@@ -245,7 +245,8 @@ inline bool wait_until_catching(pid_t pid, int sig, std::chrono::seconds limit) 
   return false;
 }
 
-// The child process of `parent` whose environment says RANK=`rank`, or -1.
+// The child process of `parent` that is worker `rank`, or -1: one the supervisor forked is
+// named "dtrain rank N"; one it exec'd (where LibTorch has CUDA) has RANK=N in its environment.
 inline pid_t worker_pid(pid_t parent, int rank) {
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {
     const auto name = e.path().filename().string();
@@ -258,6 +259,8 @@ inline pid_t worker_pid(pid_t parent, int rank) {
     pid_t ppid;
     rest >> state >> ppid;
     if (ppid != parent) continue;
+    if (slurp(e.path().string() + "/comm") == "dtrain rank " + std::to_string(rank) + "\n")
+      return std::stoi(name);
     // environ is NUL-separated: look for the whole entry RANK=<rank>.
     const std::string env = std::string(1, '\0') + slurp(e.path().string() + "/environ");
     const std::string entry = std::string(1, '\0') + "RANK=" + std::to_string(rank) + '\0';

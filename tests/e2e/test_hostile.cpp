@@ -52,14 +52,14 @@ void check_one_line_error(const Result& r, int code, const std::string& needle) 
 
 TEST_SUITE("hostile") {
   TEST_CASE("ranks that read different data stop before training, naming data.path (exit 3)") {
-    // /proc/self/environ is each process's own environment: RANK differs, so does the text.
+    // /proc/self/status is each process's own: its pid differs, so does the text.
     auto dir = temp_dir("differ");
-    auto job = gpt_job(dir, "{dataset: text, path: /proc/self/environ, batch_size: 4, seq_len: 8,"
+    auto job = gpt_job(dir, "{dataset: text, path: /proc/self/status, batch_size: 4, seq_len: 8,"
                             " workers: 1, eval_fraction: 0.25}");
     auto r = dtrain("run " + job + " --run-dir " + dir + "/run --nproc 2" + kQuiet);
     INFO(r.err);
     CHECK(r.code == 3);
-    CHECK(r.err.find("data.path: the ranks read different data from '/proc/self/environ'") !=
+    CHECK(r.err.find("data.path: the ranks read different data from '/proc/self/status'") !=
           std::string::npos);
     CHECK(!fs::exists(dir + "/run/checkpoints/step-00000010"));
   }

@@ -33,11 +33,17 @@ wait_until() {  # wait_until SECONDS COMMAND...: polls every 0.2 s
 }
 logged_steps() { [ -f "$work/rq/metrics.jsonl" ] && [ "$(grep -c '"kind":"train"' "$work/rq/metrics.jsonl")" -ge 3 ]; }
 requeued() { grep -q 'Restarts=1' <(scontrol show job "$id" -o) && [ "$(job_state "$id")" = PENDING ]; }
-completed() { [ "$(job_state "$id")" = COMPLETED ]; }
+# A job still pending has its start moved to now again: SLURM may set the requeue hold after
+# the first update, once the stopped job has finished completing (slow on a loaded machine).
+completed() {
+  local state; state=$(job_state "$id")
+  [ "$state" = PENDING ] && scontrol update JobId="$id" StartTime=now 2>/dev/null
+  [ "$state" = COMPLETED ]
+}
 id=$(DTRAIN=$dtrain sbatch --parsable --ntasks 2 --open-mode=append --output "$work/rq.out" \
   "$root/scripts/dtrain.sbatch" "$here/job.yaml" --run-dir "$work/rq" \
   --set train.max_steps=2000 --set train.log_every=10) || { echo "FAIL: sbatch" >&2; exit 1; }
-fail() { cat "$work/rq.out"; scancel "$id" 2>/dev/null; echo "FAIL: $1" >&2; exit 1; }
+fail() { cat "$work/rq.out"; scontrol show job "$id" 2>&1; scancel "$id" 2>/dev/null; echo "FAIL: $1" >&2; exit 1; }
 wait_until 120 logged_steps || fail "the job did not start training"
 scancel --signal=USR1 "$id"
 wait_until 60 requeued || fail "the job was not requeued after SIGUSR1"
