@@ -1,6 +1,7 @@
 // `dtrain run JOB --nproc N`: starts N worker processes of this same executable on this
-// machine (forked, or forked and exec'd: SupervisorOptions::start_here) with torchrun-style environment variables, prefixes their output with the rank,
-// and supervises them. When one fails, the others are stopped within seconds and the job
+// machine (forked, or forked and exec'd: SupervisorOptions::start_here) with
+// torchrun-style environment variables, prefixes their output with the rank, and
+// supervises them. When one fails, the others are stopped within seconds and the job
 // either ends (exit 4, naming the rank and its status or signal) or, with --max-restarts,
 // starts again from the latest checkpoint (--resume auto). A worker that exits 2 or 3 (bad
 // job spec, unreadable data or checkpoint) ends the job with that code: a restart would
