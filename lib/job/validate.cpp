@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <limits>
 #include <string>
 #include <thread>
 
@@ -17,6 +15,7 @@
 #include "run/mode.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
+#include "util/memory.hpp"
 #include "util/units.hpp"
 
 namespace dtrain {
@@ -68,20 +67,9 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
                          cfg.train.grad_accum, layout.pipeline);
 }
 
-// MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read).
-double meminfo_available() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  while (in >> key >> kib)
-    if (key == "MemAvailable:") return kib * 1024;
-    else in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-  return 0;
-}
-
 }  // namespace
 
-double available_memory() { return meminfo_available(); }
+double available_memory() { return proc_field_bytes("/proc/meminfo", "MemAvailable:"); }
 
 void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes) {
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());

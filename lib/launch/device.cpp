@@ -107,7 +107,12 @@ std::optional<long> cuda_runtime_version() {
 }
 }  // namespace
 
-bool cuda_linked() { return cuda_runtime_version().has_value(); }
+bool cuda_linked() {
+  // Asked once: without CUDA, each asking throws (and records a backtrace), and the plan
+  // asks for every rank of every layout it weighs.
+  static const bool linked = cuda_runtime_version().has_value();
+  return linked;
+}
 
 std::string build_info() {
   std::string cuda = "no CUDA";

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
 #include <system_error>
@@ -22,6 +21,7 @@
 #include "optim/optimizer.hpp"
 #include "pipeline/schedule.hpp"
 #include "run/mode.hpp"
+#include "util/memory.hpp"
 
 namespace dtrain {
 namespace {
@@ -39,14 +39,9 @@ constexpr double kLoaderThreadBytes = 7 * kMiB;
 constexpr double kForkedLibraryBytes = 32 * kMiB;
 double runtime_bytes(bool forked) {
   static const std::pair<double, double> own = [] {  // anonymous, library pages
-    std::ifstream status("/proc/self/status");
-    double anon = 0, file = 0;
-    for (std::string key; status >> key;) {
-      if (key == "RssAnon:") status >> anon;
-      else if (key == "RssFile:") status >> file;
-    }
+    const double anon = proc_field_bytes("/proc/self/status", "RssAnon:");
     if (anon <= 0) return std::pair{60 * kMiB, 105 * kMiB};
-    return std::pair{anon * 1024, file * 1024};  // kB
+    return std::pair{anon, proc_field_bytes("/proc/self/status", "RssFile:")};
   }();
   return own.first + (forked ? kForkedLibraryBytes : own.second) + 5 * kMiB;
 }

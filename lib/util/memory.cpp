@@ -2,6 +2,9 @@
 
 #include <malloc.h>
 
+#include <fstream>
+#include <limits>
+
 #ifdef DTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -24,6 +27,16 @@ int64_t allocated_bytes(const c10::Device& device) {
 #endif
   const struct mallinfo2 m = mallinfo2();
   return int64_t(m.uordblks + m.hblkhd);  // in use from the arenas, and mmapped blocks
+}
+
+double proc_field_bytes(const std::string& file, const std::string& key) {
+  std::ifstream in(file);
+  std::string name;
+  double kib = 0;
+  while (in >> name)
+    if (name == key && in >> kib) return kib * 1024;
+    else in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  return 0;
 }
 
 }  // namespace dtrain

@@ -5,6 +5,7 @@
 // And how much memory tensors hold, for the peak activation memory a pipeline reports.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include <c10/core/Device.h>
 
@@ -18,5 +19,9 @@ void tune_allocator();
 // tensors being nearly all of it during a step). Differences between two readings are what
 // a stretch of code kept.
 int64_t allocated_bytes(const c10::Device& device);
+
+// A field in kB of a /proc file such as /proc/meminfo or /proc/self/status (`key` with its
+// colon: "MemAvailable:"), in bytes; 0 where it cannot be read.
+double proc_field_bytes(const std::string& file, const std::string& key);
 
 }  // namespace dtrain
