@@ -196,7 +196,7 @@ struct TrainConfig {
       "held-out split; 0 = all of it (a large corpus's eval_fraction or eval_path may hold "
       "millions of windows)");
     v("log_every", log_every, "steps between train lines in metrics.jsonl");
-    v("threads", threads, "intra-op threads per process; 0 = the cores over the local processes");
+    v("threads", threads, "intra-op threads per process; 0 = OMP_NUM_THREADS if set, else the CPUs this process may use over the local processes");
     v("pin_threads", pin_threads, "pin each intra-op thread to its own CPU");
     v("on_nonfinite", on_nonfinite, Choices{"stop", "skip"},
       "a non-finite loss or gradient: stop the run (exit 3), or skip the step's update");

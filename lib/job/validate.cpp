@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -13,6 +12,7 @@
 #include "models/model.hpp"
 #include "plan/plan.hpp"
 #include "run/mode.hpp"
+#include "util/affinity.hpp"
 #include "util/compat.hpp"
 #include "util/error.hpp"
 #include "util/memory.hpp"
@@ -72,11 +72,13 @@ void check_pipeline(const JobConfig& cfg, const ParallelDims& layout) {
 double available_memory() { return proc_field_bytes("/proc/meminfo", "MemAvailable:"); }
 
 void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes) {
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  fail_if<ConfigError>(cfg.train.threads > 4 * cores,
-                       "train.threads: {} threads per process is more than 4 per core of this "
-                       "machine ({} cores); 0 shares the cores among the processes",
-                       cfg.train.threads, cores);
+  const int64_t cores = usable_cpus();
+  const int64_t threads = intra_op_threads(cfg.train.threads, cores, local_processes);
+  fail_if<ConfigError>(threads > 4 * cores,
+                       "{}: {} threads per process is more than 4 per core this process may use "
+                       "({} cores); {} the cores among the processes",
+                       cfg.train.threads > 0 ? "train.threads" : "OMP_NUM_THREADS", threads, cores,
+                       cfg.train.threads > 0 ? "train.threads: 0 shares" : "unset, dtrain shares");
   if (!cfg.train.memory_check) return;
   const DevicePlan plan = plan_device(cfg, 0, local_processes, mode_spec(cfg.parallel.mode).any_source);
   if (plan.device.is_cuda()) return;  // the GPU's memory is LibTorch's to report, at run

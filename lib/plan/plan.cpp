@@ -21,6 +21,7 @@
 #include "optim/optimizer.hpp"
 #include "pipeline/schedule.hpp"
 #include "run/mode.hpp"
+#include "util/affinity.hpp"
 #include "util/memory.hpp"
 
 namespace dtrain {
@@ -487,9 +488,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   // speed, stretched by the bubble; the optimizer streaming its shard; each group's bytes
   // at its link's rate plus a latency per operation, not overlapped with computing.
   if (profile && !job.cuda && !async && !profile->matmul.empty()) {
-    const double threads = cfg.train.threads > 0
-                               ? double(cfg.train.threads)
-                               : std::max(1.0, std::floor(double(profile->cores) / double(world)));
+    const double threads = double(intra_op_threads(cfg.train.threads, profile->cores, world));
     double compute = 0;
     for (int64_t c = 0; c < job.chunks; ++c)
       compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, *profile, threads);

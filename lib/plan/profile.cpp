@@ -16,6 +16,7 @@
 
 #include "comm/comm.hpp"
 #include "launch/device.hpp"
+#include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 
@@ -145,7 +146,7 @@ MachineProfile measure_machine(int64_t max_ranks) {
   ::gethostname(host, sizeof(host) - 1);
   p.host = host;
   p.build = build_info();
-  p.cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  p.cores = usable_cpus();
   torch::NoGradGuard no_grad;
   const int before = torch::get_num_threads();
   for (auto [dtype, into] : {std::pair{torch::kFloat32, &p.matmul}, std::pair{torch::kBFloat16, &p.matmul_bf16}})

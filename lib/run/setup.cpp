@@ -5,7 +5,6 @@
 // data-parallel rank start from the same weights.
 #include <filesystem>
 #include <iostream>
-#include <thread>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -32,10 +31,7 @@ namespace {
 std::string set_up_process(const Run& run) {
   const auto& cfg = run.cfg;
   tune_allocator();
-  const int64_t threads =
-      cfg.train.threads > 0
-          ? cfg.train.threads
-          : std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()) / run.world.local_world);
+  const int64_t threads = intra_op_threads(cfg.train.threads, usable_cpus(), run.world.local_world);
   torch::set_num_threads(static_cast<int>(threads));
   const std::string pinning = cfg.train.pin_threads
                                   ? pin_compute_threads(threads, run.world.local_rank, run.world.local_world)

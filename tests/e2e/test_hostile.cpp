@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <arpa/inet.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -139,6 +140,22 @@ TEST_SUITE("hostile") {
       CAPTURE(c.sets);
       check_one_line_error(dtrain("validate " + job + " --set " + c.sets), 2, c.needle);
     }
+    // The same bound on what the environment asks (dtrain follows OMP_NUM_THREADS where
+    // train.threads is 0): refused naming the variable, not a 100000-thread team started.
+    const std::string automatic = " --set train.threads=0";
+    check_one_line_error(dtrain("validate " + job + automatic, "OMP_NUM_THREADS=100000 timeout 60"), 2,
+                         "OMP_NUM_THREADS: 100000 threads per process is more than 4 per core");
+    check_one_line_error(dtrain("run " + job + " --run-dir " + dir + "/omp" + automatic + kQuiet,
+                                "OMP_NUM_THREADS=100000 timeout 60"),
+                         2, "OMP_NUM_THREADS: 100000 threads per process is more than 4 per core");
+    // What is not a positive count is left to the default, as libgomp does.
+    auto odd = dtrain("run " + job + " --run-dir " + dir + "/odd --set train.max_steps=1" + automatic,
+                      "OMP_NUM_THREADS=lots timeout 120");
+    INFO(odd.err);
+    CHECK(odd.code == 0);
+    cpu_set_t mask;
+    REQUIRE(sched_getaffinity(0, sizeof mask, &mask) == 0);
+    CHECK(odd.err.find(fmt::format(" {} thread(s) per rank", CPU_COUNT(&mask))) != std::string::npos);
     // The memory check can be turned off by who knows better: then only the other checks run.
     auto off = dtrain("validate " + job + " --set model.dim=65536 --set model.heads=64"
                       " --set model.layers=64 --set train.memory_check=false");
