@@ -36,7 +36,7 @@ start() {
     --pid-file "$STATE/munge/munged.pid" --log-file "$STATE/munge/munged.log" \
     --seed-file "$STATE/munge/munged.seed"
   local cpus
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc follows them: the test suite sets 1)
   cat > "$CONF" <<CONF
 ClusterName=dtrain-local
 SlurmctldHost=localhost(127.0.0.1)
