@@ -27,6 +27,9 @@ trap 'kill -9 $(jobs -p) 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 killtree() { local c; for c in $(pgrep -P "$1"); do killtree "$c"; done; kill -9 "$1" 2>/dev/null; }
 port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+listening() {  # PORT: a socket listens on it (/proc/net/tcp's state 0A), no connection made
+  grep -qE ":$(printf '%04X' "$1") [0-9A-F]+:0000 0A " /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
 last_step() {  # the newest step in a run's metrics, or 0
   tail -n 1 "$1/metrics.jsonl" 2>/dev/null |
     $py -c 'import json,sys; print(json.loads(sys.stdin.read()).get("step", 0))' 2>/dev/null || echo 0
@@ -111,7 +114,14 @@ PYEOF
 p=$(port)
 agent leave "$p" 1 "$work/c.out" "$work/leave" 1 "${leave_job[@]}" &
 c=$!
-sleep 0.5
+# D starts once C's store listens: a fixed delay let a slow start of C's torchrun (Python
+# importing torch on a loaded machine) make D the host, and killing D then ended C too.
+for _ in $(seq 1 600); do  # up to 60 s
+  listening "$p" && break
+  kill -0 $c 2>/dev/null || { cat "$work/c.out"; fail "agent C exited before its rendezvous listened"; }
+  sleep 0.1
+done
+listening "$p" || { cat "$work/c.out"; fail "agent C's rendezvous store did not listen on port $p"; }
 agent leave "$p" 1 "$work/d.out" "$work/leave" 1 "${leave_job[@]}" &
 d=$!
 for _ in $(seq 1 1200); do  # up to 120 s for both to train together
