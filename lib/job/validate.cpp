@@ -74,11 +74,12 @@ double available_memory() { return proc_field_bytes("/proc/meminfo", "MemAvailab
 void check_machine(const JobConfig& cfg, int64_t world, int64_t local_processes) {
   const int64_t cores = usable_cpus();
   const int64_t threads = intra_op_threads(cfg.train.threads, cores, local_processes);
+  const bool from_key = cfg.train.threads > 0;  // else from OMP_NUM_THREADS: the share is at most the cores
   fail_if<ConfigError>(threads > 4 * cores,
                        "{}: {} threads per process is more than 4 per core this process may use "
                        "({} cores); {} the cores among the processes",
-                       cfg.train.threads > 0 ? "train.threads" : "OMP_NUM_THREADS", threads, cores,
-                       cfg.train.threads > 0 ? "train.threads: 0 shares" : "unset, dtrain shares");
+                       from_key ? "train.threads" : "OMP_NUM_THREADS", threads, cores,
+                       from_key ? "train.threads: 0 shares" : "unset, dtrain shares");
   if (!cfg.train.memory_check) return;
   const DevicePlan plan = plan_device(cfg, 0, local_processes, mode_spec(cfg.parallel.mode).any_source);
   if (plan.device.is_cuda()) return;  // the GPU's memory is LibTorch's to report, at run

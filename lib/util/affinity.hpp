@@ -15,9 +15,9 @@ int64_t usable_cpus();
 // Intra-op threads per process: `configured` (train.threads) where it is not 0, else
 // OMP_NUM_THREADS where it is set (the first of its values, as LibTorch and every OpenMP
 // program read it; torchrun sets 1 for several processes a node), else `cpus` shared
-// among `local_processes`. More
-// threads than free cores cost far more than they give: OpenBLAS's threads wait on one
-// another by yielding, so a 2-thread GPT step beside one busy process took 10x as long.
+// among `local_processes`. More threads than free cores cost far more than they give:
+// OpenBLAS's threads wait on one another by yielding, so a 2-thread GPT step beside one
+// busy process took 10x as long.
 int64_t intra_op_threads(int64_t configured, int64_t cpus, int64_t local_processes);
 
 // Pins thread t of the OpenMP team (thread 0 is the caller) to the t-th CPU of slice

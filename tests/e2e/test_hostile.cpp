@@ -10,8 +10,8 @@
 #include <thread>
 
 #include <arpa/inet.h>
-#include <sched.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
