@@ -1,0 +1,479 @@
+// dtrain: the command line. Parses, loads and validates the job, hands it to the library,
+// and maps errors to the exit codes of docs/contract.md. No training logic lives here.
+// main.cpp calls dtrain_main; the end-to-end tests call it too, in a forked copy of their
+// own process (tests/e2e/run.hpp), as the supervisor starts its workers.
+#include <filesystem>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/hf_gpt2.hpp"
+#include "config/schema.hpp"
+#include "job/validate.hpp"
+#include "plan/plan.hpp"
+#include "plan/profile.hpp"
+#include "plan/search.hpp"
+#include "data/dataset.hpp"
+#include "comm/comm.hpp"
+#include "launch/device.hpp"
+#include "launch/error_file.hpp"
+#include "launch/requeue.hpp"
+#include "launch/supervisor.hpp"
+#include "launch/world.hpp"
+#include "run/mode.hpp"
+#include "run/trainer.hpp"
+#include "util/error.hpp"
+#include "util/files.hpp"
+#include "util/shape.hpp"
+#include "verify/verify.hpp"
+
+#include "cli.hpp"
+
+namespace {
+
+using namespace dtrain;
+
+struct JobArgs {
+  std::string path;
+  std::vector<std::string> sets;
+};
+
+void add_job_args(CLI::App* cmd, JobArgs& a, bool required = true) {
+  cmd->add_option("JOB", a.path, "job spec (YAML)")->required(required);
+  cmd->add_option("--set", a.sets, "override a key: --set optimizer.lr=0.1 (repeatable)")
+      ->allow_extra_args(false);
+}
+
+// A job resolved and validated for `world_size` processes (`local` of them on this
+// machine), with the layout it resolves to: parallel.auto's choice, said on stderr where
+// `say`.
+struct Job {
+  JobConfig cfg;
+  ParallelDims dims;
+};
+
+Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say) {
+  Job job{load_job(a.path, a.sets), {}};
+  if (!run_dir.empty()) job.cfg.run_dir = run_dir;
+  resolve(job.cfg);
+  auto choice = auto_layout(job.cfg, world_size, local, false);
+  if (say && !choice.line.empty()) std::cerr << "dtrain: " << choice.line << "\n";
+  job.cfg = std::move(choice.cfg);
+  job.dims = validate(job.cfg, world_size);
+  return job;
+}
+
+// An elastic job's check at each world size: under parallel.auto, that some layout
+// validates (the one auto_layout would take at that size).
+WorldCheck elastic_check(const JobConfig& cfg) {
+  if (!cfg.parallel.auto_layout) return nullptr;
+  return check_some_layout;
+}
+
+// The world size validate and config check against: --nproc, else the launcher's
+// (a job step under sbatch --ntasks 8, torchrun, mpirun), else one process.
+int64_t world_for_check(int64_t nproc) {
+  if (nproc > 1) return nproc;
+  auto env = process_env();
+  return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).world;
+}
+
+// "MIN:MAX" or "N" (torchrun's --nnodes and PET_NNODES): the range of nodes.
+std::pair<int64_t, int64_t> node_range(const std::string& text, const std::string& what) {
+  const auto colon = text.find(':');
+  int64_t lo = 0, hi = 0;
+  try {
+    size_t used = 0;
+    lo = std::stoll(text.substr(0, colon), &used);
+    hi = colon == std::string::npos ? lo : std::stoll(text.substr(colon + 1));
+  } catch (const std::exception&) {
+    lo = hi = 0;
+  }
+  fail_if<ConfigError>(lo < 1 || hi < lo || hi > 4096, "{}: expected MIN:MAX nodes, e.g. 1:4 "
+                       "(got '{}')", what, text);
+  return {lo, hi};
+}
+
+// The processes of that world on this machine: all of --nproc, else the launcher's local
+// count, else one.
+int64_t local_for_check(int64_t nproc) {
+  if (nproc > 1) return nproc;
+  auto env = process_env();
+  return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).local_world;
+}
+
+// The worker command line: ours without the supervisor's own options.
+std::vector<std::string> worker_args(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--nproc" || a == "--max-restarts") {
+      ++i;
+      continue;
+    }
+    if (a.rfind("--nproc=", 0) == 0 || a.rfind("--max-restarts=", 0) == 0) continue;
+    out.push_back(a);
+  }
+  return out;
+}
+
+// A worker that the supervisor forked without exec (SupervisorOptions::start_here): the
+// command line a worker would have been started with, run in this process.
+int start_worker_here(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  return dtrain_main(int(args.size()), argv.data());
+}
+
+int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
+            bool requeue, int64_t nproc, int64_t max_restarts, int argc, char** argv) {
+  auto env = process_env();
+  if (nproc > 1 && detect_launcher(env) == "single") {
+    // A bad spec fails here, once, not in every worker (rank 0 says parallel.auto's choice).
+    const auto checked = load(job, run_dir, nproc, nproc, false);
+    check_machine(checked.cfg, nproc, nproc);
+    const JobConfig cfg = checked.cfg;
+    const auto& mode = mode_spec(cfg.parallel.mode);
+    return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
+                      [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); },
+                      workers_forked(nproc) ? start_worker_here : nullptr});
+  }
+  // Parsed once; dist.port is needed to discover the world, which validation needs.
+  JobConfig cfg = load_job(job.path, job.sets);
+  if (!run_dir.empty()) cfg.run_dir = run_dir;
+  resolve(cfg);
+  auto world = discover_world(env, cfg.dist.port);
+  // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
+  const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
+  const auto device = [&] {
+    return plan_device(cfg, world.local_rank, world.local_world, mode_spec(cfg.parallel.mode).any_source);
+  };
+  const auto connect = [&]() -> std::shared_ptr<Comm> {
+    if (world.world == 1) return make_local_comm();
+    const DevicePlan plan = device();
+    return make_c10d_comm(world, {plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
+                                  cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device});
+  };
+  std::shared_ptr<Comm> comm;
+  if (cfg.parallel.auto_layout) {  // the ranks agree on one choice, over the job's comm
+    comm = connect();
+    cfg = agree_on_layout(cfg, world.local_world, !resume_from.empty(), *comm);
+  }
+  const ParallelDims dims = validate(cfg, world.world);
+  check_machine(cfg, world.world, world.local_world);
+  // An elastic range torchrun was given through its environment: every size in it must
+  // work, not only this one (a join would otherwise stop the job later).
+  if (auto range = env("PET_NNODES"); range && !world.run_id.empty()) {
+    const auto [lo, hi] = node_range(*range, "PET_NNODES");
+    validate_elastic(cfg, lo, hi, world.local_world, elastic_check(cfg));
+  }
+  RunOptions opts{resume_from, "", device().device};
+  if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
+    opts.requeue_job = slurm_job_to_requeue(env);
+  if (!comm) comm = connect();
+  return run_training(cfg, dims, opts, world, comm).exit_code;
+}
+
+// A Hugging Face GPT-2 folder: its shape and its tensors as dtrain names them (init_from).
+int inspect_hf(const std::string& folder) {
+  const auto hf = read_hf_gpt2(folder);
+  int64_t total = 0;
+  for (const auto& [n, t] : hf.weights) total += t.numel();
+  std::cout << fmt::format("hugging face gpt2 {}\n  layers {}  heads {}  dim {}  positions {}  "
+                           "vocab {}\nmodel ({} tensors, {} values):\n", folder, hf.model.layers,
+                           hf.model.heads, hf.model.dim, hf.model.seq_len, hf.model.vocab,
+                           hf.weights.size(), total);
+  for (const auto& [n, t] : hf.weights)
+    std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t), c10::toString(t.scalar_type()));
+  return 0;
+}
+
+int inspect(const std::string& path) {
+  if (is_hf_folder(path)) return inspect_hf(path);
+  const std::string folder = resolve_checkpoint(path);
+  auto manifest = verify_checkpoint(folder);
+  auto state = load_checkpoint(folder);
+  std::cout << fmt::format("checkpoint {}\n  step {}  epoch {}  layout {}  format v{}\n", folder,
+                           manifest["step"].get<int64_t>(), manifest["epoch"].get<int64_t>(),
+                           manifest["layout"].dump(), manifest["version"].get<int>());
+  if (manifest.contains("metric"))
+    std::cout << fmt::format("  {} {}\n", manifest["metric"]["name"].get<std::string>(),
+                             manifest["metric"]["value"].get<double>());
+  auto print_tensors = [](const char* title, const NamedTensors& ts) {
+    int64_t total = 0;
+    for (const auto& [n, t] : ts) total += t.numel();
+    std::cout << fmt::format("{} ({} tensors, {} values):\n", title, ts.size(), total);
+    for (const auto& [n, t] : ts)
+      std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t),
+                               c10::toString(t.scalar_type()));
+  };
+  print_tensors("model", state.model);
+  print_tensors("optimizer", state.optimizer);
+  auto trainer = state.trainer;
+  trainer.erase("rng_torch_cpu");
+  std::cout << "trainer state: " << trainer.dump() << "\nconfig:\n" << state.config_yaml;
+  return 0;
+}
+
+// Writes the checkpoint's weights (every part's, at full shapes) to `out` as one
+// safetensors file, under a temporary name renamed into place, and reads back what it wrote.
+// With `format` hf: a folder transformers' GPT2LMHeadModel.from_pretrained loads, the token
+// embedding cut to `vocab` rows (0: all of model.vocab).
+int export_weights(const std::string& path, const std::string& out, const std::string& format,
+                   int64_t vocab) {
+  const std::string folder = resolve_checkpoint(path);
+  const auto state = load_checkpoint(folder);  // verified, parts merged
+  const auto& weights = state.model;
+  if (format == "hf") {
+    const auto model = parse_job(state.config_yaml, folder + "/config.yaml").model;
+    write_hf_gpt2(out, weights, model, vocab > 0 ? vocab : model.vocab);
+    std::cerr << fmt::format("wrote {} (config.json, model.safetensors)\n", out);
+    return 0;
+  }
+  fail_if<ConfigError>(vocab > 0, "export --vocab: only with --format hf");
+  std::error_code ec;
+  fail_if<RunDirError>(std::filesystem::is_directory(out, ec),
+                       "export: '{}' is a folder; name the file to write, e.g. {}/model.safetensors",
+                       out, out);
+  const std::string temp = out + ".tmp-export";
+  try {
+    write_safetensors(temp, weights, {{"format", "dtrain-model"}});
+    std::filesystem::rename(temp, out);
+  } catch (const std::exception& e) {
+    std::filesystem::remove(temp, ec);
+    throw RunDirError(fmt::format("export: cannot write '{}': {}", out, first_line(e.what())));
+  }
+  const auto back = read_safetensors(out);
+  bool same = back.tensors.size() == weights.size();
+  for (size_t i = 0; same && i < back.tensors.size(); ++i)
+    same = back.tensors[i].first == weights[i].first &&
+           back.tensors[i].second.equal(weights[i].second);
+  fail_if<RunDirError>(!same, "export: '{}' does not read back as the checkpoint's weights", out);
+  std::cerr << fmt::format("wrote {} ({} tensors)\n", out, back.tensors.size());
+  return 0;
+}
+
+// Every command and option of the command line.
+struct Cli {
+  CLI::App app{"dtrain: distributed training jobs from one YAML file"};
+  JobArgs job;
+  std::string run_dir, resume, nnodes, folder, out, format = "safetensors";
+  int64_t nproc = 1, max_restarts = 0, check_nproc = 1, vocab = 0;
+  bool no_requeue = false, reference = false, json = false, measure = false, all = false;
+  std::string profile;
+  double memory_gb = 0;
+  VerifyOptions verify_opts;
+  CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
+           *export_ = nullptr, *verify = nullptr, *plan = nullptr;
+
+  Cli() {
+    app.set_version_flag("--version", fmt::format("dtrain {} ({})", DTRAIN_VERSION, build_info()));
+    app.require_subcommand(1);
+    run = app.add_subcommand("run", "train a job");
+    add_job_args(run, job);
+    run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
+    run->add_option("--resume", resume, "auto (newest valid checkpoint, or start fresh) or a "
+                                        "checkpoint folder");
+    run->add_option("--nproc", nproc, "start N local worker processes and supervise them")
+        ->check(CLI::Range(int64_t(1), int64_t(1024)));
+    run->add_flag("--no-requeue", no_requeue,
+                  "under SLURM: do not requeue the job after a SIGUSR1 checkpoint (dist.requeue)");
+    run->add_option("--max-restarts", max_restarts,
+                    "with --nproc: restart all workers from the latest checkpoint up to N times")
+        ->check(CLI::Range(int64_t(0), int64_t(1000)));
+    validate = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
+    add_job_args(validate, job);
+    config = app.add_subcommand("config", "print the fully resolved job as YAML");
+    add_job_args(config, job, /*required=*/false);
+    config->add_flag("--reference", reference,
+                     "print every job key with its type, default and meaning (Markdown)");
+    plan = app.add_subcommand("plan", "what the job costs each rank, without training: memory "
+                                      "by part, bytes sent, bubble, FLOPs");
+    add_job_args(plan, job, /*required=*/false);
+    plan->add_flag("--json", json, "one JSON object instead of the table");
+    plan->add_flag("--measure", measure, "time this machine's matmuls, memory and Gloo between "
+                                         "--nproc local ranks (default 2), and keep the profile "
+                                         "for the time estimates");
+    plan->add_option("--profile", profile, "the machine profile to write or read (default "
+                                           "$DTRAIN_PROFILE, else ~/.cache/dtrain/machine.json)");
+    plan->add_flag("--all", all, "every layout of --nproc processes the job can take, fastest "
+                                 "first, marking those that do not fit");
+    plan->add_option("--memory-gb", memory_gb, "with --all: the memory to fit in, GiB (default: "
+                                               "what this machine has available; on a GPU: none)")
+        ->check(CLI::PositiveNumber);
+    for (auto* cmd : {validate, config, plan})
+      cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
+                                              "world size, else 1)")
+          ->check(CLI::Range(int64_t(1), int64_t(1 << 20)));
+    validate->add_option("--nnodes", nnodes, "an elastic job's range of nodes, MIN:MAX (as "
+                                             "torchrun's): check every world size in it, "
+                                             "--nproc processes per node");
+    verify = app.add_subcommand("verify", "train one process and each parallel layout a few "
+                                          "steps; exit 0 when their losses agree");
+    verify->add_option("JOB", verify_opts.job_path, "job spec (YAML)")->required();
+    verify->add_option("--set", verify_opts.sets, "override a key in every run (repeatable)")
+        ->allow_extra_args(false);
+    verify->add_option("--layouts", verify_opts.layouts,
+                       "comma-separated: d2, t2, p2, d2xt2xp2, with z1..z3 for ZeRO (d2xz1); "
+                       "1 = one process");
+    verify->add_option("--steps", verify_opts.steps, "steps each run trains (default 20, or the "
+                                                     "--against file's)");
+    verify->add_option("--tolerance", verify_opts.tolerance,
+                       "largest relative loss difference allowed (default 1e-4)");
+    verify->add_option("--save", verify_opts.save, "write the one-process losses to FILE (JSON)");
+    verify->add_option("--against", verify_opts.against,
+                       "compare with the losses in FILE (from --save) instead of one process");
+    verify->add_flag("--keep", verify_opts.keep, "keep the runs' folders (the path is printed)");
+    inspect = app.add_subcommand("inspect", "what a checkpoint holds");
+    inspect->add_option("CHECKPOINT", folder, "checkpoint folder, a run directory (its "
+                                              "latest checkpoint) or a Hugging Face GPT-2 folder")
+        ->required();
+    export_ = app.add_subcommand("export", "write a checkpoint's weights as safetensors, or as "
+                                           "a Hugging Face GPT-2 folder");
+    export_->add_option("CHECKPOINT", folder, "checkpoint folder, or a run directory (its "
+                                              "latest checkpoint)")->required();
+    export_->add_option("OUT", out, "output .safetensors file (--format hf: a folder)")->required();
+    export_->add_option("--format", format, "safetensors: dtrain's names, one file; hf: "
+                                            "config.json and model.safetensors as transformers' "
+                                            "GPT2LMHeadModel saves them")
+        ->check(CLI::IsMember({"safetensors", "hf"}));
+    export_->add_option("--vocab", vocab, "with --format hf: keep the first N token rows (50257 "
+                                          "for GPT-2's tokenizer from a model.vocab padded to "
+                                          "50304); default all")
+        ->check(CLI::Range(int64_t(1), int64_t(1) << 31));
+  }
+};
+
+// `validate`: the job for its world (every size of an elastic range), this machine, and
+// the data as run would read it with the model's checks against it.
+int validate_job(const Cli& cli) {
+  if (!cli.nnodes.empty()) {
+    const auto [lo, hi] = node_range(cli.nnodes, "--nnodes");
+    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
+    resolve(cfg);
+    validate_elastic(cfg, lo, hi, cli.check_nproc, elastic_check(cfg));
+  }
+  const int64_t world = world_for_check(cli.check_nproc);
+  const int64_t local = std::min(world, local_for_check(cli.check_nproc));
+  auto checked = load(cli.job, "", world, local, true);
+  check_machine(checked.cfg, world, local);
+  check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
+  const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
+  // A mode may set ranks apart from the layout (async_ps's servers).
+  const int64_t others = world - checked.dims.world();
+  std::cout << fmt::format("{}: ok ({} process(es): {}{}; {}{})\n", cli.job.path, world,
+                           checked.dims.str(),
+                           others > 0 ? fmt::format(", and {} more for parallel.mode {}", others,
+                                                    checked.cfg.parallel.mode)
+                                      : "",
+                           plan.device.str(), world > 1 ? ", " + plan.backend : "");
+  return 0;
+}
+
+// `plan`: measure the machine (--measure), then plan the job, or every layout (--all).
+int plan_command(const Cli& cli) {
+  // --profile stands for $DTRAIN_PROFILE, which parallel.auto's choice reads too.
+  if (!cli.profile.empty()) ::setenv("DTRAIN_PROFILE", cli.profile.c_str(), 1);
+  const std::string profile_path = default_profile_path();
+  fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
+  if (cli.measure) {
+    std::cerr << "measuring this machine (a few seconds)...\n";
+    save_profile(measure_machine(std::max<int64_t>(2, cli.check_nproc)), profile_path);
+    std::cerr << "wrote " << profile_path << "\n";
+    if (cli.job.path.empty()) return 0;
+  }
+  const int64_t world = world_for_check(cli.check_nproc);
+  if (cli.all) {
+    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
+    resolve(cfg);
+    // An auto job's list is ranked as its choice is: by time, measuring where need be.
+    const auto profile = cfg.parallel.auto_layout ? std::optional(profile_for_auto(world))
+                                                  : load_profile(profile_path);
+    const MachineProfile* measured = profile ? &*profile : nullptr;
+    const bool cuda = plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
+    const double limit = cli.memory_gb > 0 ? cli.memory_gb * 1024 * 1024 * 1024
+                         : cuda            ? 0
+                                           : available_memory();
+    const auto all = all_layouts(cfg, world, measured, limit);
+    fail_if<ConfigError>(all.empty(), "plan --all: no layout of {} process(es) validates for {} "
+                         "(`dtrain validate --nproc {}` says why for the job's own)",
+                         world, cli.job.path, world);
+    if (cli.json) std::cout << candidates_json(all, limit).dump() << "\n";
+    else std::cout << cli.job.path << ": " << candidates_table(all, limit);
+    return 0;
+  }
+  const auto checked = load(cli.job, "", world, world, true);
+  const auto profile = load_profile(profile_path);  // after load: parallel.auto may have made it
+  const MachineProfile* measured = profile ? &*profile : nullptr;
+  const Plan plan = plan_job(checked.cfg, world, measured);
+  if (cli.json) {
+    std::cout << plan_json(checked.cfg, plan).dump() << "\n";
+  } else {
+    std::cout << cli.job.path << ": " << plan_table(checked.cfg, plan);
+    if (!measured) std::cout << "(no machine profile: `dtrain plan --measure` makes one for the time estimates)\n";
+  }
+  return 0;
+}
+
+int run_cli(int argc, char** argv) {
+  Cli cli;
+  try {
+    cli.app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return cli.app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return cli.app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return cli.app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    throw ConfigError(e.what());
+  }
+  if (*cli.run)
+    return run_job(cli.job, cli.run_dir, cli.resume, !cli.no_requeue, cli.nproc, cli.max_restarts,
+                   argc, argv);
+  if (*cli.validate) return validate_job(cli);
+  if (*cli.config) {
+    if (cli.reference) {
+      std::cout << key_reference();
+      return 0;
+    }
+    fail_if<ConfigError>(cli.job.path.empty(), "config: JOB is required (or --reference)");
+    const int64_t world = world_for_check(cli.check_nproc);
+    std::cout << to_yaml(load(cli.job, "", world, std::min(world, local_for_check(cli.check_nproc)), true).cfg);
+    return 0;
+  }
+  if (*cli.verify) return verify(cli.verify_opts);
+  if (*cli.plan) return plan_command(cli);
+  if (*cli.inspect) return inspect(cli.folder);
+  if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);
+  return kExitBadSpec;
+}
+
+}  // namespace
+
+// One line on stderr, and to the launcher when it asked for the reason (torchrun).
+int fail(int code, const std::string& what) {
+  const std::string line = "dtrain: error: " + first_line(what);
+  std::cerr << line << "\n";
+  dtrain::report_failure_to_launcher(dtrain::process_env(), line);
+  return code;
+}
+
+// The whole command: main's, and a worker's that the supervisor forks without exec.
+int dtrain_main(int argc, char** argv) {
+  try {
+    return run_cli(argc, argv);
+  } catch (const dtrain::Error& e) {
+    return fail(e.code, e.what());
+  } catch (const std::filesystem::filesystem_error& e) {  // a file that cannot be read or written
+    return fail(dtrain::kExitBadData, e.what());
+  } catch (const c10::Error& e) {
+    return fail(dtrain::kExitFailure, std::string("internal error: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return fail(dtrain::kExitFailure, std::string("internal error: ") + e.what());
+  }
+}
