@@ -1,20 +1,31 @@
-// Runs the dtrain binary as a user would and reads what it wrote.
+// Runs the dtrain command as a user would and reads what it wrote.
 #pragma once
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <dirent.h>
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
+#include <poll.h>
+#include <signal.h>
 #include <sys/file.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <wordexp.h>
+
+#include "cli.hpp"  // dtrain_main: the binary's whole command
+#include "launch/device.hpp"
 
 namespace e2e {
 
@@ -39,17 +50,110 @@ inline std::string temp_dir(const std::string& name) {
   return dir.string();
 }
 
-// Runs `dtrain ARGS` under `timeout` so that no test can hang; `prefix` may add e.g.
-// "timeout --preserve-status -s TERM 2".
+// `dtrain ARGS` as the binary would run it, in a forked copy of this process: the test
+// binary links the same command (dtrain_main), and the fork spares each command the second
+// of CPU that loading LibTorch and its libraries costs an exec (on 2 cores, a seventh of
+// the suite). The child is made as a fresh process would be: its own process group (as
+// `timeout` gives one), default handlers where this process installed its own (doctest's),
+// only the descriptors an exec keeps, LibTorch's default random state. Where that copy could
+// differ from an exec, the shell runs the binary instead (dtrain, below): a prefix (an
+// environment or a signal of its own), shell syntax, more than one OpenMP thread here (a
+// forked OpenMP team does not come back), `verify` (it execs /proc/self/exe, here the test
+// binary), and a build with CUDA (its workers are exec'd, too).
+inline std::optional<std::vector<std::string>> forkable(const std::string& args, const std::string& prefix) {
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  if (!prefix.empty() || !threads || std::string(threads) != "1" || dtrain::cuda_linked())
+    return std::nullopt;
+  wordexp_t w;
+  if (::wordexp(args.c_str(), &w, WRDE_NOCMD) != 0) return std::nullopt;  // |, >, $(...): the shell's
+  std::vector<std::string> words(w.we_wordv, w.we_wordv + w.we_wordc);
+  ::wordfree(&w);
+  if (words.empty() || words[0] == "verify") return std::nullopt;
+  return words;
+}
+
+inline int run_in_fork(std::vector<std::string> words, const std::string& out, const std::string& err,
+                       std::chrono::seconds limit) {
+  std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
+  const pid_t pid = ::fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    const int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fo < 0 || fe < 0) ::_exit(127);
+    ::dup2(fo, STDOUT_FILENO), ::dup2(fe, STDERR_FILENO);
+    ::close(fo), ::close(fe);
+    for (int sig = 1; sig < NSIG; ++sig) {  // exec resets handlers, keeps what is ignored
+      struct sigaction now {};
+      if (sig != SIGKILL && sig != SIGSTOP && ::sigaction(sig, nullptr, &now) == 0 &&
+          now.sa_handler != SIG_IGN && now.sa_handler != SIG_DFL)
+        ::signal(sig, SIG_DFL);
+    }
+    std::vector<int> cloexec;
+    if (DIR* d = ::opendir("/proc/self/fd")) {
+      while (const dirent* e = ::readdir(d)) {
+        const int fd = std::atoi(e->d_name);
+        if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC))
+          cloexec.push_back(fd);
+      }
+      ::closedir(d);
+    }
+    for (int fd : cloexec) ::close(fd);
+    at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle on the process's own
+    rng.set_current_seed(c10::default_rng_seed_val);
+    words.insert(words.begin(), DTRAIN_BIN);
+    std::vector<char*> argv;
+    for (auto& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    std::exit(dtrain_main(int(words.size()), argv.data()));
+  }
+  // `timeout`'s bound: SIGTERM to the group, then SIGKILL; exit 124.
+  const int pidfd = int(::syscall(SYS_pidfd_open, pid, 0));
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  bool timed_out = false;
+  for (int signal : {0, SIGTERM, SIGKILL}) {
+    if (signal) ::kill(-pid, signal), timed_out = true;
+    const auto until = signal == 0 ? deadline : std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (;;) {
+      const pid_t got = ::waitpid(pid, &status, WNOHANG);
+      if (got == pid) {
+        if (pidfd >= 0) ::close(pidfd);
+        if (timed_out) return 124;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      if (pidfd >= 0) {
+        pollfd p{pidfd, POLLIN, 0};
+        ::poll(&p, 1, int(std::min<int64_t>(left.count(), 1000)));
+      } else {
+        ::usleep(10000);
+      }
+    }
+  }
+  ::waitpid(pid, &status, 0);
+  if (pidfd >= 0) ::close(pidfd);
+  return 124;
+}
+
+// Runs `dtrain ARGS` bounded at 500 s so that no test can hang, in a fork of this process
+// where it can (above), else by the shell under `timeout`; `prefix` may add e.g.
+// "timeout --preserve-status -s TERM 2" (and so runs the binary itself).
 inline Result dtrain(const std::string& args, const std::string& prefix = "") {
   static int n = 0;
   auto base = std::filesystem::temp_directory_path() /
               ("dtrain-e2e-io-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-  std::string cmd = (prefix.empty() ? std::string("timeout 500") : prefix) + " " + DTRAIN_BIN +
-                    " " + args + " > " + base.string() + ".out 2> " + base.string() + ".err";
-  int status = std::system(cmd.c_str());
   Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (auto words = forkable(args, prefix)) {
+    r.code = run_in_fork(*words, base.string() + ".out", base.string() + ".err", std::chrono::seconds(500));
+  } else {
+    std::string cmd = (prefix.empty() ? std::string("timeout 500") : prefix) + " " + DTRAIN_BIN +
+                      " " + args + " > " + base.string() + ".out 2> " + base.string() + ".err";
+    int status = std::system(cmd.c_str());
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
   r.out = slurp(base.string() + ".out");
   r.err = slurp(base.string() + ".err");
   std::filesystem::remove(base.string() + ".out");

@@ -4,6 +4,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
+#include <regex>
+#include <thread>
+
+#include <fmt/format.h>
 
 #include "run.hpp"
 
@@ -163,6 +167,52 @@ TEST_SUITE("cli") {
     check_one_line_error(r, 2, "data.batch_size");
     CHECK(r.err.find("world size 3") != std::string::npos);
     CHECK(!std::filesystem::exists(dir + "/run/metrics.jsonl"));
+  }
+
+  TEST_CASE("the suite's forked commands are the binary's: the same output, losses and codes; bounded") {
+    // run.hpp runs a command in a fork of the test process where it can, and by exec of
+    // build/dtrain where a prefix is given: the two must not be told apart.
+    REQUIRE(forkable("run job.yaml --set 'a=b c'", "").has_value() ==
+            (std::string(std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "") == "1" &&
+             !dtrain::cuda_linked()));
+    CHECK(!forkable("run job.yaml > out", ""));
+    CHECK(!forkable("verify job.yaml", ""));
+    CHECK(!forkable("run job.yaml", "timeout 500"));
+    auto dir = temp_dir("forked");
+    const auto job = write_job(dir, std::string(kMinimal) + "train: {max_steps: 6, log_every: 1}\n");
+    // {} is the run folder's name: fork or exec.
+    for (const std::string args : {"run " + job + " --nproc 2 --run-dir " + dir + "/{}",
+                                   "run " + job + " --set train.max_steps=x --run-dir " + dir + "/{}",
+                                   std::string("--version"), "validate " + job + " --nproc 3"}) {
+      CAPTURE(args);
+      auto with = [&](const std::string& name) { return fmt::format(fmt::runtime(args), name); };
+      const auto forked = e2e::dtrain(with("fork"));
+      const auto execd = e2e::dtrain(with("exec"), "timeout 500");
+      CHECK(forked.code == execd.code);
+      auto same = [&](std::string a, std::string b) {  // but the run folders' names and speeds
+        const std::regex folder("/(fork|exec)"), speed("[0-9.]+ samples/s");
+        for (auto* s : {&a, &b}) *s = std::regex_replace(std::regex_replace(*s, folder, "/X"), speed, "N samples/s");
+        CHECK(a == b);
+      };
+      same(forked.err, execd.err);
+      same(forked.out, execd.out);
+      if (args.rfind("run", 0) == 0 && forked.code == 0) {
+        CHECK(train_losses(dir + "/fork").size() == 6);
+        CHECK(train_losses(dir + "/fork") == train_losses(dir + "/exec"));
+      }
+    }
+    // A command past its bound is stopped with its workers: exit 124, as `timeout` says,
+    // and nothing of the run writes after it.
+    const auto start = std::chrono::steady_clock::now();
+    auto words = forkable("run " + job + " --nproc 2 --run-dir " + dir + "/slow --set train.max_steps=100000"
+                          " --set train.debug_slow_rank=1 --set train.debug_slow_ms=50" + kQuiet, "");
+    if (words) {
+      CHECK(run_in_fork(*words, dir + "/slow.out", dir + "/slow.err", std::chrono::seconds(3)) == 124);
+      CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+      const auto size = std::filesystem::file_size(dir + "/slow/metrics.jsonl");
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      CHECK(std::filesystem::file_size(dir + "/slow/metrics.jsonl") == size);
+    }
   }
 
   TEST_CASE("validate reads the data as run would: unreadable data exits 3") {
