@@ -453,8 +453,6 @@ int run_cli(int argc, char** argv) {
   return kExitBadSpec;
 }
 
-}  // namespace
-
 // One line on stderr, and to the launcher when it asked for the reason (torchrun).
 int fail(int code, const std::string& what) {
   const std::string line = "dtrain: error: " + first_line(what);
@@ -462,6 +460,7 @@ int fail(int code, const std::string& what) {
   dtrain::report_failure_to_launcher(dtrain::process_env(), line);
   return code;
 }
+}  // namespace
 
 // The whole command: main's, and a worker's that the supervisor forks without exec.
 int dtrain_main(int argc, char** argv) {

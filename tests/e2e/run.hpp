@@ -1,5 +1,6 @@
 // Runs the dtrain command as a user would and reads what it wrote.
 #pragma once
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -55,17 +57,25 @@ inline std::string temp_dir(const std::string& name) {
 // of CPU that loading LibTorch and its libraries costs an exec (on 2 cores, a seventh of
 // the suite). The child is made as a fresh process would be: its own process group (as
 // `timeout` gives one), default handlers where this process installed its own (doctest's),
-// only the descriptors an exec keeps, LibTorch's default random state. Where that copy could
-// differ from an exec, the shell runs the binary instead (dtrain, below): a prefix (an
-// environment or a signal of its own), shell syntax, more than one OpenMP thread here (a
-// forked OpenMP team does not come back), `verify` (it execs /proc/self/exe, here the test
-// binary), and a build with CUDA (its workers are exec'd, too).
+// only the descriptors an exec keeps, a fresh seed for LibTorch's default generator, the
+// name `dtrain`. Where that copy could differ from an exec, the shell runs the binary
+// instead (dtrain, below): a prefix (an environment or a signal of its own; kExec for a
+// test that reads a process's own memory, which a fork shares with the test), shell syntax,
+// more than one OpenMP thread or any other thread here (a fork copies only the caller, and
+// a forked OpenMP team does not come back), `verify` (it execs /proc/self/exe, here the
+// test binary), and a build with CUDA (its workers are exec'd, too).
 inline std::optional<std::vector<std::string>> forkable(const std::string& args, const std::string& prefix) {
   const char* threads = std::getenv("OMP_NUM_THREADS");
-  if (!prefix.empty() || !threads || std::string(threads) != "1" || dtrain::cuda_linked())
+  if (!prefix.empty() || !threads || std::string(threads) != "1" || dtrain::cuda_linked() ||
+      args.find('#') != std::string::npos)  // a comment to sh, a character to wordexp
     return std::nullopt;
-  wordexp_t w;
-  if (::wordexp(args.c_str(), &w, WRDE_NOCMD) != 0) return std::nullopt;  // |, >, $(...): the shell's
+  size_t tasks = 0;
+  for ([[maybe_unused]] const auto& t : std::filesystem::directory_iterator("/proc/self/task")) ++tasks;
+  if (tasks != 1) return std::nullopt;
+  wordexp_t w{};
+  const int failed = ::wordexp(args.c_str(), &w, WRDE_NOCMD);  // |, >, $(...): the shell's
+  if (failed == WRDE_NOSPACE) ::wordfree(&w);
+  if (failed) return std::nullopt;
   std::vector<std::string> words(w.we_wordv, w.we_wordv + w.we_wordc);
   ::wordfree(&w);
   if (words.empty() || words[0] == "verify") return std::nullopt;
@@ -79,6 +89,7 @@ inline int run_in_fork(std::vector<std::string> words, const std::string& out, c
   if (pid < 0) return -1;
   if (pid == 0) {
     ::setpgid(0, 0);
+    ::prctl(PR_SET_NAME, "dtrain");
     const int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fo < 0 || fe < 0) ::_exit(127);
@@ -101,13 +112,16 @@ inline int run_in_fork(std::vector<std::string> words, const std::string& out, c
     }
     for (int fd : cloexec) ::close(fd);
     at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle on the process's own
-    rng.set_current_seed(c10::default_rng_seed_val);
+    rng.set_current_seed(c10::detail::getNonDeterministicRandom());  // as LibTorch seeds it
     words.insert(words.begin(), DTRAIN_BIN);
     std::vector<char*> argv;
     for (auto& w : words) argv.push_back(w.data());
     argv.push_back(nullptr);
-    std::exit(dtrain_main(int(words.size()), argv.data()));
+    // What escapes dtrain_main ends the process as it would end the binary (terminate),
+    // not in doctest's hands running the rest of the suite.
+    std::exit([&]() noexcept { return dtrain_main(int(words.size()), argv.data()); }());
   }
+  ::setpgid(pid, pid);  // the child's own, before any signal to its group (either may run first)
   // `timeout`'s bound: SIGTERM to the group, then SIGKILL; exit 124.
   const int pidfd = int(::syscall(SYS_pidfd_open, pid, 0));
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -118,6 +132,10 @@ inline int run_in_fork(std::vector<std::string> words, const std::string& out, c
     const auto until = signal == 0 ? deadline : std::chrono::steady_clock::now() + std::chrono::seconds(10);
     for (;;) {
       const pid_t got = ::waitpid(pid, &status, WNOHANG);
+      if (got < 0 && errno != EINTR) {
+        if (pidfd >= 0) ::close(pidfd);
+        return -1;
+      }
       if (got == pid) {
         if (pidfd >= 0) ::close(pidfd);
         if (timed_out) return 124;
@@ -137,6 +155,10 @@ inline int run_in_fork(std::vector<std::string> words, const std::string& out, c
   if (pidfd >= 0) ::close(pidfd);
   return 124;
 }
+
+// A prefix that runs the binary itself, for a test that reads a process's own memory
+// (peak_rss_mb, plan's runtime baseline): a forked command shares the test process's.
+inline const char* kExec = "timeout 500";
 
 // Runs `dtrain ARGS` bounded at 500 s so that no test can hang, in a fork of this process
 // where it can (above), else by the shell under `timeout`; `prefix` may add e.g.
@@ -166,8 +188,8 @@ inline const char* kQuiet = " --set logging.progress=off";
 
 // `dtrain ARGS` without the progress line, which must succeed (else its stderr is the
 // failure's message).
-inline void run_ok(const std::string& args) {
-  auto r = dtrain(args + kQuiet);
+inline void run_ok(const std::string& args, const std::string& prefix = "") {
+  auto r = dtrain(args + kQuiet, prefix);
   INFO(args << ": " << r.err);
   REQUIRE(r.code == 0);
 }
@@ -291,6 +313,7 @@ inline std::string sync_reference(const std::string& config_name, const std::str
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <thread>
 
