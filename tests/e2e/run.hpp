@@ -54,8 +54,8 @@ inline std::string temp_dir(const std::string& name) {
 
 // `dtrain ARGS` as the binary would run it, in a forked copy of this process: the test
 // binary links the same command (dtrain_main), and the fork spares each command the second
-// of CPU that loading LibTorch and its libraries costs an exec (on 2 cores, a seventh of
-// the suite). The child is made as a fresh process would be: its own process group (as
+// of CPU that loading LibTorch and its libraries costs an exec (about 6 of the suite's 27
+// CPU-minutes). The child is made as a fresh process would be: its own process group (as
 // `timeout` gives one), default handlers where this process installed its own (doctest's),
 // only the descriptors an exec keeps, a fresh seed for LibTorch's default generator, the
 // name `dtrain`. Where that copy could differ from an exec, the shell runs the binary
