@@ -167,22 +167,6 @@ std::pair<size_t, std::string> blame(const std::vector<Worker>& ws, size_t first
   return {first, describe(int(first), first_status)};
 }
 
-// What exec would have done for a forked worker that is not exec'd: the supervisor's signal
-// handlers back to the default (the worker installs its own), and the descriptors marked
-// close-on-exec (the other workers' pipes, this one's read ends) closed.
-void as_if_exec() {
-  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) ::signal(sig, SIG_DFL);
-  std::vector<int> fds;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (const dirent* e = ::readdir(d)) {
-      const int fd = std::atoi(e->d_name);
-      if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC)) fds.push_back(fd);
-    }
-    ::closedir(d);
-  }
-  for (int fd : fds) ::close(fd);
-}
-
 std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
   std::vector<std::string> args{o.executable};
   for (size_t i = 0; i < o.run_args.size(); ++i) {
@@ -260,6 +244,24 @@ void stop_all(std::vector<Worker>& ws, std::chrono::seconds grace) {
 }
 
 }  // namespace
+
+void as_if_exec() {
+  for (int sig = 1; sig < NSIG; ++sig) {  // exec resets handlers, keeps what is ignored
+    struct sigaction now {};
+    if (sig != SIGKILL && sig != SIGSTOP && ::sigaction(sig, nullptr, &now) == 0 &&
+        now.sa_handler != SIG_IGN && now.sa_handler != SIG_DFL)
+      ::signal(sig, SIG_DFL);
+  }
+  std::vector<int> fds;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (const dirent* e = ::readdir(d)) {
+      const int fd = std::atoi(e->d_name);
+      if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC)) fds.push_back(fd);
+    }
+    ::closedir(d);
+  }
+  for (int fd : fds) ::close(fd);
+}
 
 bool workers_forked(int64_t world) {
   if (g_forked_worker) return true;

@@ -34,6 +34,12 @@ struct SupervisorOptions {
 // Returns the job's exit code.
 int supervise(const SupervisorOptions& opts);
 
+// What exec would have done, for a process forked to run a command without exec (the
+// supervisor's workers, the end-to-end tests' commands): every signal handler back to the
+// default (ignored signals stay ignored), and the descriptors marked close-on-exec (other
+// processes' pipes, read ends) closed.
+void as_if_exec();
+
 // Whether a run's workers on this machine share the supervisor's start-up (forked, not
 // exec'd): this process is such a worker, or it is where `dtrain run --nproc` would start
 // `world` of them (no launcher around it) and this build forks them (its LibTorch has no

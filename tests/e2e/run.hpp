@@ -13,7 +13,6 @@
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <dirent.h>
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
@@ -28,6 +27,7 @@
 
 #include "cli.hpp"  // dtrain_main: the binary's whole command
 #include "launch/device.hpp"
+#include "launch/supervisor.hpp"
 
 namespace e2e {
 
@@ -56,8 +56,9 @@ inline std::string temp_dir(const std::string& name) {
 // binary links the same command (dtrain_main), and the fork spares each command the second
 // of CPU that loading LibTorch and its libraries costs an exec (about 6 of the suite's 27
 // CPU-minutes). The child is made as a fresh process would be: its own process group (as
-// `timeout` gives one), default handlers where this process installed its own (doctest's),
-// only the descriptors an exec keeps, a fresh seed for LibTorch's default generator, the
+// `timeout` gives one), default handlers where this process installed its own (doctest's)
+// and only the descriptors an exec keeps (as_if_exec, as for the supervisor's workers), a
+// fresh seed for LibTorch's default generator, the
 // name `dtrain`. Where that copy could differ from an exec, the shell runs the binary
 // instead (dtrain, below): a prefix (an environment or a signal of its own; kExec for a
 // test that reads a process's own memory, which a fork shares with the test), shell syntax,
@@ -95,22 +96,7 @@ inline int run_in_fork(std::vector<std::string> words, const std::string& out, c
     if (fo < 0 || fe < 0) ::_exit(127);
     ::dup2(fo, STDOUT_FILENO), ::dup2(fe, STDERR_FILENO);
     ::close(fo), ::close(fe);
-    for (int sig = 1; sig < NSIG; ++sig) {  // exec resets handlers, keeps what is ignored
-      struct sigaction now {};
-      if (sig != SIGKILL && sig != SIGSTOP && ::sigaction(sig, nullptr, &now) == 0 &&
-          now.sa_handler != SIG_IGN && now.sa_handler != SIG_DFL)
-        ::signal(sig, SIG_DFL);
-    }
-    std::vector<int> cloexec;
-    if (DIR* d = ::opendir("/proc/self/fd")) {
-      while (const dirent* e = ::readdir(d)) {
-        const int fd = std::atoi(e->d_name);
-        if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC))
-          cloexec.push_back(fd);
-      }
-      ::closedir(d);
-    }
-    for (int fd : cloexec) ::close(fd);
+    dtrain::as_if_exec();
     at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle on the process's own
     rng.set_current_seed(c10::detail::getNonDeterministicRandom());  // as LibTorch seeds it
     words.insert(words.begin(), DTRAIN_BIN);
@@ -313,7 +299,6 @@ inline std::string sync_reference(const std::string& config_name, const std::str
 #include <signal.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <thread>
 
