@@ -381,7 +381,7 @@ int plan_command(const Cli& cli) {
   const std::string profile_path = default_profile_path();
   fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
   if (cli.measure) {
-    std::cerr << "measuring this machine (a few seconds)...\n";
+    std::cerr << "measuring this machine (about 15 s)...\n";
     save_profile(measure_machine(std::max<int64_t>(2, cli.check_nproc)), profile_path);
     std::cerr << "wrote " << profile_path << "\n";
     if (cli.job.path.empty()) return 0;
@@ -446,7 +446,10 @@ int run_cli(int argc, char** argv) {
     std::cout << to_yaml(load(cli.job, "", world, std::min(world, local_for_check(cli.check_nproc)), true).cfg);
     return 0;
   }
-  if (*cli.verify) return verify(cli.verify_opts);
+  if (*cli.verify) {
+    cli.verify_opts.start_here = start_worker_here;  // each run a fork, as --nproc's workers
+    return verify(cli.verify_opts);
+  }
   if (*cli.plan) return plan_command(cli);
   if (*cli.inspect) return inspect(cli.folder);
   if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);

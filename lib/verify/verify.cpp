@@ -26,6 +26,7 @@
 #include "config/schema.hpp"
 #include "job/validate.hpp"
 #include "launch/device.hpp"
+#include "launch/supervisor.hpp"
 #include "launch/world.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
@@ -183,6 +184,14 @@ struct RunResult {
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
+// The threads of this process (a fork copies only the caller's).
+size_t threads_here() {
+  size_t n = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end; it.increment(ec)) ++n;
+  return n;
+}
+
 // `dtrain run JOB --set ... [--nproc N]` in `dir`, its output in files there.
 RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<std::string>& sets,
                      const std::vector<std::string>& layout, const std::string& dir) {
@@ -194,6 +203,8 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
   if (l.processes() > 1) args.insert(args.end(), {"--nproc", std::to_string(l.processes())});
   const auto start = std::chrono::steady_clock::now();
   const std::string out = dir + "/stdout", err = dir + "/stderr";
+  const bool here = o.start_here && !cuda_linked() && threads_here() == 1;
+  std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
   pid_t pid = ::fork();
   fail_if<RunDirError>(pid < 0, "verify: cannot start a run for layout {}", l.text);
   if (pid == 0) {
@@ -206,6 +217,12 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
     clear_launcher_env();
+    if (here) {
+      as_if_exec();
+      ::prctl(PR_SET_NAME, "dtrain");
+      // Whatever escapes ends the child as it would the binary, never unwinding into verify.
+      std::exit([&]() noexcept { return o.start_here(args); }());
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -6,6 +6,7 @@
 // across commits and machines).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,11 @@ struct VerifyOptions {
   std::string save, against;      // reference losses: write them / compare with them
   bool keep = false;              // keep the runs' folder (its path is printed)
   std::string executable = "/proc/self/exe";
+  // Where set, a run is a fork of verify calling this with the run's command line (argv[0]
+  // first), as `run --nproc` starts its workers, instead of an exec of `executable`: it
+  // skips LibTorch's start, about a second a run. Verify execs where a fork could differ
+  // (a CUDA build; a second thread in verify, which a fork would not copy).
+  std::function<int(std::vector<std::string> args)> start_here;
 };
 
 // Prints the table; returns the exit code: 0 every layout within the tolerance, 1 one is

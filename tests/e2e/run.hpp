@@ -63,8 +63,9 @@ inline std::string temp_dir(const std::string& name) {
 // instead (dtrain, below): a prefix (an environment or a signal of its own; kExec for a
 // test that reads a process's own memory, which a fork shares with the test), shell syntax,
 // more than one OpenMP thread or any other thread here (a fork copies only the caller, and
-// a forked OpenMP team does not come back), `verify` (it execs /proc/self/exe, here the
-// test binary), and a build with CUDA (its workers are exec'd, too).
+// a forked OpenMP team does not come back), and a build with CUDA (its workers are exec'd,
+// too). `verify` forks its runs alike, under the same two conditions (one thread, no
+// CUDA), so it never execs /proc/self/exe, which here is the test binary.
 inline std::optional<std::vector<std::string>> forkable(const std::string& args, const std::string& prefix) {
   const char* threads = std::getenv("OMP_NUM_THREADS");
   if (!prefix.empty() || !threads || std::string(threads) != "1" || dtrain::cuda_linked() ||
@@ -79,7 +80,7 @@ inline std::optional<std::vector<std::string>> forkable(const std::string& args,
   if (failed) return std::nullopt;
   std::vector<std::string> words(w.we_wordv, w.we_wordv + w.we_wordc);
   ::wordfree(&w);
-  if (words.empty() || words[0] == "verify") return std::nullopt;
+  if (words.empty()) return std::nullopt;
   return words;
 }
 

@@ -182,7 +182,6 @@ TEST_SUITE("cli") {
     }
     CHECK(!forkable("run job.yaml > out", ""));
     CHECK(!forkable("run job.yaml # a comment", ""));
-    CHECK(!forkable("verify job.yaml", ""));
     CHECK(!forkable("run job.yaml", "timeout 500"));
     auto dir = temp_dir("forked");
     const auto job = write_job(dir, std::string(kMinimal) + "train: {max_steps: 6, log_every: 1}\n");
