@@ -315,7 +315,9 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.matmuls = 4;  // Q K V, the projection, the MLP's two: each with a side of d / T or more
   block.side = d / t;
   block.small_flops = 4 * s * s * d / t;  // the scores and their weighting of V, head by head
-  block.small_side = std::cbrt(s * s * d / double(m.heads));  // one head's product's volume
+  // [s, d/heads] x [d/heads, s] and back: the profile's batched products have their long
+  // sides at 4x the short one (s = 4 d/heads in gpt_text; GPT-2's 1024 tokens are 16x).
+  block.small_side = std::min(s, d / double(m.heads));
   block.block = true;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;

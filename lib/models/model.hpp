@@ -107,9 +107,9 @@ struct PartCost {
   double output = 0;            // values it hands the next part (what a pipeline sends)
   double matmuls = 1;           // the matrix multiplies its flops are spread over
   double side = 0;              // their smallest side, where the model knows it (else 0)
-  // Of `flops`, those of small batched products (attention's, per head), whose rate is a
-  // square product's of `small_side` (the cube root of one product's volume). Not among
-  // `matmuls`.
+  // Of `flops`, those of small batched products (attention's, per head), whose rate is that
+  // of a batch of products with `small_side` as their smallest side (the machine profile's
+  // bmm). Not among `matmuls`.
   double small_flops = 0, small_side = 0;
   bool block = false;           // train.recompute keeps only its input for backward
 };

@@ -221,10 +221,10 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
   return c;
 }
 
-// Seconds a stage computes in a step: each part's matrix multiplies at the rate the profile
-// measured for their size (per micro-batch), the rest of its work (activations written in
-// forward, read and written in backward) at memory speed; backward is twice forward, and a
-// recomputed block runs forward twice.
+// Seconds a stage computes in a step on `threads` threads: each part's matrix multiplies at
+// the rate the profile measured for their size (per micro-batch), the rest of its work
+// (activations written in forward, read and written in backward) at memory speed; backward
+// is twice forward, and a recomputed block runs forward twice.
 double compute_seconds(const Job& job, int64_t stage, const MachineProfile& profile, double threads) {
   const bool recompute = job.cfg.train.recompute == "blocks";
   const bool bf16 = job.cfg.precision.dtype == "bf16";  // autocast's matmuls
@@ -236,7 +236,9 @@ double compute_seconds(const Job& job, int64_t stage, const MachineProfile& prof
     const double passes = recompute && p.block ? 4 : 3;
     const double dense = p.flops - p.small_flops;
     if (dense > 0 && p.matmuls > 0) {
-      // A matmul of this volume; no faster than a square one of its smallest side.
+      // The profile's rates are by a product's smallest side: the side the model gives, or
+      // else the cube root of one product's volume (no less than the smallest side, so
+      // optimistic for a thin product).
       double size = std::cbrt(dense * job.rows / p.matmuls / 2);
       if (p.side > 0) size = std::min(size, p.side);
       seconds += passes * dense * rows_step / profile.matmul_flops(size, threads, bf16);
@@ -244,7 +246,8 @@ double compute_seconds(const Job& job, int64_t stage, const MachineProfile& prof
       seconds += passes * 4 * dense * rows_step / profile.memory_bytes(threads);
     }
     if (p.small_flops > 0)
-      seconds += passes * p.small_flops * rows_step / profile.matmul_flops(p.small_side, threads, bf16);
+      seconds += passes * p.small_flops * rows_step /
+                 profile.matmul_flops(p.small_side, threads, bf16, /*batched=*/true);
     seconds += passes * p.activation_bytes * rows_step / profile.memory_bytes(threads);
   }
   return seconds;
@@ -488,15 +491,21 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   // speed, stretched by the bubble; the optimizer streaming its shard; each group's bytes
   // at its link's rate plus a latency per operation, not overlapped with computing.
   if (profile && !job.cuda && !async && !profile->matmul.empty()) {
+    // The ranks (all planned on this machine) compute at once: the machine runs `busy`
+    // threads (its cores at most), at the rates measured for that many, and each of the
+    // ranks gets its part of them. Two one-thread ranks on two cores each get half of two
+    // threads' rate, not a lone thread's (the GPT at d2 took 0.85-0.92x the step of one
+    // process on two threads; a lone thread's rate said 0.58-0.70x); four share them in
+    // time, a quarter each.
     const double threads = double(intra_op_threads(cfg.train.threads, profile->cores, world));
+    const double busy = std::min(double(profile->cores), double(world) * threads);
+    const double share = 1.0 / double(world);
     double compute = 0;
     for (int64_t c = 0; c < job.chunks; ++c)
-      compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, *profile, threads);
+      compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, *profile, busy);
     if (out.bubble < 1) compute /= 1 - out.bubble;
     const double passes = cfg.optimizer.name == "adamw" ? 12 : 4;
-    // More threads than cores over the processes (all planned on this machine) share them.
-    const double shared = std::max(1.0, double(world) * threads / double(profile->cores));
-    double seconds = shared * (compute + passes * 4 * double(shard) / profile->memory_bytes(threads));
+    double seconds = (compute + passes * 4 * double(shard) / profile->memory_bytes(busy)) / share;
     auto talk = [&](const std::vector<MachineProfile::Link>& links, int64_t ranks, double bytes,
                     double ops) {
       const auto* l = profile->link(links, ranks);

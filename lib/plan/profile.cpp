@@ -3,11 +3,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <thread>
 
@@ -40,15 +42,35 @@ double seconds_per(Fn fn, double budget = 0.2) {
   return took / double(calls);
 }
 
-double matmul_rate(int64_t n, torch::Dtype dtype) {
-  const auto like = torch::TensorOptions().dtype(dtype);
-  auto a = torch::randn({n, n}, like), b = torch::randn({n, n}, like), c = torch::empty({n, n}, like);
-  return 2.0 * double(n) * double(n) * double(n) / seconds_per([&] { at::mm_out(c, a, b); });
+// The middle of three values.
+double median(std::array<double, 3> v) {
+  std::sort(v.begin(), v.end());
+  return v[1];
 }
 
-double memory_rate() {
+// flop/s of a product whose smallest side is n, in the shapes training runs them (about
+// 33 MFLOP or more a call, so that threads have work to share): activations times a
+// weight, [R, n] x [n, n]; or, `batched`, a batch of attention's small products
+// [4n, n] x [n, 4n]. A square product's rate by volume was up to 1.8x faster than the
+// GPT's own at 2 threads, and 2x faster than its attention's.
+double matmul_rate(int64_t n, torch::Dtype dtype, bool batched, double budget) {
+  const auto like = torch::TensorOptions().dtype(dtype);
+  const int64_t work = int64_t(1) << 24;  // multiply-adds a call, at least
+  torch::Tensor a, b, c;
+  if (batched) {
+    const int64_t batch = std::max<int64_t>(1, work / (16 * n * n * n));
+    a = torch::randn({batch, 4 * n, n}, like), b = torch::randn({batch, n, 4 * n}, like);
+    c = torch::empty({batch, 4 * n, 4 * n}, like);
+    return 2.0 * double(batch) * 16 * double(n * n * n) / seconds_per([&] { at::bmm_out(c, a, b); }, budget);
+  }
+  const int64_t rows = std::max(n, work / (n * n));
+  a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like), c = torch::empty({rows, n}, like);
+  return 2.0 * double(rows) * double(n * n) / seconds_per([&] { at::mm_out(c, a, b); }, budget);
+}
+
+double memory_rate(double budget) {
   auto a = torch::zeros({int64_t(16) << 20}), b = torch::ones({int64_t(16) << 20});
-  return 3.0 * 4 * double(a.numel()) / seconds_per([&] { a.add_(b); });  // read a and b, write a
+  return 3.0 * 4 * double(a.numel()) / seconds_per([&] { a.add_(b); }, budget);  // read a and b, write a
 }
 
 // Latency and bandwidth from the time of a small and a large operation.
@@ -112,8 +134,10 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
 
 }  // namespace
 
-double MachineProfile::matmul_flops(double size, double threads, bool bf16) const {
-  const auto& matmul = bf16 && !matmul_bf16.empty() ? matmul_bf16 : this->matmul;
+double MachineProfile::matmul_flops(double size, double threads, bool bf16, bool batched) const {
+  const auto& plain = bf16 && !matmul_bf16.empty() ? matmul_bf16 : this->matmul;
+  const auto& small = bf16 && !bmm_bf16.empty() ? bmm_bf16 : bmm;
+  const auto& matmul = batched && !small.empty() ? small : plain;
   if (matmul.empty()) return 0;
   auto at_threads = [&](const Matmul& m) {
     const double t = std::clamp(threads, 1.0, double(cores));
@@ -149,20 +173,42 @@ MachineProfile measure_machine(int64_t max_ranks) {
   p.cores = usable_cpus();
   torch::NoGradGuard no_grad;
   const int before = torch::get_num_threads();
-  for (auto [dtype, into] : {std::pair{torch::kFloat32, &p.matmul}, std::pair{torch::kBFloat16, &p.matmul_bf16}})
-    for (int64_t n : {32, 64, 128, 256, 512, 1024}) {
-      MachineProfile::Matmul m;
-      m.size = double(n);
-      torch::set_num_threads(1);
-      m.one = matmul_rate(n, dtype);
-      torch::set_num_threads(int(p.cores));
-      m.all = p.cores > 1 ? matmul_rate(n, dtype) : m.one;
-      into->push_back(m);
+  // Three sweeps over every shape, one thread then all, and each rate the middle of its
+  // three: a shared machine's slow spells last seconds (a rate on all threads measured
+  // back to back varied by up to 3x here), so the timings of one point are spread apart.
+  const struct {
+    torch::Dtype dtype;
+    bool batched;
+    std::vector<MachineProfile::Matmul>* into;
+    std::vector<int64_t> sizes;
+  } tables[] = {{torch::kFloat32, false, &p.matmul, {32, 64, 128, 256, 512}},
+                {torch::kFloat32, true, &p.bmm, {16, 32, 64, 128}},
+                {torch::kBFloat16, false, &p.matmul_bf16, {32, 64, 128, 256, 512}},
+                {torch::kBFloat16, true, &p.bmm_bf16, {16, 32, 64, 128}}};
+  constexpr double kBudget = 0.07;  // seconds a timing
+  std::map<std::pair<const void*, int64_t>, std::array<double, 3>> one, all;
+  std::array<double, 3> memory_one{}, memory_all{};
+  for (size_t sweep = 0; sweep < 3; ++sweep) {
+    for (const auto& table : tables)
+      for (int64_t n : table.sizes) {
+        const auto key = std::pair{static_cast<const void*>(table.into), n};
+        torch::set_num_threads(1);
+        one[key][sweep] = matmul_rate(n, table.dtype, table.batched, kBudget);
+        torch::set_num_threads(int(p.cores));
+        all[key][sweep] = p.cores > 1 ? matmul_rate(n, table.dtype, table.batched, kBudget) : one[key][sweep];
+      }
+    torch::set_num_threads(1);
+    memory_one[sweep] = memory_rate(kBudget);
+    torch::set_num_threads(int(p.cores));
+    memory_all[sweep] = p.cores > 1 ? memory_rate(kBudget) : memory_one[sweep];
+  }
+  for (const auto& table : tables)
+    for (int64_t n : table.sizes) {
+      const auto key = std::pair{static_cast<const void*>(table.into), n};
+      table.into->push_back({double(n), median(one[key]), median(all[key])});
     }
-  torch::set_num_threads(1);
-  p.memory_one = memory_rate();
-  torch::set_num_threads(int(p.cores));
-  p.memory_all = p.cores > 1 ? memory_rate() : p.memory_one;
+  p.memory_one = median(memory_one);
+  p.memory_all = median(memory_all);
   torch::set_num_threads(1);
   for (int64_t n = 2; n <= std::max<int64_t>(2, max_ranks); n *= 2) {
     auto [all_reduce, send] = measure_links(n);
@@ -189,9 +235,10 @@ nlohmann::json profile_json(const MachineProfile& p) {
   };
   for (const auto& l : p.all_reduce) all_reduce.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
   for (const auto& l : p.send) send.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
-  return {{"format", "dtrain-machine"}, {"version", 1},    {"host", p.host},
+  return {{"format", "dtrain-machine"}, {"version", 2},    {"host", p.host},
           {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
-          {"matmul_bf16", rates(p.matmul_bf16)},
+          {"matmul_bf16", rates(p.matmul_bf16)}, {"bmm_fp32", rates(p.bmm)},
+          {"bmm_bf16", rates(p.bmm_bf16)},
           {"memory_one_thread_bytes_per_s", p.memory_one},
           {"memory_all_threads_bytes_per_s", p.memory_all},
           {"gloo_all_reduce", all_reduce},
@@ -214,8 +261,11 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
   if (!in) return std::nullopt;
   try {
     const auto j = nlohmann::json::parse(in);
-    if (j.at("format") != "dtrain-machine" || j.at("version") != 1)
-      throw std::runtime_error("not a dtrain machine profile of version 1");
+    if (j.at("format") != "dtrain-machine") throw std::runtime_error("not a dtrain machine profile");
+    // Version 1 timed square products, which the plan no longer reads its rates as: it is
+    // as none, so that `plan --measure` or parallel.auto's first start measures again.
+    if (j.at("version") == 1) return std::nullopt;
+    if (j.at("version") != 2) throw std::runtime_error("not a dtrain machine profile of version 2");
     MachineProfile p;
     p.host = j.at("host");
     p.build = j.at("build");
@@ -224,7 +274,9 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
       for (const auto& m : j.at(key)) into.push_back({m.at("size"), m.at("one_thread_flops"), m.at("all_threads_flops")});
     };
     rates("matmul_fp32", p.matmul);
-    if (j.contains("matmul_bf16")) rates("matmul_bf16", p.matmul_bf16);  // (not in the first profiles)
+    rates("matmul_bf16", p.matmul_bf16);
+    rates("bmm_fp32", p.bmm);
+    rates("bmm_bf16", p.bmm_bf16);
     p.memory_one = j.at("memory_one_thread_bytes_per_s");
     p.memory_all = j.at("memory_all_threads_bytes_per_s");
     for (const auto& l : j.at("gloo_all_reduce")) p.all_reduce.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});

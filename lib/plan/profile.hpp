@@ -15,13 +15,16 @@ namespace dtrain {
 struct MachineProfile {
   std::string host, build;   // where and with what it was measured
   int64_t cores = 1;
-  // Matrix multiplies of square matrices of `size`: flop/s on one thread and on all `cores`
-  // threads.
+  // Matrix multiplies whose smallest side is `size`: flop/s on one thread and on all `cores`
+  // threads. `matmul`: a tall operand times a square one ([R, size] x [size, size], R rows
+  // enough for a few dozen MFLOP: activations times a weight). `bmm`: a batch of small
+  // products [4 size, size] x [size, 4 size] (attention's, head by head).
   struct Matmul {
     double size = 0, one = 0, all = 0;
   };
-  std::vector<Matmul> matmul;
-  std::vector<Matmul> matmul_bf16;  // the same in bf16 (precision.dtype bf16's autocast); may be empty
+  std::vector<Matmul> matmul, bmm;
+  // The same in bf16 (precision.dtype bf16's autocast); may be empty.
+  std::vector<Matmul> matmul_bf16, bmm_bf16;
   double memory_one = 0, memory_all = 0;  // bytes/s an in-place add streams, 1 and all threads
   // A collective between `ranks` local processes over Gloo: a fixed cost per operation and
   // the bytes per second a rank sends (counted as comm_bytes counts them).
@@ -32,14 +35,15 @@ struct MachineProfile {
   std::vector<Link> all_reduce, send;
 
   // Interpolated in log(size) and linearly in threads between 1 and `cores`; bf16's rates
-  // where asked and measured, else fp32's.
-  double matmul_flops(double size, double threads, bool bf16 = false) const;
+  // where asked and measured, else fp32's. `batched`: the bmm table where measured, else
+  // the matmul one.
+  double matmul_flops(double size, double threads, bool bf16 = false, bool batched = false) const;
   double memory_bytes(double threads) const;
   // The measured link nearest `ranks` (all-reduce's cost grows with the ranks).
   const Link* link(const std::vector<Link>& links, int64_t ranks) const;
 };
 
-// Measures this machine (a few seconds per part): matmuls, memory, and the collectives
+// Measures this machine (about 15 s on 2 cores): matmuls, memory, and the collectives
 // between 2 to `max_ranks` local ranks (threads of this process over Gloo on loopback, as
 // between processes).
 MachineProfile measure_machine(int64_t max_ranks);
@@ -47,7 +51,8 @@ MachineProfile measure_machine(int64_t max_ranks);
 // $DTRAIN_PROFILE, else $XDG_CACHE_HOME/dtrain/machine.json, else ~/.cache/dtrain/machine.json.
 std::string default_profile_path();
 void save_profile(const MachineProfile& p, const std::string& path);
-// nullopt where there is no file; RunDirError naming the file where it does not parse.
+// nullopt where there is no file, or one of the first version's; RunDirError naming the
+// file where it does not parse.
 std::optional<MachineProfile> load_profile(const std::string& path);
 nlohmann::json profile_json(const MachineProfile& p);
 

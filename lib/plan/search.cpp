@@ -183,7 +183,7 @@ MachineProfile profile_for_auto(int64_t local) {
   const std::string path = default_profile_path();
   if (auto stored = load_profile(path)) return *stored;
   std::cerr << "dtrain: parallel.auto: no machine profile at " << path
-            << "; measuring this machine (a few seconds)\n";
+            << "; measuring this machine (about 15 s)\n";
   auto measured = measure_machine(std::clamp<int64_t>(local, 2, 8));
   try {
     save_profile(measured, path);

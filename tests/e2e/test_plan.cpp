@@ -189,6 +189,9 @@ TEST_SUITE("plan_measure") {
     for (const auto& x : p["matmul_fp32"]) CHECK(x["one_thread_flops"].get<double>() > 1e6);
     REQUIRE(p["matmul_bf16"].size() == p["matmul_fp32"].size());
     for (const auto& x : p["matmul_bf16"]) CHECK(x["all_threads_flops"].get<double>() > 1e6);
+    REQUIRE(p["bmm_fp32"].size() >= 3);  // attention's batched products
+    REQUIRE(p["bmm_bf16"].size() == p["bmm_fp32"].size());
+    for (const auto& x : p["bmm_fp32"]) CHECK(x["one_thread_flops"].get<double>() > 1e6);
     CHECK(p["gloo_all_reduce"][0]["bytes_per_s"].get<double>() > 1e6);
     CHECK(p["gloo_send"][0]["latency_s"].get<double>() >= 0);
 
@@ -241,6 +244,12 @@ TEST_SUITE("plan_measure") {
     auto bad = dtrain("plan " + path + " --profile " + dir + "/bad.json");
     CHECK(bad.code == 3);
     CHECK(bad.err.find("bad.json") != std::string::npos);
+    // A profile of the first version (square products, read by volume) is as none.
+    auto first_version = p;
+    first_version["version"] = 1;
+    std::ofstream(dir + "/v1.json") << first_version.dump();
+    const auto stale = nlohmann::json::parse(dtrain("plan " + path + " --json --profile " + dir + "/v1.json").out);
+    CHECK(stale["step_s"].is_null());
 
     // parallel.auto takes --all's first layout, holding the layout keys the job sets (its
     // grad_accum 2, and here zero 1): the plan of an auto job is that layout's, and a run

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# How far `dtrain plan`'s step time is from the measured one, on this machine, in one run:
+# each case is planned (`plan --json`'s step_s, with this machine's profile) and then
+# trained for 60 steps (20 for the GPT in bf16, 9 s a step on a CPU without bf16
+# instructions); the measured step is the median step_ms of rank 0's train lines after
+# the first 10. The ratio printed is expected / measured (1 = exact; < 1 optimistic).
+#   scripts/bench_plan.sh [FILTER]        # the cases whose name has FILTER (default: all)
+# The profile is measured first (`dtrain plan --measure --nproc 4`, kept under $OUT_DIR), so
+# that it and the runs see the machine in the same state (a shared machine's speed drifts:
+# this one's matmuls by up to 2x over an hour); DTRAIN_PROFILE=FILE uses FILE instead.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-plan}"
+PY=/usr/bin/python3
+BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
+[ -x "$BIN" ] || { echo "bench_plan: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+filter="${1:-}"
+mkdir -p "$OUT_DIR"
+if [ -z "${DTRAIN_PROFILE:-}" ]; then
+  export DTRAIN_PROFILE=$OUT_DIR/machine.json
+  "$BIN" plan --measure --nproc 4 > /dev/null
+fi
+rows=$OUT_DIR/bench_plan.jsonl
+: > "$rows"
+MLP=$ROOT/configs/fashion_mnist_mlp.yaml CNN=$ROOT/configs/fashion_mnist_cnn.yaml GPT=$ROOT/configs/gpt_text.yaml
+# name | job | processes | --set words | steps (default 60)
+cases=(
+  "mlp|$MLP|1|"
+  "mlp d2|$MLP|2|"
+  "mlp d4|$MLP|4|"
+  "mlp d2 bf16|$MLP|2|precision.dtype=bf16"
+  "cnn|$CNN|1|"
+  "cnn d2|$CNN|2|"
+  "gpt|$GPT|1|"
+  "gpt bf16|$GPT|1|precision.dtype=bf16|20"
+  "gpt d2|$GPT|2|"
+  "gpt t2|$GPT|2|parallel.tensor=2"
+  "gpt p2 1f1b x4|$GPT|2|parallel.pipeline=2 train.grad_accum=4"
+  "gpt d2 zero3|$GPT|2|parallel.zero=3"
+  "gpt d4|$GPT|4|"
+  "gpt d2 t2|$GPT|4|parallel.tensor=2"
+  "gpt t2 p2 x4|$GPT|4|parallel.tensor=2 parallel.pipeline=2 train.grad_accum=4"
+)
+for c in "${cases[@]}"; do
+  IFS='|' read -r name job nproc words steps <<< "$c"
+  [[ -z "$filter" || "$name" == *"$filter"* ]] || continue
+  sets=(--set train.max_steps=${steps:-60} --set train.log_every=1 --set train.eval_every=0
+        --set checkpoint.every_steps=0 --set logging.progress=off)
+  for w in $words; do sets+=(--set "$w"); done
+  "$BIN" plan "$job" --nproc "$nproc" --json "${sets[@]}" > "$OUT_DIR/plan.json"
+  rm -rf "$OUT_DIR/run"
+  log=$OUT_DIR/run.log
+  "$BIN" run "$job" --nproc "$nproc" --run-dir "$OUT_DIR/run" "${sets[@]}" > "$log" 2>&1 ||
+    { tail -n 5 "$log" >&2; exit 1; }
+  $PY - "$name" "$nproc" "$OUT_DIR/plan.json" "$OUT_DIR/run/metrics.jsonl" >> "$rows" <<'PYEOF'
+import json, statistics, sys
+plan = json.load(open(sys.argv[3]))
+train = [json.loads(l) for l in open(sys.argv[4])]
+train = [l for l in train if l["kind"] == "train"][10:]
+step = statistics.median(l["step_ms"] for l in train) / 1000
+comm = statistics.median(l.get("comm_ms", 0) for l in train) / 1000
+print(json.dumps({"case": sys.argv[1], "nproc": int(sys.argv[2]), "planned_s": plan["step_s"],
+                  "measured_s": step, "comm_s": comm}))
+PYEOF
+  tail -n 1 "$rows"
+done
+$PY - "$rows" "$(nproc)" <<'PYEOF'
+import json, sys
+print(f"\n{'case':18} {'procs':>5} {'planned ms':>10} {'measured ms':>11} {'of it comm':>10} {'ratio':>6}   ({sys.argv[2]} cores)")
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    p = r["planned_s"]
+    print(f"{r['case']:18} {r['nproc']:5} {p * 1e3 if p else float('nan'):10.2f} {r['measured_s'] * 1e3:11.2f} "
+          f"{r['comm_s'] * 1e3:10.2f} {p / r['measured_s'] if p else float('nan'):6.2f}")
+PYEOF
