@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -263,9 +264,16 @@ void as_if_exec() {
   for (int fd : fds) ::close(fd);
 }
 
+size_t threads_here() {
+  size_t n = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end; it.increment(ec)) ++n;
+  return n;
+}
+
 bool workers_forked(int64_t world) {
   if (g_forked_worker) return true;
-  return world > 1 && detect_launcher(process_env()) == "single" && !cuda_linked();
+  return world > 1 && detect_launcher(process_env()) == "single" && !cuda_linked() && threads_here() == 1;
 }
 
 int free_local_port() {

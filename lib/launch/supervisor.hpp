@@ -40,10 +40,17 @@ int supervise(const SupervisorOptions& opts);
 // processes' pipes, read ends) closed.
 void as_if_exec();
 
+// The threads of this process now (0 where /proc does not say). A fork copies only the
+// caller's: a process forked to run dtrain without exec must come from one of a single
+// thread.
+size_t threads_here();
+
 // Whether a run's workers on this machine share the supervisor's start-up (forked, not
 // exec'd): this process is such a worker, or it is where `dtrain run --nproc` would start
-// `world` of them (no launcher around it) and this build forks them (its LibTorch has no
-// CUDA). Their memory is smaller by the library pages LibTorch's start-up touched.
+// `world` of them (no launcher around it), this build forks them (its LibTorch has no
+// CUDA) and this process is still single-threaded (parallel.auto's first start measures
+// the machine here, which leaves OpenMP's pool behind). Their memory is smaller by the
+// library pages LibTorch's start-up touched.
 bool workers_forked(int64_t world);
 
 // A TCP port on 127.0.0.1 that was free a moment ago.

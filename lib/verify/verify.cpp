@@ -184,14 +184,6 @@ struct RunResult {
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
-// The threads of this process (a fork copies only the caller's).
-size_t threads_here() {
-  size_t n = 0;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end; it.increment(ec)) ++n;
-  return n;
-}
-
 // `dtrain run JOB --set ... [--nproc N]` in `dir`, its output in files there.
 RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<std::string>& sets,
                      const std::vector<std::string>& layout, const std::string& dir) {

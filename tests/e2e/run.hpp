@@ -71,9 +71,7 @@ inline std::optional<std::vector<std::string>> forkable(const std::string& args,
   if (!prefix.empty() || !threads || std::string(threads) != "1" || dtrain::cuda_linked() ||
       args.find('#') != std::string::npos)  // a comment to sh, a character to wordexp
     return std::nullopt;
-  size_t tasks = 0;
-  for ([[maybe_unused]] const auto& t : std::filesystem::directory_iterator("/proc/self/task")) ++tasks;
-  if (tasks != 1) return std::nullopt;
+  if (dtrain::threads_here() != 1) return std::nullopt;
   wordexp_t w{};
   const int failed = ::wordexp(args.c_str(), &w, WRDE_NOCMD);  // |, >, $(...): the shell's
   if (failed == WRDE_NOSPACE) ::wordfree(&w);

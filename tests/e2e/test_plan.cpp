@@ -308,6 +308,17 @@ TEST_SUITE("plan_measure") {
                        with_profile);
     CHECK(none.code == 2);
     CHECK(none.err.find("parallel.auto") != std::string::npos);
+
+    // With no profile the first start measures one in the supervisor, which leaves
+    // OpenMP's threads there: its workers are exec'd, not forked (a forked worker of two
+    // threads hung in setup).
+    auto fresh = dtrain("run " + path + " --nproc 2 --run-dir " + dir + "/fresh --set parallel.auto=true"
+                        " --set train.threads=2 --set train.max_steps=3" + kQuiet,
+                        "timeout 200 env DTRAIN_PROFILE=" + dir + "/fresh.json");
+    INFO(fresh.out << fresh.err);
+    CHECK(fresh.code == 0);
+    CHECK(fresh.err.find("measuring this machine") != std::string::npos);
+    CHECK(std::filesystem::is_regular_file(dir + "/fresh.json"));
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }
