@@ -143,7 +143,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   static int64_t bytes(const torch::Tensor& t) { return t.numel() * int64_t(t.element_size()); }
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override {
-    const Staged st = staged(t);
+    const Staged st = summed(t);
     std::vector<torch::Tensor> ts{st.dev};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
@@ -154,7 +154,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     });
   }
   std::unique_ptr<Pending> reduce_async(torch::Tensor t, int64_t root) override {
-    const Staged st = staged(t);
+    const Staged st = summed(t);
     std::vector<torch::Tensor> ts{st.dev};
     c10d::ReduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
@@ -293,6 +293,15 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   Staged staged(const torch::Tensor& t) const {
     if (!stage_ || t.device() == *stage_) return {t, torch::Tensor()};
     return {t.to(*stage_), t};
+  }
+
+  // A sum's tensor: as staged(), and floating-point values the backend cannot sum (bf16
+  // and fp16 on Gloo: a tensor-parallel layer's output under autocast) summed in fp32,
+  // the result rounded once as it is copied back. (The bytes counted stay the caller's.)
+  Staged summed(const torch::Tensor& t) const {
+    Staged st = staged(t);
+    if (can_sum(t.scalar_type()) || !torch::isFloatingType(t.scalar_type())) return st;
+    return {st.dev.to(torch::kFloat), t};
   }
 
   // A point-to-point transfer's tensor: as staged(); and a CUDA tensor through host memory
