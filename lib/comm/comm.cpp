@@ -163,6 +163,9 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     return guard("reduce", [&] { return pending("reduce", pg_->reduce(ts, o), ts, 1.0, st.back); });
   }
   std::unique_ptr<Pending> broadcast_async(torch::Tensor t, int64_t root) override {
+    // A broadcast moves bits, so bf16 goes as fp16, its values untouched: Gloo in LibTorch
+    // 1.13 has neither bf16 nor int16.
+    if (t.scalar_type() == torch::kBFloat16) t = t.view(torch::kHalf);
     const Staged st = staged(t);
     std::vector<torch::Tensor> ts{st.dev};
     c10d::BroadcastOptions o;

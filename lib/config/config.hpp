@@ -255,7 +255,8 @@ struct ParallelConfig {
       "the pipeline's order of forwards and backwards");
     v("virtual_stages", virtual_stages, "interleaved_1f1b: model chunks per pipeline rank");
     v("zero", zero, "ZeRO stage: 1 shards the optimizer state over the data ranks, 2 the "
-      "gradient too, 3 the parameters too (gathered a layer at a time)");
+      "gradient too, 3 the parameters too (gathered a layer at a time; under bf16/fp16 the "
+      "weights autocast casts are gathered and held in that dtype, fp32 master shards)");
     v("sync_batchnorm", sync_batchnorm, "BatchNorm statistics over the whole global batch");
     v("bucket_mb", bucket_mb, "gradient all-reduce slice size, MiB");
     v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk", "powersgd"},

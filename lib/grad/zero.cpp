@@ -187,9 +187,14 @@ class Zero2Sync : public ZeroSync {
  protected:
   void arrived(size_t k) override {
     const auto& p = params_.params()[k];
-    if (!p.grad().defined()) return;
     torch::NoGradGuard no_grad;
-    const auto g = params_.flatten(p.grad(), k);
+    torch::Tensor grad = p.grad();
+    if (auto it = earlier_.find(k); it != earlier_.end()) {
+      grad = grad.defined() ? it->second.add_(grad) : it->second;
+      earlier_.erase(it);
+    }
+    if (!grad.defined()) return;
+    const auto g = params_.flatten(grad, k);
     for (size_t b : buckets_of_[k]) copy_overlap(staging(b), slices_[b].first, g, params_.entries()[k].offset);
     p.mutable_grad() = torch::Tensor();  // freed
   }
@@ -212,6 +217,21 @@ class Zero2Sync : public ZeroSync {
   }
 
  public:
+  // A parameter held in the compute dtype (ZeRO-3 under mixed precision) gets its gradient
+  // in that dtype; the earlier micro-batches' are summed here in the master dtype, as they
+  // would be into a master-dtype parameter's (the sums equal to the last bit).
+  void begin_micro_batch(bool last) override {
+    torch::NoGradGuard no_grad;
+    const auto master = params_.data().scalar_type();
+    for (size_t k = 0; k < params_.params().size(); ++k) {
+      auto p = params_.params()[k];
+      if (p.scalar_type() == master || !p.grad().defined()) continue;
+      auto& sum = earlier_[k];
+      sum = sum.defined() ? sum.add_(p.grad()) : p.grad().to(master);
+      p.mutable_grad() = torch::Tensor();
+    }
+    ZeroSync::begin_micro_batch(last);
+  }
   void finish() override {
     // A parameter whose gradient came from earlier micro-batches only (unused in the last):
     // its hook did not run while armed.
@@ -237,6 +257,7 @@ class Zero2Sync : public ZeroSync {
   std::vector<std::vector<size_t>> buckets_of_;            // per entry: the buckets it overlaps
   std::map<int64_t, size_t> slice_at_;                     // bucket by offset
   std::vector<std::pair<size_t, torch::Tensor>> whole_;    // tied entries' gradients
+  std::map<size_t, torch::Tensor> earlier_;  // compute-dtype entries' earlier micro-batches'
 };
 
 
@@ -326,12 +347,13 @@ class Zero3Sync : public Zero2Sync {
     for (int64_t at = unit.offset; at < unit.offset + unit.numel;) {
       const int64_t owner = at / mine.numel;
       const int64_t end = std::min(unit.offset + unit.numel, (owner + 1) * mine.numel);
-      auto piece = unit.buffer.narrow(0, at - unit.offset, end - at);
-      if (owner == data_->rank()) {
-        piece.copy_(params_.data_of({at, end - at}));
-        gather_sent_ += piece.numel() * piece.element_size() * (data_->size() - 1);
+      const Shard part{at, end - at};
+      if (owner == data_->rank()) params_.fill(u, part);
+      for (const auto& piece : params_.pieces(u, part)) {  // in the master / compute dtype
+        if (owner == data_->rank())
+          gather_sent_ += piece.numel() * piece.element_size() * (data_->size() - 1);
+        all->parts.push_back(data_->broadcast_async(piece, owner));
       }
-      all->parts.push_back(data_->broadcast_async(piece, owner));
       at = end;
     }
     pending_[u] = std::move(all);

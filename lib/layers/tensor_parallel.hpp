@@ -39,11 +39,13 @@ struct ParallelLinearOptions {
 };
 
 // y[..., out / T] = x[..., in] W^T + b, with W split along its rows (output features).
-class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule {
+class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule, public CastModule {
  public:
   ColumnParallelLinearImpl(const ParallelLinearOptions& opts, std::shared_ptr<Comm> tensor);
   torch::Tensor forward(const torch::Tensor& x);
   Placement placement_of(const std::string& param) const override;
+  // Both: torch::linear takes them (autocast casts all of its inputs).
+  bool cast_by_autocast(const std::string&) const override { return true; }
 
   torch::Tensor weight, bias;
 
@@ -54,11 +56,16 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule {
 TORCH_MODULE(ColumnParallelLinear);
 
 // y[..., out] = sum over ranks of x[..., in / T] W_r^T, + b; W split along its columns.
-class RowParallelLinearImpl : public torch::nn::Module, public PlacedModule {
+class RowParallelLinearImpl : public torch::nn::Module, public PlacedModule, public CastModule {
  public:
   RowParallelLinearImpl(const ParallelLinearOptions& opts, std::shared_ptr<Comm> tensor);
   torch::Tensor forward(const torch::Tensor& x);
   Placement placement_of(const std::string& param) const override;
+  // The weight; the bias only on one rank, where torch::linear takes it (over several it
+  // is added after the sum, in the output's dtype against its own).
+  bool cast_by_autocast(const std::string& param) const override {
+    return param == "weight" || tensor_->size() == 1;
+  }
 
   torch::Tensor weight, bias;
 

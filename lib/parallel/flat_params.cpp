@@ -80,6 +80,20 @@ std::map<std::string, Placement> placements_of(const torch::nn::Module& model) {
   return placements;
 }
 
+std::set<std::string> cast_by_autocast(const torch::nn::Module& model) {
+  std::set<std::string> cast;
+  for (const auto& m : model.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const auto* module = m.value().get();
+    const auto* declares = dynamic_cast<const CastModule*>(module);
+    const bool torch_weight = dynamic_cast<const torch::nn::LinearImpl*>(module) ||
+                              dynamic_cast<const torch::nn::Conv2dImpl*>(module);
+    for (const auto& p : module->named_parameters(/*recurse=*/false))
+      if (declares ? declares->cast_by_autocast(p.key()) : torch_weight && p.key() == "weight")
+        cast.insert(m.key().empty() ? p.key() : m.key() + "." + p.key());
+  }
+  return cast;
+}
+
 FlatParams::FlatParams(torch::nn::Module& model, const FlatOptions& opts)
     : FlatParams(std::vector<torch::nn::Module*>{&model}, opts) {}
 
@@ -127,11 +141,20 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
     for (size_t i = 0; i < entries_.size(); ++i) params_[i].mutable_grad() = view(grad_, i);
 }
 
-// ZeRO-3's units: each listed module's parameters, consecutive entries, in a buffer of
-// their own; the values (when kept) go through the units into this rank's shard.
+// ZeRO-3's units: each listed module's parameters, consecutive entries, in buffers of
+// their own; the values (when kept) go into this rank's shard.
 void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts) {
   std::map<const c10::TensorImpl*, size_t> entry_of;
   for (size_t i = 0; i < entries_.size(); ++i) entry_of[params_[i].unsafeGetTensorImpl()] = i;
+  if (opts.compute_dtype != opts.dtype) {
+    // Held in the compute dtype where every name of the parameter is cast anyway.
+    for (auto& e : entries_) e.low = true;
+    for (auto* model : modules) {
+      const auto cast = cast_by_autocast(*model);
+      for (const auto& p : model->named_parameters(/*recurse=*/true))
+        if (!cast.count(p.key())) entries_[entry_of.at(p.value().unsafeGetTensorImpl())].low = false;
+    }
+  }
   std::vector<std::optional<size_t>> unit_of(entries_.size());
   for (size_t m = 0; m < opts.units.size() && m < modules.size(); ++m)
     for (const auto* module : opts.units[m]) {
@@ -147,34 +170,32 @@ void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, cons
         if (unit_of[i] != units_.size())
           throw std::logic_error(fmt::format("ZeRO-3: the parameters of '{}''s unit are not "
                                              "consecutive", entries_[first].name));
+      int64_t held[2] = {0, 0};  // the master dtype's, the compute dtype's
+      for (size_t i = first; i < last; ++i) {
+        auto& e = entries_[i];
+        e.packed = held[e.low];
+        held[e.low] += e.numel;
+      }
       const int64_t offset = entries_[first].offset;
       const int64_t numel = entries_[last - 1].offset + entries_[last - 1].numel - offset;
       unit_at_[module] = units_.size();
-      units_.push_back({first, last, offset, numel, m,
-                        torch::empty({numel}, data_.options())});
+      units_.push_back({first, last, offset, numel, m, torch::empty({held[0]}, data_.options()),
+                        torch::empty({held[1]}, data_.options().dtype(opts.compute_dtype))});
     }
   for (size_t i = 0; i < entries_.size(); ++i)
     if (!unit_of[i])
       throw std::logic_error(fmt::format("ZeRO-3: '{}' belongs to no unit forward runs", entries_[i].name));
   for (auto& u : units_)
     for (size_t i = u.first; i < u.last; ++i) {
-      auto slot = shaped(u.buffer.narrow(0, entries_[i].offset - u.offset, entries_[i].numel), i);
-      if (opts.keep_values) slot.copy_(params_[i]);
-      params_[i].set_data(slot);
-    }
-  if (opts.keep_values)
-    for (const auto& unit : units_) {  // as write_whole() ends
-      auto [mine, there] = shard_part(unit);
-      if (mine.defined()) mine.copy_(there);
+      const auto& e = entries_[i];
+      const int64_t lo = std::max(e.offset, data_held_.offset);
+      const int64_t hi = std::min(e.offset + e.numel, data_held_.offset + data_held_.numel);
+      if (opts.keep_values && lo < hi)  // this rank's part of it, into its shard
+        data_.narrow(0, lo - data_held_.offset, hi - lo)
+            .copy_(flatten(params_[i], i).narrow(0, lo - e.offset, hi - lo));
+      params_[i].set_data(shaped((e.low ? u.low : u.buffer).narrow(0, e.packed, e.numel), i));
     }
   for (size_t u = 0; u < units_.size(); ++u) release(u);
-}
-
-std::pair<torch::Tensor, torch::Tensor> FlatParams::shard_part(const Unit& unit) const {
-  const int64_t lo = std::max(unit.offset, data_held_.offset);
-  const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
-  if (lo >= hi) return {};
-  return {data_.narrow(0, lo - data_held_.offset, hi - lo), unit.buffer.narrow(0, lo - unit.offset, hi - lo)};
 }
 
 std::optional<size_t> FlatParams::unit_of(const torch::nn::Module& module) const {
@@ -187,6 +208,11 @@ namespace {
 // Pages of their own for a unit on the CPU, returned to the system when it is released:
 // from glibc's heap (below its 32 MiB mmap threshold, util/memory.cpp) a freed unit would
 // stay in the process's memory, which is what ZeRO-3 frees it for.
+void* map_bytes(size_t bytes) {
+  void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED) throw std::bad_alloc();
+  return at;
+}
 struct Mapped {
   void* at;
   size_t bytes;
@@ -197,31 +223,72 @@ void unmap(void* ctx) {
   delete m;
 }
 at::DataPtr map_pages(size_t bytes, const c10::Device& device) {
-  void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (at == MAP_FAILED) throw std::bad_alloc();
+  void* at = map_bytes(bytes);
   return at::DataPtr(at, new Mapped{at, bytes}, &unmap, device);
+}
+// An empty tensor of `numel` values, on pages of its own on the CPU.
+torch::Tensor own_pages(int64_t numel, const torch::TensorOptions& options) {
+  const size_t bytes = size_t(numel) * options.dtype().itemsize();
+  if (options.device().type() != c10::DeviceType::CPU || bytes == 0) return torch::empty({numel}, options);
+  return torch::from_blob(map_bytes(bytes), {numel}, [bytes](void* at) { munmap(at, bytes); }, options);
 }
 }  // namespace
 
 void FlatParams::allocate(size_t u) {
   if (resident(u)) return;
-  auto& unit = units_.at(u);
-  auto* storage = unit.buffer.storage().unsafeGetStorageImpl();
-  const size_t bytes = size_t(unit.numel) * unit.buffer.element_size();
-  storage->set_data_ptr_noswap(unit.buffer.is_cpu() && bytes > 0
-                                   ? map_pages(bytes, unit.buffer.device())
-                                   : storage->allocator()->allocate(bytes));
-  storage->set_nbytes(bytes);
+  const auto& unit = units_.at(u);
+  for (const auto* buffer : {&unit.buffer, &unit.low}) {
+    const size_t bytes = size_t(buffer->numel()) * buffer->element_size();
+    if (bytes == 0) continue;
+    auto* storage = buffer->storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(buffer->is_cpu() ? map_pages(bytes, buffer->device())
+                                                  : storage->allocator()->allocate(bytes));
+    storage->set_nbytes(bytes);
+  }
 }
 
 void FlatParams::release(size_t u) {
-  auto* storage = units_.at(u).buffer.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, units_[u].buffer.device()));
-  storage->set_nbytes(0);
+  const auto& unit = units_.at(u);
+  for (const auto* buffer : {&unit.buffer, &unit.low}) {
+    auto* storage = buffer->storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, buffer->device()));
+    storage->set_nbytes(0);
+  }
 }
 
 bool FlatParams::resident(size_t u) const {
-  return units_.at(u).buffer.storage().nbytes() > 0;
+  const auto& unit = units_.at(u);
+  return (unit.buffer.numel() > 0 ? unit.buffer : unit.low).storage().nbytes() > 0;
+}
+
+std::vector<torch::Tensor> FlatParams::pieces(size_t u, const Shard& part) const {
+  const auto& unit = units_.at(u);
+  // A buffer's entries within `part` lie one after another in it: [from, to) of it.
+  int64_t from[2] = {-1, -1}, to[2] = {0, 0};
+  for (size_t i = unit.first; i < unit.last; ++i) {
+    const auto& e = entries_[i];
+    const int64_t lo = std::max(part.offset, e.offset);
+    const int64_t hi = std::min(part.offset + part.numel, e.offset + e.numel);
+    if (lo >= hi) continue;
+    if (from[e.low] < 0) from[e.low] = e.packed + lo - e.offset;
+    to[e.low] = e.packed + hi - e.offset;
+  }
+  std::vector<torch::Tensor> out;
+  for (int k : {0, 1})
+    if (from[k] >= 0) out.push_back((k ? unit.low : unit.buffer).narrow(0, from[k], to[k] - from[k]));
+  return out;
+}
+
+void FlatParams::fill(size_t u, const Shard& part) const {
+  torch::NoGradGuard no_grad;
+  const auto& unit = units_.at(u);
+  for (size_t i = unit.first; i < unit.last; ++i) {
+    const auto& e = entries_[i];
+    const int64_t lo = std::max(part.offset, e.offset);
+    const int64_t hi = std::min(part.offset + part.numel, e.offset + e.numel);
+    if (lo >= hi) continue;
+    (e.low ? unit.low : unit.buffer).narrow(0, e.packed + lo - e.offset, hi - lo).copy_(data_of({lo, hi - lo}));
+  }
 }
 
 void FlatParams::write_whole(const std::function<void(size_t first, size_t last)>& write) {
@@ -229,28 +296,31 @@ void FlatParams::write_whole(const std::function<void(size_t first, size_t last)
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     const auto& unit = units_[u];
-    allocate(u);
     // The unit's part in this rank's shard: in before (what `write` leaves alone keeps
-    // its value), out after.
-    auto [mine, there] = shard_part(unit);
-    if (mine.defined()) there.copy_(mine);
+    // its value), out after. The whole values are in the master dtype whatever the unit
+    // holds while gathered.
+    const int64_t lo = std::max(unit.offset, data_held_.offset);
+    const int64_t hi = std::min(unit.offset + unit.numel, data_held_.offset + data_held_.numel);
+    writing_ = u;
+    written_ = own_pages(unit.numel, data_.options());
+    if (lo < hi) written_.narrow(0, lo - unit.offset, hi - lo).copy_(data_of({lo, hi - lo}));
     try {
       write(unit.first, unit.last);
     } catch (...) {
-      release(u);
+      written_ = torch::Tensor();
       throw;
     }
-    if (mine.defined()) mine.copy_(there);
-    release(u);
+    if (lo < hi) data_of({lo, hi - lo}).copy_(written_.narrow(0, lo - unit.offset, hi - lo));
+    written_ = torch::Tensor();
   }
 }
 
 torch::Tensor FlatParams::value(size_t i) const {
   if (!sharded()) return view(data_, i);
-  for (const auto& u : units_)
-    if (i >= u.first && i < u.last)
-      return shaped(u.buffer.narrow(0, entries_[i].offset - u.offset, entries_[i].numel), i);
-  throw std::logic_error("FlatParams::value: an entry in no unit");
+  const auto& unit = units_.at(writing_);
+  if (!written_.defined() || i < unit.first || i >= unit.last)
+    throw std::logic_error("FlatParams::value: under ZeRO-3, only the unit write_whole writes");
+  return shaped(written_.narrow(0, entries_[i].offset - unit.offset, entries_[i].numel), i);
 }
 
 namespace {

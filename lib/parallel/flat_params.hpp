@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -100,6 +101,21 @@ class PlacedModule {
 // by the parameters' names in `model`; a parameter not listed is replicated.
 std::map<std::string, Placement> placements_of(const torch::nn::Module& model);
 
+// Implemented by modules some of whose own parameters forward passes only to ops that
+// autocast runs in the compute dtype (a linear layer's weight), so that under mixed
+// precision holding them in that dtype changes nothing forward or backward computes.
+class CastModule {
+ public:
+  virtual ~CastModule() = default;
+  virtual bool cast_by_autocast(const std::string& param_name) const = 0;
+};
+
+// The parameters of `model` (by their names in it) that its forward reads only through
+// autocast's cast to the compute dtype: those CastModule says, and the weights of torch's
+// Linear and Conv2d (their bias is not: Linear adds it outside autocast's cast for a 3-D
+// input). A tied parameter counts only where every name of it is listed.
+std::set<std::string> cast_by_autocast(const torch::nn::Module& model);
+
 // A contiguous part of the flat buffers: what one data-parallel rank updates under ZeRO,
 // [offset, offset + numel). The whole buffer by default.
 struct Shard {
@@ -125,6 +141,10 @@ struct FlatOptions {
   // values this rank updates). Each unit's parameters are then views into a buffer of
   // its own, which holds their values only while it is gathered (FlatParams::Unit).
   int64_t param_ranks = 1, param_rank = 0;
+  // ZeRO-3 under mixed precision (bf16, fp16): the parameters autocast would cast anyway
+  // (cast_by_autocast) are gathered and held in this dtype while gathered, the shard of
+  // `dtype` staying their master; the others stay in `dtype`. Equal to `dtype`: none.
+  torch::ScalarType compute_dtype = torch::kFloat32;
   // The modules forward runs as one (Network::units), a list per module given to
   // FlatParams: under ZeRO-3 every parameter must belong to one, and a unit's parameters
   // must be consecutive entries.
@@ -143,6 +163,10 @@ class FlatParams {
     std::vector<int64_t> shape;        // this rank's part
     std::vector<int64_t> full_shape;   // the logical tensor
     Placement placement;
+    // ZeRO-3: held in the compute dtype (FlatOptions::compute_dtype), and where in its
+    // unit's buffer of that dtype (Unit::low) or else of the master dtype (Unit::buffer).
+    bool low = false;
+    int64_t packed = 0;
   };
 
   explicit FlatParams(torch::nn::Module& model, const FlatOptions& opts = {});
@@ -151,14 +175,15 @@ class FlatParams {
   explicit FlatParams(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts = {});
 
   // A unit of ZeRO-3: the parameters of entries [first, last), at [offset, offset + numel)
-  // of the flat layout, views into `buffer`, whose storage is allocated only while the
-  // unit is gathered (allocate/release). `module`: the index of the module (FlatParams'
-  // list) it belongs to.
+  // of the flat layout, views into `buffer` (the master dtype) or, for the entries held in
+  // the compute dtype, into `low`: each buffer holds its entries one after another
+  // (Entry::packed), and has storage only while the unit is gathered (allocate/release).
+  // `module`: the index of the module (FlatParams' list) it belongs to.
   struct Unit {
     size_t first, last;
     int64_t offset, numel;
     size_t module;
-    torch::Tensor buffer;
+    torch::Tensor buffer, low;
   };
 
   // The parameter buffer: laid out like the flat parameters over data_held() (all of it,
@@ -175,19 +200,25 @@ class FlatParams {
   bool sharded() const { return !units_.empty(); }
   const std::vector<Unit>& units() const { return units_; }
   std::optional<size_t> unit_of(const torch::nn::Module& module) const;
-  // Unit u's buffer given storage (values undefined) / its storage freed. The parameters
-  // and every view of them (autograd's saved ones too) share it, so one release frees
-  // the unit whoever still refers to it, and a gather before backward refills it for them.
+  // Unit u's buffers given storage (values undefined) / their storage freed. The
+  // parameters and every view of them (autograd's saved ones too) share it, so one release
+  // frees the unit whoever still refers to it, and a gather before backward refills it.
   void allocate(size_t u);
   void release(size_t u);
   bool resident(size_t u) const;
+  // Where unit u (allocated) holds `part` of the flat layout: a view of each of its buffers
+  // that has some of it (one, or two where entries of both dtypes fall in `part`).
+  std::vector<torch::Tensor> pieces(size_t u, const Shard& part) const;
+  // This rank's values of `part` (which it must hold) copied into unit u's buffers, each
+  // in its dtype.
+  void fill(size_t u, const Shard& part) const;
   // `write(first, last)` sets the whole values of entries [first, last) (initialisation,
   // model.init_from) through value(): once for every entry, or under ZeRO-3 once per unit,
-  // the unit allocated around it holding this rank's shard, of which only the shard is
-  // kept afterwards (so no more than one unit is whole at a time).
+  // in a buffer of the unit's whole values around it that holds this rank's shard, of
+  // which only the shard is kept afterwards (so no more than one unit is whole at a time).
   void write_whole(const std::function<void(size_t first, size_t last)>& write);
-  // Entry i's values as a tensor of its shape: a view into data(), or under ZeRO-3 into
-  // its unit's buffer (which must be allocated).
+  // Entry i's values as a tensor of its shape, in the master dtype: a view into data(), or
+  // under ZeRO-3 (within write_whole only) into the values being written.
   torch::Tensor value(size_t i) const;
   // The gradient buffer: laid out like data() over grad_held() (all of it, but for ZeRO-2).
   torch::Tensor& grad() { return grad_; }
@@ -230,9 +261,6 @@ class FlatParams {
 
  private:
   torch::Tensor shaped(const torch::Tensor& slot, size_t i) const;
-  // Where `unit` and this rank's shard overlap: that part of data() and of the unit's
-  // buffer (both undefined when they do not).
-  std::pair<torch::Tensor, torch::Tensor> shard_part(const Unit& unit) const;
   void make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts);
   torch::Tensor data_, grad_;
   int64_t numel_ = 0;
@@ -242,6 +270,9 @@ class FlatParams {
   std::map<const torch::nn::Module*, size_t> unit_at_;
   std::vector<torch::Tensor> params_;
   torch::MemoryFormat format_;
+  // write_whole's unit and its whole values, while it runs.
+  size_t writing_ = 0;
+  torch::Tensor written_;
 };
 
 }  // namespace dtrain

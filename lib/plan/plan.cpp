@@ -19,7 +19,9 @@
 #include "launch/supervisor.hpp"
 #include "models/model.hpp"
 #include "optim/optimizer.hpp"
+#include "parallel/flat_params.hpp"
 #include "pipeline/schedule.hpp"
+#include "precision/autocast.hpp"
 #include "run/mode.hpp"
 #include "util/affinity.hpp"
 #include "util/memory.hpp"
@@ -101,10 +103,15 @@ struct Held {
     std::string name;
     std::vector<int64_t> shape;
     int64_t numel = 0;
+    int64_t offset = 0;
+    int64_t gathered = 4;  // bytes a value takes in ZeRO-3's gathers (FlatOptions::compute_dtype)
   };
   struct Unit {
     int64_t offset = 0, numel = 0;
     size_t chunk = 0;
+    std::vector<size_t> entries;
+    double bytes = 0;     // gathered
+    std::set<int64_t> dtypes;  // its entries' gathered sizes: a broadcast each, per owner
   };
   std::vector<Entry> entries;
   std::vector<Unit> units;
@@ -134,27 +141,45 @@ Held held_by(const Job& job, int64_t pipeline_rank) {
     const auto& net = nets.back();
     tied_names = net->tied_parameters();
     std::map<const c10::TensorImpl*, size_t> entry_of;
+    // In the compute dtype where every name of a parameter is cast anyway, as FlatParams
+    // holds them.
+    const auto cast = cast_by_autocast(*net);
+    const int64_t low = int64_t(c10::elementSize(compute_dtype(job.cfg.precision.dtype)));
     for (const auto& p : net->named_parameters(/*recurse=*/true)) {
+      const int64_t bytes = cast.count(p.key()) ? low : 4;
+      if (auto it = entry_of.find(p.value().unsafeGetTensorImpl()); it != entry_of.end()) {
+        auto& gathered = h.entries[it->second].gathered;
+        gathered = std::max(gathered, bytes);
+        continue;
+      }
       if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
       entry_of[p.value().unsafeGetTensorImpl()] = h.entries.size();
-      h.entries.push_back({p.key(), p.value().sizes().vec(), p.value().numel()});
+      h.entries.push_back({p.key(), p.value().sizes().vec(), p.value().numel(), 0, bytes});
     }
     // Entries' offsets, for the units.
     std::vector<int64_t> offset(h.entries.size() + 1, 0);
-    for (size_t i = 0; i < h.entries.size(); ++i) offset[i + 1] = offset[i] + h.entries[i].numel;
+    for (size_t i = 0; i < h.entries.size(); ++i) {
+      h.entries[i].offset = offset[i];
+      offset[i + 1] = offset[i] + h.entries[i].numel;
+    }
     std::map<const torch::nn::Module*, size_t> unit_of;
     std::set<size_t> claimed;
     for (const auto* module : net->units()) {
       int64_t lo = -1, hi = -1;
+      Held::Unit unit;
       for (const auto& p : module->named_parameters(/*recurse=*/true)) {
         auto it = entry_of.find(p.value().unsafeGetTensorImpl());
         if (it == entry_of.end() || !claimed.insert(it->second).second) continue;
-        const int64_t at = offset[it->second], end = at + h.entries[it->second].numel;
-        lo = lo < 0 ? at : std::min(lo, at), hi = std::max(hi, end);
+        const auto& e = h.entries[it->second];
+        lo = lo < 0 ? e.offset : std::min(lo, e.offset), hi = std::max(hi, e.offset + e.numel);
+        unit.entries.push_back(it->second);
+        unit.bytes += double(e.numel * e.gathered);
+        unit.dtypes.insert(e.gathered);
       }
       if (lo < 0) continue;  // no parameters of its own
       unit_of[module] = h.units.size();
-      h.units.push_back({lo, hi - lo, size_t(c)});
+      unit.offset = lo, unit.numel = hi - lo, unit.chunk = size_t(c);
+      h.units.push_back(std::move(unit));
     }
     // Forward's calls, as the units they gather.
     std::vector<std::vector<size_t>> uses;
@@ -266,15 +291,18 @@ std::pair<double, double> zero3_gathers(const Job& job, const Held& h, int64_t p
   auto start = [&](size_t u) {
     if (!resident.insert(u).second) return;
     const auto& unit = h.units[u];
-    held += double(unit.numel);
-    const int64_t lo = std::max(unit.offset, data_rank * shard);
-    const int64_t hi = std::min(unit.offset + unit.numel, (data_rank + 1) * shard);
-    if (hi > lo) sent += double(hi - lo) * 4 * double(d - 1);
+    held += unit.bytes;
+    for (size_t i : unit.entries) {  // this rank's part of it, to every other
+      const auto& e = h.entries[i];
+      const int64_t lo = std::max(e.offset, data_rank * shard);
+      const int64_t hi = std::min(e.offset + e.numel, (data_rank + 1) * shard);
+      if (hi > lo) sent += double((hi - lo) * e.gathered) * double(d - 1);
+    }
   };
   auto gather = [&](const std::vector<size_t>& units, int step) {
     for (auto it = resident.begin(); it != resident.end();)
       if (*it != ahead && std::find(units.begin(), units.end(), *it) == units.end())
-        held -= double(h.units[*it].numel), it = resident.erase(it);
+        held -= h.units[*it].bytes, it = resident.erase(it);
       else
         ++it;
     for (size_t u : units) start(u);
@@ -295,7 +323,7 @@ std::pair<double, double> zero3_gathers(const Job& job, const Held& h, int64_t p
     else
       for (auto it = uses.rbegin(); it != uses.rend(); ++it) gather(*it, -1);
   }
-  return {sent, peak * 4};
+  return {sent, peak};
 }
 
 // The dataset each process holds in memory, bytes: images as fp32 with int64 labels, text as
@@ -464,7 +492,9 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     data_bytes += ring(4 * double(h.tied), d);
     if (p.zero < 3) data_bytes += 4 * double(shard) * double(d - 1);
     data_bytes += zero3_sent;
-    data_ops = 2 * buckets + (p.zero >= 3 ? 2 * double(job.micro * int64_t(h.units.size())) : 0);
+    double gathers = 0;
+    for (const auto& u : h.units) gathers += double(u.dtypes.size());
+    data_ops = 2 * buckets + (p.zero >= 3 ? 2 * double(job.micro) * gathers : 0);
   } else if (d > 1) {
     data_bytes = sync_bytes(job, h, double(numel));
     data_ops = p.compression == "powersgd" ? 2 * buckets : buckets;

@@ -12,6 +12,7 @@
 #include "config/schema.hpp"
 #include "launch/device.hpp"
 #include "pipeline/schedule.hpp"
+#include "precision/autocast.hpp"
 #include "run/run.hpp"
 #include "run/saved_state.hpp"
 #include "util/affinity.hpp"
@@ -139,6 +140,7 @@ void build_training(Run& run) {
   flat.format = run.model.spec->format;
   flat.device = run.device();
   flat.keep_values = false;  // initialised in the buffer, below
+  flat.compute_dtype = compute_dtype(cfg.precision.dtype);
   mode.shape_flat(flat);
   std::vector<torch::nn::Module*> modules;
   for (auto& chunk : run.model.chunks) {

@@ -73,6 +73,8 @@ TEST_SUITE("plan") {
         {"gpt t2", gpt_job(), 2, " --set parallel.tensor=2"},
         {"gpt p2 gpipe (tied head)", gpt_job(), 2, " --set parallel.pipeline=2 --set parallel.schedule=gpipe"},
         {"gpt d2 zero3", gpt_job(), 2, " --set parallel.zero=3"},
+        {"gpt d2 zero3 bf16 (weights gathered in bf16)", gpt_job(), 2,
+         " --set parallel.zero=3 --set precision.dtype=bf16"},
         {"gpt d2 powersgd", gpt_job(), 2, " --set parallel.compression=powersgd" + warm},
         {"gpt d2xt2 recompute", gpt_job(), 4, " --set parallel.tensor=2 --set train.recompute=blocks"},
         {"gpt p2xd2 zero2 interleaved", gpt_job(), 4,

@@ -139,6 +139,48 @@ TEST_SUITE("zero") {
                             " --set train.grad_accum=4 --set train.recompute=blocks"}});
   }
 
+  TEST_CASE("ZeRO-3 under bf16 gathers the weights in bf16: zero 2's losses exactly, the gathers' bytes halved") {
+    REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
+    auto dir = temp_dir("zero-bf16");
+    // The MLP at data 2 with two micro-batches: every parameter is a linear layer's, which
+    // autocast casts (its gathers all bf16); the earlier micro-batch's gradient is summed
+    // in fp32, as autocast's fp32 parameters sum theirs.
+    const auto mlp = zero_job().write(dir, "zero.yaml");
+    const std::string sets = " --set train.grad_accum=2 --set parallel.bucket_mb=0.001 --set train.max_steps=20";
+    const std::string bf16 = " --set precision.dtype=bf16";
+    run(mlp, 2, dir + "/z0", sets + bf16);
+    run(mlp, 2, dir + "/z2", sets + bf16 + " --set parallel.zero=2");
+    run(mlp, 2, dir + "/z3", sets + bf16 + " --set parallel.zero=3");
+    run(mlp, 2, dir + "/z2-fp32", sets + " --set parallel.zero=2");
+    run(mlp, 2, dir + "/z3-fp32", sets + " --set parallel.zero=3");
+    CHECK(train_losses(dir + "/z3") == train_losses(dir + "/z2"));
+    check_losses_close(train_losses(dir + "/z0"), train_losses(dir + "/z3"), 1e-4, "bf16 zero 3 vs zero 0");
+    // Bytes a step: ZeRO-2 sends the reduction R and its all-gather A (the shard, 4 bytes a
+    // value); ZeRO-3 R and its gathers G, in bf16 G / 2. The MLP's 6372 parameters pad to
+    // 6400 (2 x 16 divides it): A = 3200 x 4 bytes.
+    auto bytes = [&](const std::string& run_dir) {
+      return of_kind(metrics(run_dir), "train").back()["comm_bytes"].get<int64_t>();
+    };
+    const int64_t a = 3200 * 4, r = bytes(dir + "/z2-fp32") - a;
+    const int64_t g = bytes(dir + "/z3-fp32") - r;
+    INFO("R " << r << ", G " << g << ", bf16 ZeRO-3 " << bytes(dir + "/z3"));
+    CHECK(g > 0);
+    CHECK(bytes(dir + "/z3") == r + g / 2);
+    // The GPT at data 2 x tensor 2: LayerNorms, embeddings and the row-parallel biases stay
+    // fp32 (autocast does not cast them there), the rest of each block bf16.
+    const auto gpt = gpt_job(dir);
+    const std::string layout = " --set parallel.tensor=2" + bf16 + " --set train.max_steps=10";
+    run(gpt, 4, dir + "/gpt-z2", layout + " --set parallel.zero=2");
+    run(gpt, 4, dir + "/gpt-z3", layout + " --set parallel.zero=3");
+    const std::string fp32 = " --set parallel.tensor=2 --set train.max_steps=10";
+    run(gpt, 4, dir + "/gpt-z2-fp32", fp32 + " --set parallel.zero=2");
+    run(gpt, 4, dir + "/gpt-z3-fp32", fp32 + " --set parallel.zero=3");
+    CHECK(train_losses(dir + "/gpt-z3") == train_losses(dir + "/gpt-z2"));
+    // What ZeRO-3 sends beyond ZeRO-2 (its gathers less ZeRO-2's all-gather) shrinks.
+    CHECK(bytes(dir + "/gpt-z3") - bytes(dir + "/gpt-z2") <
+          bytes(dir + "/gpt-z3-fp32") - bytes(dir + "/gpt-z2-fp32"));
+  }
+
   TEST_CASE("ZeRO: each data rank writes its shard; resumes at data 4 (ZeRO-3), 1, data 2 (ZeRO-1) and data 2 (ZeRO-2)") {
     auto dir = temp_dir("zero-resume");
     const auto j = zero_job().write(dir, "zero.yaml");

@@ -2,7 +2,8 @@
 // padded into equal shards, each rank's shard of the reduced gradient the mean of both
 // ranks' gradients, the optimizer updating only that shard, and every rank holding the
 // whole updated parameters after the broadcasts; ZeRO-2 keeps the gradient of its shard
-// only; ZeRO-3 the parameters too, a unit whole only while gathered.
+// only; ZeRO-3 the parameters too, a unit whole only while gathered, under bf16 the
+// weights autocast casts held and gathered in bf16.
 #include <doctest/doctest.h>
 
 #include <torch/torch.h>
@@ -11,6 +12,7 @@
 #include "grad/zero.hpp"
 #include "optim/optimizer.hpp"
 #include "parallel/mesh.hpp"
+#include "precision/autocast.hpp"
 #include "ranks.hpp"
 
 namespace unit_grad_zero {
@@ -194,6 +196,98 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
     if (!torch::allclose(l1->bias, start[1] - 0.1 * mean_grad[1], 1e-5, 1e-6)) fail("bias 0");
     sync->before_use({l2.get()});
     if (!torch::allclose(l2->weight, start[2] - 0.1 * mean_grad[2], 1e-5, 1e-6)) fail("weight 1");
+    sync->settle();
+  }, quick());
+  failures.check();
+}
+
+TEST_CASE("zero: stage 3 under bf16 holds and gathers the weights in bf16, the biases in fp32, "
+          "and makes autocast's fp32 gradient exactly") {
+  RankFailures failures;
+  test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
+    const int64_t r = comm->rank();
+    auto fail = [&](const std::string& what) { failures.add(r, what); };
+    ParallelConfig cfg;
+    cfg.zero = 3;
+    cfg.bucket_mb = 1e-4;
+    ParallelDims dims;
+    dims.data = 2;
+    Mesh mesh(dims, comm);
+    auto net = std::make_shared<torch::nn::Module>();
+    torch::nn::Linear l1(20, 3), l2(3, 2);
+    net->register_module("0", l1);
+    net->register_module("1", l2);
+    {
+      torch::NoGradGuard no_grad;
+      int k = 0;  // values bf16 does not hold exactly
+      for (auto& p : net->parameters()) p.copy_(torch::linspace(-1, 1, p.numel()).view(p.sizes()) / (3 + ++k));
+    }
+    if (cast_by_autocast(*net) != std::set<std::string>{"0.weight", "1.weight"})
+      return fail("torch's Linear: only the weight is cast");
+    std::vector<torch::Tensor> start;
+    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+    FlatOptions opts;
+    shard_flat(cfg, dims, mesh.coord(), opts);
+    opts.units = {{l1.get(), l2.get()}};
+    opts.compute_dtype = torch::kBFloat16;
+    FlatParams flat(std::vector<torch::nn::Module*>{net.get()}, opts);
+    if (l1->weight.scalar_type() != torch::kBFloat16 || l1->bias.scalar_type() != torch::kFloat32)
+      return fail("the weight not bf16, or the bias not fp32");
+    if (flat.units()[0].low.numel() != 60 || flat.units()[0].buffer.numel() != 3)
+      return fail("unit 0 not 60 bf16 values and 3 fp32 ones");
+    if (flat.data().scalar_type() != torch::kFloat32) return fail("the master shard not fp32");
+    const int64_t micro = 2;
+    auto sync = make_zero_sync(cfg, mesh, flat, micro, Tied{});
+    const double factor = sync->loss_factor();
+    auto loss_of = [&](const torch::Tensor& y) { return y.to(torch::kFloat).square().sum() * factor; };
+    auto input = [&](int64_t rank, int64_t mb) { return torch::full({2, 20}, double(rank + 1) / double(mb + 2)); };
+    sync->begin_step(1);
+    for (int64_t mb = 0; mb < micro; ++mb) {
+      sync->begin_micro_batch(mb + 1 == micro);
+      torch::Tensor loss;
+      {
+        AutocastGuard autocast("bf16", torch::kCPU);
+        sync->before_use({l1.get()});
+        if (!torch::equal(l1->weight, start[0].to(torch::kBFloat16)) || !torch::equal(l1->bias, start[1]))
+          fail("unit 0 gathered wrong");
+        auto h = l1->forward(input(r, mb));
+        sync->after_use({l1.get()}, h);
+        sync->before_use({l2.get()});
+        auto y = l2->forward(h);
+        sync->after_use({l2.get()}, y);
+        loss = loss_of(y);
+      }
+      loss.backward();
+    }
+    sync->finish();
+    // The reference: fp32 parameters under autocast (which casts the weights per use), both
+    // ranks' micro-batches, the gradients summed in fp32.
+    std::vector<torch::Tensor> sum(start.size());
+    for (int64_t rank : {0, 1}) {
+      std::vector<torch::Tensor> p;
+      for (const auto& s : start) p.push_back(s.clone().requires_grad_(true));
+      for (int64_t mb = 0; mb < micro; ++mb) {
+        torch::Tensor loss;
+        {
+          AutocastGuard autocast("bf16", torch::kCPU);
+          auto h = torch::nn::functional::linear(input(rank, mb), p[0], p[1]);
+          loss = loss_of(torch::nn::functional::linear(h, p[2], p[3]));
+        }
+        loss.backward();
+      }
+      for (size_t i = 0; i < p.size(); ++i) sum[i] = sum[i].defined() ? sum[i] + p[i].grad() : p[i].grad();
+    }
+    std::vector<torch::Tensor> flat_sum;
+    for (const auto& g : sum) flat_sum.push_back(g.reshape(-1));
+    const auto cat = torch::cat(flat_sum);
+    auto whole = torch::zeros({flat.numel()});
+    whole.narrow(0, 0, cat.numel()).copy_(cat);
+    const auto held = flat.grad_held();
+    if (!torch::equal(flat.grad(), whole.narrow(0, held.offset, held.numel))) {
+      fail("the shard's gradient is not autocast's fp32 sum");
+      if (torch::allclose(flat.grad(), whole.narrow(0, held.offset, held.numel), 1e-3, 1e-5))
+        fail("(it is close: a sum in another order or dtype)");
+    }
     sync->settle();
   }, quick());
   failures.check();
