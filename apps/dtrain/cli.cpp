@@ -2,6 +2,7 @@
 // and maps errors to the exit codes of docs/contract.md. No training logic lives here.
 // main.cpp calls dtrain_main; the end-to-end tests call it too, in a forked copy of their
 // own process (tests/e2e/run.hpp), as the supervisor starts its workers.
+#include <csignal>
 #include <filesystem>
 #include <iostream>
 
@@ -467,6 +468,11 @@ int fail(int code, const std::string& what) {
 
 // The whole command: main's, and a worker's that the supervisor forks without exec.
 int dtrain_main(int argc, char** argv) {
+  // A write to a peer that died (Gloo's TCP pairs, the store) must fail as an error this
+  // rank reports, not kill it: SIGPIPE ends a C++ program by default (Python, which runs
+  // torchrun's workers, ignores it). Left to kill, a surviving rank could die of the
+  // peer's death before the supervisor heard of the peer, and be blamed for it.
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     return run_cli(argc, argv);
   } catch (const dtrain::Error& e) {
