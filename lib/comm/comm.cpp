@@ -298,9 +298,10 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     return {t.to(*stage_), t};
   }
 
-  // A sum's tensor: as staged(), and floating-point values the backend cannot sum (bf16
-  // and fp16 on Gloo: a tensor-parallel layer's output under autocast) summed in fp32,
-  // the result rounded once as it is copied back. (The bytes counted stay the caller's.)
+  // A sum's tensor: as staged(), and floating-point values can_sum() refuses (Gloo: bf16,
+  // which it cannot sum, and fp16, which it sums slowly; a tensor-parallel layer's output
+  // under autocast) summed in fp32, the result rounded once as it is copied back. (The
+  // bytes counted stay the caller's.)
   Staged summed(const torch::Tensor& t) const {
     Staged st = staged(t);
     if (can_sum(t.scalar_type()) || !torch::isFloatingType(t.scalar_type())) return st;

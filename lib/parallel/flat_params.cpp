@@ -146,7 +146,8 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
 void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts) {
   std::map<const c10::TensorImpl*, size_t> entry_of;
   for (size_t i = 0; i < entries_.size(); ++i) entry_of[params_[i].unsafeGetTensorImpl()] = i;
-  if (opts.compute_dtype != opts.dtype) {
+  if (opts.compute_dtype != opts.dtype &&
+      (opts.compute_dtype == torch::kBFloat16 || opts.compute_dtype == torch::kHalf)) {
     // Held in the compute dtype where every name of the parameter is cast anyway.
     for (auto& e : entries_) e.low = true;
     for (auto* model : modules) {
@@ -237,7 +238,9 @@ torch::Tensor own_pages(int64_t numel, const torch::TensorOptions& options) {
 void FlatParams::allocate(size_t u) {
   if (resident(u)) return;
   const auto& unit = units_.at(u);
-  for (const auto* buffer : {&unit.buffer, &unit.low}) {
+  // `low` first: resident() asks `buffer` where it has values, so a failure between the
+  // two leaves the unit not resident.
+  for (const auto* buffer : {&unit.low, &unit.buffer}) {
     const size_t bytes = size_t(buffer->numel()) * buffer->element_size();
     if (bytes == 0) continue;
     auto* storage = buffer->storage().unsafeGetStorageImpl();

@@ -112,8 +112,10 @@ class CastModule {
 
 // The parameters of `model` (by their names in it) that its forward reads only through
 // autocast's cast to the compute dtype: those CastModule says, and the weights of torch's
-// Linear and Conv2d (their bias is not: Linear adds it outside autocast's cast for a 3-D
-// input). A tied parameter counts only where every name of it is listed.
+// Linear and Conv2d (not their biases: Linear adds its own outside autocast's cast for a
+// 3-D input). A tied parameter counts only where every name of it is listed. Held in the
+// compute dtype, such a weight's gradients from two uses in one forward would be summed
+// in that dtype, where fp32's cast-per-use sums them in fp32: the models use each once.
 std::set<std::string> cast_by_autocast(const torch::nn::Module& model);
 
 // A contiguous part of the flat buffers: what one data-parallel rank updates under ZeRO,

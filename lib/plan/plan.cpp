@@ -111,7 +111,7 @@ struct Held {
     size_t chunk = 0;
     std::vector<size_t> entries;
     double bytes = 0;     // gathered
-    std::set<int64_t> dtypes;  // its entries' gathered sizes: a broadcast each, per owner
+    std::set<int64_t> dtypes;  // its entries' gathered sizes: a broadcast each
   };
   std::vector<Entry> entries;
   std::vector<Unit> units;
@@ -460,6 +460,9 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   if (p.zero >= 2 && d > 1) {
     m.buffers += double(kZeroInFlight) * p.bucket_mb * kMiB + 4 * double(h.tied);
     if (job.micro > 1) m.buffers += 4 * double(h.total);  // micro-batches add up whole
+    if (job.micro > 1 && p.zero >= 3)  // and a compute-dtype weight's next one beside its fp32 sum
+      for (const auto& e : h.entries)
+        if (e.gathered < 4) m.buffers += double(e.numel * e.gathered);
     if (p.zero >= 3) {
       const auto [sent, peak] = zero3_gathers(job, h, at.pipeline, shard, at.data);
       zero3_sent = sent;

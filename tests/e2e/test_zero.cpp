@@ -176,6 +176,15 @@ TEST_SUITE("zero") {
     run(gpt, 4, dir + "/gpt-z2-fp32", fp32 + " --set parallel.zero=2");
     run(gpt, 4, dir + "/gpt-z3-fp32", fp32 + " --set parallel.zero=3");
     CHECK(train_losses(dir + "/gpt-z3") == train_losses(dir + "/gpt-z2"));
+    // The CNN at data 4: channels-last convolution weights in bf16, SyncBatchNorm's fp32.
+    auto bn = zero_job();
+    bn.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
+    bn.optimizer = kSgd;
+    bn.parallel = "{sync_batchnorm: true}";
+    const auto cnn = bn.write(dir, "cnn.yaml");
+    run(cnn, 4, dir + "/cnn-z2", bf16 + " --set train.max_steps=10 --set parallel.zero=2");
+    run(cnn, 4, dir + "/cnn-z3", bf16 + " --set train.max_steps=10 --set parallel.zero=3");
+    CHECK(train_losses(dir + "/cnn-z3") == train_losses(dir + "/cnn-z2"));
     // What ZeRO-3 sends beyond ZeRO-2 (its gathers less ZeRO-2's all-gather) shrinks.
     CHECK(bytes(dir + "/gpt-z3") - bytes(dir + "/gpt-z2") <
           bytes(dir + "/gpt-z3-fp32") - bytes(dir + "/gpt-z2-fp32"));
