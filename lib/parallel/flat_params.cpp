@@ -141,6 +141,15 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
     for (size_t i = 0; i < entries_.size(); ++i) params_[i].mutable_grad() = view(grad_, i);
 }
 
+namespace {
+// The part of entry [offset, offset + numel) that `shard` holds: [first, last) of the
+// buffer (empty when first >= last).
+std::pair<int64_t, int64_t> overlap(const FlatParams::Entry& e, const Shard& shard) {
+  const int64_t end = shard.numel < 0 ? e.offset + e.numel : shard.offset + shard.numel;
+  return {std::max(e.offset, shard.offset), std::min(e.offset + e.numel, end)};
+}
+}  // namespace
+
 // ZeRO-3's units: each listed module's parameters, consecutive entries, in buffers of
 // their own; the values (when kept) go into this rank's shard.
 void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, const FlatOptions& opts) {
@@ -189,8 +198,7 @@ void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, cons
   for (auto& u : units_)
     for (size_t i = u.first; i < u.last; ++i) {
       const auto& e = entries_[i];
-      const int64_t lo = std::max(e.offset, data_held_.offset);
-      const int64_t hi = std::min(e.offset + e.numel, data_held_.offset + data_held_.numel);
+      const auto [lo, hi] = overlap(e, data_held_);
       if (opts.keep_values && lo < hi)  // this rank's part of it, into its shard
         data_.narrow(0, lo - data_held_.offset, hi - lo)
             .copy_(flatten(params_[i], i).narrow(0, lo - e.offset, hi - lo));
@@ -270,8 +278,7 @@ std::vector<torch::Tensor> FlatParams::pieces(size_t u, const Shard& part) const
   int64_t from[2] = {-1, -1}, to[2] = {0, 0};
   for (size_t i = unit.first; i < unit.last; ++i) {
     const auto& e = entries_[i];
-    const int64_t lo = std::max(part.offset, e.offset);
-    const int64_t hi = std::min(part.offset + part.numel, e.offset + e.numel);
+    const auto [lo, hi] = overlap(e, part);
     if (lo >= hi) continue;
     if (from[e.low] < 0) from[e.low] = e.packed + lo - e.offset;
     to[e.low] = e.packed + hi - e.offset;
@@ -287,8 +294,7 @@ void FlatParams::fill(size_t u, const Shard& part) const {
   const auto& unit = units_.at(u);
   for (size_t i = unit.first; i < unit.last; ++i) {
     const auto& e = entries_[i];
-    const int64_t lo = std::max(part.offset, e.offset);
-    const int64_t hi = std::min(part.offset + part.numel, e.offset + e.numel);
+    const auto [lo, hi] = overlap(e, part);
     if (lo >= hi) continue;
     (e.low ? unit.low : unit.buffer).narrow(0, e.packed + lo - e.offset, hi - lo).copy_(data_of({lo, hi - lo}));
   }
@@ -392,15 +398,6 @@ NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suf
   }
   return out;
 }
-
-namespace {
-// The part of entry [offset, offset + numel) that `shard` holds: [first, last) of the
-// buffer (empty when first >= last).
-std::pair<int64_t, int64_t> overlap(const FlatParams::Entry& e, const Shard& shard) {
-  const int64_t end = shard.numel < 0 ? e.offset + e.numel : shard.offset + shard.numel;
-  return {std::max(e.offset, shard.offset), std::min(e.offset + e.numel, end)};
-}
-}  // namespace
 
 NamedTensors FlatParams::owned_range(const torch::Tensor& shard_data, const Shard& shard,
                                      const std::string& suffix, int64_t tensor_rank,

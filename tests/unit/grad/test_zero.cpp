@@ -21,6 +21,44 @@ using namespace dtrain;
 using test::quick;
 using test::RankFailures;
 
+namespace {
+
+// ZeRO-3 over the two data ranks of `comm`, on two Linear layers (20 -> 3 -> 2), each a
+// unit; the k-th parameter (from 1) holds linspace(-1, 1) x scale(k), kept in `start`.
+struct TwoUnits {
+  TwoUnits(std::shared_ptr<Comm> comm, double (*scale)(int))
+      : mesh(data_two(), std::move(comm)), net(std::make_shared<torch::nn::Module>()),
+        l1(20, 3), l2(3, 2) {
+    cfg.zero = 3;
+    cfg.bucket_mb = 1e-4;
+    dims = data_two();
+    net->register_module("0", l1);
+    net->register_module("1", l2);
+    torch::NoGradGuard no_grad;
+    int k = 0;
+    for (auto& p : net->parameters()) {
+      p.copy_(torch::linspace(-1, 1, p.numel()).view(p.sizes()) * scale(++k));
+      start.push_back(p.detach().clone());
+    }
+    shard_flat(cfg, dims, mesh.coord(), opts);
+    opts.units = {{l1.get(), l2.get()}};
+  }
+  static ParallelDims data_two() {
+    ParallelDims d;
+    d.data = 2;
+    return d;
+  }
+  ParallelConfig cfg;
+  ParallelDims dims;
+  Mesh mesh;
+  std::shared_ptr<torch::nn::Module> net;
+  torch::nn::Linear l1, l2;
+  std::vector<torch::Tensor> start;
+  FlatOptions opts;
+};
+
+}  // namespace
+
 TEST_CASE("zero: the shard layout is one place's arithmetic") {
   ParallelConfig cfg;
   ParallelDims dims;
@@ -117,29 +155,10 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
   test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
     const int64_t r = comm->rank();
     auto fail = [&](const std::string& what) { failures.add(r, what); };
-    ParallelConfig cfg;
-    cfg.zero = 3;
-    cfg.bucket_mb = 1e-4;
-    ParallelDims dims;
-    dims.data = 2;
-    Mesh mesh(dims, comm);
     // Two units of 63 and 8 values: the first lies in rank 0's shard and spills into rank
     // 1's (the layout is padded to 96, 48 each).
-    auto net = std::make_shared<torch::nn::Module>();
-    torch::nn::Linear l1(20, 3), l2(3, 2);
-    net->register_module("0", l1);
-    net->register_module("1", l2);
-    {
-      torch::NoGradGuard no_grad;
-      int k = 0;
-      for (auto& p : net->parameters()) p.copy_(torch::linspace(-1, 1, p.numel()).view(p.sizes()) * (++k));
-    }
-    std::vector<torch::Tensor> start;
-    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
-    FlatOptions opts;
-    shard_flat(cfg, dims, mesh.coord(), opts);
-    opts.units = {{l1.get(), l2.get()}};
-    FlatParams flat(std::vector<torch::nn::Module*>{net.get()}, opts);
+    TwoUnits two(comm, [](int k) { return double(k); });
+    FlatParams flat(std::vector<torch::nn::Module*>{two.net.get()}, two.opts);
     if (!flat.sharded() || flat.units().size() != 2) return fail("not two units");
     if (flat.data().numel() * 2 != flat.numel()) return fail("more than the shard of the parameters");
     for (size_t u = 0; u < 2; ++u)
@@ -147,8 +166,8 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
     OptimizerConfig ocfg;
     ocfg.name = "sgd";
     ocfg.momentum = 0;
-    auto opt = make_optimizer(ocfg, flat, update_shard(cfg, dims, mesh.coord(), flat));
-    auto sync = make_zero_sync(cfg, mesh, flat, /*micro_batches=*/1, Tied{});
+    auto opt = make_optimizer(ocfg, flat, update_shard(two.cfg, two.dims, two.mesh.coord(), flat));
+    auto sync = make_zero_sync(two.cfg, two.mesh, flat, /*micro_batches=*/1, Tied{});
     // Forward as Network::with() runs it: the hooks around each unit.
     auto run = [&](torch::nn::Linear& m, const torch::Tensor& in) {
       sync->before_use({m.get()});
@@ -159,11 +178,11 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
     const auto x = torch::full({2, 20}, double(r + 1));
     sync->begin_step(1);
     sync->begin_micro_batch(true);
-    auto h = run(l1, x);
+    auto h = run(two.l1, x);
     if (!flat.resident(0) || !flat.resident(1)) fail("unit 0 and the next one ahead not gathered");
-    if (!torch::equal(l1->weight, start[0])) fail("unit 0 gathered wrong");
-    auto y = run(l2, h);
-    if (!torch::equal(l2->weight, start[2])) fail("unit 1 gathered wrong");
+    if (!torch::equal(two.l1->weight, two.start[0])) fail("unit 0 gathered wrong");
+    auto y = run(two.l2, h);
+    if (!torch::equal(two.l2->weight, two.start[2])) fail("unit 1 gathered wrong");
     if (flat.resident(0)) fail("unit 0 still held once unit 1 runs");
     // Backward gathers unit 1 (whose weight the input's gradient reads) before its part,
     // then unit 0, and the step's end frees them.
@@ -176,7 +195,7 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
       std::vector<torch::Tensor> sum;
       for (double scale : {1.0, 2.0}) {
         std::vector<torch::Tensor> p;
-        for (const auto& s : start) p.push_back(s.clone().requires_grad_(true));
+        for (const auto& s : two.start) p.push_back(s.clone().requires_grad_(true));
         auto hh = torch::linear(torch::full({2, 20}, scale), p[0], p[1]);
         torch::linear(hh, p[2], p[3]).square().sum().backward();
         for (size_t i = 0; i < p.size(); ++i)
@@ -189,13 +208,13 @@ TEST_CASE("zero: stage 3 keeps the parameters' shard, gathers a unit where forwa
     sync->after_update({});
     // The shards updated in place: gathered again, the whole parameters are the reference
     // step on every rank.
-    sync->before_use({l1.get()});
-    sync->before_use({l2.get()});  // unit 0 released, unit 1 gathered
-    sync->before_use({l1.get()});  // and back
-    if (!torch::allclose(l1->weight, start[0] - 0.1 * mean_grad[0], 1e-5, 1e-6)) fail("weight 0");
-    if (!torch::allclose(l1->bias, start[1] - 0.1 * mean_grad[1], 1e-5, 1e-6)) fail("bias 0");
-    sync->before_use({l2.get()});
-    if (!torch::allclose(l2->weight, start[2] - 0.1 * mean_grad[2], 1e-5, 1e-6)) fail("weight 1");
+    sync->before_use({two.l1.get()});
+    sync->before_use({two.l2.get()});  // unit 0 released, unit 1 gathered
+    sync->before_use({two.l1.get()});  // and back
+    if (!torch::allclose(two.l1->weight, two.start[0] - 0.1 * mean_grad[0], 1e-5, 1e-6)) fail("weight 0");
+    if (!torch::allclose(two.l1->bias, two.start[1] - 0.1 * mean_grad[1], 1e-5, 1e-6)) fail("bias 0");
+    sync->before_use({two.l2.get()});
+    if (!torch::allclose(two.l2->weight, two.start[2] - 0.1 * mean_grad[2], 1e-5, 1e-6)) fail("weight 1");
     sync->settle();
   }, quick());
   failures.check();
@@ -207,37 +226,19 @@ TEST_CASE("zero: stage 3 under bf16 holds and gathers the weights in bf16, the b
   test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
     const int64_t r = comm->rank();
     auto fail = [&](const std::string& what) { failures.add(r, what); };
-    ParallelConfig cfg;
-    cfg.zero = 3;
-    cfg.bucket_mb = 1e-4;
-    ParallelDims dims;
-    dims.data = 2;
-    Mesh mesh(dims, comm);
-    auto net = std::make_shared<torch::nn::Module>();
-    torch::nn::Linear l1(20, 3), l2(3, 2);
-    net->register_module("0", l1);
-    net->register_module("1", l2);
-    {
-      torch::NoGradGuard no_grad;
-      int k = 0;  // values bf16 does not hold exactly
-      for (auto& p : net->parameters()) p.copy_(torch::linspace(-1, 1, p.numel()).view(p.sizes()) / (3 + ++k));
-    }
-    if (cast_by_autocast(*net) != std::set<std::string>{"0.weight", "1.weight"})
+    TwoUnits two(comm, [](int k) { return 1.0 / (3 + k); });  // values bf16 does not hold exactly
+    if (cast_by_autocast(*two.net) != std::set<std::string>{"0.weight", "1.weight"})
       return fail("torch's Linear: only the weight is cast");
-    std::vector<torch::Tensor> start;
-    for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
-    FlatOptions opts;
-    shard_flat(cfg, dims, mesh.coord(), opts);
-    opts.units = {{l1.get(), l2.get()}};
-    opts.compute_dtype = torch::kBFloat16;
-    FlatParams flat(std::vector<torch::nn::Module*>{net.get()}, opts);
-    if (l1->weight.scalar_type() != torch::kBFloat16 || l1->bias.scalar_type() != torch::kFloat32)
+    two.opts.compute_dtype = torch::kBFloat16;
+    FlatParams flat(std::vector<torch::nn::Module*>{two.net.get()}, two.opts);
+    if (two.l1->weight.scalar_type() != torch::kBFloat16 ||
+        two.l1->bias.scalar_type() != torch::kFloat32)
       return fail("the weight not bf16, or the bias not fp32");
     if (flat.units()[0].low.numel() != 60 || flat.units()[0].buffer.numel() != 3)
       return fail("unit 0 not 60 bf16 values and 3 fp32 ones");
     if (flat.data().scalar_type() != torch::kFloat32) return fail("the master shard not fp32");
     const int64_t micro = 2;
-    auto sync = make_zero_sync(cfg, mesh, flat, micro, Tied{});
+    auto sync = make_zero_sync(two.cfg, two.mesh, flat, micro, Tied{});
     const double factor = sync->loss_factor();
     auto loss_of = [&](const torch::Tensor& y) { return y.to(torch::kFloat).square().sum() * factor; };
     auto input = [&](int64_t rank, int64_t mb) { return torch::full({2, 20}, double(rank + 1) / double(mb + 2)); };
@@ -247,14 +248,15 @@ TEST_CASE("zero: stage 3 under bf16 holds and gathers the weights in bf16, the b
       torch::Tensor loss;
       {
         AutocastGuard autocast("bf16", torch::kCPU);
-        sync->before_use({l1.get()});
-        if (!torch::equal(l1->weight, start[0].to(torch::kBFloat16)) || !torch::equal(l1->bias, start[1]))
+        sync->before_use({two.l1.get()});
+        if (!torch::equal(two.l1->weight, two.start[0].to(torch::kBFloat16)) ||
+            !torch::equal(two.l1->bias, two.start[1]))
           fail("unit 0 gathered wrong");
-        auto h = l1->forward(input(r, mb));
-        sync->after_use({l1.get()}, h);
-        sync->before_use({l2.get()});
-        auto y = l2->forward(h);
-        sync->after_use({l2.get()}, y);
+        auto h = two.l1->forward(input(r, mb));
+        sync->after_use({two.l1.get()}, h);
+        sync->before_use({two.l2.get()});
+        auto y = two.l2->forward(h);
+        sync->after_use({two.l2.get()}, y);
         loss = loss_of(y);
       }
       loss.backward();
@@ -262,10 +264,10 @@ TEST_CASE("zero: stage 3 under bf16 holds and gathers the weights in bf16, the b
     sync->finish();
     // The reference: fp32 parameters under autocast (which casts the weights per use), both
     // ranks' micro-batches, the gradients summed in fp32.
-    std::vector<torch::Tensor> sum(start.size());
+    std::vector<torch::Tensor> sum(two.start.size());
     for (int64_t rank : {0, 1}) {
       std::vector<torch::Tensor> p;
-      for (const auto& s : start) p.push_back(s.clone().requires_grad_(true));
+      for (const auto& s : two.start) p.push_back(s.clone().requires_grad_(true));
       for (int64_t mb = 0; mb < micro; ++mb) {
         torch::Tensor loss;
         {
