@@ -53,11 +53,11 @@ join_job=(run "$here/job.yaml" --set train.max_steps=$join_steps "${common[@]}"
 leave_steps=8000
 leave_job=(run "$here/job.yaml" --set train.max_steps=$leave_steps "${common[@]}"
            --set checkpoint.every_steps=500)
-agent() {  # ID RDZV_PORT MAX_RESTARTS LOG RUN_DIR NPROC_PER_NODE JOB...
-  local id=$1 port=$2 restarts=$3 log=$4 dir=$5 nproc=$6
-  shift 6
+agent() {  # ID RDZV_PORT MAX_RESTARTS LAST_CALL_S LOG RUN_DIR NPROC_PER_NODE JOB...
+  local id=$1 port=$2 restarts=$3 last_call=$4 log=$5 dir=$6 nproc=$7
+  shift 7
   timeout 300 "$py" "$root/scripts/torchrun" --nnodes 1:2 --nproc_per_node "$nproc" --rdzv_backend c10d \
-    --rdzv_endpoint "127.0.0.1:$port" --rdzv_id "$id" --rdzv_conf last_call_timeout=1 \
+    --rdzv_endpoint "127.0.0.1:$port" --rdzv_id "$id" --rdzv_conf last_call_timeout="$last_call" \
     --max_restarts "$restarts" --no_python "$dtrain" "$@" --run-dir "$dir" > "$log" 2>&1
 }
 each_step_once() {  # RUN_DIR WORLD_SIZE STEPS
@@ -76,10 +76,10 @@ PYEOF
 
 # 1. Join.
 p=$(port)
-agent join "$p" 0 "$work/a.out" "$work/join" 2 "${join_job[@]}" &
+agent join "$p" 0 1 "$work/a.out" "$work/join" 2 "${join_job[@]}" &
 a=$!
 wait_for_step "$work/join" 300 $a || { cat "$work/a.out"; fail "agent A did not start training"; }
-agent join "$p" 0 "$work/b.out" "$work/join" 2 "${join_job[@]}" &
+agent join "$p" 0 1 "$work/b.out" "$work/join" 2 "${join_job[@]}" &
 b=$!
 wait $a; ra=$?
 wait $b; rb=$?
@@ -110,9 +110,14 @@ assert worst <= 1e-6
 PYEOF
 
 # 2. Leave. Agent C starts first and hosts the rendezvous (torchrun's c10d backend lives
-# in the first agent: that one going away ends every agent); D joins it.
+# in the first agent: that one going away ends every agent); D joins it. C's rendezvous
+# waits up to 20 s for D (last call) rather than 1: with 1 s, a D slow to import torch on a
+# loaded machine found C training alone at world 1 (1500 steps/s), joined near the end,
+# and the run finished before the leave (seen once in CI). The restart after the leave
+# waits its 20 s too.
+leave_call=20
 p=$(port)
-agent leave "$p" 1 "$work/c.out" "$work/leave" 1 "${leave_job[@]}" &
+agent leave "$p" 1 $leave_call "$work/c.out" "$work/leave" 1 "${leave_job[@]}" &
 c=$!
 # D starts once C's store listens: a fixed delay let a slow start of C's torchrun (Python
 # importing torch on a loaded machine) make D the host, and killing D then ended C too.
@@ -122,7 +127,7 @@ for _ in $(seq 1 600); do  # up to 60 s
   sleep 0.1
 done
 listening "$p" || { cat "$work/c.out"; fail "agent C's rendezvous store did not listen on port $p"; }
-agent leave "$p" 1 "$work/d.out" "$work/leave" 1 "${leave_job[@]}" &
+agent leave "$p" 1 $leave_call "$work/d.out" "$work/leave" 1 "${leave_job[@]}" &
 d=$!
 for _ in $(seq 1 1200); do  # up to 120 s for both to train together
   grep -qs "world 2 (" "$work/c.out" "$work/d.out" && break
@@ -133,7 +138,10 @@ done
 grep -qs "world 2 (" "$work/c.out" "$work/d.out" ||
   { tail -n 20 "$work/c.out" "$work/d.out"; fail "the agents did not train at world 2"; }
 from=$(last_step "$work/leave")  # on past a checkpoint written at world 2
-wait_for_step "$work/leave" $(( (from / 500 + 1) * 500 + 100 )) $c || { tail -n 20 "$work/c.out"; fail "no progress at world 2"; }
+to=$(( (from / 500 + 1) * 500 + 100 ))
+[ $to -lt $leave_steps ] ||
+  { grep -h "world [12] (" "$work/c.out" "$work/d.out"; fail "world 2 began at step $from: too late to leave before step $leave_steps"; }
+wait_for_step "$work/leave" $to $c || { tail -n 20 "$work/c.out"; fail "no progress at world 2 (from step $from to $to)"; }
 # Agent D and its worker go away at once, as a node that fails does.
 killtree "$d"
 wait $c; rc=$?
