@@ -42,8 +42,9 @@ class BucketedSync : public GradSync {
             params, bucket_mb,
             [this](int64_t offset, int64_t numel) {
               inflight_.push_back(launch(offset, numel));
+              // Dropped once waited for: a reduction may hold a staging buffer (ZeRO-2's).
               while (max_inflight_ > 0 && inflight_.size() - waited_ > max_inflight_)
-                inflight_[waited_++]->wait();
+                std::exchange(inflight_[waited_++], nullptr)->wait();
             },
             [this](size_t entry) { arrived(entry); }) {}
   // The loss is scaled by 1 / (micro-batches x ranks), so the reduction is a plain sum.

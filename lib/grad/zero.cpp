@@ -154,11 +154,15 @@ class ZeroSync : public BucketedSync {
 
 // ZeRO-2: ZeRO-1, and the reduced gradient is kept for this rank's shard only (FlatParams
 // holds no more). Backward writes each parameter's gradient into a tensor of autograd's
-// own; its hook copies it into its buckets' staging buffers (made as a bucket's first
-// parameter arrives) and frees it; a bucket, once final, is reduced to its owners from
-// there, then this rank's part is copied into its shard and the buffer freed. At most
-// kInFlight buckets are reduced at once (a hook waits for the oldest), so the gradient
-// takes the shard plus a few buckets, not the whole (DeepSpeed's stage 2 the same).
+// own; its hook takes it from the parameter. Each bucket is reduced to its owners from a
+// staging buffer of its own, then this rank's part is copied into its shard and the buffer
+// freed. A bucket that lies within one parameter is copied out of its gradient when it goes
+// (they go one after another as soon as that gradient is final, in the same hook); one
+// shared with other parameters, as each of them arrives. The gradient is freed when its
+// last bucket has gone, and at most kInFlight buckets are reduced at once (a hook waits
+// for the oldest), so the gradient takes the shard, the parameter whose backward is running
+// and a few buckets, not the whole (DeepSpeed's stage 2 the same), and a large weight's
+// gradient lives once, not twice (autograd's and its staged copy).
 // Under gradient accumulation the earlier micro-batches' gradients still add up in the
 // parameters' own tensors, whole, until the last one's backward. A tied entry is kept
 // whole until it has been summed across stages.
@@ -170,14 +174,20 @@ class Zero2Sync : public ZeroSync {
       : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches),
         slices_(buckets().slices()) {
     max_inflight_ = kInFlight;
+    const size_t n = params.entries().size();
+    ready_.resize(n);
+    inside_.assign(n, 0);
+    launched_.assign(n, 0);
     staged_.resize(slices_.size());
-    buckets_of_.resize(params.entries().size());
+    buckets_of_.resize(n);
+    within_.assign(slices_.size(), kShared);
     for (size_t b = 0; b < slices_.size(); ++b) {
       const auto [offset, numel] = slices_[b];
       slice_at_[offset] = b;
-      for (size_t k = 0; k < params.entries().size(); ++k) {
+      for (size_t k = 0; k < n; ++k) {
         const auto& e = params.entries()[k];
         if (e.offset < offset + numel && offset < e.offset + e.numel) buckets_of_[k].push_back(b);
+        if (e.offset <= offset && offset + numel <= e.offset + e.numel) within_[b] = k, ++inside_[k];
       }
     }
     for (size_t i : tied_.entries)
@@ -195,13 +205,24 @@ class Zero2Sync : public ZeroSync {
     }
     if (!grad.defined()) return;
     const auto g = params_.flatten(grad, k);
-    for (size_t b : buckets_of_[k]) copy_overlap(staging(b), slices_[b].first, g, params_.entries()[k].offset);
-    p.mutable_grad() = torch::Tensor();  // freed
+    for (size_t b : buckets_of_[k])
+      if (within_[b] == kShared) copy_overlap(staging(b), slices_[b].first, g, params_.entries()[k].offset);
+    if (inside_[k] > 0) ready_[k] = g;  // until its own buckets have gone
+    p.mutable_grad() = torch::Tensor();
   }
-  std::unique_ptr<Pending> launch(int64_t offset, int64_t /*numel*/) override {
+  std::unique_ptr<Pending> launch(int64_t offset, int64_t numel) override {
+    torch::NoGradGuard no_grad;
     const size_t b = slice_at_.at(offset);
-    auto slice = staging(b);
-    staged_[b] = torch::Tensor();  // the exchange holds it from here
+    torch::Tensor slice;
+    if (const size_t k = within_[b]; k != kShared) {
+      const int64_t at = offset - params_.entries()[k].offset;
+      slice = ready_[k].defined() ? ready_[k].narrow(0, at, numel).clone()
+                                  : torch::zeros({numel}, params_.data().options());  // unused
+      if (++launched_[k] == inside_[k]) ready_[k] = torch::Tensor(), launched_[k] = 0;
+    } else {
+      slice = staging(b);
+      staged_[b] = torch::Tensor();  // the exchange holds it from here
+    }
     return std::make_unique<PendingThen>(reduce(slice, offset), [this, slice, offset] {
       torch::NoGradGuard no_grad;
       // This rank's part of it into its shard; a tied entry's part into its whole.
@@ -252,9 +273,13 @@ class Zero2Sync : public ZeroSync {
     if (!staged_[b].defined()) staged_[b] = torch::zeros({slices_[b].second}, params_.data().options());
     return staged_[b];
   }
+  static constexpr size_t kShared = size_t(-1);
   const std::vector<std::pair<int64_t, int64_t>> slices_;  // the buckets, (offset, numel)
-  std::vector<torch::Tensor> staged_;                      // per bucket, while it fills
-  std::vector<std::vector<size_t>> buckets_of_;            // per entry: the buckets it overlaps
+  std::vector<torch::Tensor> staged_;          // per shared bucket, while it fills
+  std::vector<size_t> within_;                 // per bucket: the entry it lies in, or kShared
+  std::vector<torch::Tensor> ready_;           // per entry: its final gradient, flat
+  std::vector<size_t> inside_, launched_;      // per entry: its buckets, those gone this step
+  std::vector<std::vector<size_t>> buckets_of_;  // per entry: the buckets it overlaps
   std::map<int64_t, size_t> slice_at_;                     // bucket by offset
   std::vector<std::pair<size_t, torch::Tensor>> whole_;    // tied entries' gradients
   std::map<size_t, torch::Tensor> earlier_;  // compute-dtype entries' earlier micro-batches'
