@@ -7,9 +7,23 @@
 #include <torch/torch.h>
 
 #include "comm/comm.hpp"
+#include "optim/optimizer.hpp"
 #include "parallel/flat_params.hpp"
 
 namespace dtrain {
+namespace {
+
+// The sum of `t`'s squares, in fp64, a piece at a time: pow(2) of the whole would take a
+// temporary its size (the shard under ZeRO, an entry's part under tensor parallelism).
+torch::Tensor squares(const torch::Tensor& t) {
+  const int64_t piece = update_piece(t.numel());
+  torch::Tensor total = torch::zeros({}, t.options().dtype(torch::kFloat64));
+  for (int64_t at = 0; at < t.numel(); at += piece)
+    total += t.narrow(0, at, std::min(piece, t.numel() - at)).pow(2).sum().to(torch::kFloat64);
+  return total;
+}
+
+}  // namespace
 
 torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pipeline,
                                const std::vector<size_t>& copies, const Shard& shard,
@@ -28,19 +42,19 @@ torch::Tensor global_grad_norm(const FlatParams& params, Comm& tensor, Comm& pip
   torch::Tensor total;
   if (tensor.size() == 1) {
     // The part's squares, less those of the copies another stage counts.
-    total = grad.pow(2).sum().to(torch::kFloat64);
+    total = squares(grad);
     for (size_t i : copies)
-      if (auto part = within(i); part.defined()) total = total - part.pow(2).sum().to(torch::kFloat64);
+      if (auto part = within(i); part.defined()) total = total - squares(part);
   } else {
     // Every rank adds its parts of the split entries; rank 0 alone the replicated ones. The
     // squares stay tensors until one reduction.
-    std::vector<torch::Tensor> squares;
+    std::vector<torch::Tensor> parts;
     for (size_t i = 0; i < params.entries().size(); ++i) {
       if (std::find(copies.begin(), copies.end(), i) != copies.end()) continue;
       if (!params.entries()[i].placement.is_split() && tensor.rank() != 0) continue;
-      if (auto part = within(i); part.defined()) squares.push_back(part.pow(2).sum());
+      if (auto part = within(i); part.defined()) parts.push_back(squares(part));
     }
-    total = squares.empty() ? torch::zeros({}, f64) : torch::stack(squares).to(torch::kFloat64).sum();
+    total = parts.empty() ? torch::zeros({}, f64) : torch::stack(parts).sum();
   }
   total = total.reshape({1});
   if (tensor.size() > 1) tensor.all_reduce(total);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -44,24 +45,19 @@ class FlatOptimizer : public Optimizer {
       group_for_fused();  // none when the shard holds nothing: then the (empty) unfused update
       return;             // the groups carry the decay
     }
-    // Decay groups as a 0/1 mask over the shard (no more: under ZeRO the rest is another
-    // rank's), only when the model's groups differ.
-    if (cfg.weight_decay != 0) {
-      bool all = true, none = true;
-      for (const auto& e : params.entries()) {
-        const bool d = decays(cfg, e.full_shape);
-        all = all && d, none = none && !d;
-      }
-      decay_ = none ? Decay::kNone : all ? Decay::kAll : Decay::kMasked;
-      if (decay_ == Decay::kMasked) {
-        mask_ = torch::zeros({shard_.numel}, params.data().options());
-        const int64_t lo = shard_.offset, hi = shard_.offset + shard_.numel;
-        for (const auto& e : params.entries()) {
-          const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
-          if (from < to && decays(cfg, e.full_shape)) mask_.narrow(0, from - lo, to - from).fill_(1.0);
-        }
-      }
+    // The decay group as runs of the shard (no more: under ZeRO the rest is another
+    // rank's), neighbours merged: a mask would take a buffer the size of the shard.
+    if (cfg.weight_decay == 0) return;
+    const int64_t lo = shard_.offset, hi = shard_.offset + shard_.numel;
+    for (const auto& e : params.entries()) {
+      const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
+      if (from >= to || !decays(cfg, e.full_shape)) continue;
+      if (!decayed_.empty() && decayed_.back().second == from - lo)
+        decayed_.back().second = to - lo;
+      else
+        decayed_.emplace_back(from - lo, to - lo);
     }
+    std::sort(decayed_.begin(), decayed_.end());
   }
   bool fused() const override { return !groups_.empty(); }
   Shard shard() const override { return shard_; }
@@ -77,7 +73,28 @@ class FlatOptimizer : public Optimizer {
   }
 
  protected:
-  enum class Decay { kNone, kAll, kMasked };
+  // The unfused update, a piece of the shard at a time (update_piece): elementwise ops, so
+  // the pieces compute what the whole would. `update(at, n, part, scratch)`: `part` cuts
+  // the piece out of a shard-sized buffer; `scratch` is n values for a temporary, one
+  // buffer kept for every step (fresh temporaries of a few MiB each step leave glibc's heap
+  // holding more than they take).
+  template <typename F>
+  void by_piece(F&& update) {
+    const int64_t piece = update_piece(shard_.numel);
+    if (!scratch_.defined()) scratch_ = torch::empty({std::min(piece, shard_.numel)}, p_.options());
+    for (int64_t at = 0; at < shard_.numel; at += piece) {
+      const int64_t n = std::min(piece, shard_.numel - at);
+      update(at, n, [at, n](const torch::Tensor& t) { return t.narrow(0, at, n); }, scratch_.narrow(0, 0, n));
+    }
+  }
+  // `apply` on each part of [at, at + n) where weight decay applies, as offsets in it.
+  template <typename F>
+  void decayed_in(int64_t at, int64_t n, F&& apply) const {
+    for (const auto& [from, to] : decayed_) {
+      const int64_t a = std::max(from, at), b = std::min(to, at + n);
+      if (a < b) apply(a - at, b - a);
+    }
+  }
   torch::Tensor& p() { return p_; }
   torch::Tensor& g() { return g_; }
   torch::Tensor& slot(size_t i) { return slots_[i].second; }
@@ -105,9 +122,9 @@ class FlatOptimizer : public Optimizer {
   Shard shard_;
   torch::Tensor p_, g_;
   NamedTensors slots_;
-  Decay decay_ = Decay::kNone;
-  torch::Tensor mask_;  // 1 where weight decay applies (kMasked only)
-  int64_t steps_ = 0;   // updates made (unfused)
+  std::vector<std::pair<int64_t, int64_t>> decayed_;  // [from, to) in the shard (unfused)
+  torch::Tensor scratch_;                              // a piece's temporary (unfused)
+  int64_t steps_ = 0;  // updates made (unfused)
   std::vector<Group> groups_;  // empty: the unfused update
   torch::Tensor fused_steps_;  // updates made (fused): a float (exact to 2^24) on the device
 
@@ -146,16 +163,22 @@ class Sgd : public FlatOptimizer {
     torch::NoGradGuard no_grad;
     if (fused()) return fused_step(lr, skip);
     if (skipped(skip)) return;
-    auto& w = p();
-    torch::Tensor d = g();
-    if (decay_ == Decay::kAll) d = d.add(w, cfg_.weight_decay);
-    if (decay_ == Decay::kMasked) d = torch::addcmul(d, w, mask_, cfg_.weight_decay);
-    if (cfg_.momentum != 0) {
-      auto& buf = slot(0);
-      if (steps_ == 0) buf.copy_(d); else buf.mul_(cfg_.momentum).add_(d);
-      d = cfg_.nesterov ? d.add(buf, cfg_.momentum) : buf;
-    }
-    w.add_(d, -lr);
+    by_piece([&](int64_t at, int64_t n, auto part, torch::Tensor scratch) {
+      auto w = part(p());
+      torch::Tensor d = part(g());  // the gradient itself stays as backward left it
+      bool copied = false;
+      auto own = [&] { if (!std::exchange(copied, true)) d = scratch.copy_(d); };
+      decayed_in(at, n, [&](int64_t from, int64_t len) {
+        own();
+        d.narrow(0, from, len).add_(w.narrow(0, from, len), cfg_.weight_decay);
+      });
+      if (cfg_.momentum != 0) {
+        auto buf = part(slot(0));
+        if (steps_ == 0) buf.copy_(d); else buf.mul_(cfg_.momentum).add_(d);
+        if (cfg_.nesterov) own(), d.add_(buf, cfg_.momentum); else d = buf;
+      }
+      w.add_(d, -lr);
+    });
     ++steps_;
   }
 
@@ -196,18 +219,18 @@ class AdamW : public FlatOptimizer {
     if (fused()) return fused_step(lr, skip);
     if (skipped(skip)) return;
     ++steps_;
-    auto& w = p();
-    const auto& grad = g();
-    if (decay_ == Decay::kAll) w.mul_(1 - lr * cfg_.weight_decay);
-    if (decay_ == Decay::kMasked) w.addcmul_(w, mask_, -lr * cfg_.weight_decay);
-    auto& m = slot(0);
-    auto& v = slot(1);
-    m.mul_(cfg_.beta1).add_(grad, 1 - cfg_.beta1);
-    v.mul_(cfg_.beta2).addcmul_(grad, grad, 1 - cfg_.beta2);
     const double bc1 = 1 - std::pow(cfg_.beta1, steps_);
     const double bc2 = 1 - std::pow(cfg_.beta2, steps_);
-    auto denom = (v.sqrt() / std::sqrt(bc2)).add_(cfg_.eps);
-    w.addcdiv_(m, denom, -lr / bc1);
+    by_piece([&](int64_t at, int64_t n, auto part, torch::Tensor denom) {
+      auto w = part(p()), grad = part(g()), m = part(slot(0)), v = part(slot(1));
+      decayed_in(at, n, [&](int64_t from, int64_t len) {
+        w.narrow(0, from, len).mul_(1 - lr * cfg_.weight_decay);
+      });
+      m.mul_(cfg_.beta1).add_(grad, 1 - cfg_.beta1);
+      v.mul_(cfg_.beta2).addcmul_(grad, grad, 1 - cfg_.beta2);
+      torch::sqrt_out(denom, v).div_(std::sqrt(bc2)).add_(cfg_.eps);
+      w.addcdiv_(m, denom, -lr / bc1);
+    });
   }
 
  private:
@@ -275,6 +298,12 @@ int64_t optimizer_state_bytes(const Optimizer& opt) {
   int64_t bytes = 0;
   for (const auto& [name, t] : opt.slots()) bytes += t.numel() * t.element_size();
   return bytes;
+}
+
+int64_t update_piece(int64_t numel) {
+  constexpr int64_t kUnit = int64_t(1) << 20, kMost = 64;
+  const int64_t units = (numel + kUnit * kMost - 1) / (kUnit * kMost);
+  return std::max<int64_t>(1, std::min(numel, units * kUnit));
 }
 
 bool decays(const OptimizerConfig& cfg, const std::vector<int64_t>& full_shape) {

@@ -37,6 +37,12 @@ class Optimizer {
   virtual Shard shard() const = 0;
 };
 
+// The unfused update (and the gradient's norm) go over `numel` elements this many at a
+// time: their temporary (AdamW's denominator, SGD's decayed gradient, the squares) takes a
+// piece, not the shard (under ZeRO-0 the whole model, twice). A multiple of 2^20 elements
+// (4 MiB in fp32), at most 64 pieces: a large shard on a GPU is not a thousand kernels.
+int64_t update_piece(int64_t numel);
+
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams& params,
                                           Shard shard = {});
 

@@ -434,6 +434,74 @@ TEST_CASE("flat params: a parameter registered twice (tied weights) is one entry
   CHECK(m->emb->weight.data_ptr() == flat.data().data_ptr());
 }
 
+TEST_CASE("optimizer: the unfused update goes a piece at a time: at most 64, of 2^20 values or more") {
+  constexpr int64_t kMi = int64_t(1) << 20;
+  CHECK(update_piece(0) == 1);
+  CHECK(update_piece(53) == 53);
+  CHECK(update_piece(kMi + 1) == kMi);
+  CHECK(update_piece(64 * kMi) == kMi);
+  CHECK(update_piece(64 * kMi + 1) == 2 * kMi);
+  CHECK(update_piece(1000 * kMi) == 16 * kMi);
+}
+
+TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, and as its halves do") {
+  // 1.06M parameters: two pieces, the boundary inside the first weight, and the biases
+  // (spared by weight decay) between runs that decay. Where LibTorch has the fused kernel
+  // this checks that instead.
+  auto big = [](uint64_t seed) {
+    torch::manual_seed(seed);
+    return torch::nn::Sequential(torch::nn::Linear(6, 1030), torch::nn::Tanh(),
+                                 torch::nn::Linear(1030, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 3));
+  };
+  const struct {
+    const char* name;
+    double momentum;
+    bool nesterov;
+  } kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"adamw", 0, false}};
+  for (const auto& kind : kinds) {
+    CAPTURE(kind.name);
+    CAPTURE(kind.nesterov);
+    OptimizerConfig cfg;
+    cfg.name = kind.name;
+    cfg.momentum = kind.momentum;
+    cfg.nesterov = kind.nesterov;
+    cfg.weight_decay = 0.05;
+    auto model = big(3);
+    auto ref = clone_of(model), split_model = clone_of(model);
+    FlatParams flat(*model), split(*split_model);
+    REQUIRE(flat.numel() > update_piece(flat.numel()));
+    auto opt = make_optimizer(cfg, flat);
+    // Halves cut inside the first piece and inside a weight.
+    auto low = make_optimizer(cfg, split, Shard{0, 700001});
+    auto high = make_optimizer(cfg, split, Shard{700001, -1});
+    std::unique_ptr<torch::optim::Optimizer> ref_opt;
+    if (cfg.name == "sgd")
+      ref_opt = std::make_unique<torch::optim::SGD>(
+          groups(ref, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(kind.nesterov).weight_decay(0.05)),
+                 std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(kind.nesterov))),
+          torch::optim::SGDOptions(0.1));
+    else
+      ref_opt = std::make_unique<torch::optim::AdamW>(
+          groups(ref, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0.05)),
+                 std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0))),
+          torch::optim::AdamWOptions(0.1));
+    auto data = make_data(3);
+    for (int s = 0; s < 3; ++s) {
+      CAPTURE(s);
+      flat.zero_grad(), split.zero_grad(), ref_opt->zero_grad();
+      loss_of(model, data.x[s], data.t[s]).backward();
+      loss_of(split_model, data.x[s], data.t[s]).backward();
+      loss_of(ref, data.x[s], data.t[s]).backward();
+      opt->step(kLrs[s] / 10), low->step(kLrs[s] / 10), high->step(kLrs[s] / 10);
+      set_lr(*ref_opt, kLrs[s] / 10);
+      ref_opt->step();
+      CHECK(max_param_diff(model, ref) < 1e-6);
+      CHECK(torch::equal(flat.data(), split.data()));
+    }
+    CHECK(max_param_diff(model, big(3)) > 1e-4);
+  }
+}
+
 TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradient") {
   // What train.on_nonfinite: skip needs from the device: the step that `skip` names leaves
   // weights, moments and the step count as they were, and the run goes on as if that
