@@ -417,8 +417,16 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     m.runtime = runtime_bytes(workers_forked(job.world)) + kLoaderThreadBytes * double(cfg.data.workers);
   }
   const bool fused = has_fused_kernel(cfg.optimizer.name, job.cuda ? torch::kCUDA : torch::kCPU);
+  // Autograd's gradient of the largest parameter, before it goes into the flat gradient
+  // (ZeRO-2 and 3: into its buckets; ZeRO-3's compute-dtype weights' in that dtype).
   double largest = 0;
-  for (const auto& e : h.entries) largest = std::max(largest, double(e.numel));
+  for (const auto& e : h.entries)
+    largest = std::max(largest, double(e.numel * (p.zero >= 3 && d > 1 ? e.gathered : 4)));
+  // The unfused update's scratch: a piece (optimizer.hpp's update_piece); the norm's
+  // squares take another while it is computed.
+  auto update_temporaries = [&](int64_t numel) {
+    return fused ? 0.0 : 2 * 4 * double(update_piece(numel));
+  };
   if (server) {
     // A server keeps the whole buffer layout and updates its range of it.
     out.role = "server";
@@ -426,7 +434,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     const int64_t range = numel / job.servers;
     m.params = m.grads = 4 * double(numel);
     m.optimizer = 4 * double(slots * range);
-    if (!fused && cfg.optimizer.name == "adamw") m.buffers = 2 * 4 * double(range);
+    m.buffers = update_temporaries(range);
     return out;
   }
   out.role = job.stages() > 1 ? fmt::format("stage {} of {}", at.pipeline, job.dims.pipeline)
@@ -452,10 +460,9 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   }
   m.activations = job.rows * (most + recompute_peak);
 
-  // Buffers: the loader's batches; autograd's gradient of the largest parameter before it
-  // is added into the flat gradient; ZeRO's buckets and gathered units; error feedback's
-  // residual; the unfused optimizer's temporaries.
-  m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro));
+  // Buffers: the loader's batches; autograd's gradient of the largest parameter; ZeRO's
+  // buckets and gathered units; error feedback's residual; the unfused update's temporaries.
+  m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + largest;
   double zero3_sent = 0;
   if (p.zero >= 2 && d > 1) {
     m.buffers += double(kZeroInFlight) * p.bucket_mb * kMiB + 4 * double(h.tied);
@@ -468,12 +475,10 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
       zero3_sent = sent;
       m.buffers += peak;
     }
-  } else {
-    m.buffers += 4 * largest;
   }
   if (p.compression == "sign" || p.compression == "topk" || p.compression == "powersgd")
     m.buffers += 4 * double(numel);
-  if (!fused && cfg.optimizer.name == "adamw" && !async) m.buffers += 2 * 4 * double(shard);
+  if (!async) m.buffers += update_temporaries(shard);
 
   // Bytes sent per step: the data group's gradient sync (or local SGD's averages), the
   // tensor group's all-reduces, the pipeline's activations and gradients, a tied weight's
