@@ -216,8 +216,10 @@ class Zero2Sync : public ZeroSync {
     torch::Tensor slice;
     if (const size_t k = within_[b]; k != kShared) {
       const int64_t at = offset - params_.entries()[k].offset;
-      slice = ready_[k].defined() ? ready_[k].narrow(0, at, numel).clone()
-                                  : torch::zeros({numel}, params_.data().options());  // unused
+      // In the master dtype, as a shared bucket's staging (ZeRO-3's low weights' are bf16).
+      slice = ready_[k].defined()
+                  ? ready_[k].narrow(0, at, numel).to(params_.data().scalar_type(), false, /*copy=*/true)
+                  : torch::zeros({numel}, params_.data().options());  // unused this step
       if (++launched_[k] == inside_[k]) ready_[k] = torch::Tensor(), launched_[k] = 0;
     } else {
       slice = staging(b);
