@@ -65,6 +65,19 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
 
 const double kLrs[] = {0.1, 0.05, 0.2, 0.08, 0.12, 0.1, 0.07};
 
+// An update rule to check: SGD (momentum, Nesterov) or AdamW, with weight decay.
+struct Kind {
+  const char* name;
+  double momentum;
+  bool nesterov;
+  OptimizerConfig config(double weight_decay) const {
+    OptimizerConfig cfg;
+    cfg.name = name, cfg.momentum = momentum, cfg.nesterov = nesterov;
+    cfg.weight_decay = weight_decay;
+    return cfg;
+  }
+};
+
 // Steps dtrain's optimizer (over FlatParams) and a LibTorch reference in lockstep.
 void check_against_reference(torch::optim::Optimizer& ref_opt, torch::nn::Sequential& model,
                              torch::nn::Sequential& ref, FlatParams& flat, Optimizer& opt) {
@@ -453,19 +466,11 @@ TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, an
     return torch::nn::Sequential(torch::nn::Linear(6, 1030), torch::nn::Tanh(),
                                  torch::nn::Linear(1030, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 3));
   };
-  const struct {
-    const char* name;
-    double momentum;
-    bool nesterov;
-  } kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"adamw", 0, false}};
+  const Kind kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"adamw", 0, false}};
   for (const auto& kind : kinds) {
     CAPTURE(kind.name);
     CAPTURE(kind.nesterov);
-    OptimizerConfig cfg;
-    cfg.name = kind.name;
-    cfg.momentum = kind.momentum;
-    cfg.nesterov = kind.nesterov;
-    cfg.weight_decay = 0.05;
+    const OptimizerConfig cfg = kind.config(0.05);
     auto model = big(3);
     auto ref = clone_of(model), split_model = clone_of(model);
     FlatParams flat(*model), split(*split_model);
@@ -507,20 +512,12 @@ TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradie
   // weights, moments and the step count as they were, and the run goes on as if that
   // gradient had never been seen. (Fused kernels read `skip` on the device, the unfused
   // update on the host; whichever this LibTorch has runs here.)
-  const struct {
-    const char* name;
-    double momentum;
-    bool nesterov;
-  } kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"sgd", 0.0, false}, {"adamw", 0, false}};
+  const Kind kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"sgd", 0.0, false}, {"adamw", 0, false}};
   for (const auto& kind : kinds) {
     CAPTURE(kind.name);
     CAPTURE(kind.momentum);
     CAPTURE(kind.nesterov);
-    OptimizerConfig cfg;
-    cfg.name = kind.name;
-    cfg.momentum = kind.momentum;
-    cfg.nesterov = kind.nesterov;
-    cfg.weight_decay = 0.01;  // two decay groups: biases are spared
+    const OptimizerConfig cfg = kind.config(0.01);  // two decay groups: biases are spared
     auto seen = small_model(1);
     auto never = clone_of(seen);
     FlatParams fs(*seen), fn(*never);
