@@ -347,6 +347,20 @@ std::vector<torch::optim::OptimizerParamGroup> groups(torch::nn::Sequential& m,
   out.emplace_back(biases, std::move(plain));
   return out;
 }
+
+// torch::optim's counterpart of `cfg` (lr 0.1) over `ref`: weights decay, biases do not.
+std::unique_ptr<torch::optim::Optimizer> reference_for(const OptimizerConfig& cfg, torch::nn::Sequential& ref) {
+  using namespace torch::optim;
+  if (cfg.name == "sgd") {
+    auto sgd = SGDOptions(0.1).momentum(cfg.momentum).nesterov(cfg.nesterov);
+    return std::make_unique<SGD>(groups(ref, std::make_unique<SGDOptions>(SGDOptions(sgd).weight_decay(cfg.weight_decay)),
+                                        std::make_unique<SGDOptions>(sgd)),
+                                 SGDOptions(0.1));
+  }
+  return std::make_unique<AdamW>(groups(ref, std::make_unique<AdamWOptions>(AdamWOptions(0.1).weight_decay(cfg.weight_decay)),
+                                        std::make_unique<AdamWOptions>(AdamWOptions(0.1).weight_decay(0))),
+                                 AdamWOptions(0.1));
+}
 }  // namespace
 
 TEST_CASE("optimizer: by default weight decay spares 1-D parameters (biases, norm gains)") {
@@ -362,18 +376,7 @@ TEST_CASE("optimizer: by default weight decay spares 1-D parameters (biases, nor
     auto ref = clone_of(model);
     FlatParams flat(*model);
     auto opt = make_optimizer(cfg, flat);
-    std::unique_ptr<torch::optim::Optimizer> ref_opt;
-    if (cfg.name == "sgd")
-      ref_opt = std::make_unique<torch::optim::SGD>(
-          groups(ref, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.05)),
-                 std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9))),
-          torch::optim::SGDOptions(0.1));
-    else
-      ref_opt = std::make_unique<torch::optim::AdamW>(
-          groups(ref, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0.05)),
-                 std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0))),
-          torch::optim::AdamWOptions(0.1));
-    check_against_reference(*ref_opt, model, ref, flat, *opt);
+    check_against_reference(*reference_for(cfg, ref), model, ref, flat, *opt);
   }
 }
 
@@ -479,17 +482,7 @@ TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, an
     // Halves cut inside the first piece and inside a weight.
     auto low = make_optimizer(cfg, split, Shard{0, 700001});
     auto high = make_optimizer(cfg, split, Shard{700001, -1});
-    std::unique_ptr<torch::optim::Optimizer> ref_opt;
-    if (cfg.name == "sgd")
-      ref_opt = std::make_unique<torch::optim::SGD>(
-          groups(ref, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(kind.nesterov).weight_decay(0.05)),
-                 std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(kind.nesterov))),
-          torch::optim::SGDOptions(0.1));
-    else
-      ref_opt = std::make_unique<torch::optim::AdamW>(
-          groups(ref, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0.05)),
-                 std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.1).weight_decay(0))),
-          torch::optim::AdamWOptions(0.1));
+    auto ref_opt = reference_for(cfg, ref);
     auto data = make_data(3);
     for (int s = 0; s < 3; ++s) {
       CAPTURE(s);
