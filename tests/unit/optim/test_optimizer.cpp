@@ -494,7 +494,13 @@ TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, an
       set_lr(*ref_opt, kLrs[s] / 10);
       ref_opt->step();
       CHECK(max_param_diff(model, ref) < 1e-6);
-      CHECK(torch::equal(flat.data(), split.data()));
+      // The pieces are exact. LibTorch's fused kernel (the CPU's from 2.4) takes each
+      // entry's part as a tensor of its own and rounds a few values' last bit differently
+      // where a cut falls (seen on 2.15): within 1e-6 there.
+      if (opt->fused())
+        CHECK((flat.data() - split.data()).abs().max().item<double>() < 1e-6);
+      else
+        CHECK(torch::equal(flat.data(), split.data()));
     }
     CHECK(max_param_diff(model, big(3)) > 1e-4);
   }
