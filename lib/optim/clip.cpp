@@ -16,10 +16,10 @@ namespace {
 // The sum of `t`'s squares, in fp64, a piece at a time: pow(2) of the whole would take a
 // temporary its size (the shard under ZeRO, an entry's part under tensor parallelism).
 torch::Tensor squares(const torch::Tensor& t) {
-  const int64_t piece = update_piece(t.numel());
   torch::Tensor total = torch::zeros({}, t.options().dtype(torch::kFloat64));
-  for (int64_t at = 0; at < t.numel(); at += piece)
-    total += t.narrow(0, at, std::min(piece, t.numel() - at)).pow(2).sum().to(torch::kFloat64);
+  for_each_piece(t.numel(), [&](int64_t at, int64_t n) {
+    total += t.narrow(0, at, n).pow(2).sum().to(torch::kFloat64);
+  });
   return total;
 }
 

@@ -57,7 +57,6 @@ class FlatOptimizer : public Optimizer {
       else
         decayed_.emplace_back(from - lo, to - lo);
     }
-    std::sort(decayed_.begin(), decayed_.end());
   }
   bool fused() const override { return !groups_.empty(); }
   Shard shard() const override { return shard_; }
@@ -80,12 +79,11 @@ class FlatOptimizer : public Optimizer {
   // holding more than they take).
   template <typename F>
   void by_piece(F&& update) {
-    const int64_t piece = update_piece(shard_.numel);
-    if (!scratch_.defined()) scratch_ = torch::empty({std::min(piece, shard_.numel)}, p_.options());
-    for (int64_t at = 0; at < shard_.numel; at += piece) {
-      const int64_t n = std::min(piece, shard_.numel - at);
+    if (!scratch_.defined())
+      scratch_ = torch::empty({std::min(update_piece(shard_.numel), shard_.numel)}, p_.options());
+    for_each_piece(shard_.numel, [&](int64_t at, int64_t n) {
       update(at, n, [at, n](const torch::Tensor& t) { return t.narrow(0, at, n); }, scratch_.narrow(0, 0, n));
-    }
+    });
   }
   // `apply` on each part of [at, at + n) where weight decay applies, as offsets in it.
   template <typename F>

@@ -6,6 +6,7 @@
 // embeddings), not to biases and norm gains, unless optimizer.decay_1d says so (the
 // GPT-2 / nanoGPT convention; decaying a LayerNorm gain towards 0 fights the norm).
 #pragma once
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,6 +43,12 @@ class Optimizer {
 // piece, not the shard (under ZeRO-0 the whole model, twice). A multiple of 2^20 elements
 // (4 MiB in fp32), at most 64 pieces: a large shard on a GPU is not a thousand kernels.
 int64_t update_piece(int64_t numel);
+// fn(at, n) for each piece [at, at + n) of [0, numel), in order.
+template <typename F>
+void for_each_piece(int64_t numel, F&& fn) {
+  const int64_t piece = update_piece(numel);
+  for (int64_t at = 0; at < numel; at += piece) fn(at, std::min(piece, numel - at));
+}
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams& params,
                                           Shard shard = {});
