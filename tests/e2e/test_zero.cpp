@@ -33,6 +33,15 @@ Job zero_job() {
   return j;
 }
 
+// zero_job's CNN: SyncBatchNorm (its statistics over the global batch) and SGD.
+Job cnn_job() {
+  auto j = zero_job();
+  j.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
+  j.optimizer = kSgd;
+  j.parallel = "{sync_batchnorm: true}";
+  return j;
+}
+
 std::string gpt_job(const std::string& dir) {
   Job j;
   j.name = "zero-gpt", j.seed = 5;
@@ -117,11 +126,7 @@ TEST_SUITE("zero") {
     check_zero_matches(dir, zero_job().write(dir, "zero.yaml"),
                        {{4, ""}, {2, " --set parallel.bucket_mb=0.001 --set train.grad_accum=2"}});
     auto cnn = temp_dir("zero-cnn");
-    auto bn = zero_job();
-    bn.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
-    bn.optimizer = kSgd;
-    bn.parallel = "{sync_batchnorm: true}";
-    check_zero_matches(cnn, bn.write(cnn, "zero.yaml"), {{4, ""}});
+    check_zero_matches(cnn, cnn_job().write(cnn, "zero.yaml"), {{4, ""}});
   }
 
   TEST_CASE("ZeRO-1, 2 and 3: a GPT at data 4, data 2 x tensor 2 and data 2 x pipeline 2 matches zero 0") {
@@ -183,11 +188,7 @@ TEST_SUITE("zero") {
     run(gpt, 4, dir + "/gpt-z3-fp32", fp32 + " --set parallel.zero=3");
     CHECK(train_losses(dir + "/gpt-z3") == train_losses(dir + "/gpt-z2"));
     // The CNN at data 4: channels-last convolution weights in bf16, SyncBatchNorm's fp32.
-    auto bn = zero_job();
-    bn.model = "{arch: cnn, channels: [4, 8], fc: [16], batch_norm: true}";
-    bn.optimizer = kSgd;
-    bn.parallel = "{sync_batchnorm: true}";
-    const auto cnn = bn.write(dir, "cnn.yaml");
+    const auto cnn = cnn_job().write(dir, "cnn.yaml");
     run(cnn, 4, dir + "/cnn-z2", bf16 + " --set train.max_steps=10 --set parallel.zero=2");
     run(cnn, 4, dir + "/cnn-z3", bf16 + " --set train.max_steps=10 --set parallel.zero=3");
     CHECK(train_losses(dir + "/cnn-z3") == train_losses(dir + "/cnn-z2"));
