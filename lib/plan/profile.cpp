@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -21,6 +22,12 @@
 #include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+
+#ifdef DTRAIN_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 namespace dtrain {
 namespace {
@@ -84,9 +91,16 @@ MachineProfile::Link fit(int64_t ranks, double small_bytes, double small_s, doub
 }
 
 // All-reduce and send/recv among `n` ranks as threads of this process, real Gloo on
-// loopback: the links of rank 0, which sends as every rank does.
-std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
+// loopback (or `opts`' backend, with rank r's tensors on `device(r)`): the links of rank
+// 0, which sends as every rank does.
+std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
+    int64_t n, const CommOptions& opts = {},
+    const std::function<c10::Device(int64_t)>& device = [](int64_t) { return c10::Device(c10::kCPU); }) {
   static int calls = 0;
+  // A CUDA tensor's operations may be queued on a stream: the host waits for them (a read).
+  auto settle = [](const torch::Tensor& t) {
+    if (t.is_cuda()) (void)t[0].item<float>();
+  };
   const std::string rendezvous = fmt::format("profile-{}-{}", ::getpid(), calls++);
   const int64_t small = 1024, large = int64_t(4) << 20;  // floats
   std::vector<double> times(4, 0);
@@ -95,19 +109,25 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
   for (int64_t r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       try {
-        auto comm = make_in_process_comm(rendezvous, r, n);
+        const c10::Device here = device(r);
+        if (here.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(here);
+        CommOptions mine = opts;
+        mine.device = here;
+        auto comm = make_in_process_comm(rendezvous, r, n, mine);
+        const auto on = torch::TensorOptions().device(here);
         // A fixed number of each (every rank must make the same calls).
         for (int k = 0; k < 2; ++k) {
-          auto t = torch::ones({k == 0 ? small : large});
+          auto t = torch::ones({k == 0 ? small : large}, on);
           const int reps = k == 0 ? 200 : 10;
           comm->all_reduce(t);  // warm-up
           comm->barrier();
           const auto start = Clock::now();
           for (int i = 0; i < reps; ++i) comm->all_reduce(t);
+          settle(t);
           if (r == 0) times[size_t(k)] = std::chrono::duration<double>(Clock::now() - start).count() / reps;
         }
         for (int k = 0; k < 2; ++k) {
-          auto t = torch::ones({k == 0 ? small : large});
+          auto t = torch::ones({k == 0 ? small : large}, on);
           comm->barrier();
           // Rank 0 sends to 1 and back, a fixed number of times (both must agree on it).
           const int reps = k == 0 ? 200 : 10;
@@ -116,6 +136,7 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
             if (r == 0) comm->send(t, 1), comm->recv(t, 1);
             if (r == 1) comm->recv(t, 0), comm->send(t, 0);
           }
+          settle(t);
           if (r == 0)
             times[size_t(2 + k)] = std::chrono::duration<double>(Clock::now() - start).count() / (2.0 * reps);
         }
@@ -131,6 +152,108 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(int64_t n) {
   return {fit(n, ring(double(small)), times[0], ring(double(large)), times[1]),
           fit(n, 4.0 * double(small), times[2], 4.0 * double(large), times[3])};
 }
+
+
+#ifdef DTRAIN_CUDA
+// Seconds per call of `fn` on the GPU: calls queued back to back, then one wait for all
+// of them; doubled until they take `budget` seconds.
+double gpu_seconds_per(const std::function<void()>& fn, double budget) {
+  fn();
+  c10::cuda::device_synchronize();
+  for (int64_t calls = 1;; calls *= 2) {
+    const auto start = Clock::now();
+    for (int64_t i = 0; i < calls; ++i) fn();
+    c10::cuda::device_synchronize();
+    const double took = std::chrono::duration<double>(Clock::now() - start).count();
+    if (took >= budget || calls >= (int64_t(1) << 20)) return took / double(calls);
+  }
+}
+
+// The rate of a product whose smallest side is n, of about `work` multiply-adds a call, as
+// matmul_rate's shapes; at most 2^28 values an operand (1 GiB in fp32).
+MachineProfile::Gpu::Rate gpu_matmul_rate(int64_t n, double work, torch::Dtype dtype, bool batched,
+                                          double budget) {
+  const auto like = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
+  const double cap = double(int64_t(1) << 28);
+  torch::Tensor a, b, c;
+  double macs = 0;
+  if (batched) {
+    const double each = 16.0 * double(n) * double(n) * double(n);
+    const int64_t batch = int64_t(std::clamp(work / each, 1.0, cap / (4.0 * double(n) * double(n))));
+    a = torch::randn({batch, 4 * n, n}, like), b = torch::randn({batch, n, 4 * n}, like);
+    c = torch::empty({batch, 4 * n, 4 * n}, like);
+    macs = double(batch) * each;
+    const double s = gpu_seconds_per([&] { at::bmm_out(c, a, b); }, budget);
+    return {double(n), macs, 2 * macs / s};
+  }
+  const int64_t rows = int64_t(std::clamp(work / (double(n) * double(n)), 16.0, cap / double(n)));
+  a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like), c = torch::empty({rows, n}, like);
+  macs = double(rows) * double(n) * double(n);
+  const double s = gpu_seconds_per([&] { at::mm_out(c, a, b); }, budget);
+  return {double(n), macs, 2 * macs / s};
+}
+
+// The first GPU: its matmuls by dtype, size and work; its memory's speed; the host's time
+// per kernel launch; the links between its ranks (NCCL between GPUs, else Gloo through the
+// host between ranks sharing it).
+MachineProfile::Gpu measure_gpu(int64_t max_ranks) {
+  MachineProfile::Gpu g;
+  const c10::Device dev(c10::kCUDA, 0);
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(dev);
+  const auto* props = at::cuda::getDeviceProperties(0);
+  g.name = props->name;
+  g.memory = double(props->totalGlobalMem);
+  g.count = int64_t(torch::cuda::device_count());
+  constexpr double kBudget = 0.02;
+  auto& context = at::globalContext();
+  const bool tf32_before = context.allowTF32CuBLAS();
+  const struct {
+    const char* name;
+    torch::Dtype dtype;
+    bool tf32;
+  } dtypes[] = {{"fp32", torch::kFloat32, false}, {"tf32", torch::kFloat32, true},
+                {"bf16", torch::kBFloat16, false}, {"fp16", torch::kFloat16, false}};
+  for (const auto& d : dtypes) {
+    context.setAllowTF32CuBLAS(d.tf32);
+    for (int64_t n : {64, 256, 1024, 4096})
+      for (double work : {0x1p22, 0x1p26, 0x1p30, 0x1p34}) {
+        const auto r = gpu_matmul_rate(n, work, d.dtype, false, kBudget);
+        auto& list = g.matmul[d.name];
+        // A clamped shape repeats a point: kept once.
+        if (list.empty() || list.back().size != r.size || list.back().work != r.work) list.push_back(r);
+      }
+    for (int64_t n : {32, 64, 128})
+      for (double work : {0x1p24, 0x1p28, 0x1p32}) {
+        const auto r = gpu_matmul_rate(n, work, d.dtype, true, kBudget);
+        auto& list = g.bmm[d.name];
+        if (list.empty() || list.back().size != r.size || list.back().work != r.work) list.push_back(r);
+      }
+  }
+  context.setAllowTF32CuBLAS(tf32_before);
+  {
+    auto a = torch::zeros({int64_t(1) << 26}, dev), b = torch::ones({int64_t(1) << 26}, dev);
+    g.memory_bytes_per_s = 3.0 * 4 * double(a.numel()) / gpu_seconds_per([&] { a.add_(b); }, kBudget);
+    auto one = torch::zeros({1}, dev), other = torch::ones({1}, dev);
+    g.launch_s = gpu_seconds_per([&] { one.add_(other); }, 0.05);
+  }
+  const bool nccl = g.count > 1 && nccl_built();
+  g.backend = nccl ? "nccl" : "gloo";
+  CommOptions opts;
+  opts.backend = g.backend;
+  const int64_t most = nccl ? std::min(g.count, max_ranks) : max_ranks;
+  for (int64_t n = 2; n <= std::max<int64_t>(2, most); n *= 2) {
+    auto [all_reduce, send] = measure_links(n, opts, [&](int64_t r) {
+      return c10::Device(c10::kCUDA, c10::DeviceIndex(nccl ? r : 0));
+    });
+    g.all_reduce.push_back(all_reduce);
+    g.send.push_back(send);
+  }
+  // The operands' gigabytes go back to the device: parallel.auto measures in the process
+  // that then starts (or is) a rank.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  return g;
+}
+#endif
 
 }  // namespace
 
@@ -150,6 +273,39 @@ double MachineProfile::matmul_flops(double size, double threads, bool bf16, bool
       return at_threads(matmul[i - 1]) * (1 - w) + at_threads(matmul[i]) * w;
     }
   return at_threads(matmul.back());
+}
+
+double MachineProfile::Gpu::matmul_flops(double size, double work, const std::string& dtype,
+                                          bool batched) const {
+  const auto& table = batched && !bmm.empty() ? bmm : matmul;
+  auto it = table.find(dtype);
+  if (it == table.end()) it = table.find("fp32");
+  if (it == table.end() || it->second.empty()) return 0;
+  const auto& rates = it->second;  // by size, then by work
+  // Within one size: in log(work), held at the ends.
+  auto at_size = [&](size_t lo, size_t hi) {
+    if (work <= rates[lo].work) return rates[lo].flops;
+    for (size_t i = lo + 1; i < hi; ++i)
+      if (work <= rates[i].work) {
+        const double w = std::log(work / rates[i - 1].work) / std::log(rates[i].work / rates[i - 1].work);
+        return rates[i - 1].flops * (1 - w) + rates[i].flops * w;
+      }
+    return rates[hi - 1].flops;
+  };
+  std::vector<std::pair<double, double>> sizes;  // each size's rate at `work`
+  for (size_t lo = 0; lo < rates.size();) {
+    size_t hi = lo;
+    while (hi < rates.size() && rates[hi].size == rates[lo].size) ++hi;
+    sizes.emplace_back(rates[lo].size, at_size(lo, hi));
+    lo = hi;
+  }
+  if (size <= sizes.front().first) return sizes.front().second;
+  for (size_t i = 1; i < sizes.size(); ++i)
+    if (size <= sizes[i].first) {
+      const double w = std::log(size / sizes[i - 1].first) / std::log(sizes[i].first / sizes[i - 1].first);
+      return sizes[i - 1].second * (1 - w) + sizes[i].second * w;
+    }
+  return sizes.back().second;
 }
 
 double MachineProfile::memory_bytes(double threads) const {
@@ -216,6 +372,9 @@ MachineProfile measure_machine(int64_t max_ranks) {
     p.send.push_back(send);
   }
   torch::set_num_threads(before);
+#ifdef DTRAIN_CUDA
+  if (visible_gpus() > 0) p.gpu = measure_gpu(max_ranks);
+#endif
   return p;
 }
 
@@ -226,23 +385,73 @@ std::string default_profile_path() {
   return std::string(home && *home ? home : "/tmp") + "/.cache/dtrain/machine.json";
 }
 
+namespace {
+nlohmann::json links_json(const std::vector<MachineProfile::Link>& links) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& l : links) out.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
+  return out;
+}
+std::vector<MachineProfile::Link> links_of(const nlohmann::json& j) {
+  std::vector<MachineProfile::Link> out;
+  for (const auto& l : j) out.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});
+  return out;
+}
+nlohmann::json gpu_json(const MachineProfile::Gpu& g) {
+  auto rates = [](const std::map<std::string, std::vector<MachineProfile::Gpu::Rate>>& by) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& [dtype, list] : by) {
+      auto& into = out[dtype] = nlohmann::json::array();
+      for (const auto& r : list) into.push_back({{"size", r.size}, {"work", r.work}, {"flops", r.flops}});
+    }
+    return out;
+  };
+  return {{"name", g.name},
+          {"count", g.count},
+          {"memory_bytes", g.memory},
+          {"matmul", rates(g.matmul)},
+          {"bmm", rates(g.bmm)},
+          {"memory_bytes_per_s", g.memory_bytes_per_s},
+          {"launch_s", g.launch_s},
+          {"backend", g.backend},
+          {"all_reduce", links_json(g.all_reduce)},
+          {"send", links_json(g.send)}};
+}
+MachineProfile::Gpu gpu_of(const nlohmann::json& j) {
+  MachineProfile::Gpu g;
+  g.name = j.at("name");
+  g.count = j.at("count");
+  g.memory = j.at("memory_bytes");
+  auto rates = [](const nlohmann::json& by, std::map<std::string, std::vector<MachineProfile::Gpu::Rate>>& into) {
+    for (const auto& [dtype, list] : by.items())
+      for (const auto& r : list) into[dtype].push_back({r.at("size"), r.at("work"), r.at("flops")});
+  };
+  rates(j.at("matmul"), g.matmul);
+  rates(j.at("bmm"), g.bmm);
+  g.memory_bytes_per_s = j.at("memory_bytes_per_s");
+  g.launch_s = j.at("launch_s");
+  g.backend = j.at("backend");
+  g.all_reduce = links_of(j.at("all_reduce"));
+  g.send = links_of(j.at("send"));
+  if (g.matmul.count("fp32") == 0 || g.memory_bytes_per_s <= 0) throw std::runtime_error("no GPU measurements");
+  return g;
+}
+}  // namespace
+
 nlohmann::json profile_json(const MachineProfile& p) {
-  nlohmann::json all_reduce = nlohmann::json::array(), send = nlohmann::json::array();
   auto rates = [](const std::vector<MachineProfile::Matmul>& list) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& m : list) out.push_back({{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}});
     return out;
   };
-  for (const auto& l : p.all_reduce) all_reduce.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
-  for (const auto& l : p.send) send.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
   return {{"format", "dtrain-machine"}, {"version", 2},    {"host", p.host},
           {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
           {"matmul_bf16", rates(p.matmul_bf16)}, {"bmm_fp32", rates(p.bmm)},
           {"bmm_bf16", rates(p.bmm_bf16)},
           {"memory_one_thread_bytes_per_s", p.memory_one},
           {"memory_all_threads_bytes_per_s", p.memory_all},
-          {"gloo_all_reduce", all_reduce},
-          {"gloo_send", send}};
+          {"gloo_all_reduce", links_json(p.all_reduce)},
+          {"gloo_send", links_json(p.send)},
+          {"gpu", p.gpu ? gpu_json(*p.gpu) : nlohmann::json(nullptr)}};
 }
 
 void save_profile(const MachineProfile& p, const std::string& path) {
@@ -279,8 +488,10 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     rates("bmm_bf16", p.bmm_bf16);
     p.memory_one = j.at("memory_one_thread_bytes_per_s");
     p.memory_all = j.at("memory_all_threads_bytes_per_s");
-    for (const auto& l : j.at("gloo_all_reduce")) p.all_reduce.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});
-    for (const auto& l : j.at("gloo_send")) p.send.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});
+    p.all_reduce = links_of(j.at("gloo_all_reduce"));
+    p.send = links_of(j.at("gloo_send"));
+    // Measured where a GPU was visible (absent from profiles written before GPUs were).
+    if (j.contains("gpu") && !j.at("gpu").is_null()) p.gpu = gpu_of(j.at("gpu"));
     if (p.matmul.empty() || p.memory_one <= 0) throw std::runtime_error("no measurements");
     return p;
   } catch (const std::exception& e) {

@@ -1,9 +1,11 @@
 // A machine profile for `dtrain plan`'s time estimates (`dtrain plan --measure`): how fast
 // this machine multiplies matrices (by size, on one thread and on all cores), how fast it
-// streams memory, and what Gloo's all-reduce and send cost between local processes. Kept
-// as JSON under the user's cache folder.
+// streams memory, and what Gloo's all-reduce and send cost between local processes; where
+// a GPU is visible, the same of the GPU (and the time the host takes to launch a kernel).
+// Kept as JSON under the user's cache folder.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,6 +36,31 @@ struct MachineProfile {
   };
   std::vector<Link> all_reduce, send;
 
+  // The first visible GPU's, where there was one.
+  struct Gpu {
+    std::string name;
+    int64_t count = 1;     // GPUs visible: ranks beyond it share one
+    double memory = 0;     // bytes the device has
+    // Products [R, size] x [size, size] of `work` multiply-adds a call (R = work / size^2;
+    // batched: attention's [4 size, size] x [size, 4 size], work / 16 size^3 of them), by
+    // dtype: "fp32", "tf32" (fp32 with precision.tf32), "bf16", "fp16". A GPU's rate
+    // depends on the call's work as much as its shape: small calls leave SMs idle.
+    struct Rate {
+      double size = 0, work = 0, flops = 0;
+    };
+    std::map<std::string, std::vector<Rate>> matmul, bmm;
+    double memory_bytes_per_s = 0;  // an in-place add over the device's memory
+    double launch_s = 0;            // the host's time to launch a small kernel, back to back
+    // Between 2 and `count` GPUs with NCCL, or between ranks sharing the one GPU with Gloo
+    // (through the host): `backend` says which.
+    std::string backend;
+    std::vector<Link> all_reduce, send;
+
+    // Interpolated in log(size) and log(work); where `dtype` was not measured, fp32's.
+    double matmul_flops(double size, double work, const std::string& dtype, bool batched) const;
+  };
+  std::optional<Gpu> gpu;
+
   // Interpolated in log(size) and linearly in threads between 1 and `cores`; bf16's rates
   // where asked and measured, else fp32's. `batched`: the bmm table where measured, else
   // the matmul one.
@@ -45,7 +72,7 @@ struct MachineProfile {
 
 // Measures this machine (about 15 s on 2 cores): matmuls, memory, and the collectives
 // between 2 to `max_ranks` local ranks (threads of this process over Gloo on loopback, as
-// between processes).
+// between processes); the first GPU too where one is visible (a few seconds more).
 MachineProfile measure_machine(int64_t max_ranks);
 
 // $DTRAIN_PROFILE, else $XDG_CACHE_HOME/dtrain/machine.json, else ~/.cache/dtrain/machine.json.
