@@ -204,6 +204,8 @@ void build_log(Run& run, bool root) {
     s["gradient_mb"] = mib(run.params->grad());
     // The parameters it keeps (under ZeRO-3 its shard; a unit or two more while gathered).
     s["parameters_mb"] = mib(run.params->data());
+    // On a GPU, its allocator's peak (the host's is peak_rss_mb).
+    if (run.device().is_cuda()) s["peak_gpu_mb"] = double(peak_allocated_bytes(run.device())) / kMiB;
     if (run.scaler) {
       s["loss_scale"] = run.scaler->scale();
       s["overflow_steps"] = run.scaler->overflows();

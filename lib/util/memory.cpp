@@ -29,6 +29,16 @@ int64_t allocated_bytes(const c10::Device& device) {
   return int64_t(m.uordblks + m.hblkhd);  // in use from the arenas, and mmapped blocks
 }
 
+int64_t peak_allocated_bytes(const c10::Device& device) {
+#ifdef DTRAIN_CUDA
+  if (device.is_cuda())
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak;
+#else
+  (void)device;
+#endif
+  return 0;
+}
+
 double proc_field_bytes(const std::string& file, const std::string& key) {
   std::ifstream in(file);
   std::string name;

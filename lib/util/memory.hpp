@@ -20,6 +20,10 @@ void tune_allocator();
 // a stretch of code kept.
 int64_t allocated_bytes(const c10::Device& device);
 
+// The most LibTorch's caching allocator has held allocated at once on a GPU, bytes (what a
+// plan's memory_mb.total compares with there); 0 on the CPU.
+int64_t peak_allocated_bytes(const c10::Device& device);
+
 // A field in kB of a /proc file such as /proc/meminfo or /proc/self/status (`key` with its
 // colon: "MemAvailable:"), in bytes; 0 where it cannot be read.
 double proc_field_bytes(const std::string& file, const std::string& key);
