@@ -265,7 +265,7 @@ struct Cli {
   std::string run_dir, resume, nnodes, folder, out, format = "safetensors";
   int64_t nproc = 1, max_restarts = 0, check_nproc = 1, vocab = 0;
   bool no_requeue = false, reference = false, json = false, measure = false, all = false;
-  std::string profile;
+  std::string profile, plan_device_name;
   double memory_gb = 0;
   VerifyOptions verify_opts;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
@@ -304,8 +304,13 @@ struct Cli {
     plan->add_flag("--all", all, "every layout of --nproc processes the job can take, fastest "
                                  "first, marking those that do not fit");
     plan->add_option("--memory-gb", memory_gb, "with --all: the memory to fit in, GiB (default: "
-                                               "what this machine has available; on a GPU: none)")
+                                               "what this machine has available; on a GPU: "
+                                               "the profile's GPU's, less a tenth)")
         ->check(CLI::PositiveNumber);
+    plan->add_option("--device", plan_device_name, "cuda: plan for a GPU whatever this machine "
+                                                   "has (with --profile of a GPU machine for "
+                                                   "time and memory limit)")
+        ->check(CLI::IsMember({"cuda"}));
     for (auto* cmd : {validate, config, plan})
       cmd->add_option("--nproc", check_nproc, "check for N processes (default: the launcher's "
                                               "world size, else 1)")
@@ -382,24 +387,27 @@ int plan_command(const Cli& cli) {
   const std::string profile_path = default_profile_path();
   fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
   if (cli.measure) {
-    std::cerr << "measuring this machine (about 15 s)...\n";
+    std::cerr << "measuring this machine (about 15 s; 30 with a GPU)...\n";
     save_profile(measure_machine(std::max<int64_t>(2, cli.check_nproc)), profile_path);
     std::cerr << "wrote " << profile_path << "\n";
     if (cli.job.path.empty()) return 0;
   }
   const int64_t world = world_for_check(cli.check_nproc);
+  const PlanFor device = cli.plan_device_name == "cuda" ? PlanFor::kGpu : PlanFor::kThisMachine;
   if (cli.all) {
     JobConfig cfg = load_job(cli.job.path, cli.job.sets);
     resolve(cfg);
+    const bool cuda = device == PlanFor::kGpu ||
+                      plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
     // An auto job's list is ranked as its choice is: by time, measuring where need be.
-    const auto profile = cfg.parallel.auto_layout ? std::optional(profile_for_auto(world))
-                                                  : load_profile(profile_path);
+    const auto profile = cfg.parallel.auto_layout && device == PlanFor::kThisMachine
+                             ? std::optional(profile_for_auto(world, cuda))
+                             : load_profile(profile_path);
     const MachineProfile* measured = profile ? &*profile : nullptr;
-    const bool cuda = plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
     const double limit = cli.memory_gb > 0 ? cli.memory_gb * 1024 * 1024 * 1024
-                         : cuda            ? 0
+                         : cuda            ? gpu_limit(measured)
                                            : available_memory();
-    const auto all = all_layouts(cfg, world, measured, limit);
+    const auto all = all_layouts(cfg, world, measured, limit, device);
     fail_if<ConfigError>(all.empty(), "plan --all: no layout of {} process(es) validates for {} "
                          "(`dtrain validate --nproc {}` says why for the job's own)",
                          world, cli.job.path, world);
@@ -407,15 +415,23 @@ int plan_command(const Cli& cli) {
     else std::cout << cli.job.path << ": " << candidates_table(all, limit);
     return 0;
   }
+  if (device == PlanFor::kGpu) {
+    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
+    fail_if<ConfigError>(cfg.parallel.auto_layout, "plan --device cuda: parallel.auto chooses its "
+                         "layout on the machine it runs on; `plan --all --device cuda` ranks the "
+                         "layouts for a GPU");
+  }
   const auto checked = load(cli.job, "", world, world, true);
   const auto profile = load_profile(profile_path);  // after load: parallel.auto may have made it
   const MachineProfile* measured = profile ? &*profile : nullptr;
-  const Plan plan = plan_job(checked.cfg, world, measured);
+  const Plan plan = plan_job(checked.cfg, world, measured, device);
   if (cli.json) {
     std::cout << plan_json(checked.cfg, plan).dump() << "\n";
   } else {
     std::cout << cli.job.path << ": " << plan_table(checked.cfg, plan);
     if (!measured) std::cout << "(no machine profile: `dtrain plan --measure` makes one for the time estimates)\n";
+    else if (plan.device == "cuda" && !measured->gpu)
+      std::cout << "(the machine profile has no GPU: `dtrain plan --measure` on a GPU machine adds one)\n";
   }
   return 0;
 }

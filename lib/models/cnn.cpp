@@ -98,6 +98,7 @@ std::vector<PartCost> cnn_costs(const ModelConfig& cfg, const SizeContext& ctx) 
       c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
       p.output = c * h * w;
       p.activation_bytes = 4 * (maps * (cfg.batch_norm ? 3 : 2) + p.output);
+      p.kernels = cfg.batch_norm ? 4 : 3;  // convolution, batch norm, ReLU, pooling
       parts.push_back(p);
     }
     in = c * h * w;

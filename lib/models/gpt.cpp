@@ -305,6 +305,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.reduced = split ? s * d : 0;
   embeddings.output = s * d;
   embeddings.matmuls = 0;
+  embeddings.kernels = 4;  // two lookups, their sum, its dropout
   parts.push_back(embeddings);
   PartCost block;
   const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
@@ -319,12 +320,17 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // sides at 4x the short one (s = 4 d/heads in gpt_text; GPT-2's 1024 tokens are 16x).
   block.small_side = std::min(s, d / double(m.heads));
   block.block = true;
+  // Two layer norms, four products, attention (fused: one; else the scores, their scale,
+  // mask, softmax and weighting), GELU, two dropouts and two residual sums; the heads'
+  // layout copies.
+  block.kernels = DTRAIN_HAS_FUSED_ATTENTION ? 15 : 19;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;
   head.activation_bytes = 12 * s * v / t + 4 * 2 * s * d;
   head.flops = 2 * s * d * v / t;
   head.reduced = split ? 3 * s : 0;
   head.reduced_back = split ? s * d : 0;
+  head.kernels = 5;  // the layer norm, the product, the logits in fp32, the loss's two
   parts.push_back(head);
   return parts;
 }

@@ -112,6 +112,9 @@ struct PartCost {
   // bmm). Not among `matmuls`.
   double small_flops = 0, small_side = 0;
   bool block = false;           // train.recompute keeps only its input for backward
+  // The kernels its forward launches (a GPU's host launches each: what bounds a small
+  // model's step there); backward launches about twice as many.
+  double kernels = 2;
 };
 struct SizeContext {
   Ints sample_shape;  // as the data says

@@ -64,6 +64,7 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
       c.reduced_back = split == kColumn && !(first && parts.empty()) ? in : 0;
     }
     c.output = last ? 0 : out_here;
+    c.kernels = last ? 3 : 2;  // the product with its bias, then the ReLU (or the loss's two)
     parts.push_back(c);
     in = out;
   };

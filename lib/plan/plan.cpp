@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <system_error>
@@ -67,11 +68,12 @@ struct Job {
   int64_t micro = 1;               // micro-batches per step
   double rows = 1;                 // samples per micro-batch on a data rank
 
-  Job(const JobConfig& c, int64_t w) : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
+  Job(const JobConfig& c, int64_t w, PlanFor device = PlanFor::kThisMachine)
+      : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
     const int64_t trainers = mode.trainers(cfg, world);
     dims = ParallelDims::resolve(cfg.parallel, trainers);
     servers = world - trainers;
-    cuda = plan_device(cfg, 0, 1, mode.any_source).device.is_cuda();
+    cuda = device == PlanFor::kGpu || plan_device(cfg, 0, 1, mode.any_source).device.is_cuda();
     const auto kind = data_kind(cfg.data);
     mc.sample_shape = kind.sample_shape;
     mc.classes = kind.classes;
@@ -246,13 +248,20 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
   return c;
 }
 
-// Seconds a stage computes in a step on `threads` threads: each part's matrix multiplies at
-// the rate the profile measured for their size (per micro-batch), the rest of its work
-// (activations written in forward, read and written in backward) at memory speed; backward
-// is twice forward, and a recomputed block runs forward twice.
-double compute_seconds(const Job& job, int64_t stage, const MachineProfile& profile, double threads) {
+// How fast the planned device runs a stage's work: a matrix multiply's rate by its smallest
+// side and its multiply-adds a call (batched: attention's products, head by head); memory's
+// bytes per second.
+struct Speed {
+  std::function<double(double side, double work, bool batched)> matmul;
+  double memory = 0;
+};
+
+// Seconds a stage computes in a step: each part's matrix multiplies at the rate the profile
+// measured for their size (per micro-batch), the rest of its work (activations written in
+// forward, read and written in backward) at memory speed; backward is twice forward, and
+// a recomputed block runs forward twice.
+double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
   const bool recompute = job.cfg.train.recompute == "blocks";
-  const bool bf16 = job.cfg.precision.dtype == "bf16";  // autocast's matmuls
   const PartRange r = job.split[size_t(stage)];
   const double rows_step = job.rows * double(job.micro);
   double seconds = 0;
@@ -264,18 +273,31 @@ double compute_seconds(const Job& job, int64_t stage, const MachineProfile& prof
       // The profile's rates are by a product's smallest side: the side the model gives, or
       // else the cube root of one product's volume (no less than the smallest side, so
       // optimistic for a thin product).
-      double size = std::cbrt(dense * job.rows / p.matmuls / 2);
+      const double work = dense * job.rows / p.matmuls / 2;
+      double size = std::cbrt(work);
       if (p.side > 0) size = std::min(size, p.side);
-      seconds += passes * dense * rows_step / profile.matmul_flops(size, threads, bf16);
+      seconds += passes * dense * rows_step / speed.matmul(size, work, false);
     } else if (dense > 0) {
-      seconds += passes * 4 * dense * rows_step / profile.memory_bytes(threads);
+      seconds += passes * 4 * dense * rows_step / speed.memory;
     }
-    if (p.small_flops > 0)
-      seconds += passes * p.small_flops * rows_step /
-                 profile.matmul_flops(p.small_side, threads, bf16, /*batched=*/true);
-    seconds += passes * p.activation_bytes * rows_step / profile.memory_bytes(threads);
+    if (p.small_flops > 0)  // the scores and their weighting: two batched products
+      seconds += passes * p.small_flops * rows_step / speed.matmul(p.small_side, p.small_flops * job.rows / 4, true);
+    seconds += passes * p.activation_bytes * rows_step / speed.memory;
   }
   return seconds;
+}
+
+// The kernels a stage's host launches in a step for its parts: each part's forward,
+// backward twice that (a recomputed block's forward again).
+double stage_kernels(const Job& job, int64_t stage) {
+  const bool recompute = job.cfg.train.recompute == "blocks";
+  const PartRange r = job.split[size_t(stage)];
+  double kernels = 0;
+  for (int64_t i = r.first; i < r.last; ++i) {
+    const PartCost& p = job.costs[size_t(i)];
+    kernels += p.kernels * (recompute && p.block ? 4 : 3);
+  }
+  return double(job.micro) * kernels;
 }
 
 // ZeRO-3's gathers over a step, as grad/zero.cpp's Zero3Sync makes them: each use gathers
@@ -389,6 +411,52 @@ double sync_bytes(const Job& job, const Held& h, double numel) {
     return bytes + ring(4 * plain, d);
   }
   return ring(g, d);
+}
+
+// Ranks that share one GPU: those beyond the GPUs take turns on them.
+double ranks_per_gpu(const Job& job, const MachineProfile::Gpu& g) {
+  return std::ceil(double(job.world) / double(std::max<int64_t>(1, g.count)));
+}
+
+// The backend a GPU job's ranks take there (a GPU machine's dtrain is taken to have NCCL);
+// empty where the job's dist.backend cannot be had.
+std::string gpu_backend(const Job& job, const MachineProfile::Gpu& g) {
+  try {
+    return pick_backend(job.cfg.dist.backend, c10::kCUDA, /*nccl=*/true, ranks_per_gpu(job, g) > 1,
+                        job.mode.any_source);
+  } catch (const ConfigError&) {
+    return "";
+  }
+}
+
+// A step's seconds on a GPU (the profile's), its talk aside: the device computes the
+// chunks' work (stretched by the bubble) and streams the optimizer's shard, ranks sharing
+// a GPU taking turns on it; meanwhile the host launches every kernel, and the step takes
+// the longer of the two.
+double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::Gpu& g,
+                        int64_t shard, double parameters, double passes, double bubble) {
+  const auto& cfg = job.cfg;
+  const std::string dtype = cfg.precision.dtype != "fp32" ? cfg.precision.dtype
+                            : cfg.precision.tf32           ? "tf32"
+                                                           : "fp32";
+  const Speed speed{[&](double side, double work, bool batched) {
+                      return g.matmul_flops(side, work, dtype, batched);
+                    },
+                    g.memory_bytes_per_s};
+  double device = 0, kernels = 0;
+  for (int64_t c = 0; c < job.chunks; ++c) {
+    const int64_t stage = c * job.dims.pipeline + at.pipeline;
+    device += compute_seconds(job, stage, speed);
+    kernels += stage_kernels(job, stage);
+  }
+  if (bubble < 1) device /= 1 - bubble;
+  device += passes * 4 * double(shard) / g.memory_bytes_per_s;
+  // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
+  // step count) or about one kernel a pass over each piece; the norm's two a piece.
+  const bool fused = has_fused_kernel(cfg.optimizer.name, torch::kCUDA);
+  const double pieces = std::ceil(double(shard) / double(update_piece(shard)));
+  kernels += double(job.micro) * parameters + (fused ? 4 : passes * pieces) + 2 * pieces;
+  return std::max(device * ranks_per_gpu(job, g), kernels * g.launch_s);
 }
 
 // Rank `rank`'s plan, from the job worked out once for every rank planned.
@@ -524,36 +592,56 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     out.bubble = double(job.dims.pipeline - 1) /
                  double(job.chunks * job.micro + job.dims.pipeline - 1);
 
-  // The time of a step, where a profile of this CPU says how fast it computes and talks:
-  // the chunks' matmuls at the rate of their size and the rest of their work at memory
-  // speed, stretched by the bubble; the optimizer streaming its shard; each group's bytes
-  // at its link's rate plus a latency per operation, not overlapped with computing.
-  if (profile && !job.cuda && !async && !profile->matmul.empty()) {
-    // The ranks (all planned on this machine) compute at once: the machine runs `busy`
-    // threads (its cores at most), at the rates measured for that many, and each of the
-    // ranks gets its part of them. Two one-thread ranks on two cores each get half of two
-    // threads' rate, not a lone thread's (the GPT at d2 took 0.85-0.92x the step of one
-    // process on two threads; a lone thread's rate said 0.58-0.70x); four share them in
-    // time, a quarter each.
-    const double threads = double(intra_op_threads(cfg.train.threads, profile->cores, world));
-    const double busy = std::min(double(profile->cores), double(world) * threads);
-    const double share = 1.0 / double(world);
-    double compute = 0;
-    for (int64_t c = 0; c < job.chunks; ++c)
-      compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, *profile, busy);
-    if (out.bubble < 1) compute /= 1 - out.bubble;
+  // The time of a step, where the profile measured the planned device: the chunks' work
+  // stretched by the bubble, the optimizer streaming its shard, each group's bytes at its
+  // link's rate plus a latency per operation, not overlapped with computing.
+  if (profile && !async) {
     const double passes = cfg.optimizer.name == "adamw" ? 12 : 4;
-    double seconds = (compute + passes * 4 * double(shard) / profile->memory_bytes(busy)) / share;
-    auto talk = [&](const std::vector<MachineProfile::Link>& links, int64_t ranks, double bytes,
-                    double ops) {
-      const auto* l = profile->link(links, ranks);
-      if (bytes > 0 && l) seconds += ops * l->latency_s + bytes / l->bytes_per_s;
+    struct Talk {
+      const std::vector<MachineProfile::Link>& all_reduce;
+      const std::vector<MachineProfile::Link>& send;
     };
-    talk(profile->all_reduce, d, data_bytes, data_ops);
-    talk(profile->all_reduce, job.dims.tensor, tensor_bytes, double(job.micro) * reductions);
-    talk(profile->send, 2, pipe_bytes, double(job.micro * job.chunks) * 2);
-    talk(profile->all_reduce, 2, tied_bytes, 1);
-    out.step_s = seconds;
+    auto talk_seconds = [&](const Talk& links) {
+      double seconds = 0;
+      auto talk = [&](const std::vector<MachineProfile::Link>& list, int64_t ranks, double bytes, double ops) {
+        const auto* l = profile->link(list, ranks);
+        if (bytes > 0 && l) seconds += ops * l->latency_s + bytes / l->bytes_per_s;
+      };
+      talk(links.all_reduce, d, data_bytes, data_ops);
+      talk(links.all_reduce, job.dims.tensor, tensor_bytes, double(job.micro) * reductions);
+      talk(links.send, 2, pipe_bytes, double(job.micro * job.chunks) * 2);
+      talk(links.all_reduce, 2, tied_bytes, 1);
+      return seconds;
+    };
+    if (!job.cuda && !profile->matmul.empty()) {
+      // The ranks (all planned on this machine) compute at once: the machine runs `busy`
+      // threads (its cores at most), at the rates measured for that many, and each of the
+      // ranks gets its part of them. Two one-thread ranks on two cores each get half of two
+      // threads' rate, not a lone thread's (the GPT at d2 took 0.85-0.92x the step of one
+      // process on two threads; a lone thread's rate said 0.58-0.70x); four share them in
+      // time, a quarter each.
+      const double threads = double(intra_op_threads(cfg.train.threads, profile->cores, world));
+      const double busy = std::min(double(profile->cores), double(world) * threads);
+      const bool bf16 = cfg.precision.dtype == "bf16";  // autocast's matmuls
+      const Speed speed{[&](double side, double, bool batched) {
+                          return profile->matmul_flops(side, busy, bf16, batched);
+                        },
+                        profile->memory_bytes(busy)};
+      double compute = 0;
+      for (int64_t c = 0; c < job.chunks; ++c) compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, speed);
+      if (out.bubble < 1) compute /= 1 - out.bubble;
+      out.step_s = (compute + passes * 4 * double(shard) / speed.memory) * double(world) +
+                   talk_seconds({profile->all_reduce, profile->send});
+    } else if (job.cuda && profile->gpu) {
+      // The links of the backend the ranks take: the GPU's where the profile measured
+      // that backend, else Gloo's between processes (its copies through the host aside);
+      // NCCL unmeasured (a profile of one GPU) leaves no estimate.
+      const auto& g = *profile->gpu;
+      const std::string backend = world > 1 ? gpu_backend(job, g) : g.backend;
+      const double work = gpu_step_seconds(job, at, g, shard, double(h.entries.size()), passes, out.bubble);
+      if (backend == g.backend) out.step_s = work + talk_seconds({g.all_reduce, g.send});
+      else if (backend == "gloo") out.step_s = work + talk_seconds({profile->all_reduce, profile->send});
+    }
   }
   return out;
 }
@@ -564,8 +652,8 @@ RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const Mach
   return rank_plan(Job(cfg, world), rank, profile);
 }
 
-Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile) {
-  const Job job(cfg, world);
+Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile, PlanFor device) {
+  const Job job(cfg, world, device);
   Plan plan;
   plan.dims = job.dims;
   plan.world = world;

@@ -40,7 +40,7 @@ struct RankPlan {
   std::optional<double> comm_bytes;  // per step, after any compression warm-up
   double bubble = 0;           // the schedule's idle fraction of a step, ideal
   double flops = 0;            // per step, forward and backward (and recompute)
-  std::optional<double> step_s;  // with a machine profile (CPU, sync and local SGD modes)
+  std::optional<double> step_s;  // with a profile of the device (sync and local SGD modes)
 };
 
 struct Plan {
@@ -53,8 +53,15 @@ struct Plan {
   double world_memory = 0;
 };
 
-// The plan of a job validated for `world` processes; times where `profile` is given.
-Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile = nullptr);
+// The device planned for: the one the job takes on this machine, or a GPU whatever this
+// machine has (`plan --device cuda`: a login node planning for GPU nodes, with a profile
+// measured on one).
+enum class PlanFor { kThisMachine, kGpu };
+
+// The plan of a job validated for `world` processes; times where `profile` is given and
+// measured the device planned for.
+Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile = nullptr,
+              PlanFor device = PlanFor::kThisMachine);
 
 // Rank `rank`'s plan alone (the memory check sums a machine's local ranks).
 RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank,

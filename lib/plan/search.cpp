@@ -144,10 +144,10 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world) {
 }  // namespace
 
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                                   double memory_bytes) {
+                                   double memory_bytes, PlanFor device) {
   auto out = valid_layouts(cfg, world);
   for (auto& c : out) {
-    c.plan = plan_job(c.cfg, world, profile);
+    c.plan = plan_job(c.cfg, world, profile, device);
     c.fits = memory_bytes <= 0 || needed(c.plan) <= memory_bytes;
   }
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
@@ -165,6 +165,10 @@ Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfil
   return std::move(all.front());
 }
 
+double gpu_limit(const MachineProfile* profile) {
+  return profile && profile->gpu ? 0.9 * profile->gpu->memory : 0;
+}
+
 void check_some_layout(const JobConfig& cfg, int64_t world) {
   if (valid_layouts(cfg, world).empty()) no_layout(cfg, world);
 }
@@ -179,11 +183,12 @@ JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
   return c;
 }
 
-MachineProfile profile_for_auto(int64_t local) {
+MachineProfile profile_for_auto(int64_t local, bool gpu) {
   const std::string path = default_profile_path();
-  if (auto stored = load_profile(path)) return *stored;
-  std::cerr << "dtrain: parallel.auto: no machine profile at " << path
-            << "; measuring this machine (about 15 s)\n";
+  auto stored = load_profile(path);
+  if (stored && (!gpu || stored->gpu)) return *stored;
+  std::cerr << "dtrain: parallel.auto: no machine profile" << (stored ? " of a GPU" : "") << " at "
+            << path << "; measuring this machine (about " << (gpu ? 30 : 15) << " s)\n";
   auto measured = measure_machine(std::clamp<int64_t>(local, 2, 8));
   try {
     save_profile(measured, path);
@@ -208,10 +213,10 @@ AutoChoice auto_layout(const JobConfig& cfg, int64_t world, int64_t local, bool 
     }
   }
   const bool cuda = plan_device(cfg, 0, local, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
-  // A plan counts every rank; this machine holds `local` of them (a GPU's memory is
-  // LibTorch's to report, at run).
-  const double limit = cuda ? 0 : available_memory() * double(world) / double(std::max<int64_t>(1, local));
-  const MachineProfile profile = profile_for_auto(local);
+  const MachineProfile profile = profile_for_auto(local, cuda);
+  // A plan counts every rank; this machine holds `local` of them (a GPU: one).
+  const double limit = cuda ? gpu_limit(&profile)
+                            : available_memory() * double(world) / double(std::max<int64_t>(1, local));
   auto all = all_layouts(cfg, world, &profile, limit);
   if (all.empty()) no_layout(cfg, world);
   const auto fit = std::count_if(all.begin(), all.end(), [](const Candidate& c) { return c.fits; });

@@ -34,7 +34,7 @@ extern const std::set<std::string> kLayoutKeys;
 // it), what one device has on a GPU (the largest rank); 0 = no limit. Under parallel.auto the layout keys the job sets itself
 // (JobConfig::given) are held as set: the list parallel.auto takes the first of.
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                                   double memory_bytes);
+                                   double memory_bytes, PlanFor device = PlanFor::kThisMachine);
 
 // parallel.auto: the job with all_layouts' first layout. Throws ConfigError where none
 // validates (the job's own layout's reason, with the keys held).
@@ -49,8 +49,13 @@ void check_some_layout(const JobConfig& cfg, int64_t world);
 JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier);
 
 // What parallel.auto's choice ranks by: the stored machine profile (plan/profile.hpp), else
-// this machine measured for up to `local` local ranks and stored for the next start.
-MachineProfile profile_for_auto(int64_t local);
+// this machine measured for up to `local` local ranks and stored for the next start (also
+// where the job is on a GPU and the stored profile has none).
+MachineProfile profile_for_auto(int64_t local, bool gpu);
+
+// What one GPU holds for a rank, bytes: the device's memory less a tenth (the CUDA
+// context, the caching allocator's slack), where the profile measured it; else 0 (no limit).
+double gpu_limit(const MachineProfile* profile);
 
 // parallel.auto at a start: the job with the layout chosen for `world` processes (`local`
 // of them on this machine, whose free memory is the limit on a CPU), and the line that says

@@ -174,6 +174,91 @@ TEST_SUITE("plan") {
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 
+
+  TEST_CASE("plan --device cuda: a GPU profile's step time, worked out by hand") {
+    // A profile as a GPU machine's `plan --measure` writes it, with round numbers: every
+    // product at 1 GFLOP/s (bf16's at 2), memory at 1 GB/s, the one GPU shared by local
+    // ranks over Gloo (100 us a call, 1 GB/s).
+    auto dir = temp_dir("plan-gpu");
+    auto rate = [](double flops) { return nlohmann::json::array({{{"size", 64}, {"work", 1e6}, {"flops", flops}}}); };
+    auto link = nlohmann::json::array({{{"ranks", 2}, {"latency_s", 1e-4}, {"bytes_per_s", 1e9}}});
+    auto cpu = nlohmann::json::array({{{"size", 64}, {"one_thread_flops", 1e9}, {"all_threads_flops", 1e9}}});
+    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 2}, {"host", "gpu-node"},
+                           {"build", "test"}, {"cores", 1}, {"matmul_fp32", cpu}, {"matmul_bf16", cpu},
+                           {"bmm_fp32", cpu}, {"bmm_bf16", cpu},
+                           {"memory_one_thread_bytes_per_s", 1e9}, {"memory_all_threads_bytes_per_s", 1e9},
+                           {"gloo_all_reduce", link}, {"gloo_send", link}};
+    profile["gpu"] = {{"name", "test GPU"}, {"count", 1}, {"memory_bytes", 80e9},
+                      {"matmul", {{"fp32", rate(1e9)}, {"tf32", rate(1e9)}, {"bf16", rate(2e9)}}},
+                      {"bmm", nlohmann::json::object()}, {"memory_bytes_per_s", 1e9},
+                      {"launch_s", 1e-6}, {"backend", "gloo"}, {"all_reduce", link}, {"send", link}};
+    auto write = [&](const nlohmann::json& p, const std::string& name) {
+      std::ofstream(dir + "/" + name) << p.dump();
+      return " --profile " + dir + "/" + name;
+    };
+    const auto gpu = write(profile, "gpu.json");
+    Job job;
+    job.data = "{dataset: synthetic, samples: 256, test_samples: 32, input_shape: [1, 8, 8], classes: 8,"
+               " batch_size: 16, workers: 1}";
+    job.model = "{arch: mlp, hidden: [32]}";
+    job.optimizer = "{name: sgd, lr: 0.05, momentum: 0}";
+    job.train = "";
+    const auto path = job.write(dir);
+    auto plan = [&](const std::string& args) {
+      auto r = dtrain("plan " + path + " --json --device cuda" + args);
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      return nlohmann::json::parse(r.out);
+    };
+    // One process. The MLP 64-32-8 on 16 samples: its products' 2 (64 32 + 32 8) = 4608
+    // flops a sample and its 2 (32 + 8) fp32 activations (320 bytes) a sample, forward
+    // and backward's two passes; SGD streams its 2344 parameters four times; the host
+    // launches 25 kernels (the two layers' 2 + 3, three passes; four gradients; SGD's
+    // four; the norm's two).
+    const double compute = 3 * 16 * (4608 / 1e9 + 320 / 1e9), update = 4 * 4 * 2344 / 1e9;
+    const auto one = plan("" + gpu);
+    CHECK(one["device"] == "cuda");
+    CHECK(one["ranks"][0]["memory_mb"]["runtime"].is_null());  // the host's, not the GPU's
+    CHECK(one["step_s"].get<double>() == doctest::Approx(compute + update).epsilon(1e-9));
+    // The host launching more slowly than the device computes: the step is the launches.
+    auto slow = profile;
+    slow["gpu"]["launch_s"] = 1e-4;
+    CHECK(plan(write(slow, "slow.json"))["step_s"].get<double>() == doctest::Approx(25 * 1e-4).epsilon(1e-9));
+    // bf16 autocast's products at bf16's rate.
+    CHECK(plan(" --set precision.dtype=bf16" + gpu)["step_s"].get<double>() ==
+          doctest::Approx(3 * 16 * (4608 / 2e9 + 320 / 1e9) + update).epsilon(1e-9));
+    // Two ranks sharing the one GPU: each computes its 8 samples in turn with the other,
+    // and all-reduces the gradient (9376 bytes, ring: half each way twice) over Gloo.
+    const auto two = plan(" --nproc 2" + gpu);
+    CHECK(two["step_s"].get<double>() ==
+          doctest::Approx(2 * (3 * 8 * (4608 / 1e9 + 320 / 1e9) + update) + 1e-4 + 9376 / 1e9).epsilon(1e-9));
+    // Two GPUs take NCCL, which this profile did not measure: no estimate rather than Gloo's.
+    auto pair = profile;
+    pair["gpu"]["count"] = 2;
+    CHECK(plan(" --nproc 2" + write(pair, "pair.json"))["step_s"].is_null());
+    // A CPU machine's profile has no GPU: no time, and the table says why.
+    auto cpu_only = profile;
+    cpu_only.erase("gpu");
+    const auto no_gpu = write(cpu_only, "cpu.json");
+    CHECK(plan(no_gpu)["step_s"].is_null());
+    auto table = dtrain("plan " + path + " --device cuda" + no_gpu);
+    CHECK(table.out.find("the machine profile has no GPU") != std::string::npos);
+    // --all on a GPU: the limit is the profile's device, less a tenth.
+    auto all = dtrain("plan " + path + " --all --json --nproc 2 --device cuda" + gpu);
+    INFO(all.err);
+    REQUIRE(all.code == 0);
+    CHECK(nlohmann::json::parse(all.out)["memory_limit_mb"].get<double>() == doctest::Approx(0.9 * 80e9 / (1 << 20)));
+    // A GPU section without fp32's rates is named; an auto job is planned where it runs.
+    auto broken = profile;
+    broken["gpu"]["matmul"].erase("fp32");
+    auto bad = dtrain("plan " + path + " --device cuda" + write(broken, "broken.json"));
+    CHECK(bad.code == 3);
+    CHECK(bad.err.find("broken.json") != std::string::npos);
+    auto chooses = dtrain("plan " + path + " --device cuda --set parallel.auto=true" + gpu);
+    CHECK(chooses.code == 2);
+    CHECK(chooses.err.find("plan --all --device cuda") != std::string::npos);
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
 }
 
 // Its own ctest entry with the machine to itself: it times this machine, then compares a
