@@ -5,6 +5,10 @@
 # instructions); the measured step is the median step_ms of rank 0's train lines after
 # the first 10. The ratio printed is expected / measured (1 = exact; < 1 optimistic).
 #   scripts/bench_plan.sh [FILTER]        # the cases whose name has FILTER (default: all)
+#   scripts/bench_plan.sh --gpu [FILTER]  # the GPU cases (train.device=cuda): the step is the
+#                                         # summary's median (only logged steps wait for the
+#                                         # GPU), and rank 0's planned memory is set against
+#                                         # the allocator's peak (peak_gpu_mb)
 # The profile is measured first (`dtrain plan --measure --nproc 4`, kept under $OUT_DIR), so
 # that it and the runs see the machine in the same state (a shared machine's speed drifts:
 # this one's matmuls by up to 2x over an hour); DTRAIN_PROFILE=FILE uses FILE instead.
@@ -14,11 +18,13 @@ OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-plan}"
 PY=/usr/bin/python3
 BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 [ -x "$BIN" ] || { echo "bench_plan: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+gpu=0
+if [ "${1:-}" = "--gpu" ]; then gpu=1; shift; fi
 filter="${1:-}"
 mkdir -p "$OUT_DIR"
 if [ -z "${DTRAIN_PROFILE:-}" ]; then
   export DTRAIN_PROFILE=$OUT_DIR/machine.json
-  "$BIN" plan --measure --nproc 4 > /dev/null
+  "$BIN" plan --measure --nproc $((gpu ? 2 : 4)) > /dev/null
 fi
 rows=$OUT_DIR/bench_plan.jsonl
 : > "$rows"
@@ -41,11 +47,24 @@ cases=(
   "gpt d2 t2|$GPT|4|parallel.tensor=2"
   "gpt t2 p2 x4|$GPT|4|parallel.tensor=2 parallel.pipeline=2 train.grad_accum=4"
 )
+if [ $gpu = 1 ]; then
+  GPT2=$ROOT/configs/gpt2_small.yaml
+  cases=(
+    "gpu mlp|$MLP|1|train.device=cuda|200"
+    "gpu mlp bf16|$MLP|1|train.device=cuda precision.dtype=bf16|200"
+    "gpu cnn|$CNN|1|train.device=cuda|200"
+    "gpu mlp d2 (one GPU)|$MLP|2|train.device=cuda|200"
+    "gpu gpt2 4 layers bf16|$GPT2|1|train.device=cuda model.layers=4 precision.dtype=bf16|40"
+    "gpu gpt2 bf16|$GPT2|1|train.device=cuda precision.dtype=bf16|30"
+    "gpu gpt2 4 layers fp32|$GPT2|1|train.device=cuda model.layers=4 precision.dtype=fp32|30"
+  )
+fi
 for c in "${cases[@]}"; do
   IFS='|' read -r name job nproc words steps <<< "$c"
   [[ -z "$filter" || "$name" == *"$filter"* ]] || continue
-  sets=(--set train.max_steps=${steps:-60} --set train.log_every=1 --set train.eval_every=0
-        --set checkpoint.every_steps=0 --set logging.progress=off)
+  # On a GPU only logged steps wait for it: log once, at the end.
+  sets=(--set train.max_steps=${steps:-60} --set train.log_every=$((gpu ? ${steps:-60} : 1))
+        --set train.eval_every=0 --set checkpoint.every_steps=0 --set logging.progress=off)
   for w in $words; do sets+=(--set "$w"); done
   "$BIN" plan "$job" --nproc "$nproc" --json "${sets[@]}" > "$OUT_DIR/plan.json"
   rm -rf "$OUT_DIR/run"
@@ -55,21 +74,29 @@ for c in "${cases[@]}"; do
   $PY - "$name" "$nproc" "$OUT_DIR/plan.json" "$OUT_DIR/run/metrics.jsonl" >> "$rows" <<'PYEOF'
 import json, statistics, sys
 plan = json.load(open(sys.argv[3]))
-train = [json.loads(l) for l in open(sys.argv[4])]
-train = [l for l in train if l["kind"] == "train"][10:]
-step = statistics.median(l["step_ms"] for l in train) / 1000
-comm = statistics.median(l.get("comm_ms", 0) for l in train) / 1000
-print(json.dumps({"case": sys.argv[1], "nproc": int(sys.argv[2]), "planned_s": plan["step_s"],
-                  "measured_s": step, "comm_s": comm}))
+lines = [json.loads(l) for l in open(sys.argv[4])]
+train = [l for l in lines if l["kind"] == "train"][10:]
+summary = [l for l in lines if l["kind"] == "summary"][-1]
+row = {"case": sys.argv[1], "nproc": int(sys.argv[2]), "planned_s": plan["step_s"]}
+if "peak_gpu_mb" in summary:  # a GPU: the steps' median, the allocator's peak
+    row.update(measured_s=summary["step_ms_median"] / 1000, comm_s=0,
+               planned_mb=plan["ranks"][0]["memory_mb"]["total"], measured_mb=summary["peak_gpu_mb"])
+else:
+    row.update(measured_s=statistics.median(l["step_ms"] for l in train) / 1000,
+               comm_s=statistics.median(l.get("comm_ms", 0) for l in train) / 1000)
+print(json.dumps(row))
 PYEOF
   tail -n 1 "$rows"
 done
 $PY - "$rows" "$(nproc)" <<'PYEOF'
 import json, sys
-print(f"\n{'case':18} {'procs':>5} {'planned ms':>10} {'measured ms':>11} {'of it comm':>10} {'ratio':>6}   ({sys.argv[2]} cores)")
+print(f"\n{'case':24} {'procs':>5} {'planned ms':>10} {'measured ms':>11} {'of it comm':>10} {'ratio':>6}"
+      f" {'planned MB':>10} {'peak MB':>8} {'ratio':>6}  ({sys.argv[2]} cores)")
 for l in open(sys.argv[1]):
     r = json.loads(l)
     p = r["planned_s"]
-    print(f"{r['case']:18} {r['nproc']:5} {p * 1e3 if p else float('nan'):10.2f} {r['measured_s'] * 1e3:11.2f} "
-          f"{r['comm_s'] * 1e3:10.2f} {p / r['measured_s'] if p else float('nan'):6.2f}")
+    memory = (f" {r['planned_mb']:10.1f} {r['measured_mb']:8.1f} {r['planned_mb'] / r['measured_mb']:6.2f}"
+              if "planned_mb" in r else "")
+    print(f"{r['case']:24} {r['nproc']:5} {p * 1e3 if p else float('nan'):10.2f} {r['measured_s'] * 1e3:11.2f} "
+          f"{r['comm_s'] * 1e3:10.2f} {p / r['measured_s'] if p else float('nan'):6.2f}{memory}")
 PYEOF

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine whose LibTorch is the one inside Python's torch (2.x with CUDA): builds
 # dtrain against it, runs the CUDA tests, the GPU benchmark against PyTorch
-# (scripts/bench_gpu.sh) and the whole CPU suite with the GPU hidden, in that order, each
-# bounded, logs under $OUT (default /tmp/dtrain-gpu-check). About 8 minutes on 16 cores.
+# (scripts/bench_gpu.sh), the plan's time and memory against runs (scripts/bench_plan.sh
+# --gpu) and the whole CPU suite with the GPU hidden, in that order, each bounded, logs
+# under $OUT (default /tmp/dtrain-gpu-check). About 8 minutes on 16 cores.
 #   scripts/gpu-check.sh
 # Brings along (a machine without a package manager or network): third_party/debs
 # (third_party/fetch.sh, run on a Debian 13 machine) and .devdata/ holding the
@@ -72,6 +73,10 @@ fi
 step "benchmark"
 OUT_DIR=$OUT/bench timeout 200 scripts/bench_gpu.sh build-gpu $DATA 2>&1 | tail -20
 cp $OUT/bench/bench_gpu.jsonl $OUT/ 2>/dev/null
+
+step "the plan against runs on the GPU (its profile measured first; scripts/bench_plan.sh --gpu)"
+DTRAIN_BIN=build-gpu/dtrain OUT_DIR=$OUT/plan timeout 180 scripts/bench_plan.sh --gpu 2>&1 | tail -12
+cp $OUT/plan/machine.json $OUT/machine.json 2>/dev/null
 
 step "the whole suite on the CPU (GPU hidden), in what is left of BUDGET"
 [ "$(left)" -gt 60 ] || { step "no time left for it"; exit 0; }

@@ -82,6 +82,7 @@ TEST_SUITE("cuda") {
     REQUIRE(cpu.code == 0);
     auto summary = metrics(dir + "/gpu").back();
     CHECK(summary["device"] == "cuda:0");
+    CHECK(summary["peak_gpu_mb"].get<double>() > 0);
     CHECK(summary["final_accuracy"].get<double>() > 0.78);
     // fp32 without TF32: the GPU's sums differ from the CPU's in order only, which SGD with
     // momentum amplifies: the first 50 steps stay within 0.2% (a wrong update on either
@@ -98,6 +99,47 @@ TEST_SUITE("cuda") {
     CHECK(std::abs(late_mean(g) - late_mean(c)) < 0.05 * late_mean(c));
     const double cpu_accuracy = metrics(dir + "/cpu").back()["final_accuracy"];
     CHECK(std::abs(summary["final_accuracy"].get<double>() - cpu_accuracy) < 0.02);
+  }
+
+  TEST_CASE("cuda: plan --measure profiles the GPU; a GPT's planned step and memory are near a run's") {
+    require_gpu();
+    auto dir = temp_dir("cuda-plan");
+    const std::string profile = " --profile " + dir + "/machine.json";
+    auto m = dtrain("plan --measure --nproc 2" + profile);
+    INFO(m.err);
+    REQUIRE(m.code == 0);
+    const auto p = nlohmann::json::parse(slurp(dir + "/machine.json"));
+    REQUIRE(p["gpu"].is_object());
+    CHECK(p["gpu"]["memory_bytes"].get<double>() > 1e9);
+    for (const char* dtype : {"fp32", "tf32", "bf16", "fp16"}) {
+      REQUIRE(p["gpu"]["matmul"][dtype].size() >= 10);
+      CHECK(p["gpu"]["matmul"][dtype].back()["flops"].get<double>() > 1e12);  // 4096 wide, 2^34
+    }
+    CHECK(p["gpu"]["bmm"]["bf16"].size() >= 6);
+    CHECK(p["gpu"]["memory_bytes_per_s"].get<double>() > 1e11);
+    CHECK(p["gpu"]["launch_s"].get<double>() > 1e-7);
+    CHECK(p["gpu"]["launch_s"].get<double>() < 1e-3);
+    CHECK(p["gpu"]["all_reduce"].size() >= 1);
+    // A GPT in bf16: the plan's step and rank 0's memory against the run's median step and
+    // its allocator's peak. Loose (4x, 2x): the README's table is the measured accuracy.
+    const auto job = gpt_job(dir);
+    const std::string sets = " --set precision.dtype=bf16 --set train.log_every=60 --set train.eval_every=0";
+    auto planned = dtrain("plan " + job + " --json" + sets + profile);
+    INFO(planned.err);
+    REQUIRE(planned.code == 0);
+    const auto plan = nlohmann::json::parse(planned.out);
+    REQUIRE(plan["step_s"].is_number());
+    REQUIRE(dtrain("run " + job + " --run-dir " + dir + "/run" + sets + kQuiet).code == 0);
+    const auto summary = metrics(dir + "/run").back();
+    const double step = plan["step_s"].get<double>() * 1000 / summary["step_ms_median"].get<double>();
+    const double memory = plan["ranks"][0]["memory_mb"]["total"].get<double>() / summary["peak_gpu_mb"].get<double>();
+    CAPTURE(step);
+    CAPTURE(memory);
+    CHECK(step > 0.25);
+    CHECK(step < 4);
+    CHECK(memory > 0.5);
+    CHECK(memory < 2);
+    std::system(("rm -rf '" + dir + "'").c_str());
   }
 
   TEST_CASE("cuda: N steps then --resume auto gives bit-identical losses, dropout included") {
