@@ -153,7 +153,6 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
           fit(n, 4.0 * double(small), times[2], 4.0 * double(large), times[3])};
 }
 
-
 #ifdef DTRAIN_CUDA
 // Seconds per call of `fn` on the GPU: calls queued back to back, then one wait for all
 // of them; doubled until they take `budget` seconds.
