@@ -112,7 +112,8 @@ else
   # CI's subset (about 100 s; CI's 90 minutes hold no more): the unit tests, the fuzz
   # corpus, the symbol check (a CUDA LibTorch interposes its own remove_all), every parallel
   # layout against one process, checkpoint operations and old checkpoints, Hugging Face
-  # GPT-2. (The CLI's contract and exact resume also pass here: --all-tests.)
+  # GPT-2, the plan (a GPU's step worked out by hand: this LibTorch's fused kernels).
+  # (The CLI's contract and exact resume also pass here: --all-tests.)
   ctest --test-dir "$BUILD" -LE cuda --output-on-failure --timeout 900 -j "$(nproc)" \
-    -R '^(unit|fuzz_corpus|symbols|docs_keys|e2e_layouts|e2e_checkpoint_ops|e2e_fixtures|hf)$'
+    -R '^(unit|fuzz_corpus|symbols|docs_keys|e2e_layouts|e2e_checkpoint_ops|e2e_fixtures|hf|e2e_plan)$'
 fi
