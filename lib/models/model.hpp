@@ -112,6 +112,10 @@ struct PartCost {
   // bmm). Not among `matmuls`.
   double small_flops = 0, small_side = 0;
   bool block = false;           // train.recompute keeps only its input for backward
+  // Of activation_bytes, the share that 16-bit autocast (bf16, fp16) holds in 2 bytes a
+  // value instead of 4: what products write and elementwise ops on them keep. 0 where not
+  // worked out (counted as fp32: the plan errs high).
+  double low_share = 0;
   // The kernels its forward launches (a GPU's host launches each: what bounds a small
   // model's step there); backward launches about twice as many.
   double kernels = 2;

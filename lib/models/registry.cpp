@@ -65,6 +65,8 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     }
     c.output = last ? 0 : out_here;
     c.kernels = last ? 3 : 2;  // the product with its bias, then the ReLU (or the loss's two)
+    // Under autocast the product and its ReLU are 16-bit; the loss's log-softmax is fp32.
+    c.low_share = last ? 0.5 : 1;
     parts.push_back(c);
     in = out;
   };

@@ -96,6 +96,13 @@ struct Job {
     return c;
   }
   int64_t stages() const { return dims.pipeline * chunks; }
+  // Part i's cost sheet, its activations in the bytes this job's precision holds them in
+  // (16-bit autocast: its low_share in 2 bytes a value).
+  PartCost part(int64_t i) const {
+    PartCost p = costs[size_t(i)];
+    if (cfg.precision.dtype != "fp32") p.activation_bytes *= 1 - p.low_share / 2;
+    return p;
+  }
 };
 
 // The parameters a pipeline rank holds, as FlatParams lays them out: its chunks' in order,
@@ -230,7 +237,7 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
   const PartRange r = job.split[size_t(stage)];
   ChunkCost c;
   for (int64_t i = r.first; i < r.last; ++i) {
-    const PartCost& p = job.costs[size_t(i)];
+    const PartCost p = job.part(i);
     const double input = i > 0 ? job.costs[size_t(i - 1)].output : 0;
     const bool again = recompute && p.block;
     // Recomputed, a block keeps its input; backward rebuilds one block's activations at a
@@ -266,7 +273,7 @@ double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
   const double rows_step = job.rows * double(job.micro);
   double seconds = 0;
   for (int64_t i = r.first; i < r.last; ++i) {
-    const PartCost& p = job.costs[size_t(i)];
+    const PartCost p = job.part(i);
     const double passes = recompute && p.block ? 4 : 3;
     const double dense = p.flops - p.small_flops;
     if (dense > 0 && p.matmuls > 0) {
@@ -528,9 +535,13 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   }
   m.activations = job.rows * (most + recompute_peak);
 
-  // Buffers: the loader's batches; autograd's gradient of the largest parameter; ZeRO's
-  // buckets and gathered units; error feedback's residual; the unfused update's temporaries.
+  // Buffers: the loader's batches; autograd's gradient of the largest parameter; autocast's
+  // 16-bit copies of the weights it casts (kept for backward); ZeRO's buckets and gathered
+  // units; error feedback's residual; the unfused update's temporaries.
   m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + largest;
+  if (!(p.zero >= 3 && d > 1))  // ZeRO-3 gathers them in that dtype already
+    for (const auto& e : h.entries)
+      if (e.gathered < 4) m.buffers += double(e.numel * e.gathered);
   double zero3_sent = 0;
   if (p.zero >= 2 && d > 1) {
     m.buffers += double(kZeroInFlight) * p.bucket_mb * kMiB + 4 * double(h.tied);

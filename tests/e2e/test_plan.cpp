@@ -175,6 +175,24 @@ TEST_SUITE("plan") {
   }
 
 
+  TEST_CASE("plan: under bf16 an MLP's activations are 16-bit and autocast's weight copies are counted") {
+    auto dir = temp_dir("plan-bf16");
+    const auto job = Job().write(dir);  // 64-32-16-4, micro-batches of 8 samples
+    const auto fp32 = plan_of(job, 1, "")["ranks"][0]["memory_mb"];
+    const auto bf16 = plan_of(job, 1, " --set precision.dtype=bf16")["ranks"][0]["memory_mb"];
+    // fp32: each layer's output and its ReLU (the last's log-softmax), 8 bytes a value:
+    // 8 (32 + 16 + 4) a sample. bf16: the hidden layers' in 2 bytes each, the logits in 2
+    // and their fp32 log-softmax in 4: 4 (32 + 16) + 6 * 4.
+    const double mib = 1 << 20;
+    CHECK(fp32["activations"].get<double>() * mib == doctest::Approx(8 * 8 * (32 + 16 + 4)));
+    CHECK(bf16["activations"].get<double>() * mib == doctest::Approx(8 * (4 * (32 + 16) + 6 * 4)));
+    // bf16 copies of the three layers' weights and biases (torch::linear casts both),
+    // kept for backward.
+    CHECK((bf16["buffers"].get<double>() - fp32["buffers"].get<double>()) * mib ==
+          doctest::Approx(2 * (64 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4)));
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+
   TEST_CASE("plan --device cuda: a GPU profile's step time, worked out by hand") {
     // A profile as a GPU machine's `plan --measure` writes it, with round numbers: every
     // product at 1 GFLOP/s (bf16's at 2), memory at 1 GB/s, the one GPU shared by local
@@ -224,9 +242,10 @@ TEST_SUITE("plan") {
     auto slow = profile;
     slow["gpu"]["launch_s"] = 1e-4;
     CHECK(plan(write(slow, "slow.json"))["step_s"].get<double>() == doctest::Approx(25 * 1e-4).epsilon(1e-9));
-    // bf16 autocast's products at bf16's rate.
+    // bf16 autocast's products at bf16's rate, their activations in 2 bytes (the hidden
+    // layer's 32 outputs and ReLUs: 128 bytes; the logits' 8 in 2 and log-softmax in 4: 48).
     CHECK(plan(" --set precision.dtype=bf16" + gpu)["step_s"].get<double>() ==
-          doctest::Approx(3 * 16 * (4608 / 2e9 + 320 / 1e9) + update).epsilon(1e-9));
+          doctest::Approx(3 * 16 * (4608 / 2e9 + 176 / 1e9) + update).epsilon(1e-9));
     // Two ranks sharing the one GPU: each computes its 8 samples in turn with the other,
     // and all-reduces the gradient (9376 bytes, ring: half each way twice) over Gloo.
     const auto two = plan(" --nproc 2" + gpu);
