@@ -15,7 +15,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-plan}"
-PY=/usr/bin/python3
+PY=${PY:-$(command -v python3)}
 BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 [ -x "$BIN" ] || { echo "bench_plan: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 gpu=0
