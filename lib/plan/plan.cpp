@@ -669,6 +669,7 @@ Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile
   plan.dims = job.dims;
   plan.world = world;
   plan.device = job.cuda ? "cuda" : "cpu";
+  if (job.cuda && profile && profile->gpu) plan.ranks_per_gpu = int64_t(ranks_per_gpu(job, *profile->gpu));
   if (job.servers > 0) plan.ranks.push_back(rank_plan(job, 0, profile));
   for (int64_t s = 0; s < job.dims.pipeline; ++s)
     plan.ranks.push_back(rank_plan(job, job.servers + job.dims.rank_of({0, 0, s}), profile));

@@ -51,6 +51,8 @@ struct Plan {
   std::optional<double> step_s, samples_per_s;  // the slowest rank's, with a machine profile
   // Every rank's memory added up (what one machine holds when all run on it), bytes.
   double world_memory = 0;
+  // On a GPU, the ranks that share one (more ranks than the profile's GPUs), else 1.
+  int64_t ranks_per_gpu = 1;
 };
 
 // The device planned for: the one the job takes on this machine, or a GPU whatever this

@@ -36,8 +36,11 @@ double largest_rank(const Plan& p) {
   return most;
 }
 
-// What a candidate needs of the limit: all ranks on a CPU, the largest on a GPU.
-double needed(const Plan& p) { return p.device == "cuda" ? largest_rank(p) : p.world_memory; }
+// What a candidate needs of the limit: all ranks on a CPU; on a GPU the largest, as many
+// times as ranks share one.
+double needed(const Plan& p) {
+  return p.device == "cuda" ? largest_rank(p) * double(p.ranks_per_gpu) : p.world_memory;
+}
 
 // Without a time estimate (no profile, a GPU, async_ps), what a layout costs beyond the
 // work itself, in order: the busiest rank's bubble, bytes sent and FLOPs (recompute's

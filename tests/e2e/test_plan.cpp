@@ -267,6 +267,23 @@ TEST_SUITE("plan") {
     INFO(all.err);
     REQUIRE(all.code == 0);
     CHECK(nlohmann::json::parse(all.out)["memory_limit_mb"].get<double>() == doctest::Approx(0.9 * 80e9 / (1 << 20)));
+    // Two ranks on the one GPU need their memory twice over: a limit between once and twice
+    // the largest rank fits where each has its GPU, not where they share one.
+    auto fits_d2 = [&](const std::string& profile_args, double limit_mb) {
+      auto r = dtrain("plan " + path + " --all --json --nproc 2 --device cuda --memory-gb " +
+                      std::to_string(limit_mb / 1024) + profile_args);
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      const auto listed = nlohmann::json::parse(r.out);
+      for (const auto& l : listed["layouts"])
+        if (l["label"] == "d2 x t1 x p1, zero 0, 1 micro-batch(es)")
+          return std::pair{l["fits"].get<bool>(), l["largest_rank_mb"].get<double>()};
+      FAIL("no d2 layout");
+      return std::pair{false, 0.0};
+    };
+    const double largest = fits_d2(gpu, 1e6).second;
+    CHECK_FALSE(fits_d2(gpu, 1.5 * largest).first);
+    CHECK(fits_d2(write(pair, "pair.json"), 1.5 * largest).first);
     // A GPU section without fp32's rates is named; an auto job is planned where it runs.
     auto broken = profile;
     broken["gpu"]["matmul"].erase("fp32");
