@@ -51,7 +51,7 @@ grep 'dtrain:' "$OUT/cmake.log"
 
 step "CUDA tests"
 timeout 120 build-gpu/tests/unit_tests --test-suite=cuda 2>&1 | tail -15
-timeout 200 ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest-cuda.log" 2>&1
+timeout 260 ctest --test-dir build-gpu -L cuda --output-on-failure > "$OUT/ctest-cuda.log" 2>&1
 grep -E 'tests passed|ERROR|FAILED|Skipped' "$OUT/ctest-cuda.log" | head -30
 
 step "does a steady step wait for the GPU? (DTRAIN_SYNC_DEBUG=warn, GPT-2 small's shape, 4 layers)"
