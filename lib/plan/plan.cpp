@@ -294,6 +294,17 @@ double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
   return seconds;
 }
 
+// Seconds a pipeline rank's device works in a step at `speed`: its chunks' computing,
+// stretched by the bubble, then the update streaming its shard (`passes` over it).
+double work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, double bubble,
+                    int64_t shard, double passes) {
+  double compute = 0;
+  for (int64_t c = 0; c < job.chunks; ++c)
+    compute += compute_seconds(job, c * job.dims.pipeline + pipeline_rank, speed);
+  if (bubble < 1) compute /= 1 - bubble;
+  return compute + passes * 4 * double(shard) / speed.memory;
+}
+
 // The kernels a stage's host launches in a step for its parts: each part's forward,
 // backward twice that (a recomputed block's forward again).
 double stage_kernels(const Job& job, int64_t stage) {
@@ -436,10 +447,9 @@ std::string gpu_backend(const Job& job, const MachineProfile::Gpu& g) {
   }
 }
 
-// A step's seconds on a GPU (the profile's), its talk aside: the device computes the
-// chunks' work (stretched by the bubble) and streams the optimizer's shard, ranks sharing
-// a GPU taking turns on it; meanwhile the host launches every kernel, and the step takes
-// the longer of the two.
+// A step's seconds on a GPU (the profile's), its talk aside: the device's work at the GPU's
+// rates, ranks sharing a GPU taking turns on it; meanwhile the host launches every kernel,
+// and the step takes the longer of the two.
 double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::Gpu& g,
                         int64_t shard, double parameters, double passes, double bubble) {
   const auto& cfg = job.cfg;
@@ -450,14 +460,9 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
                       return g.matmul_flops(side, work, dtype, batched);
                     },
                     g.memory_bytes_per_s};
-  double device = 0, kernels = 0;
-  for (int64_t c = 0; c < job.chunks; ++c) {
-    const int64_t stage = c * job.dims.pipeline + at.pipeline;
-    device += compute_seconds(job, stage, speed);
-    kernels += stage_kernels(job, stage);
-  }
-  if (bubble < 1) device /= 1 - bubble;
-  device += passes * 4 * double(shard) / g.memory_bytes_per_s;
+  const double device = work_seconds(job, at.pipeline, speed, bubble, shard, passes);
+  double kernels = 0;
+  for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, c * job.dims.pipeline + at.pipeline);
   // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
   // step count) or about one kernel a pass over each piece; the norm's two a piece.
   const bool fused = has_fused_kernel(cfg.optimizer.name, torch::kCUDA);
@@ -638,10 +643,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
                           return profile->matmul_flops(side, busy, bf16, batched);
                         },
                         profile->memory_bytes(busy)};
-      double compute = 0;
-      for (int64_t c = 0; c < job.chunks; ++c) compute += compute_seconds(job, c * job.dims.pipeline + at.pipeline, speed);
-      if (out.bubble < 1) compute /= 1 - out.bubble;
-      out.step_s = (compute + passes * 4 * double(shard) / speed.memory) * double(world) +
+      out.step_s = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * double(world) +
                    talk_seconds({profile->all_reduce, profile->send});
     } else if (job.cuda && profile->gpu) {
       // The links of the backend the ranks take: the GPU's where the profile measured
