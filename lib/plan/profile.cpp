@@ -55,24 +55,38 @@ double median(std::array<double, 3> v) {
   return v[1];
 }
 
-// flop/s of a product whose smallest side is n, in the shapes training runs them (about
-// 33 MFLOP or more a call, so that threads have work to share): activations times a
-// weight, [R, n] x [n, n]; or, `batched`, a batch of attention's small products
-// [4n, n] x [n, 4n]. A square product's rate by volume was up to 1.8x faster than the
-// GPT's own at 2 threads, and 2x faster than its attention's.
-double matmul_rate(int64_t n, torch::Dtype dtype, bool batched, double budget) {
-  const auto like = torch::TensorOptions().dtype(dtype);
-  const int64_t work = int64_t(1) << 24;  // multiply-adds a call, at least
+// A product whose smallest side is n, of about `work` multiply-adds a call, in the shapes
+// training runs them: activations times a weight, [R, n] x [n, n] (R at least `min_rows`);
+// or, `batched`, a batch of attention's small products [4n, n] x [n, 4n]; an operand at
+// most 2^28 values (1 GiB in fp32). Its multiply-adds and a call's seconds, by `time(call)`.
+struct Timed {
+  double macs = 0, seconds = 0;
+  double flops() const { return 2 * macs / seconds; }
+};
+template <class Time>
+Timed time_product(int64_t n, double work, double min_rows, const torch::TensorOptions& like,
+                   bool batched, Time time) {
+  const double cap = double(int64_t(1) << 28), side = double(n);
   torch::Tensor a, b, c;
   if (batched) {
-    const int64_t batch = std::max<int64_t>(1, work / (16 * n * n * n));
+    const double each = 16 * side * side * side;
+    const int64_t batch = int64_t(std::clamp(work / each, 1.0, cap / (4 * side * side)));
     a = torch::randn({batch, 4 * n, n}, like), b = torch::randn({batch, n, 4 * n}, like);
     c = torch::empty({batch, 4 * n, 4 * n}, like);
-    return 2.0 * double(batch) * 16 * double(n * n * n) / seconds_per([&] { at::bmm_out(c, a, b); }, budget);
+    return {double(batch) * each, time([&] { at::bmm_out(c, a, b); })};
   }
-  const int64_t rows = std::max(n, work / (n * n));
+  const int64_t rows = int64_t(std::clamp(work / (side * side), min_rows, cap / side));
   a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like), c = torch::empty({rows, n}, like);
-  return 2.0 * double(rows) * double(n * n) / seconds_per([&] { at::mm_out(c, a, b); }, budget);
+  return {double(rows) * side * side, time([&] { at::mm_out(c, a, b); })};
+}
+
+// flop/s of a product whose smallest side is n on this CPU, about 33 MFLOP or more a call
+// (so that threads have work to share), at least n rows. A square product's rate by volume
+// was up to 1.8x faster than the GPT's own at 2 threads, and 2x faster than its attention's.
+double matmul_rate(int64_t n, torch::Dtype dtype, bool batched, double budget) {
+  return time_product(n, 0x1p24, double(n), torch::TensorOptions().dtype(dtype), batched,
+                      [&](const auto& call) { return seconds_per(call, budget); })
+      .flops();
 }
 
 double memory_rate(double budget) {
@@ -168,28 +182,14 @@ double gpu_seconds_per(const std::function<void()>& fn, double budget) {
   }
 }
 
-// The rate of a product whose smallest side is n, of about `work` multiply-adds a call, as
-// matmul_rate's shapes; at most 2^28 values an operand (1 GiB in fp32).
+// The GPU's rate of time_product's product of about `work` multiply-adds (at least 16 rows).
 MachineProfile::Gpu::Rate gpu_matmul_rate(int64_t n, double work, torch::Dtype dtype, bool batched,
                                           double budget) {
-  const auto like = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
-  const double cap = double(int64_t(1) << 28);
-  torch::Tensor a, b, c;
-  double macs = 0;
-  if (batched) {
-    const double each = 16.0 * double(n) * double(n) * double(n);
-    const int64_t batch = int64_t(std::clamp(work / each, 1.0, cap / (4.0 * double(n) * double(n))));
-    a = torch::randn({batch, 4 * n, n}, like), b = torch::randn({batch, n, 4 * n}, like);
-    c = torch::empty({batch, 4 * n, 4 * n}, like);
-    macs = double(batch) * each;
-    const double s = gpu_seconds_per([&] { at::bmm_out(c, a, b); }, budget);
-    return {double(n), macs, 2 * macs / s};
-  }
-  const int64_t rows = int64_t(std::clamp(work / (double(n) * double(n)), 16.0, cap / double(n)));
-  a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like), c = torch::empty({rows, n}, like);
-  macs = double(rows) * double(n) * double(n);
-  const double s = gpu_seconds_per([&] { at::mm_out(c, a, b); }, budget);
-  return {double(n), macs, 2 * macs / s};
+  const Timed t = time_product(n, work, 16, torch::TensorOptions().dtype(dtype).device(torch::kCUDA),
+                               batched, [&](const std::function<void()>& call) {
+                                 return gpu_seconds_per(call, budget);
+                               });
+  return {double(n), t.macs, t.flops()};
 }
 
 // The first GPU: its matmuls by dtype, size and work; its memory's speed; the host's time
