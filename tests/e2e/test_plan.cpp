@@ -222,44 +222,39 @@ TEST_SUITE("plan") {
     job.optimizer = "{name: sgd, lr: 0.05, momentum: 0}";
     job.train = "";
     const auto path = job.write(dir);
-    auto plan = [&](const std::string& args) {
-      auto r = dtrain("plan " + path + " --json --device cuda" + args);
-      INFO(r.err);
-      REQUIRE(r.code == 0);
-      return nlohmann::json::parse(r.out);
-    };
+    auto plan = [&](int64_t nproc, const std::string& args) { return plan_of(path, nproc, " --device cuda" + args); };
     // One process. The MLP 64-32-8 on 16 samples: its products' 2 (64 32 + 32 8) = 4608
     // flops a sample and its 2 (32 + 8) fp32 activations (320 bytes) a sample, forward
     // and backward's two passes; SGD streams its 2344 parameters four times; the host
     // launches 25 kernels (the two layers' 2 + 3, three passes; four gradients; SGD's
     // four; the norm's two).
     const double compute = 3 * 16 * (4608 / 1e9 + 320 / 1e9), update = 4 * 4 * 2344 / 1e9;
-    const auto one = plan("" + gpu);
+    const auto one = plan(1, gpu);
     CHECK(one["device"] == "cuda");
     CHECK(one["ranks"][0]["memory_mb"]["runtime"].is_null());  // the host's, not the GPU's
     CHECK(one["step_s"].get<double>() == doctest::Approx(compute + update).epsilon(1e-9));
     // The host launching more slowly than the device computes: the step is the launches.
     auto slow = profile;
     slow["gpu"]["launch_s"] = 1e-4;
-    CHECK(plan(write(slow, "slow.json"))["step_s"].get<double>() == doctest::Approx(25 * 1e-4).epsilon(1e-9));
+    CHECK(plan(1, write(slow, "slow.json"))["step_s"].get<double>() == doctest::Approx(25 * 1e-4).epsilon(1e-9));
     // bf16 autocast's products at bf16's rate, their activations in 2 bytes (the hidden
     // layer's 32 outputs and ReLUs: 128 bytes; the logits' 8 in 2 and log-softmax in 4: 48).
-    CHECK(plan(" --set precision.dtype=bf16" + gpu)["step_s"].get<double>() ==
+    CHECK(plan(1, " --set precision.dtype=bf16" + gpu)["step_s"].get<double>() ==
           doctest::Approx(3 * 16 * (4608 / 2e9 + 176 / 1e9) + update).epsilon(1e-9));
     // Two ranks sharing the one GPU: each computes its 8 samples in turn with the other,
     // and all-reduces the gradient (9376 bytes, ring: half each way twice) over Gloo.
-    const auto two = plan(" --nproc 2" + gpu);
+    const auto two = plan(2, gpu);
     CHECK(two["step_s"].get<double>() ==
           doctest::Approx(2 * (3 * 8 * (4608 / 1e9 + 320 / 1e9) + update) + 1e-4 + 9376 / 1e9).epsilon(1e-9));
     // Two GPUs take NCCL, which this profile did not measure: no estimate rather than Gloo's.
     auto pair = profile;
     pair["gpu"]["count"] = 2;
-    CHECK(plan(" --nproc 2" + write(pair, "pair.json"))["step_s"].is_null());
+    CHECK(plan(2, write(pair, "pair.json"))["step_s"].is_null());
     // A CPU machine's profile has no GPU: no time, and the table says why.
     auto cpu_only = profile;
     cpu_only.erase("gpu");
     const auto no_gpu = write(cpu_only, "cpu.json");
-    CHECK(plan(no_gpu)["step_s"].is_null());
+    CHECK(plan(1, no_gpu)["step_s"].is_null());
     auto table = dtrain("plan " + path + " --device cuda" + no_gpu);
     CHECK(table.out.find("the machine profile has no GPU") != std::string::npos);
     // --all on a GPU: the limit is the profile's device, less a tenth.
