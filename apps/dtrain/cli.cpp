@@ -397,8 +397,7 @@ int plan_command(const Cli& cli) {
   if (cli.all) {
     JobConfig cfg = load_job(cli.job.path, cli.job.sets);
     resolve(cfg);
-    const bool cuda = device == PlanFor::kGpu ||
-                      plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
+    const bool cuda = plans_gpu(cfg, device);
     // An auto job's list is ranked as its choice is: by time, measuring where need be.
     const auto profile = cfg.parallel.auto_layout && device == PlanFor::kThisMachine
                              ? std::optional(profile_for_auto(world, cuda))

@@ -73,7 +73,7 @@ struct Job {
     const int64_t trainers = mode.trainers(cfg, world);
     dims = ParallelDims::resolve(cfg.parallel, trainers);
     servers = world - trainers;
-    cuda = device == PlanFor::kGpu || plan_device(cfg, 0, 1, mode.any_source).device.is_cuda();
+    cuda = plans_gpu(cfg, device);
     const auto kind = data_kind(cfg.data);
     mc.sample_shape = kind.sample_shape;
     mc.classes = kind.classes;
@@ -660,6 +660,11 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
 }
 
 }  // namespace
+
+bool plans_gpu(const JobConfig& cfg, PlanFor device) {
+  return device == PlanFor::kGpu ||
+         plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
+}
 
 RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const MachineProfile* profile) {
   return rank_plan(Job(cfg, world), rank, profile);

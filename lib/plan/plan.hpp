@@ -60,6 +60,9 @@ struct Plan {
 // measured on one).
 enum class PlanFor { kThisMachine, kGpu };
 
+// Whether a plan of `cfg` for `device` is a GPU's.
+bool plans_gpu(const JobConfig& cfg, PlanFor device);
+
 // The plan of a job validated for `world` processes; times where `profile` is given and
 // measured the device planned for.
 Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile = nullptr,
