@@ -49,21 +49,22 @@ void add_job_args(CLI::App* cmd, JobArgs& a, bool required = true) {
 }
 
 // A job resolved and validated for `world_size` processes (`local` of them on this
-// machine), with the layout it resolves to: parallel.auto's choice, said on stderr where
-// `say`.
+// machine) among `devices`, with the layout it resolves to: parallel.auto's choice, said on
+// stderr where `say`.
 struct Job {
   JobConfig cfg;
   ParallelDims dims;
 };
 
-Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say) {
+Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say,
+         const Devices& devices = Devices::here()) {
   Job job{load_job(a.path, a.sets), {}};
   if (!run_dir.empty()) job.cfg.run_dir = run_dir;
   resolve(job.cfg);
   auto choice = auto_layout(job.cfg, world_size, local, false);
   if (say && !choice.line.empty()) std::cerr << "dtrain: " << choice.line << "\n";
   job.cfg = std::move(choice.cfg);
-  job.dims = validate(job.cfg, world_size);
+  job.dims = validate(job.cfg, world_size, devices);
   return job;
 }
 
@@ -393,20 +394,30 @@ int plan_command(const Cli& cli) {
     if (cli.job.path.empty()) return 0;
   }
   const int64_t world = world_for_check(cli.check_nproc);
-  const PlanFor device = cli.plan_device_name == "cuda" ? PlanFor::kGpu : PlanFor::kThisMachine;
+  JobConfig cfg = load_job(cli.job.path, cli.job.sets);
+  resolve(cfg);
+  // --device cuda: the job as a GPU machine would take it (the profile's GPUs, else one a
+  // rank; its dtrain built with CUDA and NCCL), whatever this machine has.
+  const bool elsewhere = cli.plan_device_name == "cuda";
+  Devices devices = Devices::here();
+  if (elsewhere) {
+    const auto stored = load_profile(profile_path);
+    devices = Devices::gpu_machine(stored && stored->gpu ? stored->gpu->count : world);
+    fail_if<ConfigError>(!plans_gpu(cfg, devices), "plan --device cuda: train.device {} keeps "
+                         "this job on the CPU of a GPU machine too; set train.device auto or "
+                         "cuda to plan it for the GPU", cfg.train.device);
+  }
   if (cli.all) {
-    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
-    resolve(cfg);
-    const bool cuda = plans_gpu(cfg, device);
+    const bool cuda = plans_gpu(cfg, devices);
     // An auto job's list is ranked as its choice is: by time, measuring where need be.
-    const auto profile = cfg.parallel.auto_layout && device == PlanFor::kThisMachine
+    const auto profile = cfg.parallel.auto_layout && !elsewhere
                              ? std::optional(profile_for_auto(world, cuda))
                              : load_profile(profile_path);
     const MachineProfile* measured = profile ? &*profile : nullptr;
     const double limit = cli.memory_gb > 0 ? cli.memory_gb * 1024 * 1024 * 1024
                          : cuda            ? gpu_limit(measured)
                                            : available_memory();
-    const auto all = all_layouts(cfg, world, measured, limit, device);
+    const auto all = all_layouts(cfg, world, measured, limit, devices);
     fail_if<ConfigError>(all.empty(), "plan --all: no layout of {} process(es) validates for {} "
                          "(`dtrain validate --nproc {}` says why for the job's own)",
                          world, cli.job.path, world);
@@ -414,16 +425,13 @@ int plan_command(const Cli& cli) {
     else std::cout << cli.job.path << ": " << candidates_table(all, limit);
     return 0;
   }
-  if (device == PlanFor::kGpu) {
-    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
-    fail_if<ConfigError>(cfg.parallel.auto_layout, "plan --device cuda: parallel.auto chooses its "
-                         "layout on the machine it runs on; `plan --all --device cuda` ranks the "
-                         "layouts for a GPU");
-  }
-  const auto checked = load(cli.job, "", world, world, true);
+  fail_if<ConfigError>(elsewhere && cfg.parallel.auto_layout, "plan --device cuda: parallel.auto "
+                       "chooses its layout on the machine it runs on; `plan --all --device cuda` "
+                       "ranks the layouts for a GPU");
+  const auto checked = load(cli.job, "", world, world, true, devices);
   const auto profile = load_profile(profile_path);  // after load: parallel.auto may have made it
   const MachineProfile* measured = profile ? &*profile : nullptr;
-  const Plan plan = plan_job(checked.cfg, world, measured, device);
+  const Plan plan = plan_job(checked.cfg, world, measured, devices);
   if (cli.json) {
     std::cout << plan_json(checked.cfg, plan).dump() << "\n";
   } else {

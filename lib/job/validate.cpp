@@ -127,7 +127,7 @@ void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
   model_spec(cfg.model.arch).fits(cfg.model, mc);
 }
 
-ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
+ParallelDims validate(const JobConfig& cfg, int64_t world_size, const Devices& devices) {
   check_ranges(cfg);
   const ModeSpec& mode = mode_spec(cfg.parallel.mode);
   mode.validate(cfg, world_size);
@@ -135,7 +135,7 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size) {
   const int64_t trainers = mode.trainers(cfg, world_size);
   const auto layout = ParallelDims::resolve(cfg.parallel, trainers);
   check_compression(cfg);
-  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1, mode.any_source);  // train.device, fp16, nccl
+  plan_device(cfg, /*local_rank=*/0, /*local_world=*/1, mode.any_source, devices);  // train.device, fp16, nccl
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);
   fail_if<ConfigError>(cfg.train.recompute == "blocks" && !model_spec(cfg.model.arch).blocks,

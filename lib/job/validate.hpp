@@ -7,14 +7,16 @@
 
 #include "config/config.hpp"
 #include "data/dataset.hpp"
+#include "launch/device.hpp"
 #include "parallel/dims.hpp"
 
 namespace dtrain {
 
-// Every range, enum and divisibility check for a job run on `world_size` processes, and
-// the layout it resolves to. Throws ConfigError with a message that names the key and what
-// would be valid.
-ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1);
+// Every range, enum and divisibility check for a job run on `world_size` processes among
+// `devices` (this machine's, or a GPU machine's planned for), and the layout it resolves
+// to. Throws ConfigError with a message that names the key and what would be valid.
+ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1,
+                      const Devices& devices = Devices::here());
 
 // `check` (validate() where none is given) at every world size an elastic job may take:
 // `min_nodes` to `max_nodes` nodes of `per_node` processes. The error names the world size

@@ -67,16 +67,18 @@ std::string pick_backend(const std::string& backend, c10::DeviceType type, bool 
   return backend;
 }
 
+Devices Devices::here() { return {visible_gpus(), nccl_built()}; }
+
 DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world,
-                       const std::string& any_source) {
+                       const std::string& any_source, const Devices& devices) {
   DevicePlan plan;
-  const int64_t visible = visible_gpus();
+  const int64_t visible = devices.gpus;
   plan.device = pick_device(cfg.train.device, local_rank, local_world, visible);
   // Several local processes that each see the same single GPU, with nothing (SLURM's GPU
   // binding, the user) giving each its own through CUDA_VISIBLE_DEVICES: they share it.
   const bool shared = plan.device.is_cuda() && visible == 1 && local_world > 1 &&
                       std::getenv("CUDA_VISIBLE_DEVICES") == nullptr;
-  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), nccl_built(), shared, any_source);
+  plan.backend = pick_backend(cfg.dist.backend, plan.device.type(), devices.nccl, shared, any_source);
   fail_if<ConfigError>(cfg.precision.dtype == "fp16" && !plan.device.is_cuda(),
                        "precision.dtype: fp16 needs a CUDA device (train.device is the CPU "
                        "here); use bf16 for mixed precision on the CPU");

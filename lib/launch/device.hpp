@@ -32,14 +32,25 @@ c10::Device pick_device(const std::string& spec, int64_t local_rank, int64_t loc
 std::string pick_backend(const std::string& backend, c10::DeviceType type, bool nccl_built,
                          bool gpu_shared = false, const std::string& any_source = "");
 
-// The job's device and backend on this machine; throws ConfigError (train.device,
-// dist.backend, precision.dtype) for what cannot run here, e.g. fp16 on the CPU.
+// The devices a job's device and backend are chosen among: this machine's (`here`:
+// LibTorch says which GPUs this process sees), or a GPU machine's seen from elsewhere
+// (`plan --device cuda` on a login node), whose dtrain is taken to be a CUDA build with
+// NCCL.
+struct Devices {
+  int64_t gpus = 0;
+  bool nccl = false;
+  static Devices here();
+  static Devices gpu_machine(int64_t gpus) { return {gpus, true}; }
+};
+
+// The job's device and backend among `devices`; throws ConfigError (train.device,
+// dist.backend, precision.dtype) for what cannot run there, e.g. fp16 on the CPU.
 struct DevicePlan {
   c10::Device device = c10::Device(c10::kCPU);
   std::string backend = "gloo";
 };
 DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world,
-                       const std::string& any_source = "");
+                       const std::string& any_source = "", const Devices& devices = Devices::here());
 
 int64_t visible_gpus();
 bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group

@@ -68,12 +68,12 @@ struct Job {
   int64_t micro = 1;               // micro-batches per step
   double rows = 1;                 // samples per micro-batch on a data rank
 
-  Job(const JobConfig& c, int64_t w, PlanFor device = PlanFor::kThisMachine)
+  Job(const JobConfig& c, int64_t w, const Devices& devices = Devices::here())
       : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
     const int64_t trainers = mode.trainers(cfg, world);
     dims = ParallelDims::resolve(cfg.parallel, trainers);
     servers = world - trainers;
-    cuda = plans_gpu(cfg, device);
+    cuda = plans_gpu(cfg, devices);
     const auto kind = data_kind(cfg.data);
     mc.sample_shape = kind.sample_shape;
     mc.classes = kind.classes;
@@ -661,17 +661,16 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
 
 }  // namespace
 
-bool plans_gpu(const JobConfig& cfg, PlanFor device) {
-  return device == PlanFor::kGpu ||
-         plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source).device.is_cuda();
+bool plans_gpu(const JobConfig& cfg, const Devices& devices) {
+  return plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source, devices).device.is_cuda();
 }
 
 RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank, const MachineProfile* profile) {
   return rank_plan(Job(cfg, world), rank, profile);
 }
 
-Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile, PlanFor device) {
-  const Job job(cfg, world, device);
+Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile, const Devices& devices) {
+  const Job job(cfg, world, devices);
   Plan plan;
   plan.dims = job.dims;
   plan.world = world;

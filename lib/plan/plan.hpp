@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/config.hpp"
+#include "launch/device.hpp"
 #include "parallel/dims.hpp"
 #include "plan/profile.hpp"
 #include "util/units.hpp"
@@ -55,18 +56,15 @@ struct Plan {
   int64_t ranks_per_gpu = 1;
 };
 
-// The device planned for: the one the job takes on this machine, or a GPU whatever this
-// machine has (`plan --device cuda`: a login node planning for GPU nodes, with a profile
-// measured on one).
-enum class PlanFor { kThisMachine, kGpu };
+// Whether a plan of `cfg` among `devices` is a GPU's: the device the job takes on this
+// machine, or on a GPU machine planned from elsewhere (`plan --device cuda`: a login node
+// planning for GPU nodes, with a profile measured on one).
+bool plans_gpu(const JobConfig& cfg, const Devices& devices);
 
-// Whether a plan of `cfg` for `device` is a GPU's.
-bool plans_gpu(const JobConfig& cfg, PlanFor device);
-
-// The plan of a job validated for `world` processes; times where `profile` is given and
-// measured the device planned for.
+// The plan of a job validated for `world` processes among `devices`; times where `profile`
+// is given and measured the device planned for.
 Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile = nullptr,
-              PlanFor device = PlanFor::kThisMachine);
+              const Devices& devices = Devices::here());
 
 // Rank `rank`'s plan alone (the memory check sums a machine's local ranks).
 RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank,

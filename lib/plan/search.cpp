@@ -71,9 +71,9 @@ std::vector<int64_t> values(const std::set<std::string>& held, const std::string
   return options;
 }
 
-// Every layout the job validates for on `world` processes (the held keys as set), not yet
-// planned.
-std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world) {
+// Every layout the job validates for on `world` processes among `devices` (the held keys
+// as set), not yet planned.
+std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const Devices& devices = Devices::here()) {
   std::vector<Candidate> out;
   const auto held = held_keys(cfg);
   const auto is_held = [&](const char* key) { return held.count(key) > 0; };
@@ -111,7 +111,7 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world) {
                 c.train.grad_accum = accum;
                 c.train.recompute = recompute ? "blocks" : "none";
                 try {
-                  validate(c, world);
+                  validate(c, world, devices);
                 } catch (const ConfigError&) {
                   continue;  // a layout the job cannot take
                 }
@@ -147,10 +147,10 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world) {
 }  // namespace
 
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                                   double memory_bytes, PlanFor device) {
-  auto out = valid_layouts(cfg, world);
+                                   double memory_bytes, const Devices& devices) {
+  auto out = valid_layouts(cfg, world, devices);
   for (auto& c : out) {
-    c.plan = plan_job(c.cfg, world, profile, device);
+    c.plan = plan_job(c.cfg, world, profile, devices);
     c.fits = memory_bytes <= 0 || needed(c.plan) <= memory_bytes;
   }
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {

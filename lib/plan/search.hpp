@@ -28,13 +28,14 @@ struct Candidate {
 // The keys a candidate sets: the layout parallel.auto chooses.
 extern const std::set<std::string> kLayoutKeys;
 
-// Every candidate that validates for `world` processes, those that fit first, each part
-// fastest first (without a time estimate: least bubble, bytes sent, work, micro-batches,
-// memory). `memory_bytes`: what the machine has for all of them on a CPU (every rank on
-// it), what one device has on a GPU (the largest rank); 0 = no limit. Under parallel.auto the layout keys the job sets itself
-// (JobConfig::given) are held as set: the list parallel.auto takes the first of.
+// Every candidate that validates for `world` processes among `devices`, those that fit
+// first, each part fastest first (without a time estimate: least bubble, bytes sent, work,
+// micro-batches, memory). `memory_bytes`: what the machine has for all of them on a CPU
+// (every rank on it), what one device has on a GPU (the largest rank); 0 = no limit. Under
+// parallel.auto the layout keys the job sets itself (JobConfig::given) are held as set: the
+// list parallel.auto takes the first of.
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                                   double memory_bytes, PlanFor device = PlanFor::kThisMachine);
+                                   double memory_bytes, const Devices& devices = Devices::here());
 
 // parallel.auto: the job with all_layouts' first layout. Throws ConfigError where none
 // validates (the job's own layout's reason, with the keys held).

@@ -288,6 +288,25 @@ TEST_SUITE("plan") {
     auto chooses = dtrain("plan " + path + " --device cuda --set parallel.auto=true" + gpu);
     CHECK(chooses.code == 2);
     CHECK(chooses.err.find("plan --all --device cuda") != std::string::npos);
+    // A job written for the GPU machine is planned from this one, which has no GPU (a login
+    // node): its train.device, fp16, NCCL between the profile's two GPUs, its second GPU.
+    const auto pair_gpus = write(pair, "pair.json");
+    for (const std::string sets : {" --set train.device=cuda --set precision.dtype=fp16 --set dist.backend=nccl",
+                                   " --set train.device=cuda:1"}) {
+      CAPTURE(sets);
+      CHECK(plan(2, sets + pair_gpus)["device"] == "cuda");
+      auto listed = dtrain("plan " + path + " --all --json --nproc 2 --device cuda" + sets + pair_gpus);
+      INFO(listed.err);
+      REQUIRE(listed.code == 0);
+      CHECK(nlohmann::json::parse(listed.out)["layouts"].size() >= 2);  // d2, and t2
+    }
+    // ...but not what that machine does not have: a third GPU; a job kept on its CPU.
+    auto third = dtrain("plan " + path + " --device cuda --set train.device=cuda:2" + pair_gpus);
+    CHECK(third.code == 2);
+    CHECK(third.err.find("train.device: cuda:2") != std::string::npos);
+    auto on_cpu = dtrain("plan " + path + " --device cuda --set train.device=cpu" + gpu);
+    CHECK(on_cpu.code == 2);
+    CHECK(on_cpu.err.find("plan --device cuda: train.device cpu") != std::string::npos);
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }
