@@ -1,32 +1,25 @@
 #include "models/dropout.hpp"
 
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
+#ifdef DTRAIN_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
+#include "models/dropout_mask.hpp"
 #include "util/hash.hpp"
 
 namespace dtrain {
 namespace {
-
-// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds). Its constant
-// is below 2^27, so the tensor form below stays exact in int64 without overflow.
-constexpr uint32_t kMul = 0x45d9f3b;
-inline uint32_t hash32(uint32_t x) {
-  x = ((x >> 16) ^ x) * kMul;
-  x = ((x >> 16) ^ x) * kMul;
-  return (x >> 16) ^ x;
-}
-torch::Tensor hash32(torch::Tensor x) {  // int64 holding values below 2^32
-  constexpr int64_t low = 0xffffffff;
-  x = ((x.__rshift__(16) ^ x) * int64_t(kMul)) & low;
-  x = ((x.__rshift__(16) ^ x) * int64_t(kMul)) & low;
-  return x.__rshift__(16) ^ x;
-}
 
 inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
   x += 0x9e3779b97f4a7c15ULL;
@@ -65,9 +58,32 @@ torch::Tensor unit_hashes(c10::IntArrayRef local, const LayerSlice& slice, c10::
     index = index + (torch::arange(local[size_t(d)], torch::kInt64) + offset).view(shape) * stride;
     stride *= full[size_t(d)];
   }
-  auto hashed = hash32(index ^ int64_t(0x9e3779b9)).contiguous().to(device);
+  auto hashed = index.expand(local.vec()).contiguous();
+  int64_t* h = hashed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < hashed.numel(); ++i)
+    h[i] = dropout_mask::hash32(uint32_t(h[i] ^ int64_t(0x9e3779b9)));
+  hashed = hashed.to(device);
   if (cache.size() > 64) cache.clear();
   return cache[key] = hashed;
+}
+
+// The mask on a GPU: dropout_mask.cu's kernel on the device's current stream.
+template <class Bits>
+void fill_on_device([[maybe_unused]] const int64_t* positions, [[maybe_unused]] const int64_t* units,
+                    [[maybe_unused]] Bits* out, [[maybe_unused]] int64_t rows,
+                    [[maybe_unused]] int64_t n, [[maybe_unused]] const dropout_mask::Draw<Bits>& d,
+                    const c10::Device& device) {
+#ifdef DTRAIN_CUDA
+  if (device.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(device);
+    const char* error = dropout_mask::fill_cuda(positions, units, out, rows, n, sizeof(Bits), d.key,
+                                                d.threshold, d.kept,
+                                                c10::cuda::getCurrentCUDAStream().stream());
+    if (error) throw std::runtime_error(fmt::format("dropout: the mask kernel failed: {}", error));
+    return;
+  }
+#endif
+  throw std::logic_error(fmt::format("dropout: no mask kernel for {}", device.str()));
 }
 
 }  // namespace
@@ -96,36 +112,44 @@ torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t site,
     throw std::logic_error("dropout: the draw's positions do not match the batch's rows");
   const auto key = uint32_t(mix64(draw->seed ^ mix64(site ^ mix64(uint64_t(draw->step)))));
   const auto threshold = int64_t(p * 4294967296.0);  // drop when the hash is below
-  const double scale = 1.0 / (1.0 - p);
   const auto units = unit_hashes(x.sizes().slice(1), slice, x.device());
-  torch::Tensor mask;
-  if (x.device().is_cpu()) {
-    // One pass, no temporaries: the CPU's common case.
-    mask = torch::empty(x.sizes(), torch::kFloat32);
-    auto pos = draw->positions.to(torch::kCPU, torch::kInt64).contiguous();
-    const int64_t* at = pos.data_ptr<int64_t>();
+  const auto positions = draw->positions.to(x.device(), torch::kInt64).contiguous();
+  // The mask in x's dtype: a kept unit's scale rounded as a cast of the fp32 mask would.
+  auto mask = torch::empty(x.sizes(), x.options().memory_format(torch::MemoryFormat::Contiguous));
+  const auto scale = float(1.0 / (1.0 - p));
+  const auto fill = [&](auto kept) {
+    using Bits = decltype(kept);
+    // Named in LibTorch's profiles (and counted as the kernel it is on a GPU).
+    RECORD_FUNCTION("dtrain::dropout_mask", std::vector<c10::IValue>());
+    const dropout_mask::Draw<Bits> d{key, threshold, kept};
+    const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* u = units.data_ptr<int64_t>();
-    float* out = mask.data_ptr<float>();
     const int64_t n = units.numel();
-    const auto kept = float(scale);
+    auto* out = static_cast<Bits*>(mask.data_ptr());
+    if (!x.device().is_cpu()) return fill_on_device(pos, u, out, rows, n, d, x.device());
+    // One pass, no temporaries; a row's hash once per row.
     at::parallel_for(0, rows * n, 1 << 14, [&](int64_t begin, int64_t end) {
       int64_t r = begin / n, j = begin % n;
-      uint32_t row = hash32(uint32_t(at[r]) + key);
+      uint32_t row = dropout_mask::row_hash(pos[r], key);
       for (int64_t i = begin; i < end; ++i) {
-        out[i] = int64_t(hash32(uint32_t(u[j]) ^ row)) < threshold ? 0.f : kept;
-        if (++j == n && i + 1 < end) j = 0, row = hash32(uint32_t(at[++r]) + key);
+        out[i] = dropout_mask::value(u[j], row, d);
+        if (++j == n && i + 1 < end) j = 0, row = dropout_mask::row_hash(pos[++r], key);
       }
     });
-  } else {
-    // The same arithmetic as tensor operations (on a GPU).
-    auto pos = draw->positions.to(x.device(), torch::kInt64);
-    auto row = hash32((pos + int64_t(key)) & int64_t(0xffffffff));
-    std::vector<int64_t> shape(size_t(x.dim()), 1);
-    shape[0] = rows;
-    auto h = hash32(units.unsqueeze(0) ^ row.view(shape));
-    mask = (h >= threshold).to(torch::kFloat32) * scale;
+  };
+  switch (x.scalar_type()) {
+    case torch::kFloat: {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &scale, sizeof bits);
+      fill(bits);
+      break;
+    }
+    case torch::kBFloat16: fill(c10::BFloat16(scale).x); break;
+    case torch::kHalf: fill(c10::Half(scale).x); break;
+    default:
+      throw std::logic_error(fmt::format("dropout: no mask in {}", c10::toString(x.scalar_type())));
   }
-  return x * mask.to(x.scalar_type());
+  return x * mask;
 }
 
 }  // namespace dtrain

@@ -29,11 +29,13 @@ bool no_gpu() { return visible_gpus() == 0; }
 
 TEST_SUITE("cuda" * doctest::skip(no_gpu())) {
   TEST_CASE("cuda: seeded dropout draws on the GPU the masks it draws on the CPU") {
-    // The GPU computes the hash with tensor operations, the CPU in a loop: the same masks,
-    // so a job keeps its dropout moving between devices.
-    auto x = torch::randn({6, 4, 9, 9});
+    // The GPU draws the mask with dtrain's kernel, the CPU in a loop: the same masks, in
+    // each dtype, so a job keeps its dropout moving between devices.
     auto positions = torch::tensor(std::vector<int64_t>{0, 3, 5, 8, 13, 21}, torch::kInt64);
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16})
     for (const LayerSlice slice : {LayerSlice{}, LayerSlice{1, 1, 3}}) {
+      CAPTURE(dtype);
+      auto x = torch::randn({6, 4, 9, 9}).to(dtype);
       torch::Tensor cpu, gpu;
       {
         DropoutScope draw(DropoutDraw{42, 3, positions});

@@ -91,4 +91,25 @@ TEST_CASE("dropout: the gradient is the mask, and a scope restores the one it re
   CHECK(dropout_site("h.0.attn.out") != dropout_site("h.1.attn.out"));
 }
 
+TEST_CASE("dropout: the masks are the documented hash's, in the input's dtype") {
+  // Worked out apart (Python, from the hash as models/dropout.hpp describes it): seed 1234,
+  // step 7, site 5, p 0.5, rows at positions 0, 3 and 10 of a layer of 8 units.
+  const std::vector<std::vector<float>> kept{{1, 1, 1, 1, 1, 0, 0, 1},
+                                             {0, 1, 1, 0, 0, 0, 0, 0},
+                                             {0, 1, 0, 1, 0, 0, 1, 1}};
+  auto expected = torch::empty({3, 8});
+  for (int64_t r = 0; r < 3; ++r)
+    for (int64_t j = 0; j < 8; ++j) expected[r][j] = 2 * kept[size_t(r)][size_t(j)];
+  DropoutScope scope(draw(rows({0, 3, 10})));
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+    CAPTURE(dtype);
+    const auto y = seeded_dropout(torch::ones({3, 8}, dtype), 0.5, 5);
+    CHECK((y.scalar_type() == dtype));
+    CHECK(torch::equal(y.to(torch::kFloat32), expected));
+    // A kept unit's scale as that dtype rounds 1 / (1 - p).
+    const auto tenth = seeded_dropout(torch::ones({3, 8}, dtype), 0.1, 5);
+    CHECK(tenth.max().item<float>() == torch::tensor(1 / 0.9f).to(dtype).item<float>());
+  }
+}
+
 }  // namespace unit_models_dropout
