@@ -98,12 +98,15 @@ std::vector<PartCost> cnn_costs(const ModelConfig& cfg, const SizeContext& ctx) 
       c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
       p.output = c * h * w;
       p.activation_bytes = 4 * (maps * (cfg.batch_norm ? 3 : 2) + p.output);
-      p.kernels = cfg.batch_norm ? 4 : 3;  // convolution, batch norm, ReLU, pooling
+      // Convolution, batch norm (and its count of batches), ReLU, pooling; under autocast
+      // the weight and the bias (without batch norm) cast, and the first the data.
+      p.kernels = cfg.batch_norm ? 5 : 3;
+      p.casts = (cfg.batch_norm ? 1 : 2) + (parts.empty() ? 1 : 0);
       parts.push_back(p);
     }
     in = c * h * w;
   }
-  for (const auto& p : dense_costs(in, cfg.fc, ctx.classes, /*tensor=*/1, /*first=*/false))
+  for (const auto& p : dense_costs(in, cfg.fc, ctx.classes, /*tensor=*/1, /*first=*/false, cfg.dropout > 0))
     parts.push_back(p);
   return parts;
 }

@@ -298,6 +298,8 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   const double d = double(m.dim), v = double(m.vocab), t = double(ctx.tensor);
   const double s = ctx.sample_shape.empty() ? double(m.seq_len) : double(ctx.sample_shape[0]);
   const bool split = ctx.tensor > 1;
+  const bool dropout = m.dropout > 0;
+  const bool fused = DTRAIN_HAS_FUSED_ATTENTION && !dropout;  // as Attention::forward takes it
   std::vector<PartCost> parts;
   PartCost embeddings;
   embeddings.activation_bytes = 4 * 2 * s * d;  // the sum and its dropout
@@ -305,10 +307,10 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.reduced = split ? s * d : 0;
   embeddings.output = s * d;
   embeddings.matmuls = 0;
-  embeddings.kernels = 4;  // two lookups, their sum, its dropout
+  embeddings.kernels = dropout ? 6 : 4;  // the positions, two lookups, their sum; its dropout
   parts.push_back(embeddings);
   PartCost block;
-  const double scores = DTRAIN_HAS_FUSED_ATTENTION ? 0 : 5 * double(m.heads) * s;
+  const double scores = fused ? 0 : 5 * double(m.heads) * s;
   block.activation_bytes = 2 * s * (34 * d + scores) / t;
   block.flops = (24 * s * d * d + 4 * s * s * d) / t;
   block.reduced = block.reduced_back = split ? 2 * s * d : 0;
@@ -321,16 +323,21 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.small_side = std::min(s, d / double(m.heads));
   block.block = true;
   // Two layer norms, four products, attention (fused: one; else the scores, their scale,
-  // mask, softmax and weighting), GELU, two dropouts and two residual sums; the heads'
-  // layout copies.
-  block.kernels = DTRAIN_HAS_FUSED_ATTENTION ? 15 : 19;
+  // the causal mask made and applied, softmax and weighting, and the heads' layout copies),
+  // GELU, two residual sums; three dropouts. Under autocast the products' weights and biases
+  // cast, and their inputs from the layer norms.
+  block.kernels = fused ? 10 : 20 + (dropout ? 6 : 0);
+  block.casts = 10;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;
   head.activation_bytes = 12 * s * v / t + 4 * 2 * s * d;
   head.flops = 2 * s * d * v / t;
   head.reduced = split ? 3 * s : 0;
   head.reduced_back = split ? s * d : 0;
-  head.kernels = 5;  // the layer norm, the product, the logits in fp32, the loss's two
+  // The layer norm, the product, the log-softmax, the loss and its mean; under autocast
+  // the normed input and the tied weight cast, and the logits back to fp32.
+  head.kernels = 5;
+  head.casts = 3;
   parts.push_back(head);
   return parts;
 }

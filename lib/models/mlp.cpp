@@ -75,7 +75,7 @@ NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
 
 std::vector<PartCost> mlp_costs(const ModelConfig& cfg, const SizeContext& ctx) {
   return dense_costs(double(product(ctx.sample_shape)), cfg.hidden, ctx.classes, ctx.tensor,
-                     /*first=*/true);
+                     /*first=*/true, cfg.dropout > 0);
 }
 
 }  // namespace

@@ -117,8 +117,14 @@ struct PartCost {
   // worked out (counted as fp32: the plan errs high).
   double low_share = 0;
   // The kernels its forward launches (a GPU's host launches each: what bounds a small
-  // model's step there); backward launches about twice as many.
+  // model's step there), the loss's with the last part; backward launches about twice as
+  // many. A dropout is two: its mask (dtrain's own loop, or kernel on a GPU) and the product.
   double kernels = 2;
+  // The kernels 16-bit autocast adds: the casts of its products' weights and biases, of an
+  // fp32 input to them, and of a 16-bit result to fp32 where autocast keeps the operation
+  // in fp32 (the log-softmax). Counted as LibTorch's CPU autocast casts; CUDA's lists may
+  // differ by an operation or two.
+  double casts = 0;
 };
 struct SizeContext {
   Ints sample_shape;  // as the data says
@@ -128,10 +134,11 @@ struct SizeContext {
 
 // Dense layers from `in` inputs through `widths` to `classes` outputs, alternately
 // column- and row-parallel over `tensor` ranks as the mlp splits them (tensor 1 for the
-// cnn's): a part per layer. `first`: the model's first part is the first layer's (its
-// input, the data, has no gradient to reduce).
+// cnn's): a part per layer, each hidden one followed by a dropout where `dropout`. `first`:
+// the model's first part is the first layer's (its input, the data, has no gradient to
+// reduce and is fp32).
 std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes, int64_t tensor,
-                                  bool first);
+                                  bool first, bool dropout);
 
 struct ModelSpec {
   const Task* task;

@@ -47,7 +47,7 @@ std::vector<const torch::nn::Module*> LayerStack::units() const {
 }
 
 std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes, int64_t tensor,
-                                  bool first) {
+                                  bool first, bool dropout) {
   enum Split { kColumn, kRow, kWhole };
   const double t = double(tensor);
   std::vector<PartCost> parts;
@@ -64,7 +64,10 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
       c.reduced_back = split == kColumn && !(first && parts.empty()) ? in : 0;
     }
     c.output = last ? 0 : out_here;
-    c.kernels = last ? 3 : 2;  // the product with its bias, then the ReLU (or the loss's two)
+    // The product with its bias, then the ReLU and its dropout (or the loss's two); under
+    // autocast the weight and bias cast, the data too, and the logits back to fp32.
+    c.kernels = last ? 3 : dropout ? 4 : 2;
+    c.casts = 2 + (first && parts.empty() ? 1 : 0) + (last ? 1 : 0);
     // Under autocast the product and its ReLU are 16-bit; the loss's log-softmax is fp32.
     c.low_share = last ? 0.5 : 1;
     parts.push_back(c);

@@ -96,11 +96,14 @@ struct Job {
     return c;
   }
   int64_t stages() const { return dims.pipeline * chunks; }
-  // Part i's cost sheet, its activations in the bytes this job's precision holds them in
-  // (16-bit autocast: its low_share in 2 bytes a value).
+  // Part i's cost sheet in this job's precision: under 16-bit autocast its low_share of
+  // the activations in 2 bytes a value, and its casts among the kernels.
   PartCost part(int64_t i) const {
     PartCost p = costs[size_t(i)];
-    if (cfg.precision.dtype != "fp32") p.activation_bytes *= 1 - p.low_share / 2;
+    if (cfg.precision.dtype != "fp32") {
+      p.activation_bytes *= 1 - p.low_share / 2;
+      p.kernels += p.casts;
+    }
     return p;
   }
 };
@@ -312,7 +315,7 @@ double stage_kernels(const Job& job, int64_t stage) {
   const PartRange r = job.split[size_t(stage)];
   double kernels = 0;
   for (int64_t i = r.first; i < r.last; ++i) {
-    const PartCost& p = job.costs[size_t(i)];
+    const PartCost p = job.part(i);
     kernels += p.kernels * (recompute && p.block ? 4 : 3);
   }
   return double(job.micro) * kernels;

@@ -237,6 +237,13 @@ TEST_SUITE("plan") {
     auto slow = profile;
     slow["gpu"]["launch_s"] = 1e-4;
     CHECK(plan(1, write(slow, "slow.json"))["step_s"].get<double>() == doctest::Approx(25 * 1e-4).epsilon(1e-9));
+    // Under bf16 autocast each forward casts too: the data, both weights and biases, and
+    // the logits back to fp32 (six, three passes); with dropout the hidden layer draws a
+    // mask and multiplies by it (two, three passes).
+    CHECK(plan(1, " --set precision.dtype=bf16" + write(slow, "slow.json"))["step_s"].get<double>() ==
+          doctest::Approx(43 * 1e-4).epsilon(1e-9));
+    CHECK(plan(1, " --set model.dropout=0.1" + write(slow, "slow.json"))["step_s"].get<double>() ==
+          doctest::Approx(31 * 1e-4).epsilon(1e-9));
     // bf16 autocast's products at bf16's rate, their activations in 2 bytes (the hidden
     // layer's 32 outputs and ReLUs: 128 bytes; the logits' 8 in 2 and log-softmax in 4: 48).
     CHECK(plan(1, " --set precision.dtype=bf16" + gpu)["step_s"].get<double>() ==
