@@ -1,17 +1,8 @@
 #include "launch/requeue.hpp"
 
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-
-#include <cerrno>
-#include <cstring>
-#include <thread>
-#include <vector>
-
 #include <fmt/format.h>
 
-extern char** environ;
+#include "util/process.hpp"
 
 namespace dtrain {
 
@@ -22,30 +13,10 @@ std::string slurm_job_to_requeue(const Env& env) {
 }
 
 std::string requeue_slurm_job(const std::string& job, std::chrono::seconds timeout) {
-  std::vector<std::string> args{"scontrol", "requeue", job};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  if (int err = ::posix_spawnp(&pid, "scontrol", nullptr, nullptr, argv.data(), environ))
-    return fmt::format("cannot run scontrol: {}", std::strerror(err));
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  int status = 0;
-  while (true) {
-    const pid_t done = ::waitpid(pid, &status, WNOHANG);
-    if (done == pid) break;
-    if (done < 0 && errno != EINTR)
-      return fmt::format("cannot wait for scontrol: {}", std::strerror(errno));
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return fmt::format("scontrol requeue {} did not answer within {} s", job, timeout.count());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  return fmt::format("scontrol requeue {} failed (exit {})", job,
-                     WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+  const ChildResult r = run_child({"scontrol", "requeue", job}, timeout);
+  if (!r.error.empty()) return r.error;  // could not start it, or it did not answer in time
+  if (r.code == 0) return "";
+  return fmt::format("scontrol requeue {} failed (exit {})", job, r.code);
 }
 
 }  // namespace dtrain

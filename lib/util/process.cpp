@@ -1,0 +1,52 @@
+#include "util/process.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+extern char** environ;
+
+namespace dtrain {
+
+ChildResult run_child(const std::vector<std::string>& args, std::chrono::seconds timeout,
+                      const std::string& log) {
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t files;
+  ::posix_spawn_file_actions_init(&files);
+  if (!log.empty()) {
+    ::posix_spawn_file_actions_addopen(&files, STDOUT_FILENO, log.c_str(),
+                                       O_WRONLY | O_CREAT | O_APPEND, 0644);
+    ::posix_spawn_file_actions_adddup2(&files, STDOUT_FILENO, STDERR_FILENO);
+  }
+  pid_t pid = -1;
+  const int err = ::posix_spawnp(&pid, argv[0], &files, nullptr, argv.data(), environ);
+  ::posix_spawn_file_actions_destroy(&files);
+  if (err) return {0, fmt::format("cannot run {}: {}", args[0], std::strerror(err))};
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int status = 0;
+  while (true) {
+    const pid_t done = ::waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR)
+      return {0, fmt::format("cannot wait for {}: {}", args[0], std::strerror(errno))};
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return {128 + SIGKILL, fmt::format("{} did not finish within {} s", args[0], timeout.count())};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), ""};
+}
+
+}  // namespace dtrain

@@ -1,0 +1,25 @@
+// A child program run to completion within a time limit: `scontrol requeue` for a SLURM
+// preemption, a child dtrain that measures the machine for parallel.auto.
+#pragma once
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+// How a child ended: its exit code (128 + the signal for one killed), or why it did not
+// run or finish (`error` non-empty: it could not start, or outlived its time and was
+// killed).
+struct ChildResult {
+  int code = 0;
+  std::string error;
+  bool ok() const { return error.empty() && code == 0; }
+};
+
+// Runs args[0] (looked up in PATH) with `args`, standard output and error into `log`
+// (appended; "" keeps this process's), and waits for it at most `timeout`, killing it
+// then.
+ChildResult run_child(const std::vector<std::string>& args, std::chrono::seconds timeout,
+                      const std::string& log = "");
+
+}  // namespace dtrain
