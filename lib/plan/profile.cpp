@@ -5,13 +5,16 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <map>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -22,6 +25,7 @@
 #include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/process.hpp"
 
 #ifdef DTRAIN_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -451,6 +455,43 @@ nlohmann::json profile_json(const MachineProfile& p) {
           {"gloo_all_reduce", links_json(p.all_reduce)},
           {"gloo_send", links_json(p.send)},
           {"gpu", p.gpu ? gpu_json(*p.gpu) : nlohmann::json(nullptr)}};
+}
+
+MachineProfile measure_in_child(int64_t max_ranks, std::chrono::seconds timeout) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  auto dir = fs::temp_directory_path(ec);
+  if (ec) dir = "/tmp";  // $TMPDIR names no folder
+  auto name = (dir / "dtrain-profile-XXXXXX").string();
+  const int fd = ::mkstemp(name.data());
+  fail_if<RunDirError>(fd < 0, "parallel.auto: cannot make a temporary file to measure this "
+                               "machine into ({}): {}", name, std::strerror(errno));
+  ::close(fd);
+  const std::string log = name + ".log";
+  const ChildResult r = run_child({"/proc/self/exe", "plan", "--measure", "--nproc",
+                                   std::to_string(max_ranks), "--profile", name},
+                                  timeout, log);
+  std::optional<MachineProfile> measured;
+  std::string said;
+  try {
+    if (r.ok()) measured = load_profile(name);
+  } catch (const Error& e) {
+    said = first_line(e.what());
+  }
+  if (!measured && said.empty()) {  // the child's last line: its error
+    std::ifstream in(log);
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) said = line;
+  }
+  fs::remove(name, ec);
+  fs::remove(log, ec);
+  if (measured) return *measured;
+  // The child's own exit code where it names the input (exit 3: a temporary folder it
+  // cannot write), else an internal failure.
+  throw Error(r.code == kExitBadData ? kExitBadData : kExitFailure,
+              fmt::format("parallel.auto: measuring this machine (dtrain plan --measure) {}{}",
+                          r.error.empty() ? fmt::format("failed (exit {})", r.code) : r.error,
+                          said.empty() ? "" : ": " + said));
 }
 
 void save_profile(const MachineProfile& p, const std::string& path) {

@@ -4,6 +4,7 @@
 // a GPU is visible, the same of the GPU (and the time the host takes to launch a kernel).
 // Kept as JSON under the user's cache folder.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -74,6 +75,13 @@ struct MachineProfile {
 // between 2 to `max_ranks` local ranks (threads of this process over Gloo on loopback, as
 // between processes); the first GPU too where one is visible (a few seconds more).
 MachineProfile measure_machine(int64_t max_ranks);
+
+// measure_machine in a child dtrain (`dtrain plan --measure`, this executable), for a
+// process that goes on to train or supervise: what measuring starts (OpenMP's threads, a
+// CUDA context on every GPU, NCCL's communicators) ends with the child. Throws Error
+// naming what the child said where it fails, or outlives `timeout`.
+MachineProfile measure_in_child(int64_t max_ranks,
+                                std::chrono::seconds timeout = std::chrono::seconds(600));
 
 // $DTRAIN_PROFILE, else $XDG_CACHE_HOME/dtrain/machine.json, else ~/.cache/dtrain/machine.json.
 std::string default_profile_path();

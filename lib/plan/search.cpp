@@ -192,7 +192,7 @@ MachineProfile profile_for_auto(int64_t local, bool gpu) {
   if (stored && (!gpu || stored->gpu)) return *stored;
   std::cerr << "dtrain: parallel.auto: no machine profile" << (stored ? " of a GPU" : "") << " at "
             << path << "; measuring this machine (about " << (gpu ? 30 : 15) << " s)\n";
-  auto measured = measure_machine(std::clamp<int64_t>(local, 2, 8));
+  auto measured = measure_in_child(std::clamp<int64_t>(local, 2, 8));
   try {
     save_profile(measured, path);
   } catch (const Error& e) {  // a read-only home: measured again next time, nothing lost

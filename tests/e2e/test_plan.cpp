@@ -453,9 +453,9 @@ TEST_SUITE("plan_measure") {
     CHECK(none.code == 2);
     CHECK(none.err.find("parallel.auto") != std::string::npos);
 
-    // With no profile the first start measures one in the supervisor, which leaves
-    // OpenMP's threads there: its workers are exec'd, not forked (a forked worker of two
-    // threads hung in setup).
+    // With no profile the first start measures one, in a child dtrain (`plan --measure`):
+    // nothing of the measurement (OpenMP's threads, a GPU's contexts) stays in the
+    // supervisor while its workers train.
     auto fresh = dtrain("run " + path + " --nproc 2 --run-dir " + dir + "/fresh --set parallel.auto=true"
                         " --set train.threads=2 --set train.max_steps=3" + kQuiet,
                         "timeout 200 env DTRAIN_PROFILE=" + dir + "/fresh.json");
