@@ -483,8 +483,8 @@ MachineProfile measure_in_child(int64_t max_ranks, std::chrono::seconds timeout)
     for (std::string line; std::getline(in, line);)
       if (!line.empty()) said = line;
   }
-  fs::remove(name, ec);
-  fs::remove(log, ec);
+  ::unlink(name.c_str());
+  ::unlink(log.c_str());
   if (measured) return *measured;
   // The child's own exit code where it names the input (exit 3: a temporary folder it
   // cannot write), else an internal failure.
