@@ -57,7 +57,8 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     // row-parallel one takes that share and all-reduces the whole output.
     const double in_here = split == kRow ? in / t : in, out_here = split == kColumn ? out / t : out;
     c.flops = 2 * in_here * out_here;
-    c.activation_bytes = 4 * 2 * out_here;  // the output and its ReLU's (or the log-softmax)
+    // The output and its ReLU's (or the log-softmax); a dropout's mask.
+    c.activation_bytes = 4 * (2 + (dropout && !last ? 1 : 0)) * out_here;
     if (tensor > 1) {
       c.reduced = split == kRow ? out : 0;
       // backward all-reduces a column-parallel layer's input gradient (the data has none)

@@ -175,7 +175,7 @@ TEST_SUITE("plan") {
   }
 
 
-  TEST_CASE("plan: under bf16 an MLP's activations are 16-bit and autocast's weight copies are counted") {
+  TEST_CASE("plan: under bf16 an MLP's activations are 16-bit and autocast's weight copies are counted; dropout's masks") {
     auto dir = temp_dir("plan-bf16");
     const auto job = Job().write(dir);  // 64-32-16-4, micro-batches of 8 samples
     const auto fp32 = plan_of(job, 1, "")["ranks"][0]["memory_mb"];
@@ -190,6 +190,14 @@ TEST_SUITE("plan") {
     // kept for backward.
     CHECK((bf16["buffers"].get<double>() - fp32["buffers"].get<double>()) * mib ==
           doctest::Approx(2 * (64 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4)));
+    // Dropout after each hidden layer keeps its mask, in the layer's dtype: 4 (32 + 16)
+    // bytes a sample more in fp32, 2 (32 + 16) under bf16.
+    const auto dropped = plan_of(job, 1, " --set model.dropout=0.1")["ranks"][0]["memory_mb"];
+    CHECK((dropped["activations"].get<double>() - fp32["activations"].get<double>()) * mib ==
+          doctest::Approx(8 * 4 * (32 + 16)));
+    const auto dropped16 = plan_of(job, 1, " --set model.dropout=0.1 --set precision.dtype=bf16")["ranks"][0]["memory_mb"];
+    CHECK((dropped16["activations"].get<double>() - bf16["activations"].get<double>()) * mib ==
+          doctest::Approx(8 * 2 * (32 + 16)));
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 
