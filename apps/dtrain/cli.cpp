@@ -56,16 +56,21 @@ struct Job {
   ParallelDims dims;
 };
 
-Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say,
-         const Devices& devices = Devices::here()) {
-  Job job{load_job(a.path, a.sets), {}};
-  if (!run_dir.empty()) job.cfg.run_dir = run_dir;
-  resolve(job.cfg);
-  auto choice = auto_layout(job.cfg, world_size, local, false);
+// A resolved job spec taken to its layout and validated.
+Job settle(const JobConfig& cfg, int64_t world_size, int64_t local, bool say,
+           const Devices& devices = Devices::here()) {
+  auto choice = auto_layout(cfg, world_size, local, false);
   if (say && !choice.line.empty()) std::cerr << "dtrain: " << choice.line << "\n";
-  job.cfg = std::move(choice.cfg);
+  Job job{std::move(choice.cfg), {}};
   job.dims = validate(job.cfg, world_size, devices);
   return job;
+}
+
+Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say) {
+  JobConfig cfg = load_job(a.path, a.sets);
+  if (!run_dir.empty()) cfg.run_dir = run_dir;
+  resolve(cfg);
+  return settle(cfg, world_size, local, say);
 }
 
 // An elastic job's check at each world size: under parallel.auto, that some layout
@@ -428,7 +433,7 @@ int plan_command(const Cli& cli) {
   fail_if<ConfigError>(elsewhere && cfg.parallel.auto_layout, "plan --device cuda: parallel.auto "
                        "chooses its layout on the machine it runs on; `plan --all --device cuda` "
                        "ranks the layouts for a GPU");
-  const auto checked = load(cli.job, "", world, world, true, devices);
+  const auto checked = settle(cfg, world, world, true, devices);  // the spec read once
   const auto profile = load_profile(profile_path);  // after load: parallel.auto may have made it
   const MachineProfile* measured = profile ? &*profile : nullptr;
   const Plan plan = plan_job(checked.cfg, world, measured, devices);
