@@ -307,7 +307,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.reduced = split ? s * d : 0;
   embeddings.output = s * d;
   embeddings.matmuls = 0;
-  embeddings.kernels = dropout ? 6 : 4;  // the positions, two lookups, their sum; its dropout
+  embeddings.kernels = 4 + (dropout ? kDropoutKernels : 0);  // the positions, two lookups, their sum; its dropout
   parts.push_back(embeddings);
   PartCost block;
   const double scores = fused ? 0 : 5 * double(m.heads) * s;
@@ -330,7 +330,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // the causal mask made and applied, softmax and weighting, and the heads' layout copies),
   // GELU, two residual sums; three dropouts. Under autocast the products' weights and biases
   // cast, and their inputs from the layer norms.
-  block.kernels = fused ? 10 : 20 + (dropout ? 6 : 0);
+  block.kernels = fused ? 10 : 20 + (dropout ? 3 * kDropoutKernels : 0);
   block.casts = 10;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;

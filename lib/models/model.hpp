@@ -118,7 +118,7 @@ struct PartCost {
   double low_share = 0;
   // The kernels its forward launches (a GPU's host launches each: what bounds a small
   // model's step there), the loss's with the last part; backward launches about twice as
-  // many. A dropout is two: its mask (dtrain's own loop, or kernel on a GPU) and the product.
+  // many. A dropout is kDropoutKernels.
   double kernels = 2;
   // The kernels 16-bit autocast adds: the casts of its products' weights and biases, of an
   // fp32 input to them, and of a 16-bit result to fp32 where autocast keeps the operation
@@ -126,6 +126,9 @@ struct PartCost {
   // differ by an operation or two.
   double casts = 0;
 };
+// A dropout's kernels: its mask (dtrain's own loop, or kernel on a GPU) and the product.
+constexpr double kDropoutKernels = 2;
+
 struct SizeContext {
   Ints sample_shape;  // as the data says
   int64_t classes = 0;

@@ -67,7 +67,7 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     c.output = last ? 0 : out_here;
     // The product with its bias, then the ReLU and its dropout (or the loss's two); under
     // autocast the weight and bias cast, the data too, and the logits back to fp32.
-    c.kernels = last ? 3 : dropout ? 4 : 2;
+    c.kernels = last ? 3 : 2 + (dropout ? kDropoutKernels : 0);
     c.casts = 2 + (first && parts.empty() ? 1 : 0) + (last ? 1 : 0);
     // Under autocast the product and its ReLU are 16-bit; the loss's log-softmax is fp32.
     c.low_share = last ? 0.5 : 1;
