@@ -81,9 +81,8 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   return m;
 }
 
-// Per conv stage: what backward keeps (the conv's, the norm's, the ReLU's and the pool's
-// outputs), the convolution's multiply-adds, the pooled output handed on; then the dense
-// layers'.
+// Per conv stage: what backward keeps, the convolution's multiply-adds, the pooled output
+// handed on; then the dense layers'.
 std::vector<PartCost> cnn_costs(const ModelConfig& cfg, const SizeContext& ctx) {
   std::vector<PartCost> parts;
   double in = 1;
@@ -93,11 +92,19 @@ std::vector<PartCost> cnn_costs(const ModelConfig& cfg, const SizeContext& ctx) 
            w = double(ctx.sample_shape[2]);
     for (auto out : cfg.channels) {
       PartCost p;
-      const double maps = double(out) * h * w;
+      const double maps = double(out) * h * w, input = c * h * w;
       p.flops = 2 * c * 9 * maps;
       c = double(out), h = std::floor(h / 2), w = std::floor(w / 2);
       p.output = c * h * w;
-      p.activation_bytes = 4 * (maps * (cfg.batch_norm ? 3 : 2) + p.output);
+      // Kept (measured: tests/unit/models/test_activations.cpp): the ReLU's output (the
+      // pool's input too), the norm's input, the pool's indices (int64) and output. Under
+      // autocast the maps and the pooled output are 16-bit, and the first keeps the data's
+      // cast. Backward holds about one and a half maps' gradients (measured: 1.4-1.8 in
+      // fp32, less in bf16) and its input's.
+      const double norm = cfg.batch_norm ? 2 : 1;
+      p.activation_bytes = 4 * norm * maps + (8 + 4) * p.output;
+      p.activation_bytes_16 = 2 * norm * maps + (8 + 2) * p.output + (parts.empty() ? 2 * input : 0);
+      p.backward_bytes = 6 * maps + (parts.empty() ? 0 : 4 * input);
       // Convolution, batch norm (and its count of batches), ReLU, pooling; under autocast
       // the weight and the bias (without batch norm) cast, and the first the data.
       p.kernels = cfg.batch_norm ? 5 : 3;

@@ -286,14 +286,13 @@ InitRule gpt_init(int64_t layers) {
   };
 }
 
-// Per window of s tokens. A block keeps Megatron-LM's 34 s h + 5 a s^2 values (fp16 bytes
-// there, so doubled in fp32; the second term, the attention scores, only where attention is
-// not fused) and runs 24 s h^2 + 4 s^2 h flops (its matmuls and the scores, causal or not, as
-// MFU counts them); over T tensor ranks each holds 1/T of both and all-reduces its
-// attention's and MLP's outputs in forward, its two inputs' gradients in backward. The
-// embeddings all-reduce their sum (vocabulary-parallel); the head keeps the logits, their
-// softmax and gradient (12 s v / T bytes) and all-reduces three numbers per token for the
-// loss.
+// Per window of s tokens. A block runs 24 s h^2 + 4 s^2 h flops (its matmuls and the
+// scores, causal or not, as MFU counts them); over T tensor ranks each holds 1/T of its
+// heads and MLP and all-reduces its attention's and MLP's outputs in forward, its two
+// inputs' gradients in backward. The embeddings all-reduce their sum (vocabulary-parallel);
+// the head all-reduces three numbers per token for the loss. What each part keeps for
+// backward is counted below, tensor by tensor, as the test (tests/unit/models/
+// test_activations.cpp) measures it with LibTorch's allocator.
 std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   const double d = double(m.dim), v = double(m.vocab), t = double(ctx.tensor);
   const double s = ctx.sample_shape.empty() ? double(m.seq_len) : double(ctx.sample_shape[0]);
@@ -302,7 +301,8 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   const bool fused = DTRAIN_HAS_FUSED_ATTENTION && !dropout;  // as Attention::forward takes it
   std::vector<PartCost> parts;
   PartCost embeddings;
-  embeddings.activation_bytes = 4 * 2 * s * d;  // the sum and its dropout
+  // Their sum (fp32 under autocast too), with a dropout its mask and output instead.
+  embeddings.activation_bytes = embeddings.activation_bytes_16 = 4 * (dropout ? 2 : 1) * s * d;
   embeddings.flops = s * d;
   embeddings.reduced = split ? s * d : 0;
   embeddings.output = s * d;
@@ -310,12 +310,24 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.kernels = 4 + (dropout ? kDropoutKernels : 0);  // the positions, two lookups, their sum; its dropout
   parts.push_back(embeddings);
   PartCost block;
-  const double scores = fused ? 0 : 5 * double(m.heads) * s;
-  block.activation_bytes = 2 * s * (34 * d + scores) / t;
-  // Dropout's masks, kept for backward in the activations' dtype (fp32 here): the
-  // attention weights' (this rank's heads) and the attention's and MLP's outputs (whole on
-  // each rank). Measured: gpt_text's peak grows by what these add (+54 MB against +52).
-  if (dropout) block.activation_bytes += 4 * (double(m.heads) * s * s / t + 2 * s * d);
+  // What a block keeps, with `low` bytes a value where products write (4 in fp32, 2 under
+  // 16-bit autocast; the residual stream and the layer norms stay fp32): whole on each
+  // tensor rank, the first layer norm's output (its cast), the second's input and output
+  // (cast), the block's output; this rank's share of q, k and v, of attention's output
+  // (heads side by side) and of the MLP's hidden layer before and after GELU; attention's
+  // weights, or with the fused kernel its output and its rows' log-sum-exp (fp32); the layer
+  // norms' means and deviations. A dropout keeps its mask, and the attention weights'
+  // output too (the residual ones' outputs are only summed).
+  const double a = double(m.heads);
+  auto block_bytes = [&](double low) {
+    double b = (8 + 2 * low) * s * d + 12 * low * s * d / t + 16 * s;
+    b += fused ? low * s * d / t + 4 * a * s / t : low * a * s * s / t;
+    if (dropout) b += 2 * low * a * s * s / t + 2 * low * s * d;
+    return b;
+  };
+  block.activation_bytes = block_bytes(4);
+  block.activation_bytes_16 = block_bytes(2);
+  block.backward_bytes = 4 * s * d + 16 * s * d / t;  // its input's gradient, the MLP's hidden one's
   block.flops = (24 * s * d * d + 4 * s * s * d) / t;
   block.reduced = block.reduced_back = split ? 2 * s * d : 0;
   block.output = s * d;
@@ -334,7 +346,12 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.casts = 10;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;
-  head.activation_bytes = 12 * s * v / t + 4 * 2 * s * d;
+  // The layer norm's output (cast under autocast) and statistics, the logits (16-bit under
+  // autocast) and their log-softmax (fp32); backward holds the gradients of both at once.
+  head.activation_bytes = 4 * s * d + 8 * s + 8 * s * v / t;
+  head.activation_bytes_16 = 2 * s * d + 8 * s + 6 * s * v / t;
+  head.backward_bytes = 8 * s * v / t;
+  head.weight_copy_16 = 2 * v * d / t;  // the tied embedding's, held in fp32 for the lookup
   head.flops = 2 * s * d * v / t;
   head.reduced = split ? 3 * s : 0;
   head.reduced_back = split ? s * d : 0;

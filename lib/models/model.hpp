@@ -100,7 +100,18 @@ struct ModelContext {
 // a tensor group of SizeContext::tensor ranks: what `dtrain plan` and the memory check add
 // up over the parts a pipeline stage holds. Counts are of fp32 values unless named bytes.
 struct PartCost {
-  double activation_bytes = 0;  // what its forward leaves for backward
+  double activation_bytes = 0;  // what its forward leaves for backward (in fp32)
+  // ... under 16-bit autocast (bf16, fp16): what products write and elementwise ops on them
+  // keep is 2 bytes a value, what autocast keeps in fp32 (layer norms, the log-softmax)
+  // and the fp32 residual stream 4. Below 0 where not worked out (activation_bytes).
+  double activation_bytes_16 = -1;
+  // What its backward holds at most at once besides: its activations' gradients in flight
+  // and its input's (the parameters' gradients aside: the plan counts those apart).
+  double backward_bytes = 0;
+  // Per micro-batch, not per sample: under 16-bit autocast, the copy of a weight that the
+  // parameters' own dtype leaves fp32 (a tied weight that a lookup also reads) which
+  // autocast casts at each forward and backward keeps.
+  double weight_copy_16 = 0;
   double flops = 0;             // its forward's (backward takes twice that)
   double reduced = 0;           // values all-reduced over the tensor group in forward
   double reduced_back = 0;      // ... and in backward
@@ -112,10 +123,6 @@ struct PartCost {
   // bmm). Not among `matmuls`.
   double small_flops = 0, small_side = 0;
   bool block = false;           // train.recompute keeps only its input for backward
-  // Of activation_bytes, the share that 16-bit autocast (bf16, fp16) holds in 2 bytes a
-  // value instead of 4: what products write and elementwise ops on them keep. 0 where not
-  // worked out (counted as fp32: the plan errs high).
-  double low_share = 0;
   // The kernels its forward launches (a GPU's host launches each: what bounds a small
   // model's step there), the loss's with the last part; backward launches about twice as
   // many. A dropout is kDropoutKernels.

@@ -53,24 +53,33 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
   std::vector<PartCost> parts;
   auto add = [&](double out, Split split, bool last) {
     PartCost c;
+    const bool on_data = first && parts.empty();  // its input is the data: no gradient
     // A column-parallel layer takes the whole input and makes its share of the outputs; a
     // row-parallel one takes that share and all-reduces the whole output.
     const double in_here = split == kRow ? in / t : in, out_here = split == kColumn ? out / t : out;
     c.flops = 2 * in_here * out_here;
-    // The output and its ReLU's (or the log-softmax); a dropout's mask.
-    c.activation_bytes = 4 * (2 + (dropout && !last ? 1 : 0)) * out_here;
+    // What backward keeps (measured: tests/unit/models/test_activations.cpp): a hidden
+    // layer's ReLU output (its product's is freed), with a dropout its mask and its output;
+    // the classifier's logits and their log-softmax, whose gradients backward then holds
+    // both at once. Under autocast the product and what follows it are 16-bit but the
+    // log-softmax, and the first layer keeps its input's 16-bit cast.
+    const double kept = last ? 1 : 1 + (dropout ? 2 : 0);
+    c.activation_bytes = 4 * kept * out_here + (last ? 4 * out_here : 0);
+    c.activation_bytes_16 = 2 * kept * out_here + (last ? 4 * out_here : 0) + (on_data ? 2 * in : 0);
+    // Backward: a hidden layer's product's and ReLU's gradients and its input's; the
+    // classifier's two gradients, or later one and its input's.
+    const double in_grad = on_data ? 0 : 4 * in_here;
+    c.backward_bytes = last ? std::max(8 * out_here, 4 * out_here + in_grad) : 8 * out_here + in_grad;
     if (tensor > 1) {
       c.reduced = split == kRow ? out : 0;
-      // backward all-reduces a column-parallel layer's input gradient (the data has none)
-      c.reduced_back = split == kColumn && !(first && parts.empty()) ? in : 0;
+      // backward all-reduces a column-parallel layer's input gradient
+      c.reduced_back = split == kColumn && !on_data ? in : 0;
     }
     c.output = last ? 0 : out_here;
     // The product with its bias, then the ReLU and its dropout (or the loss's two); under
     // autocast the weight and bias cast, the data too, and the logits back to fp32.
     c.kernels = last ? 3 : 2 + (dropout ? kDropoutKernels : 0);
-    c.casts = 2 + (first && parts.empty() ? 1 : 0) + (last ? 1 : 0);
-    // Under autocast the product and its ReLU are 16-bit; the loss's log-softmax is fp32.
-    c.low_share = last ? 0.5 : 1;
+    c.casts = 2 + (on_data ? 1 : 0) + (last ? 1 : 0);
     parts.push_back(c);
     in = out;
   };

@@ -96,12 +96,13 @@ struct Job {
     return c;
   }
   int64_t stages() const { return dims.pipeline * chunks; }
-  // Part i's cost sheet in this job's precision: under 16-bit autocast its low_share of
-  // the activations in 2 bytes a value, and its casts among the kernels.
+  // Part i's cost sheet in this job's precision: under 16-bit autocast its 16-bit
+  // activations, and its casts among the kernels.
   PartCost part(int64_t i) const {
     PartCost p = costs[size_t(i)];
     if (cfg.precision.dtype != "fp32") {
-      p.activation_bytes *= 1 - p.low_share / 2;
+      if (p.activation_bytes_16 >= 0) p.activation_bytes = p.activation_bytes_16;
+      p.activation_bytes += p.weight_copy_16 / double(rows);  // a micro-batch's, per sample
       p.kernels += p.casts;
     }
     return p;
@@ -233,12 +234,21 @@ std::vector<Action> step_actions(const Job& job, int64_t pipeline_rank) {
 // over the tensor group.
 struct ChunkCost {
   double activation_bytes = 0, recompute_peak = 0, flops = 0, reduced = 0, reductions = 0;
+  double backward_bytes = 0;  // what its backward holds at most besides activation_bytes
   double sent_forward = 0, sent_backward = 0;  // to the next stage, to the previous one
 };
 ChunkCost chunk_cost(const Job& job, int64_t stage) {
   const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
   ChunkCost c;
+  // Backward runs the parts last to first, each freeing what it kept: a part's gradients in
+  // flight sit beside the activations of the parts before it, not of those after.
+  double kept_after = 0;
+  for (int64_t i = r.last - 1; i >= r.first; --i) {
+    const PartCost p = job.part(i);
+    c.backward_bytes = std::max(c.backward_bytes, p.backward_bytes - kept_after);
+    kept_after += p.activation_bytes;
+  }
   for (int64_t i = r.first; i < r.last; ++i) {
     const PartCost p = job.part(i);
     const double input = i > 0 ? job.costs[size_t(i - 1)].output : 0;
@@ -537,6 +547,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   double live = 0, most = 0, recompute_peak = 0;
   for (const Action& a : step_actions(job, at.pipeline)) {
     const auto& cc = chunk[size_t(a.chunk)];
+    if (a.kind == Action::kBackward) most = std::max(most, live + cc.backward_bytes);
     live += (a.kind == Action::kForward ? 1 : -1) * cc.activation_bytes;
     most = std::max(most, live);
     recompute_peak = std::max(recompute_peak, cc.recompute_peak);

@@ -180,24 +180,28 @@ TEST_SUITE("plan") {
     const auto job = Job().write(dir);  // 64-32-16-4, micro-batches of 8 samples
     const auto fp32 = plan_of(job, 1, "")["ranks"][0]["memory_mb"];
     const auto bf16 = plan_of(job, 1, " --set precision.dtype=bf16")["ranks"][0]["memory_mb"];
-    // fp32: each layer's output and its ReLU (the last's log-softmax), 8 bytes a value:
-    // 8 (32 + 16 + 4) a sample. bf16: the hidden layers' in 2 bytes each, the logits in 2
-    // and their fp32 log-softmax in 4: 4 (32 + 16) + 6 * 4.
-    const double mib = 1 << 20;
-    CHECK(fp32["activations"].get<double>() * mib == doctest::Approx(8 * 8 * (32 + 16 + 4)));
-    CHECK(bf16["activations"].get<double>() * mib == doctest::Approx(8 * (4 * (32 + 16) + 6 * 4)));
+    // fp32: each hidden layer's ReLU output, the logits and their log-softmax, 4 bytes a
+    // value: 4 (32 + 16) + 8 * 4 a sample. Backward's peak is at the second hidden layer:
+    // its product's and ReLU's gradients (8 * 16) and its input's (4 * 32) beside what the
+    // layers before the classifier keep (bf16 below: the same gradients, beside 2 (32 + 16)
+    // and the first layer's 16-bit copy of the data, 2 * 64). bf16: the hidden layers' in
+    // 2 bytes each, the logits in 2 and their fp32 log-softmax in 4: 2 (32 + 16) + 2 * 64
+    // + 6 * 4.
+    const double mib = 1 << 20, backward = 8 * 16 + 4 * 32;
+    CHECK(fp32["activations"].get<double>() * mib == doctest::Approx(8 * (4 * (32 + 16) + backward)));
+    CHECK(bf16["activations"].get<double>() * mib == doctest::Approx(8 * (2 * (32 + 16) + 2 * 64 + backward)));
     // bf16 copies of the three layers' weights and biases (torch::linear casts both),
     // kept for backward.
     CHECK((bf16["buffers"].get<double>() - fp32["buffers"].get<double>()) * mib ==
           doctest::Approx(2 * (64 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4)));
-    // Dropout after each hidden layer keeps its mask, in the layer's dtype: 4 (32 + 16)
-    // bytes a sample more in fp32, 2 (32 + 16) under bf16.
+    // Dropout after each hidden layer keeps its mask and its output, in the layer's dtype:
+    // 8 (32 + 16) bytes a sample more in fp32, 4 (32 + 16) under bf16.
     const auto dropped = plan_of(job, 1, " --set model.dropout=0.1")["ranks"][0]["memory_mb"];
     CHECK((dropped["activations"].get<double>() - fp32["activations"].get<double>()) * mib ==
-          doctest::Approx(8 * 4 * (32 + 16)));
+          doctest::Approx(8 * 8 * (32 + 16)));
     const auto dropped16 = plan_of(job, 1, " --set model.dropout=0.1 --set precision.dtype=bf16")["ranks"][0]["memory_mb"];
     CHECK((dropped16["activations"].get<double>() - bf16["activations"].get<double>()) * mib ==
-          doctest::Approx(8 * 2 * (32 + 16)));
+          doctest::Approx(8 * 4 * (32 + 16)));
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 
@@ -232,11 +236,11 @@ TEST_SUITE("plan") {
     const auto path = job.write(dir);
     auto plan = [&](int64_t nproc, const std::string& args) { return plan_of(path, nproc, " --device cuda" + args); };
     // One process. The MLP 64-32-8 on 16 samples: its products' 2 (64 32 + 32 8) = 4608
-    // flops a sample and its 2 (32 + 8) fp32 activations (320 bytes) a sample, forward
+    // flops a sample and its 32 + 2 * 8 fp32 activations (192 bytes) a sample, forward
     // and backward's two passes; SGD streams its 2344 parameters four times; the host
     // launches 25 kernels (the two layers' 2 + 3, three passes; four gradients; SGD's
     // four; the norm's two).
-    const double compute = 3 * 16 * (4608 / 1e9 + 320 / 1e9), update = 4 * 4 * 2344 / 1e9;
+    const double compute = 3 * 16 * (4608 / 1e9 + 192 / 1e9), update = 4 * 4 * 2344 / 1e9;
     const auto one = plan(1, gpu);
     CHECK(one["device"] == "cuda");
     CHECK(one["ranks"][0]["memory_mb"]["runtime"].is_null());  // the host's, not the GPU's
@@ -253,14 +257,15 @@ TEST_SUITE("plan") {
     CHECK(plan(1, " --set model.dropout=0.1" + write(slow, "slow.json"))["step_s"].get<double>() ==
           doctest::Approx(31 * 1e-4).epsilon(1e-9));
     // bf16 autocast's products at bf16's rate, their activations in 2 bytes (the hidden
-    // layer's 32 outputs and ReLUs: 128 bytes; the logits' 8 in 2 and log-softmax in 4: 48).
+    // layer's 32 ReLUs and the data's 64 cast: 192 bytes; the logits' 8 in 2 and
+    // log-softmax in 4: 48).
     CHECK(plan(1, " --set precision.dtype=bf16" + gpu)["step_s"].get<double>() ==
-          doctest::Approx(3 * 16 * (4608 / 2e9 + 176 / 1e9) + update).epsilon(1e-9));
+          doctest::Approx(3 * 16 * (4608 / 2e9 + 240 / 1e9) + update).epsilon(1e-9));
     // Two ranks sharing the one GPU: each computes its 8 samples in turn with the other,
     // and all-reduces the gradient (9376 bytes, ring: half each way twice) over Gloo.
     const auto two = plan(2, gpu);
     CHECK(two["step_s"].get<double>() ==
-          doctest::Approx(2 * (3 * 8 * (4608 / 1e9 + 320 / 1e9) + update) + 1e-4 + 9376 / 1e9).epsilon(1e-9));
+          doctest::Approx(2 * (3 * 8 * (4608 / 1e9 + 192 / 1e9) + update) + 1e-4 + 9376 / 1e9).epsilon(1e-9));
     // Two GPUs take NCCL, which this profile did not measure: no estimate rather than Gloo's.
     auto pair = profile;
     pair["gpu"]["count"] = 2;

@@ -1,0 +1,172 @@
+// What each part's forward leaves for backward and its backward holds besides, against its
+// cost sheet (PartCost::activation_bytes, activation_bytes_16, weight_copy_16 and
+// backward_bytes: what `dtrain plan` and the memory check count), in fp32 and under bf16
+// autocast, with and without dropout. The reference is LibTorch's CPU allocator: every allocation and
+// free is reported to a memory reporter of the test's own (the one the profiler's memory
+// view uses), so what a part's forward leaves alive is counted to the byte, not estimated.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "models/dropout.hpp"
+#include "models/model.hpp"
+#include "models/task.hpp"
+#include "parallel/flat_params.hpp"
+#include "precision/autocast.hpp"
+
+namespace unit_models_activations {
+
+using namespace dtrain;
+
+namespace {
+
+// The CPU allocator's bytes in use on this thread, and their peak since reset.
+struct Allocated : c10::MemoryReportingInfoBase {
+#if TORCH_VERSION_MAJOR >= 2
+  using Total = size_t;
+#else
+  using Total = int64_t;
+#endif
+  int64_t now = 0, peak = 0;
+  void reportMemoryUsage(void*, int64_t size, Total, Total, c10::Device device) override {
+    if (device.type() != c10::DeviceType::CPU) return;
+    now += size;  // a free reports a negative size
+    peak = std::max(peak, now);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  void reset_peak() { peak = now; }
+};
+
+struct Model {
+  ModelConfig cfg;
+  Ints sample;
+  int64_t classes = 0, vocab = 0;
+};
+
+struct Kept {
+  double forward = 0;  // bytes its forward (the loss's with the last part) leaves alive
+  double peak = 0;     // bytes above the start at most, through its backward
+  double casts = 0;    // of them, autocast's 16-bit copies of its weights
+};
+
+// Each part's bytes per sample, in `dtype` with `dropout`, over a batch of `rows`.
+std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, int64_t rows) {
+  m.cfg.dropout = dropout;
+  const bool tokens = m.vocab > 0;
+  const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
+  ModelContext ctx;
+  ctx.sample_shape = m.sample, ctx.classes = m.classes, ctx.vocab = m.vocab;
+  Ints shape{rows};
+  shape.insert(shape.end(), m.sample.begin(), m.sample.end());
+  torch::Tensor x = tokens ? torch::randint(m.vocab, shape) : torch::randn(shape);
+  const Batch batch{x, tokens ? torch::randint(m.vocab, shape) : torch::randint(m.classes, {rows})};
+  const Task& task = tokens ? language_model_task() : classification_task();
+  auto comm = make_local_comm();
+  DropoutScope scope(DropoutDraw{1, 1, torch::arange(rows)});
+  std::vector<Kept> out;
+  for (int64_t part = 0; part < parts; ++part) {
+    ModelContext held = ctx;
+    held.first_part = part, held.last_part = part + 1;
+    auto net = build_initialised(m.cfg, held, 3);
+    net->train();
+    // Autocast's 16-bit copies of the weights, which the plan counts apart (buffers): kept
+    // where backward needs them, for the input's gradient (a linear layer on the data has
+    // none to take) or always (a convolution keeps its weight regardless).
+    double cast = 0;
+    if (dtype != "fp32" && (part > 0 || m.cfg.arch == "cnn"))
+      for (const auto& name : cast_by_autocast(*net)) {
+        const auto& w = net->named_parameters()[name];
+        if (w.dim() >= 2) cast += 2.0 * double(w.numel());  // a bias's is not kept
+      }
+    // Gradients exist before (as the flat buffers hold them): backward adds each into its
+    // own, allocating the largest parameter's once at most at a time (a buffer of the plan's).
+    double largest = 0;
+    for (auto& p : net->parameters()) {
+      p.mutable_grad() = torch::zeros_like(p);
+      largest = std::max(largest, 4.0 * double(p.numel()));
+    }
+    torch::Tensor in = x.is_floating_point() && part > 0 ? x.detach().requires_grad_() : x;
+    for (int pass = 0; pass < 2; ++pass) {  // once before: dropout's unit hashes, oneDNN's caches
+      auto reporter = std::make_shared<Allocated>();
+      Kept k;
+      torch::Tensor y, loss;
+      {
+        c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, reporter);
+        {
+          AutocastGuard autocast(dtype, torch::kCPU);
+          y = net->forward(in);
+          if (part + 1 == parts) loss = task.loss(y, batch, *comm);
+        }
+        k.forward = double(reporter->now);
+        if (loss.defined()) loss.backward();
+        else y.backward(torch::ones_like(y));
+        k.peak = double(reporter->peak) - largest;
+      }
+      k.forward /= double(rows), k.peak /= double(rows), k.casts = cast / double(rows);
+      if (pass == 1) out.push_back(k);
+      if (pass == 1) x = y.detach();
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("models: each part's forward keeps the bytes its cost sheet counts") {
+  Model gpt;
+  gpt.cfg.arch = "gpt";
+  gpt.cfg.layers = 1, gpt.cfg.heads = 4, gpt.cfg.dim = 64, gpt.cfg.vocab = 256, gpt.cfg.seq_len = 64;
+  gpt.sample = {64}, gpt.vocab = 256;
+  Model mlp;
+  mlp.cfg.arch = "mlp";
+  mlp.cfg.hidden = {256, 128};
+  mlp.sample = {1, 16, 16}, mlp.classes = 10;
+  Model cnn;
+  cnn.cfg.arch = "cnn";
+  cnn.cfg.channels = {8, 16};
+  cnn.cfg.fc = {64};
+  cnn.sample = {1, 16, 16}, cnn.classes = 10;
+  Model cnn_bn = cnn;
+  cnn_bn.cfg.batch_norm = true;
+  for (const auto& m : {gpt, mlp, cnn, cnn_bn})
+    for (double dropout : {0.0, 0.1})
+      for (const std::string dtype : {"fp32", "bf16"}) {
+        auto cfg = m.cfg;
+        cfg.dropout = dropout;
+        const auto costs = model_spec(cfg.arch).costs(cfg, SizeContext{m.sample, m.classes, 1});
+        // The dense models' weights are large beside a sample's activations: enough rows
+        // that their gradients' temporaries stay small per sample.
+        const int64_t rows = cfg.arch == "gpt" ? 8 : 64;
+        const auto kept = part_bytes(m, dropout, dtype, rows);
+        REQUIRE(kept.size() == costs.size());
+        for (size_t p = 0; p < costs.size(); ++p) {
+          const auto& c = costs[p];
+          const double sheet = dtype == "fp32" ? c.activation_bytes : c.activation_bytes_16 + c.weight_copy_16 / rows;
+          const double forward = kept[p].forward - kept[p].casts, backward = kept[p].peak - kept[p].forward;
+          CAPTURE(fmt::format("{}{} dropout {} {} part {}: kept {:.0f} (sheet {:.0f}), backward {:.0f} (sheet {:.0f})",
+                              cfg.arch, cfg.batch_norm ? " batch_norm" : "", dropout, dtype, p,
+                              forward, sheet, backward, c.backward_bytes));
+          // Exact but for what a batch shares (the positions, the causal mask, the loss).
+          CHECK(std::abs(forward - sheet) <= 0.01 * sheet + 64);
+          // Gradients in flight, where they make a stage's peak: at its last part (the
+          // loss's, or a block's) while those before still hold theirs. Within 30% (fp32's count:
+          // 16-bit gradients are smaller), or a quarter of what the part keeps (freed meanwhile).
+          if (c.block || p + 1 == costs.size()) {
+            CHECK(backward <= 1.3 * c.backward_bytes + 0.25 * forward);
+            CHECK(backward >= c.backward_bytes / 1.3 - 0.25 * forward);
+          }
+        }
+      }
+}
+
+}  // namespace unit_models_activations
