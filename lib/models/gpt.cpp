@@ -315,13 +315,14 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // tensor rank, the first layer norm's output (its cast), the second's input and output
   // (cast), the block's output; this rank's share of q, k and v, of attention's output
   // (heads side by side) and of the MLP's hidden layer before and after GELU; attention's
-  // weights, or with the fused kernel its output and its rows' log-sum-exp (fp32); the layer
-  // norms' means and deviations. A dropout keeps its mask, and the attention weights'
-  // output too (the residual ones' outputs are only summed).
+  // weights, or with the fused kernel its rows' log-sum-exp (fp32; its output, laid out
+  // heads side by side, is the one counted); the layer norms' means and deviations. A
+  // dropout keeps its mask, and the attention weights' output too (the residual ones'
+  // outputs are only summed).
   const double a = double(m.heads);
   auto block_bytes = [&](double low) {
     double b = (8 + 2 * low) * s * d + 12 * low * s * d / t + 16 * s;
-    b += fused ? low * s * d / t + 4 * a * s / t : low * a * s * s / t;
+    b += fused ? 4 * a * s / t : low * a * s * s / t;
     if (dropout) b += 2 * low * a * s * s / t + 2 * low * s * d;
     return b;
   };

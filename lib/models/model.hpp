@@ -108,6 +108,7 @@ struct PartCost {
   // What its backward holds at most at once besides: its activations' gradients in flight
   // and its input's (the parameters' gradients aside: the plan counts those apart).
   double backward_bytes = 0;
+  double backward_bytes_16 = -1;  // ... under 16-bit autocast (below 0: backward_bytes)
   // Per micro-batch, not per sample: under 16-bit autocast, the copy of a weight that the
   // parameters' own dtype leaves fp32 (a tied weight that a lookup also reads) which
   // autocast casts at each forward and backward keeps.

@@ -66,10 +66,13 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     const double kept = last ? 1 : 1 + (dropout ? 2 : 0);
     c.activation_bytes = 4 * kept * out_here + (last ? 4 * out_here : 0);
     c.activation_bytes_16 = 2 * kept * out_here + (last ? 4 * out_here : 0) + (on_data ? 2 * in : 0);
-    // Backward: a hidden layer's product's and ReLU's gradients and its input's; the
-    // classifier's two gradients, or later one and its input's.
-    const double in_grad = on_data ? 0 : 4 * in_here;
-    c.backward_bytes = last ? std::max(8 * out_here, 4 * out_here + in_grad) : 8 * out_here + in_grad;
+    // Backward holds two gradients at once: its output's and its ReLU's (the log-softmax's
+    // and the logits'), then the ReLU's and its input's, its ReLU's output freed meanwhile
+    // (the logits stay). Under autocast a hidden layer's are 16-bit.
+    const double in_grad = on_data ? 0 : in_here;
+    c.backward_bytes = last ? std::max(8 * out_here, 4 * out_here + 4 * in_grad)
+                            : std::max(8 * out_here, 4 * in_grad);
+    if (!last) c.backward_bytes_16 = std::max(4 * out_here, 2 * in_grad);
     if (tensor > 1) {
       c.reduced = split == kRow ? out : 0;
       // backward all-reduces a column-parallel layer's input gradient

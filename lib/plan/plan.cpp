@@ -102,6 +102,7 @@ struct Job {
     PartCost p = costs[size_t(i)];
     if (cfg.precision.dtype != "fp32") {
       if (p.activation_bytes_16 >= 0) p.activation_bytes = p.activation_bytes_16;
+      if (p.backward_bytes_16 >= 0) p.backward_bytes = p.backward_bytes_16;
       p.activation_bytes += p.weight_copy_16 / double(rows);  // a micro-batch's, per sample
       p.kernels += p.casts;
     }

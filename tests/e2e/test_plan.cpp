@@ -180,25 +180,26 @@ TEST_SUITE("plan") {
     const auto job = Job().write(dir);  // 64-32-16-4, micro-batches of 8 samples
     const auto fp32 = plan_of(job, 1, "")["ranks"][0]["memory_mb"];
     const auto bf16 = plan_of(job, 1, " --set precision.dtype=bf16")["ranks"][0]["memory_mb"];
-    // fp32: each hidden layer's ReLU output, the logits and their log-softmax, 4 bytes a
-    // value: 4 (32 + 16) + 8 * 4 a sample. Backward's peak is at the second hidden layer:
-    // its product's and ReLU's gradients (8 * 16) and its input's (4 * 32) beside what the
-    // layers before the classifier keep (bf16 below: the same gradients, beside 2 (32 + 16)
-    // and the first layer's 16-bit copy of the data, 2 * 64). bf16: the hidden layers' in
-    // 2 bytes each, the logits in 2 and their fp32 log-softmax in 4: 2 (32 + 16) + 2 * 64
-    // + 6 * 4.
-    const double mib = 1 << 20, backward = 8 * 16 + 4 * 32;
-    CHECK(fp32["activations"].get<double>() * mib == doctest::Approx(8 * (4 * (32 + 16) + backward)));
-    CHECK(bf16["activations"].get<double>() * mib == doctest::Approx(8 * (2 * (32 + 16) + 2 * 64 + backward)));
+    // Kept a sample: each hidden layer's ReLU output, the logits and their log-softmax, 4
+    // bytes a value in fp32 (4 (32 + 16) + 8 * 4); under bf16 the hidden ones 2 bytes, the
+    // first layer's copy of the data too, the logits 2 and their log-softmax 4 (2 (32 + 16)
+    // + 2 * 64 + 6 * 4). Backward's peak: in fp32 at the first layer, its ReLU output beside
+    // its output's and ReLU's gradients (4 * 32 + 8 * 32); under bf16 at the classifier,
+    // everything kept beside its gradients and its input's (4 * 4 + 4 * 16).
+    const double mib = 1 << 20;
+    CHECK(fp32["activations"].get<double>() * mib == doctest::Approx(8 * (4 * 32 + 8 * 32)));
+    CHECK(bf16["activations"].get<double>() * mib ==
+          doctest::Approx(8 * (2 * (32 + 16) + 2 * 64 + 6 * 4 + 4 * 4 + 4 * 16)));
     // bf16 copies of the three layers' weights and biases (torch::linear casts both),
     // kept for backward.
     CHECK((bf16["buffers"].get<double>() - fp32["buffers"].get<double>()) * mib ==
           doctest::Approx(2 * (64 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4)));
-    // Dropout after each hidden layer keeps its mask and its output, in the layer's dtype:
-    // 8 (32 + 16) bytes a sample more in fp32, 4 (32 + 16) under bf16.
+    // Dropout after each hidden layer keeps its mask and its output, in the layer's dtype.
+    // fp32: the peak moves to the second layer's backward, beside the first's 3 * 4 * 32
+    // and its own 3 * 4 * 16, its two gradients (8 * 16). bf16: at the classifier as before,
+    // 4 (32 + 16) more.
     const auto dropped = plan_of(job, 1, " --set model.dropout=0.1")["ranks"][0]["memory_mb"];
-    CHECK((dropped["activations"].get<double>() - fp32["activations"].get<double>()) * mib ==
-          doctest::Approx(8 * 8 * (32 + 16)));
+    CHECK(dropped["activations"].get<double>() * mib == doctest::Approx(8 * (12 * (32 + 16) + 8 * 16)));
     const auto dropped16 = plan_of(job, 1, " --set model.dropout=0.1 --set precision.dtype=bf16")["ranks"][0]["memory_mb"];
     CHECK((dropped16["activations"].get<double>() - bf16["activations"].get<double>()) * mib ==
           doctest::Approx(8 * 4 * (32 + 16)));
