@@ -93,7 +93,10 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   // One rank: the fused addmm of an unsplit layer.
   if (tensor_->size() == 1) return torch::linear(x, weight, bias);
   auto y = reduce_from_tensor_region(torch::linear(x, weight), tensor_);
-  return bias.defined() ? y + bias : y;
+  // In the sum's dtype, as the unsplit layer's fused bias is under autocast: an fp32 bias
+  // would promote the output to fp32, and what follows it (a ReLU's output, a dropout's
+  // mask, the next layer's cast of it) would be kept in 4 bytes a value, not 2.
+  return bias.defined() ? y + bias.to(y.scalar_type()) : y;
 }
 
 }  // namespace dtrain

@@ -301,8 +301,9 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   const bool fused = DTRAIN_HAS_FUSED_ATTENTION && !dropout;  // as Attention::forward takes it
   std::vector<PartCost> parts;
   PartCost embeddings;
-  // Their sum (fp32 under autocast too), with a dropout its mask and output instead.
-  embeddings.activation_bytes = embeddings.activation_bytes_16 = 4 * (dropout ? 2 : 1) * s * d;
+  // Their sum (fp32 under autocast too), with a dropout its mask and output instead; split
+  // by vocabulary, which ids are this rank's (1 byte each) and their local ids (8).
+  embeddings.activation_bytes = embeddings.activation_bytes_16 = 4 * (dropout ? 2 : 1) * s * d + (split ? 9 * s : 0);
   embeddings.flops = s * d;
   embeddings.reduced = split ? s * d : 0;
   embeddings.output = s * d;

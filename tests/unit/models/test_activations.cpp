@@ -59,19 +59,54 @@ struct Kept {
   double casts = 0;    // of them, autocast's 16-bit copies of its weights
 };
 
-// Each part's bytes per sample, in `dtype` with `dropout`, over a batch of `rows`.
-std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, int64_t rows) {
+// A rank of a tensor group whose collectives leave the values as they are, at once: the
+// model runs what it runs on that rank, with the memory it takes, on this one thread (Gloo
+// would free what it was handed on a thread of its own, which this thread's reporter does
+// not hear of).
+class SilentComm : public Comm {
+ public:
+  SilentComm(int64_t rank, int64_t size) : rank_(rank), size_(size) {}
+  int64_t rank() const override { return rank_; }
+  int64_t size() const override { return size_; }
+  std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override { return done(); }
+  std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override { return done(); }
+  std::unique_ptr<Pending> broadcast_async(torch::Tensor, int64_t) override { return done(); }
+  std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override {
+    return std::vector<torch::Tensor>(size_t(size_), t.clone());
+  }
+  std::unique_ptr<Pending> all_gather_async(torch::Tensor, const torch::Tensor&) override { return done(); }
+  bool can_sum(torch::ScalarType) const override { return true; }
+  void reduce_scatter(torch::Tensor, const torch::Tensor&, ReduceOp) override {}
+  void barrier() override {}
+  std::unique_ptr<Pending> exchange_async(std::vector<P2POp>) override { return done(); }
+  std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>&) override {
+    throw std::logic_error("SilentComm: no subgroups");
+  }
+
+ private:
+  struct Done : Pending {
+    void wait() override {}
+    bool done() override { return true; }
+  };
+  static std::unique_ptr<Pending> done() { return std::make_unique<Done>(); }
+  int64_t rank_, size_;
+};
+
+// Each part's bytes per sample, in `dtype` with `dropout`, over a batch of `rows`, on the
+// rank of `tensor` (its group).
+std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, int64_t rows,
+                             std::shared_ptr<Comm> tensor = make_local_comm()) {
   m.cfg.dropout = dropout;
   const bool tokens = m.vocab > 0;
   const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
   ModelContext ctx;
   ctx.sample_shape = m.sample, ctx.classes = m.classes, ctx.vocab = m.vocab;
+  ctx.tensor = tensor;
   Ints shape{rows};
   shape.insert(shape.end(), m.sample.begin(), m.sample.end());
   torch::Tensor x = tokens ? torch::randint(m.vocab, shape) : torch::randn(shape);
   const Batch batch{x, tokens ? torch::randint(m.vocab, shape) : torch::randint(m.classes, {rows})};
   const Task& task = tokens ? language_model_task() : classification_task();
-  auto comm = make_local_comm();
   DropoutScope scope(DropoutDraw{1, 1, torch::arange(rows)});
   std::vector<Kept> out;
   for (int64_t part = 0; part < parts; ++part) {
@@ -105,7 +140,7 @@ std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, 
         {
           AutocastGuard autocast(dtype, torch::kCPU);
           y = net->forward(in);
-          if (part + 1 == parts) loss = task.loss(y, batch, *comm);
+          if (part + 1 == parts) loss = task.loss(y, batch, *tensor);
         }
         k.forward = double(reporter->now);
         if (loss.defined()) loss.backward();
@@ -120,17 +155,57 @@ std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, 
   return out;
 }
 
-}  // namespace
+// Checks each part's measured bytes against its cost sheet over `tensor` ranks.
+void check_parts(const Model& m, double dropout, const std::string& dtype, int64_t rows, int64_t tensor,
+                 int64_t rank, const std::vector<Kept>& kept) {
+  auto cfg = m.cfg;
+  cfg.dropout = dropout;
+  const auto costs = model_spec(cfg.arch).costs(cfg, SizeContext{m.sample, m.classes, tensor});
+  REQUIRE(kept.size() == costs.size());
+  for (size_t p = 0; p < costs.size(); ++p) {
+    const auto& c = costs[p];
+    const double sheet = dtype == "fp32" ? c.activation_bytes : c.activation_bytes_16 + c.weight_copy_16 / rows;
+    const double forward = kept[p].forward - kept[p].casts, backward = kept[p].peak - kept[p].forward;
+    const double sheet_back = dtype != "fp32" && c.backward_bytes_16 >= 0 ? c.backward_bytes_16 : c.backward_bytes;
+    CAPTURE(fmt::format("{}{} dropout {} {} tensor rank {} of {}, part {}: kept {:.0f} (sheet {:.0f}), "
+                        "backward {:.0f} (sheet {:.0f})",
+                        cfg.arch, cfg.batch_norm ? " batch_norm" : "", dropout, dtype, rank, tensor, p,
+                        forward, sheet, backward, sheet_back));
+    // Exact but for what a batch shares (the positions, the causal mask, the loss).
+    CHECK(std::abs(forward - sheet) <= 0.01 * sheet + 64);
+    // Gradients in flight, where they make a stage's peak: at its last part (the loss's,
+    // or a block's) while those before still hold theirs. Within 30% (fp32's count:
+    // 16-bit gradients are smaller), or a quarter of what the part keeps (freed meanwhile).
+    if (c.block || p + 1 == costs.size()) {
+      CHECK(backward <= 1.3 * sheet_back + 0.25 * forward);
+      CHECK(backward >= sheet_back / 1.3 - 0.25 * forward);
+    }
+  }
+}
 
-TEST_CASE("models: each part's forward keeps the bytes its cost sheet counts") {
+Model small_gpt() {
   Model gpt;
   gpt.cfg.arch = "gpt";
   gpt.cfg.layers = 1, gpt.cfg.heads = 4, gpt.cfg.dim = 64, gpt.cfg.vocab = 256, gpt.cfg.seq_len = 64;
   gpt.sample = {64}, gpt.vocab = 256;
+  return gpt;
+}
+
+Model small_mlp() {
   Model mlp;
   mlp.cfg.arch = "mlp";
   mlp.cfg.hidden = {256, 128};
   mlp.sample = {1, 16, 16}, mlp.classes = 10;
+  return mlp;
+}
+
+// The dense models' weights are large beside a sample's activations: enough rows that
+// their gradients' temporaries stay small per sample.
+int64_t rows_for(const Model& m) { return m.cfg.arch == "gpt" ? 8 : 64; }
+
+}  // namespace
+
+TEST_CASE("models: each part's forward keeps the bytes its cost sheet counts") {
   Model cnn;
   cnn.cfg.arch = "cnn";
   cnn.cfg.channels = {8, 16};
@@ -138,36 +213,19 @@ TEST_CASE("models: each part's forward keeps the bytes its cost sheet counts") {
   cnn.sample = {1, 16, 16}, cnn.classes = 10;
   Model cnn_bn = cnn;
   cnn_bn.cfg.batch_norm = true;
-  for (const auto& m : {gpt, mlp, cnn, cnn_bn})
+  for (const auto& m : {small_gpt(), small_mlp(), cnn, cnn_bn})
     for (double dropout : {0.0, 0.1})
-      for (const std::string dtype : {"fp32", "bf16"}) {
-        auto cfg = m.cfg;
-        cfg.dropout = dropout;
-        const auto costs = model_spec(cfg.arch).costs(cfg, SizeContext{m.sample, m.classes, 1});
-        // The dense models' weights are large beside a sample's activations: enough rows
-        // that their gradients' temporaries stay small per sample.
-        const int64_t rows = cfg.arch == "gpt" ? 8 : 64;
-        const auto kept = part_bytes(m, dropout, dtype, rows);
-        REQUIRE(kept.size() == costs.size());
-        for (size_t p = 0; p < costs.size(); ++p) {
-          const auto& c = costs[p];
-          const double sheet = dtype == "fp32" ? c.activation_bytes : c.activation_bytes_16 + c.weight_copy_16 / rows;
-          const double forward = kept[p].forward - kept[p].casts, backward = kept[p].peak - kept[p].forward;
-          const double sheet_back = dtype != "fp32" && c.backward_bytes_16 >= 0 ? c.backward_bytes_16 : c.backward_bytes;
-          CAPTURE(fmt::format("{}{} dropout {} {} part {}: kept {:.0f} (sheet {:.0f}), backward {:.0f} (sheet {:.0f})",
-                              cfg.arch, cfg.batch_norm ? " batch_norm" : "", dropout, dtype, p,
-                              forward, sheet, backward, sheet_back));
-          // Exact but for what a batch shares (the positions, the causal mask, the loss).
-          CHECK(std::abs(forward - sheet) <= 0.01 * sheet + 64);
-          // Gradients in flight, where they make a stage's peak: at its last part (the
-          // loss's, or a block's) while those before still hold theirs. Within 30% (fp32's count:
-          // 16-bit gradients are smaller), or a quarter of what the part keeps (freed meanwhile).
-          if (c.block || p + 1 == costs.size()) {
-            CHECK(backward <= 1.3 * sheet_back + 0.25 * forward);
-            CHECK(backward >= sheet_back / 1.3 - 0.25 * forward);
-          }
-        }
-      }
+      for (const std::string dtype : {"fp32", "bf16"})
+        check_parts(m, dropout, dtype, rows_for(m), 1, 0, part_bytes(m, dropout, dtype, rows_for(m)));
+}
+
+TEST_CASE("models: each tensor rank keeps its share of the activations, as its cost sheet counts") {
+  for (const auto& m : {small_gpt(), small_mlp()})
+    for (double dropout : {0.0, 0.1})
+      for (const std::string dtype : {"fp32", "bf16"})
+        for (int64_t rank = 0; rank < 2; ++rank)
+          check_parts(m, dropout, dtype, rows_for(m), 2, rank,
+                      part_bytes(m, dropout, dtype, rows_for(m), std::make_shared<SilentComm>(rank, 2)));
 }
 
 }  // namespace unit_models_activations
