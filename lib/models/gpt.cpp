@@ -319,12 +319,20 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // weights, or with the fused kernel its rows' log-sum-exp (fp32; its output, laid out
   // heads side by side, is the one counted); the layer norms' means and deviations. A
   // dropout keeps its mask, and the attention weights' output too (the residual ones'
-  // outputs are only summed).
+  // outputs are only summed). On a GPU, CUDA's autocast keeps softmax's output in fp32
+  // (PyTorch's fp32_set_opt_dtype list; the CPU's runs it in 16 bits): the weights, their
+  // mask and, for the product with v, a 16-bit copy of them (or of their dropout's output).
   const double a = double(m.heads);
   auto block_bytes = [&](double low) {
     double b = (8 + 2 * low) * s * d + 12 * low * s * d / t + 16 * s;
-    b += fused ? 4 * a * s / t : low * a * s * s / t;
-    if (dropout) b += 2 * low * a * s * s / t + 2 * low * s * d;
+    if (fused) {
+      b += 4 * a * s / t;
+    } else {
+      const double weights = ctx.cuda ? 4 : low;
+      const double copy = weights != low || dropout ? low : 0;
+      b += (weights + (dropout ? weights : 0) + copy) * a * s * s / t;
+    }
+    if (dropout) b += 2 * low * s * d;
     return b;
   };
   block.activation_bytes = block_bytes(4);

@@ -141,6 +141,9 @@ struct SizeContext {
   Ints sample_shape;  // as the data says
   int64_t classes = 0;
   int64_t tensor = 1;  // parallel.tensor: split layers cost 1 / tensor of themselves
+  // Whether the parts run on a GPU: CUDA's autocast keeps some operations in fp32 that the
+  // CPU's runs in 16 bits (softmax).
+  bool cuda = false;
 };
 
 // Dense layers from `in` inputs through `widths` to `classes` outputs, alternately

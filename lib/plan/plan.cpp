@@ -79,7 +79,7 @@ struct Job {
     mc.classes = kind.classes;
     mc.vocab = cfg.model.vocab;  // the outline's shapes are the model's, whatever the data
     const auto& spec = model_spec(cfg.model.arch);
-    SizeContext sc{kind.sample_shape, kind.classes, dims.tensor};
+    SizeContext sc{kind.sample_shape, kind.classes, dims.tensor, cuda};
     costs = spec.costs(cfg.model, sc);
     chunks = dims.pipeline > 1 ? cfg.parallel.virtual_stages : 1;
     ModelContext whole = outline_context(0);

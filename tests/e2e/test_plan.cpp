@@ -328,6 +328,15 @@ TEST_SUITE("plan") {
     auto on_cpu = dtrain("plan " + path + " --device cuda --set train.device=cpu" + gpu);
     CHECK(on_cpu.code == 2);
     CHECK(on_cpu.err.find("plan --device cuda: train.device cpu") != std::string::npos);
+    // CUDA's autocast keeps softmax's output in fp32: a GPT block with dropout (plain
+    // attention) keeps its attention weights and their mask in 4 bytes and the product's
+    // 16-bit copy, 10 bytes a weight where the CPU's keeps 6: 4 * 2 heads * 16^2 a block,
+    // two blocks, 4 samples a micro-batch.
+    const auto gpt = gpt_job().write(dir, "gpt.yaml");
+    const std::string sixteen = " --set precision.dtype=bf16 --set model.dropout=0.1";
+    const double on_gpu = plan_of(gpt, 1, " --device cuda" + sixteen)["ranks"][0]["memory_mb"]["activations"];
+    const double here = plan_of(gpt, 1, sixteen)["ranks"][0]["memory_mb"]["activations"];
+    CHECK((on_gpu - here) * (1 << 20) == doctest::Approx(4 * (4 * 2 * 16 * 16) * 2));
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 }
