@@ -242,15 +242,10 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
   const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
   ChunkCost c;
-  // Backward runs the parts last to first, each freeing what it kept: a part's gradients in
-  // flight sit beside the activations of the parts before it, not of those after.
+  // Last part first, as backward runs them, each freeing what it kept: a part's gradients
+  // in flight sit beside the activations of the parts before it, not of those after.
   double kept_after = 0;
   for (int64_t i = r.last - 1; i >= r.first; --i) {
-    const PartCost p = job.part(i);
-    c.backward_bytes = std::max(c.backward_bytes, p.backward_bytes - kept_after);
-    kept_after += p.activation_bytes;
-  }
-  for (int64_t i = r.first; i < r.last; ++i) {
     const PartCost p = job.part(i);
     const double input = i > 0 ? job.costs[size_t(i - 1)].output : 0;
     const bool again = recompute && p.block;
@@ -258,7 +253,10 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
     // time and takes its gradients through them. On the CPU the process then holds about
     // three copies of each block's input and two of one block's activations (measured with
     // GPTs of 3 and 12 layers: the planned peak was 23% low counting one of each).
-    c.activation_bytes += again ? 3 * 4 * input : p.activation_bytes;
+    const double kept = again ? 3 * 4 * input : p.activation_bytes;
+    c.backward_bytes = std::max(c.backward_bytes, p.backward_bytes - kept_after);
+    kept_after += kept;
+    c.activation_bytes += kept;
     if (again) c.recompute_peak = std::max(c.recompute_peak, 2 * p.activation_bytes);
     c.flops += p.flops * (again ? 4 : 3);
     c.reduced += p.reduced * (again ? 2 : 1) + p.reduced_back;
