@@ -23,10 +23,14 @@
 #include "models/task.hpp"
 #include "parallel/flat_params.hpp"
 #include "precision/autocast.hpp"
+#include "models/parts.hpp"
 
 namespace unit_models_activations {
 
 using namespace dtrain;
+using test::Model;
+using test::build_part;
+using test::random_samples;
 
 namespace {
 
@@ -45,12 +49,6 @@ struct Allocated : c10::MemoryReportingInfoBase {
   }
   bool memoryProfilingEnabled() const override { return true; }
   void reset_peak() { peak = now; }
-};
-
-struct Model {
-  ModelConfig cfg;
-  Ints sample;
-  int64_t classes = 0, vocab = 0;
 };
 
 struct Kept {
@@ -97,23 +95,12 @@ class SilentComm : public Comm {
 std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, int64_t rows,
                              std::shared_ptr<Comm> tensor = make_local_comm()) {
   m.cfg.dropout = dropout;
-  const bool tokens = m.vocab > 0;
   const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
-  ModelContext ctx;
-  ctx.sample_shape = m.sample, ctx.classes = m.classes, ctx.vocab = m.vocab;
-  ctx.tensor = tensor;
-  Ints shape{rows};
-  shape.insert(shape.end(), m.sample.begin(), m.sample.end());
-  torch::Tensor x = tokens ? torch::randint(m.vocab, shape) : torch::randn(shape);
-  const Batch batch{x, tokens ? torch::randint(m.vocab, shape) : torch::randint(m.classes, {rows})};
-  const Task& task = tokens ? language_model_task() : classification_task();
+  auto [x, batch, task] = random_samples(m, rows);
   DropoutScope scope(DropoutDraw{1, 1, torch::arange(rows)});
   std::vector<Kept> out;
   for (int64_t part = 0; part < parts; ++part) {
-    ModelContext held = ctx;
-    held.first_part = part, held.last_part = part + 1;
-    auto net = build_initialised(m.cfg, held, 3);
-    net->train();
+    auto net = build_part(m, part, tensor);
     // Autocast's 16-bit copies of the weights, which the plan counts apart (buffers): kept
     // where backward needs them, for the input's gradient (a linear layer on the data has
     // none to take) or always (a convolution keeps its weight regardless).
@@ -140,7 +127,7 @@ std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, 
         {
           AutocastGuard autocast(dtype, torch::kCPU);
           y = net->forward(in);
-          if (part + 1 == parts) loss = task.loss(y, batch, *tensor);
+          if (part + 1 == parts) loss = task->loss(y, batch, *tensor);
         }
         k.forward = double(reporter->now);
         if (loss.defined()) loss.backward();

@@ -22,10 +22,14 @@
 #include "models/model.hpp"
 #include "models/task.hpp"
 #include "precision/autocast.hpp"
+#include "models/parts.hpp"
 
 namespace unit_models_kernels {
 
 using namespace dtrain;
+using test::Model;
+using test::build_part;
+using test::random_samples;
 
 namespace {
 
@@ -101,38 +105,22 @@ std::string joined(const std::vector<std::string>& v) {
   return s;
 }
 
-struct Model {
-  ModelConfig cfg;
-  Ints sample;
-  int64_t classes = 0, vocab = 0;
-};
-
 // Each part's kernels in its forward (the last part's with the loss), in `dtype` with
 // `dropout`.
 std::vector<std::vector<std::string>> part_kernels(Model m, double dropout, const std::string& dtype) {
   m.cfg.dropout = dropout;
-  const bool tokens = m.vocab > 0;
   const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
-  ModelContext ctx;
-  ctx.sample_shape = m.sample, ctx.classes = m.classes, ctx.vocab = m.vocab;
-  Ints shape{2};
-  shape.insert(shape.end(), m.sample.begin(), m.sample.end());
-  torch::Tensor x = tokens ? torch::randint(m.vocab, shape) : torch::randn(shape);
-  const Batch batch{x, tokens ? torch::randint(m.vocab, shape) : torch::randint(m.classes, {2})};
-  const Task& task = tokens ? language_model_task() : classification_task();
+  auto [x, batch, task] = random_samples(m, 2);
   auto comm = make_local_comm();
   DropoutScope scope(DropoutDraw{1, 1, torch::arange(2)});
   std::vector<std::vector<std::string>> out;
   for (int64_t part = 0; part < parts; ++part) {
-    ModelContext held = ctx;
-    held.first_part = part, held.last_part = part + 1;
-    auto net = build_initialised(m.cfg, held, 3);
-    net->train();
+    auto net = build_part(m, part, comm);
     torch::Tensor y;
     auto forward = [&] {
       AutocastGuard autocast(dtype, torch::kCPU);
       y = net->forward(x);
-      if (part + 1 == parts) task.loss(y, batch, *comm);
+      if (part + 1 == parts) task->loss(y, batch, *comm);
     };
     forward();  // once before: the first builds what later ones reuse (dropout's unit hashes)
     out.push_back(dispatched(forward));
