@@ -98,6 +98,15 @@ std::vector<Kept> part_bytes(Model m, double dropout, const std::string& dtype, 
   const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
   auto [x, batch, task] = random_samples(m, rows);
   DropoutScope scope(DropoutDraw{1, 1, torch::arange(rows)});
+  // One intra-op thread: the reporter follows a kernel into its worker threads, and
+  // LibTorch 2.15's bf16 products there take scratch memory per thread (the classifier's
+  // backward 1.8x the sheet at two threads), which the sheets do not count.
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);
+  struct Restore {
+    int threads;
+    ~Restore() { torch::set_num_threads(threads); }
+  } restore{threads};
   std::vector<Kept> out;
   for (int64_t part = 0; part < parts; ++part) {
     auto net = build_part(m, part, tensor);
