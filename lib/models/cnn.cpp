@@ -109,6 +109,11 @@ std::vector<PartCost> cnn_costs(const ModelConfig& cfg, const SizeContext& ctx) 
       // the weight and the bias (without batch norm) cast, and the first the data.
       p.kernels = cfg.batch_norm ? 5 : 3;
       p.casts = (cfg.batch_norm ? 1 : 2) + (parts.empty() ? 1 : 0);
+      // The norm, the ReLU, the pool's output and indices; backward the pool's, the ReLU's
+      // and the norm's gradients (the convolution's are its product's); the data's cast.
+      p.values.plain = norm * maps + 2 * p.output;
+      p.values_back.plain = (1 + norm) * maps;
+      p.values.casts_16 = parts.empty() ? input : 0;
       parts.push_back(p);
     }
     in = c * h * w;

@@ -309,6 +309,11 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.output = s * d;
   embeddings.matmuls = 0;
   embeddings.kernels = 4 + (dropout ? kDropoutKernels : 0);  // the positions, two lookups, their sum; its dropout
+  // The tokens' lookup and the sum (the positions' once a micro-batch); a dropout's mask
+  // and product. Split by vocabulary, the ids' mask, their local ids and the zeroed rows.
+  // Backward's weight gradients are the embeddings' size, once a micro-batch.
+  embeddings.values.plain = 2 * s * d + (dropout ? 2 * s * d : 0) + (split ? 2 * s + s * d : 0);
+  embeddings.values_back.plain = dropout ? s * d : 0;
   parts.push_back(embeddings);
   PartCost block;
   // What a block keeps, with `low` bytes a value where products write (4 in fp32, 2 under
@@ -354,6 +359,22 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // cast, and their inputs from the layer norms.
   block.kernels = fused ? 10 : 20 + (dropout ? 3 * kDropoutKernels : 0);
   block.casts = 10;
+  // Forward: the layer norms (with their statistics), the residual sums; GELU; unfused,
+  // the copies of q, k, v and attention's output into and out of the heads' layout, the
+  // scores' scale and mask, softmax (the fused kernel's work is its products'); a
+  // dropout's mask and product each (the weights' and the two residual ones); under
+  // autocast the layer norms' outputs cast. Backward: the layer norms', the residual sums,
+  // the q, k, v gradients joined; GELU's; unfused, the layout copies back, softmax's, the
+  // mask's and the scale's; the dropouts' products; under autocast four gradients cast.
+  const double scores = a * s * s / t;
+  block.values.plain = 2 * (s * d + 2 * s) + 2 * s * d +
+                       (fused ? 0 : 4 * s * d / t + 2 * scores) + (dropout ? 2 * (scores + 2 * s * d) : 0);
+  block.values.transcendental = 4 * s * d / t + (fused ? 0 : scores);
+  block.values.casts_16 = 2 * s * d;
+  block.values_back.plain = 4 * s * d + 3 * s * d / t + (fused ? 0 : 3 * s * d / t + 3 * scores) +
+                            (dropout ? scores + 2 * s * d : 0);
+  block.values_back.transcendental = 4 * s * d / t;
+  block.values_back.casts_16 = 4 * s * d;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
   PartCost head;
   // The layer norm's output (cast under autocast) and statistics, the logits (16-bit under
@@ -369,6 +390,15 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // the normed input and the tied weight cast, and the logits back to fp32.
   head.kernels = 5;
   head.casts = 3;
+  // The layer norm (and its statistics), the loss's picks; the log-softmax; under autocast
+  // the normed input cast and the logits back. Backward: the loss's mean and picks, the
+  // layer norm's; the log-softmax's; under autocast the same two casts.
+  head.values.plain = s * d + 2 * s + s;
+  head.values.transcendental = s * v / t;
+  head.values.casts_16 = s * d + s * v / t;
+  head.values_back.plain = s + s * v / t + s * d;
+  head.values_back.transcendental = s * v / t;
+  head.values_back.casts_16 = s * d + s * v / t;
   parts.push_back(head);
   return parts;
 }

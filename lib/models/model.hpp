@@ -123,6 +123,16 @@ struct PartCost {
   // of a batch of products with `small_side` as their smallest side (the machine profile's
   // bmm). Not among `matmuls`.
   double small_flops = 0, small_side = 0;
+  // The values its elementwise kernels write per sample, in forward and in backward: layer
+  // norms, sums, masks, the copies into a product's layout, the gradients through them;
+  // those through exp or tanh (softmax, GELU) apart, several times slower on a CPU; and
+  // the casts 16-bit autocast adds. A product's work is its flops; what a micro-batch
+  // writes once (a weight's cast, a bias's gradient) is left out. As LibTorch's kernels
+  // write them (tests/unit/models/test_kernels.cpp).
+  struct Values {
+    double plain = 0, transcendental = 0, casts_16 = 0;
+  };
+  Values values, values_back;
   bool block = false;           // train.recompute keeps only its input for backward
   // The kernels its forward launches (a GPU's host launches each: what bounds a small
   // model's step there), the loss's with the last part; backward launches about twice as

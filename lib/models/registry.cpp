@@ -83,6 +83,18 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     // autocast the weight and bias cast, the data too, and the logits back to fp32.
     c.kernels = last ? 3 : 2 + (dropout ? kDropoutKernels : 0);
     c.casts = 2 + (on_data ? 1 : 0) + (last ? 1 : 0);
+    // Its ReLU (a dropout's mask and product), or the log-softmax; backward the same
+    // (the loss's picks with the log-softmax's); under autocast the data's cast, and the
+    // logits' back to fp32 and their gradient's.
+    if (last) {
+      c.values.transcendental = c.values_back.transcendental = out_here;
+      c.values_back.plain = out_here;
+      c.values.casts_16 = c.values_back.casts_16 = out_here;
+    } else {
+      c.values.plain = out_here * (dropout ? 3 : 1);
+      c.values_back.plain = out_here * (dropout ? 2 : 1);
+    }
+    if (on_data) c.values.casts_16 += in;
     parts.push_back(c);
     in = out;
   };

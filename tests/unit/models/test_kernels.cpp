@@ -56,26 +56,27 @@ struct Call {
   std::string name;
   bool composite = false;
   std::vector<Call> inner;
+  double values = 0;  // what its tensor outputs hold
 };
 thread_local std::vector<Call*>* t_open = nullptr;
 
 // The kernels under `c`, in order: an operator with a kernel of its own is one (what a CPU
 // kernel calls inside itself, a GPU kernel does within its one launch), a view none; a
-// composite one, or a wrapper that calls its own operator again (autocast casting the
-// arguments first), is what it calls.
-void kernels_of(const Call& c, std::vector<std::string>& out) {
+// composite one, a wrapper that calls its own operator again (autocast casting the
+// arguments first), or one of autograd's steps in backward, is what it calls.
+void kernels_of(const Call& c, std::vector<const Call*>& out) {
   const bool wraps = std::any_of(c.inner.begin(), c.inner.end(),
                                  [&](const Call& i) { return i.name == c.name; });
   if (c.composite || wraps) {
     for (const auto& i : c.inner) kernels_of(i, out);
   } else if (!kViews.count(c.name)) {
-    out.push_back(c.name);
+    out.push_back(&c);
   }
 }
 
-// The kernels `run` dispatches on this thread, by name in order.
+// The operators `run` calls on this thread, as a tree under a composite root.
 template <class Run>
-std::vector<std::string> dispatched(Run run) {
+Call calls_in(Run run) {
   Call root;
   root.composite = true;
   std::vector<Call*> open{&root};
@@ -84,18 +85,35 @@ std::vector<std::string> dispatched(Run run) {
       at::RecordFunctionCallback(
           [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
             auto& inner = t_open->back()->inner;
-            inner.push_back(Call{fn.name(), composite(fn), {}});
+            // autograd's steps in backward call the operators that do their work
+            const bool step = fn.scope() == at::RecordScope::BACKWARD_FUNCTION ||
+                              c10::string_view(fn.name()).starts_with("autograd::");
+            inner.push_back(Call{fn.name(), step || composite(fn), {}});
             t_open->push_back(&inner.back());
             return nullptr;
           },
-          [](const at::RecordFunction&, at::ObserverContext*) { t_open->pop_back(); })
+          [](const at::RecordFunction& fn, at::ObserverContext*) {
+            for (const auto& o : fn.outputs())
+              if (o.isTensor() && o.toTensor().defined()) t_open->back()->values += double(o.toTensor().numel());
+            t_open->pop_back();
+          })
           .needsIds(false)
-          .scopes({at::RecordScope::FUNCTION}));
+          .needsOutputs(true)
+          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
   run();
   at::removeCallback(handle);
   t_open = nullptr;
+  return root;
+}
+
+// The kernels `run` dispatches on this thread, by name in order.
+template <class Run>
+std::vector<std::string> dispatched(Run run) {
+  const Call root = calls_in(run);
+  std::vector<const Call*> kernels;
+  kernels_of(root, kernels);
   std::vector<std::string> out;
-  kernels_of(root, out);
+  for (const Call* k : kernels) out.push_back(k->name);
   return out;
 }
 
@@ -162,6 +180,129 @@ TEST_CASE("models: each part's forward launches the kernels its cost sheet count
                                                p, joined(kernels[p]));
           CAPTURE(what);
           CHECK(double(kernels[p].size()) == costs[p].kernels + (dtype == "fp32" ? 0 : costs[p].casts));
+        }
+      }
+}
+
+namespace {
+
+// The values a run's kernels write, by the cost sheet's kinds: products' (their flops are
+// counted instead; fused attention's too) aside, those through exp or tanh, the casts, the rest. dtrain's dropout
+// mask reports no output: it writes as many as the product that applies it, next.
+PartCost::Values values_of(const Call& root) {
+  static const std::set<std::string> products{"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                                              "aten::convolution", "aten::convolution_backward",
+                                              "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                              "aten::_scaled_dot_product_flash_attention_for_cpu_backward"};
+  static const std::set<std::string> transcendental{"aten::gelu", "aten::gelu_backward", "aten::_softmax",
+                                                    "aten::_log_softmax", "aten::_log_softmax_backward_data"};
+  std::vector<const Call*> kernels;
+  kernels_of(root, kernels);
+  PartCost::Values v;
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const Call& k = *kernels[i];
+    const double values = k.name == "dtrain::dropout_mask" && i + 1 < kernels.size() ? kernels[i + 1]->values : k.values;
+    if (products.count(k.name)) continue;
+    if (transcendental.count(k.name)) v.transcendental += values;
+    else if (k.name == "aten::_to_copy") v.casts_16 += values;
+    else v.plain += values;
+  }
+  return v;
+}
+
+// The kernels under `root` with the values each writes, to read where a count differs.
+std::string listed(const Call& root) {
+  std::vector<const Call*> kernels;
+  kernels_of(root, kernels);
+  std::string s;
+  for (const Call* k : kernels) s += fmt::format("{}={} ", k->name, k->values);
+  return s;
+}
+
+// Each part's values in forward (the last part's with the loss) and in backward, per
+// sample: the difference between batches of 4 and 2 rows, halved (what a micro-batch
+// writes once, the causal mask or a weight's gradient, cancels); and the kernels of 4 rows.
+struct PartValues {
+  PartCost::Values forward, backward;
+  std::string kernels;
+};
+std::vector<PartValues> part_values(const Model& m, const std::string& dtype) {
+  const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
+  std::vector<PartValues> out(static_cast<size_t>(parts));
+  for (const int64_t rows : {2, 4}) {
+    const double sign = rows == 4 ? 0.5 : -0.5;
+    auto [x, batch, task] = random_samples(m, rows);
+    auto comm = make_local_comm();
+    DropoutScope scope(DropoutDraw{1, 1, torch::arange(rows)});
+    for (int64_t part = 0; part < parts; ++part) {
+      auto net = build_part(m, part, comm);
+      // The input's gradient as a model's inner part takes it; the data's none.
+      const torch::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(part > 0) : x;
+      torch::Tensor y, loss;
+      auto forward = [&] {
+        AutocastGuard autocast(dtype, torch::kCPU);
+        y = net->forward(in);
+        loss = part + 1 == parts ? task->loss(y, batch, *comm) : y.sum();
+      };
+      forward();  // once before: the first builds what later ones reuse (dropout's unit hashes)
+      const Call forward_calls = calls_in(forward);
+      const Call backward_calls = calls_in([&] { loss.backward(); });
+      const auto f = values_of(forward_calls), b = values_of(backward_calls);
+      auto& [fwd, back, kernels] = out[size_t(part)];
+      kernels = "forward: " + listed(forward_calls) + "\nbackward: " + listed(backward_calls);
+      for (auto [into, from] : {std::pair{&fwd, &f}, std::pair{&back, &b}}) {
+        into->plain += sign * from->plain;
+        into->transcendental += sign * from->transcendental;
+        into->casts_16 += sign * from->casts_16;
+      }
+      x = y.detach();
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("models: each part's kernels write the elementwise values its cost sheet counts") {
+  // Shapes whose terms differ (a GPT's s d, its heads' s^2 and s v), so that a term
+  // counted for another fails.
+  Model gpt;
+  gpt.cfg.arch = "gpt";
+  gpt.cfg.layers = 1, gpt.cfg.heads = 2, gpt.cfg.dim = 24, gpt.cfg.vocab = 40, gpt.cfg.seq_len = 8;
+  gpt.sample = {8}, gpt.vocab = 40;
+  Model mlp;
+  mlp.cfg.arch = "mlp";
+  mlp.cfg.hidden = {16, 8};
+  mlp.sample = {1, 4, 4}, mlp.classes = 4;
+  Model cnn;
+  cnn.cfg.arch = "cnn";
+  cnn.cfg.channels = {4, 8};
+  cnn.cfg.fc = {16};
+  cnn.sample = {1, 8, 8}, cnn.classes = 4;
+  Model cnn_bn = cnn;
+  cnn_bn.cfg.batch_norm = true;
+  for (auto m : {gpt, mlp, cnn, cnn_bn})
+    for (double dropout : {0.0, 0.1})
+      for (const std::string dtype : {"fp32", "bf16"}) {
+        m.cfg.dropout = dropout;
+        const auto costs = model_spec(m.cfg.arch).costs(m.cfg, SizeContext{m.sample, m.classes, 1});
+        const auto measured = part_values(m, dtype);
+        REQUIRE(measured.size() == costs.size());
+        const bool low = dtype != "fp32";
+        for (size_t p = 0; p < costs.size(); ++p) {
+          CAPTURE(m.cfg.arch);
+          CAPTURE(m.cfg.batch_norm);
+          CAPTURE(dropout);
+          CAPTURE(dtype);
+          CAPTURE(p);
+          const auto& [fwd, back, kernels] = measured[p];
+          CAPTURE(kernels);
+          CHECK(fwd.plain == doctest::Approx(costs[p].values.plain));
+          CHECK(fwd.transcendental == doctest::Approx(costs[p].values.transcendental));
+          CHECK(fwd.casts_16 == doctest::Approx(low ? costs[p].values.casts_16 : 0));
+          CHECK(back.plain == doctest::Approx(costs[p].values_back.plain));
+          CHECK(back.transcendental == doctest::Approx(costs[p].values_back.transcendental));
+          CHECK(back.casts_16 == doctest::Approx(low ? costs[p].values_back.casts_16 : 0));
         }
       }
 }
