@@ -273,12 +273,25 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
 struct Speed {
   std::function<double(double side, double work, bool batched)> matmul;
   double memory = 0;
+  // Values a second of elementwise kernels, a sum's and GELU's, where measured (a CPU's:
+  // there they run well below memory speed); else the activations and the update stream
+  // at memory speed.
+  double plain = 0, transcendental = 0;
 };
 
+// The values the update writes per parameter (lib/optim), the gradients' zeroing with
+// them: AdamW's nine (the decay, each moment's two, the denominator's three, the step),
+// SGD's step with its momentum's two and its decay's one; clipping's norm and scaling.
+double update_values(const OptimizerConfig& o) {
+  const double step = o.name == "adamw" ? 9 : 1 + (o.momentum != 0 ? 2 : 0) + (o.weight_decay != 0 ? 1 : 0);
+  return 1 + step + (o.grad_clip > 0 ? 2 : 0);
+}
+
 // Seconds a stage computes in a step: each part's matrix multiplies at the rate the profile
-// measured for their size (per micro-batch), the rest of its work (activations written in
-// forward, read and written in backward) at memory speed; backward is twice forward, and
-// a recomputed block runs forward twice.
+// measured for their size (per micro-batch), backward's twice forward's; its elementwise
+// kernels' values at the profile's rates for them (16-bit autocast's at bf16's), or where
+// the profile has none its activations at memory speed, written in forward, read and
+// written in backward. A recomputed block runs forward twice.
 double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
   const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
@@ -296,24 +309,35 @@ double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
       double size = std::cbrt(work);
       if (p.side > 0) size = std::min(size, p.side);
       seconds += passes * dense * rows_step / speed.matmul(size, work, false);
-    } else if (dense > 0) {
+    } else if (dense > 0 && speed.plain <= 0) {  // a lookup: among the values where counted
       seconds += passes * 4 * dense * rows_step / speed.memory;
     }
     if (p.small_flops > 0)  // the scores and their weighting: two batched products
       seconds += passes * p.small_flops * rows_step / speed.matmul(p.small_side, p.small_flops * job.rows / 4, true);
-    seconds += passes * p.activation_bytes * rows_step / speed.memory;
+    if (speed.plain > 0) {
+      const double casts = job.cfg.precision.dtype != "fp32" ? 1 : 0;
+      auto of = [&](const PartCost::Values& v) {
+        return (v.plain + casts * v.casts_16) / speed.plain + v.transcendental / speed.transcendental;
+      };
+      const double forwards = recompute && p.block ? 2 : 1;
+      seconds += (forwards * of(p.values) + of(p.values_back)) * rows_step;
+    } else {
+      seconds += passes * p.activation_bytes * rows_step / speed.memory;
+    }
   }
   return seconds;
 }
 
 // Seconds a pipeline rank's device works in a step at `speed`: its chunks' computing,
-// stretched by the bubble, then the update streaming its shard (`passes` over it).
+// stretched by the bubble, then the update over its shard: its values at the elementwise
+// rate where measured, else `passes` over it at memory speed.
 double work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, double bubble,
                     int64_t shard, double passes) {
   double compute = 0;
   for (int64_t c = 0; c < job.chunks; ++c)
     compute += compute_seconds(job, c * job.dims.pipeline + pipeline_rank, speed);
   if (bubble < 1) compute /= 1 - bubble;
+  if (speed.plain > 0) return compute + update_values(job.cfg.optimizer) * double(shard) / speed.plain;
   return compute + passes * 4 * double(shard) / speed.memory;
 }
 
@@ -655,7 +679,8 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
       const Speed speed{[&](double side, double, bool batched) {
                           return profile->matmul_flops(side, busy, bf16, batched);
                         },
-                        profile->memory_bytes(busy)};
+                        profile->memory_bytes(busy), profile->elementwise_values(busy, bf16, false),
+                        profile->elementwise_values(busy, bf16, true)};
       out.step_s = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * double(world) +
                    talk_seconds({profile->all_reduce, profile->send});
     } else if (job.cuda && profile->gpu) {

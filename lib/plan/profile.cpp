@@ -25,6 +25,7 @@
 #include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/memory.hpp"
 #include "util/process.hpp"
 
 #ifdef DTRAIN_CUDA
@@ -91,6 +92,16 @@ double matmul_rate(int64_t n, torch::Dtype dtype, bool batched, double budget) {
   return time_product(n, 0x1p24, double(n), torch::TensorOptions().dtype(dtype), batched,
                       [&](const auto& call) { return seconds_per(call, budget); })
       .flops();
+}
+
+// Values a second of `op` writing a new tensor of 2^21 values of `dtype`: a sum, or GELU
+// (tanh's approximation, as the GPT's).
+double elementwise_rate(torch::Dtype dtype, bool transcendental, double budget) {
+  const auto like = torch::TensorOptions().dtype(dtype);
+  const auto a = torch::randn({int64_t(1) << 21}, like), b = torch::randn({int64_t(1) << 21}, like);
+  const double seconds = transcendental ? seconds_per([&] { (void)at::gelu(a, "tanh"); }, budget)
+                                        : seconds_per([&] { (void)at::add(a, b); }, budget);
+  return double(a.numel()) / seconds;
 }
 
 double memory_rate(double budget) {
@@ -316,6 +327,14 @@ double MachineProfile::memory_bytes(double threads) const {
   return cores > 1 ? memory_one + (memory_all - memory_one) * (t - 1) / double(cores - 1) : memory_one;
 }
 
+double MachineProfile::elementwise_values(double threads, bool bf16, bool transcendental) const {
+  const Elementwise& e = bf16 ? elementwise_bf16 : elementwise;
+  const double one = transcendental ? e.transcendental_one : e.plain_one;
+  const double all = transcendental ? e.transcendental_all : e.plain_all;
+  const double t = std::clamp(threads, 1.0, double(cores));
+  return cores > 1 ? one + (all - one) * (t - 1) / double(cores - 1) : one;
+}
+
 const MachineProfile::Link* MachineProfile::link(const std::vector<Link>& links, int64_t ranks) const {
   const Link* best = nullptr;
   for (const auto& l : links)
@@ -347,6 +366,9 @@ MachineProfile measure_machine(int64_t max_ranks) {
   constexpr double kBudget = 0.07;  // seconds a timing
   std::map<std::pair<const void*, int64_t>, std::array<double, 3>> one, all;
   std::array<double, 3> memory_one{}, memory_all{};
+  // Each dtype's sum and GELU, one thread and all: 8 rates, by index dtype * 4 + kind * 2 + all.
+  std::array<std::array<double, 3>, 8> elementwise{};
+  tune_allocator();  // as a run takes its memory: a freed tensor's reused, not mapped anew
   for (size_t sweep = 0; sweep < 3; ++sweep) {
     for (const auto& table : tables)
       for (int64_t n : table.sizes) {
@@ -360,6 +382,16 @@ MachineProfile measure_machine(int64_t max_ranks) {
     memory_one[sweep] = memory_rate(kBudget);
     torch::set_num_threads(int(p.cores));
     memory_all[sweep] = p.cores > 1 ? memory_rate(kBudget) : memory_one[sweep];
+    for (int i = 0; i < 8; ++i) {
+      torch::set_num_threads(i % 2 ? int(p.cores) : 1);
+      elementwise[size_t(i)][sweep] = i % 2 && p.cores == 1 ? elementwise[size_t(i - 1)][sweep]
+                                      : elementwise_rate(i / 4 ? torch::kBFloat16 : torch::kFloat32,
+                                                         (i / 2) % 2 == 1, kBudget);
+    }
+  }
+  for (int dtype = 0; dtype < 2; ++dtype) {
+    auto at = [&](int kind, int all) { return median(elementwise[size_t(dtype * 4 + kind * 2 + all)]); };
+    (dtype ? p.elementwise_bf16 : p.elementwise) = {at(0, 0), at(0, 1), at(1, 0), at(1, 1)};
   }
   for (const auto& table : tables)
     for (int64_t n : table.sizes) {
@@ -446,12 +478,20 @@ nlohmann::json profile_json(const MachineProfile& p) {
     for (const auto& m : list) out.push_back({{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}});
     return out;
   };
-  return {{"format", "dtrain-machine"}, {"version", 2},    {"host", p.host},
+  auto elementwise = [](const MachineProfile::Elementwise& e) {
+    return nlohmann::json{{"plain_one_thread_values_per_s", e.plain_one},
+                          {"plain_all_threads_values_per_s", e.plain_all},
+                          {"transcendental_one_thread_values_per_s", e.transcendental_one},
+                          {"transcendental_all_threads_values_per_s", e.transcendental_all}};
+  };
+  return {{"format", "dtrain-machine"}, {"version", 3},    {"host", p.host},
           {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
           {"matmul_bf16", rates(p.matmul_bf16)}, {"bmm_fp32", rates(p.bmm)},
           {"bmm_bf16", rates(p.bmm_bf16)},
           {"memory_one_thread_bytes_per_s", p.memory_one},
           {"memory_all_threads_bytes_per_s", p.memory_all},
+          {"elementwise_fp32", elementwise(p.elementwise)},
+          {"elementwise_bf16", elementwise(p.elementwise_bf16)},
           {"gloo_all_reduce", links_json(p.all_reduce)},
           {"gloo_send", links_json(p.send)},
           {"gpu", p.gpu ? gpu_json(*p.gpu) : nlohmann::json(nullptr)}};
@@ -511,10 +551,11 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
   try {
     const auto j = nlohmann::json::parse(in);
     if (j.at("format") != "dtrain-machine") throw std::runtime_error("not a dtrain machine profile");
-    // Version 1 timed square products, which the plan no longer reads its rates as: it is
-    // as none, so that `plan --measure` or parallel.auto's first start measures again.
-    if (j.at("version") == 1) return std::nullopt;
-    if (j.at("version") != 2) throw std::runtime_error("not a dtrain machine profile of version 2");
+    // Version 1 timed square products, which the plan no longer reads its rates as, and 2
+    // had no elementwise kernels: as none, so that `plan --measure` or parallel.auto's
+    // first start measures again.
+    if (j.at("version") == 1 || j.at("version") == 2) return std::nullopt;
+    if (j.at("version") != 3) throw std::runtime_error("not a dtrain machine profile of version 3");
     MachineProfile p;
     p.host = j.at("host");
     p.build = j.at("build");
@@ -528,11 +569,19 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     rates("bmm_bf16", p.bmm_bf16);
     p.memory_one = j.at("memory_one_thread_bytes_per_s");
     p.memory_all = j.at("memory_all_threads_bytes_per_s");
+    auto elementwise = [&](const char* key, MachineProfile::Elementwise& into) {
+      const auto& e = j.at(key);
+      into = {e.at("plain_one_thread_values_per_s"), e.at("plain_all_threads_values_per_s"),
+              e.at("transcendental_one_thread_values_per_s"), e.at("transcendental_all_threads_values_per_s")};
+    };
+    elementwise("elementwise_fp32", p.elementwise);
+    elementwise("elementwise_bf16", p.elementwise_bf16);
     p.all_reduce = links_of(j.at("gloo_all_reduce"));
     p.send = links_of(j.at("gloo_send"));
     // Measured where a GPU was visible (absent from profiles written before GPUs were).
     if (j.contains("gpu") && !j.at("gpu").is_null()) p.gpu = gpu_of(j.at("gpu"));
-    if (p.matmul.empty() || p.memory_one <= 0) throw std::runtime_error("no measurements");
+    if (p.matmul.empty() || p.memory_one <= 0 || p.elementwise.plain_one <= 0 || p.elementwise.transcendental_one <= 0)
+      throw std::runtime_error("no measurements");
     return p;
   } catch (const std::exception& e) {
     throw RunDirError(fmt::format("the machine profile '{}' does not read: {} (run `dtrain plan "

@@ -29,6 +29,13 @@ struct MachineProfile {
   // The same in bf16 (precision.dtype bf16's autocast); may be empty.
   std::vector<Matmul> matmul_bf16, bmm_bf16;
   double memory_one = 0, memory_all = 0;  // bytes/s an in-place add streams, 1 and all threads
+  // Elementwise kernels writing a new tensor of 2^21 values (past the caches, as a layer's
+  // activations are): the values a second of a sum writes, and of GELU (tanh: what exp and
+  // tanh cost), on one thread and on all; in fp32 and in bf16.
+  struct Elementwise {
+    double plain_one = 0, plain_all = 0, transcendental_one = 0, transcendental_all = 0;
+  };
+  Elementwise elementwise, elementwise_bf16;
   // A collective between `ranks` local processes over Gloo: a fixed cost per operation and
   // the bytes per second a rank sends (counted as comm_bytes counts them).
   struct Link {
@@ -67,11 +74,14 @@ struct MachineProfile {
   // the matmul one.
   double matmul_flops(double size, double threads, bool bf16 = false, bool batched = false) const;
   double memory_bytes(double threads) const;
+  // Values per second of elementwise kernels at `threads` (as matmul_flops interpolates).
+  double elementwise_values(double threads, bool bf16, bool transcendental) const;
   // The measured link nearest `ranks` (all-reduce's cost grows with the ranks).
   const Link* link(const std::vector<Link>& links, int64_t ranks) const;
 };
 
-// Measures this machine (about 15 s on 2 cores): matmuls, memory, and the collectives
+// Measures this machine (about 15 s on 2 cores): matmuls, memory, elementwise kernels, and
+// the collectives
 // between 2 to `max_ranks` local ranks (threads of this process over Gloo on loopback, as
 // between processes); the first GPU too where one is visible (a few seconds more).
 MachineProfile measure_machine(int64_t max_ranks);

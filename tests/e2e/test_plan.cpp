@@ -214,10 +214,14 @@ TEST_SUITE("plan") {
     auto rate = [](double flops) { return nlohmann::json::array({{{"size", 64}, {"work", 1e6}, {"flops", flops}}}); };
     auto link = nlohmann::json::array({{{"ranks", 2}, {"latency_s", 1e-4}, {"bytes_per_s", 1e9}}});
     auto cpu = nlohmann::json::array({{{"size", 64}, {"one_thread_flops", 1e9}, {"all_threads_flops", 1e9}}});
-    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 2}, {"host", "gpu-node"},
+    auto values = nlohmann::json{{"plain_one_thread_values_per_s", 1e9}, {"plain_all_threads_values_per_s", 1e9},
+                                 {"transcendental_one_thread_values_per_s", 1e9},
+                                 {"transcendental_all_threads_values_per_s", 1e9}};
+    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 3}, {"host", "gpu-node"},
                            {"build", "test"}, {"cores", 1}, {"matmul_fp32", cpu}, {"matmul_bf16", cpu},
                            {"bmm_fp32", cpu}, {"bmm_bf16", cpu},
                            {"memory_one_thread_bytes_per_s", 1e9}, {"memory_all_threads_bytes_per_s", 1e9},
+                           {"elementwise_fp32", values}, {"elementwise_bf16", values},
                            {"gloo_all_reduce", link}, {"gloo_send", link}};
     profile["gpu"] = {{"name", "test GPU"}, {"count", 1}, {"memory_bytes", 80e9},
                       {"matmul", {{"fp32", rate(1e9)}, {"tf32", rate(1e9)}, {"bf16", rate(2e9)}}},
@@ -359,6 +363,8 @@ TEST_SUITE("plan_measure") {
     REQUIRE(p["bmm_fp32"].size() >= 3);  // attention's batched products
     REQUIRE(p["bmm_bf16"].size() == p["bmm_fp32"].size());
     for (const auto& x : p["bmm_fp32"]) CHECK(x["one_thread_flops"].get<double>() > 1e6);
+    for (const char* dtype : {"elementwise_fp32", "elementwise_bf16"})  // a sum's and GELU's values/s
+      for (const auto& [key, rate] : p[dtype].items()) CHECK(rate.get<double>() > 1e6);
     CHECK(p["gloo_all_reduce"][0]["bytes_per_s"].get<double>() > 1e6);
     CHECK(p["gloo_send"][0]["latency_s"].get<double>() >= 0);
 
