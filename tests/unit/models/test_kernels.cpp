@@ -123,6 +123,28 @@ std::string joined(const std::vector<std::string>& v) {
   return s;
 }
 
+// Small shapes of each model (the CNN with and without batch norm). The kernel counts do
+// not depend on the sizes; the values do, and these keep their terms apart (a GPT's s d,
+// its heads' a s^2 and s v differ), so that a term counted for another fails.
+std::vector<Model> small_models() {
+  Model gpt;
+  gpt.cfg.arch = "gpt";
+  gpt.cfg.layers = 1, gpt.cfg.heads = 2, gpt.cfg.dim = 24, gpt.cfg.vocab = 40, gpt.cfg.seq_len = 8;
+  gpt.sample = {8}, gpt.vocab = 40;
+  Model mlp;
+  mlp.cfg.arch = "mlp";
+  mlp.cfg.hidden = {16, 8};
+  mlp.sample = {1, 4, 4}, mlp.classes = 4;
+  Model cnn;
+  cnn.cfg.arch = "cnn";
+  cnn.cfg.channels = {4, 8};
+  cnn.cfg.fc = {16};
+  cnn.sample = {1, 8, 8}, cnn.classes = 4;
+  Model cnn_bn = cnn;
+  cnn_bn.cfg.batch_norm = true;
+  return {gpt, mlp, cnn, cnn_bn};
+}
+
 // Each part's kernels in its forward (the last part's with the loss), in `dtype` with
 // `dropout`.
 std::vector<std::vector<std::string>> part_kernels(Model m, double dropout, const std::string& dtype) {
@@ -150,23 +172,7 @@ std::vector<std::vector<std::string>> part_kernels(Model m, double dropout, cons
 }  // namespace
 
 TEST_CASE("models: each part's forward launches the kernels its cost sheet counts") {
-  // Small shapes of each model and its options; the counts do not depend on the sizes.
-  Model gpt;
-  gpt.cfg.arch = "gpt";
-  gpt.cfg.layers = 2, gpt.cfg.heads = 2, gpt.cfg.dim = 16, gpt.cfg.vocab = 32, gpt.cfg.seq_len = 8;
-  gpt.sample = {8}, gpt.vocab = 32;
-  Model mlp;
-  mlp.cfg.arch = "mlp";
-  mlp.cfg.hidden = {16, 8};
-  mlp.sample = {1, 4, 4}, mlp.classes = 4;
-  Model cnn;
-  cnn.cfg.arch = "cnn";
-  cnn.cfg.channels = {4, 8};
-  cnn.cfg.fc = {16};
-  cnn.sample = {1, 8, 8}, cnn.classes = 4;
-  Model cnn_bn = cnn;
-  cnn_bn.cfg.batch_norm = true;
-  for (const auto& m : {gpt, mlp, cnn, cnn_bn})
+  for (const auto& m : small_models())
     for (double dropout : {0.0, 0.1})
       for (const std::string dtype : {"fp32", "bf16"}) {
         auto cfg = m.cfg;
@@ -264,24 +270,7 @@ std::vector<PartValues> part_values(const Model& m, const std::string& dtype) {
 }  // namespace
 
 TEST_CASE("models: each part's kernels write the elementwise values its cost sheet counts") {
-  // Shapes whose terms differ (a GPT's s d, its heads' s^2 and s v), so that a term
-  // counted for another fails.
-  Model gpt;
-  gpt.cfg.arch = "gpt";
-  gpt.cfg.layers = 1, gpt.cfg.heads = 2, gpt.cfg.dim = 24, gpt.cfg.vocab = 40, gpt.cfg.seq_len = 8;
-  gpt.sample = {8}, gpt.vocab = 40;
-  Model mlp;
-  mlp.cfg.arch = "mlp";
-  mlp.cfg.hidden = {16, 8};
-  mlp.sample = {1, 4, 4}, mlp.classes = 4;
-  Model cnn;
-  cnn.cfg.arch = "cnn";
-  cnn.cfg.channels = {4, 8};
-  cnn.cfg.fc = {16};
-  cnn.sample = {1, 8, 8}, cnn.classes = 4;
-  Model cnn_bn = cnn;
-  cnn_bn.cfg.batch_norm = true;
-  for (auto m : {gpt, mlp, cnn, cnn_bn})
+  for (auto m : small_models())
     for (double dropout : {0.0, 0.1})
       for (const std::string dtype : {"fp32", "bf16"}) {
         m.cfg.dropout = dropout;
