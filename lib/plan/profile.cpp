@@ -391,7 +391,9 @@ MachineProfile measure_machine(int64_t max_ranks) {
   }
   for (int dtype = 0; dtype < 2; ++dtype) {
     auto at = [&](int kind, int all) { return median(elementwise[size_t(dtype * 4 + kind * 2 + all)]); };
-    (dtype ? p.elementwise_bf16 : p.elementwise) = {at(0, 0), at(0, 1), at(1, 0), at(1, 1)};
+    MachineProfile::Elementwise& e = dtype ? p.elementwise_bf16 : p.elementwise;
+    e.plain_one = at(0, 0), e.plain_all = at(0, 1);
+    e.transcendental_one = at(1, 0), e.transcendental_all = at(1, 1);
   }
   for (const auto& table : tables)
     for (int64_t n : table.sizes) {
@@ -571,8 +573,10 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     p.memory_all = j.at("memory_all_threads_bytes_per_s");
     auto elementwise = [&](const char* key, MachineProfile::Elementwise& into) {
       const auto& e = j.at(key);
-      into = {e.at("plain_one_thread_values_per_s"), e.at("plain_all_threads_values_per_s"),
-              e.at("transcendental_one_thread_values_per_s"), e.at("transcendental_all_threads_values_per_s")};
+      into.plain_one = e.at("plain_one_thread_values_per_s").get<double>();
+      into.plain_all = e.at("plain_all_threads_values_per_s").get<double>();
+      into.transcendental_one = e.at("transcendental_one_thread_values_per_s").get<double>();
+      into.transcendental_all = e.at("transcendental_all_threads_values_per_s").get<double>();
     };
     elementwise("elementwise_fp32", p.elementwise);
     elementwise("elementwise_bf16", p.elementwise_bf16);
