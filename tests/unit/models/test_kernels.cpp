@@ -87,7 +87,7 @@ Call calls_in(Run run) {
             auto& inner = t_open->back()->inner;
             // autograd's steps in backward call the operators that do their work
             const bool step = fn.scope() == at::RecordScope::BACKWARD_FUNCTION ||
-                              c10::string_view(fn.name()).starts_with("autograd::");
+                              std::string(fn.name()).rfind("autograd::", 0) == 0;
             inner.push_back(Call{fn.name(), step || composite(fn), {}});
             t_open->push_back(&inner.back());
             return nullptr;
