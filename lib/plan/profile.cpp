@@ -271,22 +271,27 @@ MachineProfile::Gpu measure_gpu(int64_t max_ranks) {
 
 }  // namespace
 
+namespace {
+// A rate at `threads`, linear between its one-thread and all-`cores` measurements.
+double at_threads(double one, double all, double threads, int64_t cores) {
+  const double t = std::clamp(threads, 1.0, double(cores));
+  return cores > 1 ? one + (all - one) * (t - 1) / double(cores - 1) : one;
+}
+}  // namespace
+
 double MachineProfile::matmul_flops(double size, double threads, bool bf16, bool batched) const {
   const auto& plain = bf16 && !matmul_bf16.empty() ? matmul_bf16 : this->matmul;
   const auto& small = bf16 && !bmm_bf16.empty() ? bmm_bf16 : bmm;
   const auto& matmul = batched && !small.empty() ? small : plain;
   if (matmul.empty()) return 0;
-  auto at_threads = [&](const Matmul& m) {
-    const double t = std::clamp(threads, 1.0, double(cores));
-    return cores > 1 ? m.one + (m.all - m.one) * (t - 1) / double(cores - 1) : m.one;
-  };
-  if (size <= matmul.front().size) return at_threads(matmul.front()) * size / matmul.front().size;
+  auto rate = [&](const Matmul& m) { return at_threads(m.one, m.all, threads, cores); };
+  if (size <= matmul.front().size) return rate(matmul.front()) * size / matmul.front().size;
   for (size_t i = 1; i < matmul.size(); ++i)
     if (size <= matmul[i].size) {
       const double w = std::log(size / matmul[i - 1].size) / std::log(matmul[i].size / matmul[i - 1].size);
-      return at_threads(matmul[i - 1]) * (1 - w) + at_threads(matmul[i]) * w;
+      return rate(matmul[i - 1]) * (1 - w) + rate(matmul[i]) * w;
     }
-  return at_threads(matmul.back());
+  return rate(matmul.back());
 }
 
 double MachineProfile::Gpu::matmul_flops(double size, double work, const std::string& dtype,
@@ -323,16 +328,13 @@ double MachineProfile::Gpu::matmul_flops(double size, double work, const std::st
 }
 
 double MachineProfile::memory_bytes(double threads) const {
-  const double t = std::clamp(threads, 1.0, double(cores));
-  return cores > 1 ? memory_one + (memory_all - memory_one) * (t - 1) / double(cores - 1) : memory_one;
+  return at_threads(memory_one, memory_all, threads, cores);
 }
 
 double MachineProfile::elementwise_values(double threads, bool bf16, bool transcendental) const {
   const Elementwise& e = bf16 ? elementwise_bf16 : elementwise;
-  const double one = transcendental ? e.transcendental_one : e.plain_one;
-  const double all = transcendental ? e.transcendental_all : e.plain_all;
-  const double t = std::clamp(threads, 1.0, double(cores));
-  return cores > 1 ? one + (all - one) * (t - 1) / double(cores - 1) : one;
+  return transcendental ? at_threads(e.transcendental_one, e.transcendental_all, threads, cores)
+                        : at_threads(e.plain_one, e.plain_all, threads, cores);
 }
 
 const MachineProfile::Link* MachineProfile::link(const std::vector<Link>& links, int64_t ranks) const {
@@ -366,8 +368,17 @@ MachineProfile measure_machine(int64_t max_ranks) {
   constexpr double kBudget = 0.07;  // seconds a timing
   std::map<std::pair<const void*, int64_t>, std::array<double, 3>> one, all;
   std::array<double, 3> memory_one{}, memory_all{};
-  // Each dtype's sum and GELU, one thread and all: 8 rates, by index dtype * 4 + kind * 2 + all.
-  std::array<std::array<double, 3>, 8> elementwise{};
+  // Each dtype's sum and GELU, into the profile's one-thread and all-threads rates.
+  const struct {
+    torch::Dtype dtype;
+    bool transcendental;
+    double *one, *all;
+  } kernels[] = {
+      {torch::kFloat32, false, &p.elementwise.plain_one, &p.elementwise.plain_all},
+      {torch::kFloat32, true, &p.elementwise.transcendental_one, &p.elementwise.transcendental_all},
+      {torch::kBFloat16, false, &p.elementwise_bf16.plain_one, &p.elementwise_bf16.plain_all},
+      {torch::kBFloat16, true, &p.elementwise_bf16.transcendental_one, &p.elementwise_bf16.transcendental_all}};
+  std::map<double*, std::array<double, 3>> elementwise;
   tune_allocator();  // as a run takes its memory: a freed tensor's reused, not mapped anew
   for (size_t sweep = 0; sweep < 3; ++sweep) {
     for (const auto& table : tables)
@@ -382,19 +393,15 @@ MachineProfile measure_machine(int64_t max_ranks) {
     memory_one[sweep] = memory_rate(kBudget);
     torch::set_num_threads(int(p.cores));
     memory_all[sweep] = p.cores > 1 ? memory_rate(kBudget) : memory_one[sweep];
-    for (int i = 0; i < 8; ++i) {
-      torch::set_num_threads(i % 2 ? int(p.cores) : 1);
-      elementwise[size_t(i)][sweep] = i % 2 && p.cores == 1 ? elementwise[size_t(i - 1)][sweep]
-                                      : elementwise_rate(i / 4 ? torch::kBFloat16 : torch::kFloat32,
-                                                         (i / 2) % 2 == 1, kBudget);
+    for (const auto& k : kernels) {
+      torch::set_num_threads(1);
+      elementwise[k.one][sweep] = elementwise_rate(k.dtype, k.transcendental, kBudget);
+      torch::set_num_threads(int(p.cores));
+      elementwise[k.all][sweep] =
+          p.cores > 1 ? elementwise_rate(k.dtype, k.transcendental, kBudget) : elementwise[k.one][sweep];
     }
   }
-  for (int dtype = 0; dtype < 2; ++dtype) {
-    auto at = [&](int kind, int all) { return median(elementwise[size_t(dtype * 4 + kind * 2 + all)]); };
-    MachineProfile::Elementwise& e = dtype ? p.elementwise_bf16 : p.elementwise;
-    e.plain_one = at(0, 0), e.plain_all = at(0, 1);
-    e.transcendental_one = at(1, 0), e.transcendental_all = at(1, 1);
-  }
+  for (const auto& [into, rates] : elementwise) *into = median(rates);
   for (const auto& table : tables)
     for (int64_t n : table.sizes) {
       const auto key = std::pair{static_cast<const void*>(table.into), n};

@@ -81,9 +81,9 @@ struct MachineProfile {
 };
 
 // Measures this machine (about 15 s on 2 cores): matmuls, memory, elementwise kernels, and
-// the collectives
-// between 2 to `max_ranks` local ranks (threads of this process over Gloo on loopback, as
-// between processes); the first GPU too where one is visible (a few seconds more).
+// the collectives between 2 to `max_ranks` local ranks (threads of this process over Gloo
+// on loopback, as between processes); the first GPU too where one is visible (a few
+// seconds more).
 MachineProfile measure_machine(int64_t max_ranks);
 
 // measure_machine in a child dtrain (`dtrain plan --measure`, this executable), for a

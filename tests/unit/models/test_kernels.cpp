@@ -193,8 +193,9 @@ TEST_CASE("models: each part's forward launches the kernels its cost sheet count
 namespace {
 
 // The values a run's kernels write, by the cost sheet's kinds: products' (their flops are
-// counted instead; fused attention's too) aside, those through exp or tanh, the casts, the rest. dtrain's dropout
-// mask reports no output: it writes as many as the product that applies it, next.
+// counted instead; fused attention's too) aside, those through exp or tanh, the casts, the
+// rest. dtrain's dropout mask reports no output: it writes as many as the product that
+// applies it, next.
 PartCost::Values values_of(const Call& root) {
   static const std::set<std::string> products{"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                                               "aten::convolution", "aten::convolution_backward",
