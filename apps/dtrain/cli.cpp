@@ -26,6 +26,7 @@
 #include "launch/world.hpp"
 #include "run/mode.hpp"
 #include "run/trainer.hpp"
+#include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/shape.hpp"
@@ -162,8 +163,11 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   const auto connect = [&]() -> std::shared_ptr<Comm> {
     if (world.world == 1) return make_local_comm();
     const DevicePlan plan = device();
-    return make_c10d_comm(world, {plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
-                                  cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device});
+    CommOptions opts{plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
+                     cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device};
+    const int64_t cpus = usable_cpus();
+    opts.comm_first = world.local_world * intra_op_threads(cfg.train.threads, cpus, world.local_world) <= cpus;
+    return make_c10d_comm(world, opts);
   };
   std::shared_ptr<Comm> comm;
   if (cfg.parallel.auto_layout) {  // the ranks agree on one choice, over the job's comm

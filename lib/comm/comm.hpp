@@ -154,6 +154,9 @@ struct CommOptions {
   // This rank's device. NCCL moves CUDA tensors only: CPU tensors given to an NCCL group
   // (a few numbers: the step's agreement, evaluation sums) go through this device.
   c10::Device device = c10::Device(c10::kCPU);
+  // Gloo's threads run at a higher priority than compute: right where every compute thread
+  // of the machine's ranks has a core, wrong where they outnumber the cores (comm.cpp).
+  bool comm_first = true;
 };
 
 // Rendezvous through a store at world.master_addr:master_port (rank 0 hosts dtrain's

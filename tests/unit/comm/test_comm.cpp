@@ -5,8 +5,15 @@
 #include <set>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/torch.h>
 #include "comm/comm.hpp"
 #include "ranks.hpp"
@@ -84,6 +91,54 @@ TEST_CASE("comm: collectives over ranks as threads") {
     c->barrier();
   }, quick());
   failures.check();
+}
+
+// Each thread of this process and its nice value (field 19 of /proc's stat).
+std::map<std::string, int> threads_nice() {
+  std::map<std::string, int> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(e.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto end_of_name = stat.rfind(')');
+    if (end_of_name == std::string::npos) continue;  // the thread ended meanwhile
+    std::istringstream fields(stat.substr(end_of_name + 2));  // from field 3, the state
+    std::string field;
+    for (int i = 3; i <= 19 && fields >> field; ++i)
+      if (i == 19) out[e.path().filename().string()] = std::stoi(field);
+  }
+  return out;
+}
+
+TEST_CASE("comm: Gloo's threads run above compute only where every compute thread has a core") {
+  const id_t tid = static_cast<id_t>(::syscall(SYS_gettid));
+  errno = 0;
+  const int mine = ::getpriority(PRIO_PROCESS, tid);
+  REQUIRE(errno == 0);
+  const bool can_raise = ::setpriority(PRIO_PROCESS, tid, mine - 1) == 0;
+  if (can_raise) ::setpriority(PRIO_PROCESS, tid, mine);
+  for (bool first : {true, false}) {
+    CAPTURE(first);
+    const auto before = threads_nice();
+    std::map<std::string, int> during;
+    std::mutex mu;
+    auto opts = quick();
+    opts.comm_first = first;
+    test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
+      comm->barrier();  // both ranks' groups, and so their threads, exist
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (during.empty()) during = threads_nice();
+      }
+      comm->barrier();
+    }, opts);
+    std::set<int> made;  // the nice values of the threads made meanwhile
+    for (const auto& [task, nice] : during)
+      if (!before.count(task)) made.insert(nice);
+    REQUIRE(!made.empty());
+    // The ranks' own threads run at the test's priority; Gloo's at 10 above it, or the same.
+    if (first && can_raise) CHECK(made == std::set<int>{mine, mine - 10});
+    else CHECK(made == std::set<int>{mine});
+  }
 }
 
 }  // namespace unit_comm_comm
