@@ -46,6 +46,9 @@ cases=(
   "gpt d4|$GPT|4|"
   "gpt d2 t2|$GPT|4|parallel.tensor=2"
   "gpt t2 p2 x4|$GPT|4|parallel.tensor=2 parallel.pipeline=2 train.grad_accum=4"
+  "gpt d2 p2 1f1b x1|$GPT|4|parallel.pipeline=2"
+  "gpt d2 p2 inter x8|$GPT|4|parallel.pipeline=2 parallel.schedule=interleaved_1f1b parallel.virtual_stages=2 train.grad_accum=8"
+  "gpt p4 1f1b x4|$GPT|4|parallel.pipeline=4 train.grad_accum=4"
 )
 if [ $gpu = 1 ]; then
   GPT2=$ROOT/configs/gpt2_small.yaml

@@ -524,8 +524,10 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   const int64_t pad = p.mode == "async_ps" ? (job.servers > 1 ? job.servers * kShardAlign : 1)
                       : p.zero > 0 && d > 1 ? d * kShardAlign
                                             : 1;
-  const int64_t numel = (h.total + pad - 1) / pad * pad;
-  const int64_t shard = p.zero > 0 && d > 1 ? numel / d : numel;
+  auto padded = [&](int64_t total) { return (total + pad - 1) / pad * pad; };
+  auto shard_of = [&](int64_t total) { return p.zero > 0 && d > 1 ? padded(total) / d : padded(total); };
+  const int64_t numel = padded(h.total);
+  const int64_t shard = shard_of(h.total);
   const int64_t slots = optimizer_slots(cfg.optimizer);
   MemoryPlan& m = out.memory;
   if (!job.cuda) {
@@ -668,21 +670,33 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     };
     if (!job.cuda && !profile->matmul.empty()) {
       // The ranks (all planned on this machine) compute at once: the machine runs `busy`
-      // threads (its cores at most), at the rates measured for that many, and each of the
-      // ranks gets its part of them. Two one-thread ranks on two cores each get half of two
-      // threads' rate, not a lone thread's (the GPT at d2 took 0.85-0.92x the step of one
-      // process on two threads; a lone thread's rate said 0.58-0.70x); four share them in
-      // time, a quarter each.
+      // threads (its cores at most), at the rates measured for that many, and the ranks
+      // that fit on them at once (`running`) each get their part. Two one-thread ranks on
+      // two cores each get half of two threads' rate, not a lone thread's (the GPT at d2
+      // took 0.85-0.92x the step of one process on two threads; a lone thread's rate said
+      // 0.58-0.70x). This rank's work, stretched by its bubble at that rate, bounds the
+      // step; so does every rank's work at the machine's rate: where ranks outnumber the
+      // cores, those a stage's bubble idles give their cores to the others (4 ranks on 2
+      // cores, d2 x p2 1F1B at one micro-batch: 211 ms a step, the bubble's stretch said 422).
       const double threads = double(intra_op_threads(cfg.train.threads, profile->cores, world));
       const double busy = std::min(double(profile->cores), double(world) * threads);
+      const double running = busy / threads;
       const bool bf16 = cfg.precision.dtype == "bf16";  // autocast's matmuls
       const Speed speed{[&](double side, double, bool batched) {
                           return profile->matmul_flops(side, busy, bf16, batched);
                         },
                         profile->memory_bytes(busy), profile->elementwise_values(busy, bf16, false),
                         profile->elementwise_values(busy, bf16, true)};
-      out.step_s = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * double(world) +
-                   talk_seconds({profile->all_reduce, profile->send});
+      double machine = 0;  // every rank's work, the machine's alone
+      for (int64_t s = 0; s < job.dims.pipeline; ++s)
+        machine += work_seconds(job, s, speed, 0, shard_of(held_by(job, s).total), passes) *
+                   double(d * job.dims.tensor);
+      const double mine = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * running;
+      // And where they outnumber the cores, a pipeline's receiver waits for a core back.
+      const double handoffs = running < double(world) && job.dims.pipeline > 1
+                                  ? profile->crowded_handoff.seconds * double(job.micro * job.chunks) * 2
+                                  : 0;
+      out.step_s = std::max(mine, machine) + handoffs + talk_seconds({profile->all_reduce, profile->send});
     } else if (job.cuda && profile->gpu) {
       // The links of the backend the ranks take: the GPU's where the profile measured
       // that backend, else Gloo's between processes (its copies through the host aside);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cerrno>
 #include <cmath>
@@ -142,6 +143,7 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
         if (here.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(here);
         CommOptions mine = opts;
         mine.device = here;
+        mine.comm_first = n <= usable_cpus();  // as a run's ranks would (dtrain run)
         auto comm = make_in_process_comm(rendezvous, r, n, mine);
         const auto on = torch::TensorOptions().device(here);
         // A fixed number of each (every rank must make the same calls).
@@ -180,6 +182,64 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
   auto ring = [&](double floats) { return 2 * 4 * floats * double(n - 1) / double(n); };
   return {fit(n, ring(double(small)), times[0], ring(double(large)), times[1]),
           fit(n, 4.0 * double(small), times[2], 4.0 * double(large), times[3])};
+}
+
+// A pipeline's hand-off where ranks outnumber the cores: `n` ranks as threads (twice the
+// cores), in pairs that each run a two-stage pipeline of one-thread work: the first
+// stage works an item and sends a small tensor on, the second receives it and works it.
+// Every rank computes all the time, as a pipeline's stages do past the bubble, so the
+// same work without the sends takes the machine's time for it; the difference, over the
+// items, is what a hand-off costs (4 ranks on 2 cores: a few milliseconds, where the
+// transfer alone takes 50 us).
+MachineProfile::Handoff measure_crowded_handoff(int64_t n) {
+  static int calls = 0;
+  const std::string rendezvous = fmt::format("handoff-{}-{}", ::getpid(), calls++);
+  // An item of work: a dependent chain of multiply-adds, about 2 ms on one thread alone.
+  std::atomic<double> sink{0};
+  auto work = [&](int64_t steps) {
+    double x = 1;
+    for (int64_t i = 0; i < steps; ++i) x = x * 0.999999 + 1e-7;
+    sink.store(x, std::memory_order_relaxed);  // the chain is computed, not optimized away
+  };
+  int64_t steps = 1 << 16;
+  for (;;) {
+    const auto start = Clock::now();
+    work(steps);
+    if (std::chrono::duration<double>(Clock::now() - start).count() >= 2e-3 || steps >= (int64_t(1) << 30)) break;
+    steps *= 2;
+  }
+  const int items = 24, reps = 3;
+  std::array<double, 3> with_sends{}, without{};
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        CommOptions opts;
+        opts.comm_first = false;  // as dtrain run sets it where ranks outnumber the cores
+        auto comm = make_in_process_comm(rendezvous, r, n, opts);
+        auto t = torch::ones({1024});
+        const int64_t partner = r ^ 1;  // pairs (0, 1), (2, 3), ...: even ranks send
+        for (int k = 0; k < 2 * reps; ++k) {
+          const bool sends = k % 2 == 0;
+          comm->barrier();
+          const auto start = Clock::now();
+          for (int i = 0; i < items; ++i) {
+            if (sends && r % 2 == 1) comm->recv(t, partner);
+            work(steps);
+            if (sends && r % 2 == 0) comm->send(t, partner);
+          }
+          comm->barrier();
+          if (r == 0) (sends ? with_sends : without)[size_t(k / 2)] = std::chrono::duration<double>(Clock::now() - start).count();
+        }
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return {n, std::max(0.0, (median(with_sends) - median(without)) / items)};
 }
 
 #ifdef DTRAIN_CUDA
@@ -415,6 +475,7 @@ MachineProfile measure_machine(int64_t max_ranks) {
     p.all_reduce.push_back(all_reduce);
     p.send.push_back(send);
   }
+  if (p.cores <= 8) p.crowded_handoff = measure_crowded_handoff(2 * p.cores);
   torch::set_num_threads(before);
 #ifdef DTRAIN_CUDA
   if (visible_gpus() > 0) p.gpu = measure_gpu(max_ranks);
@@ -493,7 +554,7 @@ nlohmann::json profile_json(const MachineProfile& p) {
                           {"transcendental_one_thread_values_per_s", e.transcendental_one},
                           {"transcendental_all_threads_values_per_s", e.transcendental_all}};
   };
-  return {{"format", "dtrain-machine"}, {"version", 3},    {"host", p.host},
+  return {{"format", "dtrain-machine"}, {"version", 4},    {"host", p.host},
           {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
           {"matmul_bf16", rates(p.matmul_bf16)}, {"bmm_fp32", rates(p.bmm)},
           {"bmm_bf16", rates(p.bmm_bf16)},
@@ -503,6 +564,7 @@ nlohmann::json profile_json(const MachineProfile& p) {
           {"elementwise_bf16", elementwise(p.elementwise_bf16)},
           {"gloo_all_reduce", links_json(p.all_reduce)},
           {"gloo_send", links_json(p.send)},
+          {"crowded_handoff", {{"ranks", p.crowded_handoff.ranks}, {"seconds", p.crowded_handoff.seconds}}},
           {"gpu", p.gpu ? gpu_json(*p.gpu) : nlohmann::json(nullptr)}};
 }
 
@@ -560,11 +622,11 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
   try {
     const auto j = nlohmann::json::parse(in);
     if (j.at("format") != "dtrain-machine") throw std::runtime_error("not a dtrain machine profile");
-    // Version 1 timed square products, which the plan no longer reads its rates as, and 2
-    // had no elementwise kernels: as none, so that `plan --measure` or parallel.auto's
-    // first start measures again.
-    if (j.at("version") == 1 || j.at("version") == 2) return std::nullopt;
-    if (j.at("version") != 3) throw std::runtime_error("not a dtrain machine profile of version 3");
+    // Version 1 timed square products, which the plan no longer reads its rates as, 2 had
+    // no elementwise kernels, 3 no crowded hand-offs: as none, so that `plan --measure` or
+    // parallel.auto's first start measures again.
+    if (j.at("version") == 1 || j.at("version") == 2 || j.at("version") == 3) return std::nullopt;
+    if (j.at("version") != 4) throw std::runtime_error("not a dtrain machine profile of version 4");
     MachineProfile p;
     p.host = j.at("host");
     p.build = j.at("build");
@@ -589,6 +651,7 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     elementwise("elementwise_bf16", p.elementwise_bf16);
     p.all_reduce = links_of(j.at("gloo_all_reduce"));
     p.send = links_of(j.at("gloo_send"));
+    p.crowded_handoff = {j.at("crowded_handoff").at("ranks"), j.at("crowded_handoff").at("seconds")};
     // Measured where a GPU was visible (absent from profiles written before GPUs were).
     if (j.contains("gpu") && !j.at("gpu").is_null()) p.gpu = gpu_of(j.at("gpu"));
     if (p.matmul.empty() || p.memory_one <= 0 || p.elementwise.plain_one <= 0 || p.elementwise.transcendental_one <= 0)

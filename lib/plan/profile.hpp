@@ -43,6 +43,14 @@ struct MachineProfile {
     double latency_s = 0, bytes_per_s = 0;
   };
   std::vector<Link> all_reduce, send;
+  // Where local ranks outnumber the cores (`ranks` of them on `cores`): the seconds a
+  // pipeline's hand-off costs beyond its bytes, the receiver woken by them but waiting
+  // for a core back. 0 where not measured (machines of more than 8 cores).
+  struct Handoff {
+    int64_t ranks = 0;
+    double seconds = 0;
+  };
+  Handoff crowded_handoff;
 
   // The first visible GPU's, where there was one.
   struct Gpu {
