@@ -310,10 +310,12 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.matmuls = 0;
   embeddings.kernels = 4 + (dropout ? kDropoutKernels : 0);  // the positions, two lookups, their sum; its dropout
   // The tokens' lookup and the sum (the positions' once a micro-batch); a dropout's mask
-  // and product. Split by vocabulary, the ids' mask, their local ids and the zeroed rows.
+  // and product. Split by vocabulary: the ids' mask (two comparisons, their and, its
+  // negation twice), their local ids (a difference, zeroed where another rank's), the
+  // zeroed rows and the sum's copy for its all-reduce; backward the zeroed rows' gradient.
   // Backward's weight gradients are the embeddings' size, once a micro-batch.
-  embeddings.values.plain = 2 * s * d + (dropout ? 2 * s * d : 0) + (split ? 2 * s + s * d : 0);
-  embeddings.values_back.plain = dropout ? s * d : 0;
+  embeddings.values.plain = 2 * s * d + (dropout ? 2 * s * d : 0) + (split ? 7 * s + 2 * s * d : 0);
+  embeddings.values_back.plain = (dropout ? s * d : 0) + (split ? s * d : 0);
   parts.push_back(embeddings);
   PartCost block;
   // What a block keeps, with `low` bytes a value where products write (4 in fp32, 2 under
@@ -363,16 +365,21 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // the copies of q, k, v and attention's output into and out of the heads' layout, the
   // scores' scale and mask, softmax (the fused kernel's work is its products'); a
   // dropout's mask and product each (the weights' and the two residual ones); under
-  // autocast the layer norms' outputs cast. Backward: the layer norms', the residual sums,
-  // the q, k, v gradients joined; GELU's; unfused, the layout copies back, softmax's, the
-  // mask's and the scale's; the dropouts' products; under autocast four gradients cast.
+  // autocast the layer norms' outputs cast; split, each row-parallel product's copy for
+  // its all-reduce and its bias added after it. Backward: the layer norms', the residual
+  // sums, the q, k, v gradients joined; GELU's; unfused, the layout copies back, softmax's,
+  // the mask's and the scale's; the dropouts' products; under autocast four gradients
+  // cast; split, each column-parallel product's input gradient copied for its all-reduce.
+  // With one head on a rank, its q, k, v and output in the heads' layout are views: no
+  // copies.
   const double scores = a * s * s / t;
-  block.values.plain = 2 * (s * d + 2 * s) + 2 * s * d +
-                       (fused ? 0 : 4 * s * d / t + 2 * scores) + (dropout ? 2 * (scores + 2 * s * d) : 0);
+  const double layout = a / t > 1 ? 1 : 0;
+  block.values.plain = 2 * (s * d + 2 * s) + 2 * s * d + (fused ? 0 : layout * 4 * s * d / t + 2 * scores) +
+                       (dropout ? 2 * (scores + 2 * s * d) : 0) + (split ? 4 * s * d : 0);
   block.values.transcendental = 4 * s * d / t + (fused ? 0 : scores);
   block.values.casts_16 = 2 * s * d;
-  block.values_back.plain = 4 * s * d + 3 * s * d / t + (fused ? 0 : 3 * s * d / t + 3 * scores) +
-                            (dropout ? scores + 2 * s * d : 0);
+  block.values_back.plain = 4 * s * d + 3 * s * d / t + (fused ? 0 : layout * 3 * s * d / t + 3 * scores) +
+                            (dropout ? scores + 2 * s * d : 0) + (split ? 2 * s * d : 0);
   block.values_back.transcendental = 4 * s * d / t;
   block.values_back.casts_16 = 4 * s * d;
   for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
@@ -392,12 +399,24 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   head.casts = 3;
   // The layer norm (and its statistics), the loss's picks; the log-softmax; under autocast
   // the normed input cast and the logits back. Backward: the loss's mean and picks, the
-  // layer norm's; the log-softmax's; under autocast the same two casts.
-  head.values.plain = s * d + 2 * s + s;
-  head.values.transcendental = s * v / t;
+  // layer norm's; the log-softmax's; under autocast the same two casts. Split by
+  // vocabulary, the loss is Megatron's (layers/vocab_parallel.cpp): the rows' maxima (and
+  // their indices), the logits shifted by them, the targets' mask and local ids (as the
+  // embeddings'), the picks (gathered, zeroed), the exponentials, their sums, the softmax
+  // (divided in place), the sums' log and the loss; backward the softmax copied, the
+  // targets' mask cast and negated, added at the targets, scaled, the input gradient's
+  // copy for its all-reduce, and the layer norm's.
+  if (split) {
+    head.values.plain = s * d + 2 * s + 2 * s + 2 * s * v / t + 6 * s + 3 * s + s + s;
+    head.values.transcendental = s * v / t + s;
+    head.values_back.plain = 3 * s + 3 * s * v / t + 2 * s * d;
+  } else {
+    head.values.plain = s * d + 2 * s + s;
+    head.values.transcendental = s * v;
+    head.values_back.plain = s + s * v + s * d;
+    head.values_back.transcendental = s * v;
+  }
   head.values.casts_16 = s * d + s * v / t;
-  head.values_back.plain = s + s * v / t + s * d;
-  head.values_back.transcendental = s * v / t;
   head.values_back.casts_16 = s * d + s * v / t;
   parts.push_back(head);
   return parts;

@@ -95,6 +95,10 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
       c.values_back.plain = out_here * (dropout ? 2 : 1);
     }
     if (on_data) c.values.casts_16 += in;
+    // Split: a row-parallel product's copy for its all-reduce and its bias added after it;
+    // backward, a column-parallel one's input gradient copied for its all-reduce.
+    if (tensor > 1 && split == kRow) c.values.plain += 2 * out;
+    if (tensor > 1 && split == kColumn && !on_data) c.values_back.plain += in;
     parts.push_back(c);
     in = out;
   };

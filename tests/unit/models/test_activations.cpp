@@ -31,6 +31,7 @@ using namespace dtrain;
 using test::Model;
 using test::build_part;
 using test::random_samples;
+using test::SilentComm;
 
 namespace {
 
@@ -55,39 +56,6 @@ struct Kept {
   double forward = 0;  // bytes its forward (the loss's with the last part) leaves alive
   double peak = 0;     // bytes above the start at most, through its backward
   double casts = 0;    // of them, autocast's 16-bit copies of its weights
-};
-
-// A rank of a tensor group whose collectives leave the values as they are, at once: the
-// model runs what it runs on that rank, with the memory it takes, on this one thread (Gloo
-// would free what it was handed on a thread of its own, which this thread's reporter does
-// not hear of).
-class SilentComm : public Comm {
- public:
-  SilentComm(int64_t rank, int64_t size) : rank_(rank), size_(size) {}
-  int64_t rank() const override { return rank_; }
-  int64_t size() const override { return size_; }
-  std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override { return done(); }
-  std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override { return done(); }
-  std::unique_ptr<Pending> broadcast_async(torch::Tensor, int64_t) override { return done(); }
-  std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override {
-    return std::vector<torch::Tensor>(size_t(size_), t.clone());
-  }
-  std::unique_ptr<Pending> all_gather_async(torch::Tensor, const torch::Tensor&) override { return done(); }
-  bool can_sum(torch::ScalarType) const override { return true; }
-  void reduce_scatter(torch::Tensor, const torch::Tensor&, ReduceOp) override {}
-  void barrier() override {}
-  std::unique_ptr<Pending> exchange_async(std::vector<P2POp>) override { return done(); }
-  std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>&) override {
-    throw std::logic_error("SilentComm: no subgroups");
-  }
-
- private:
-  struct Done : Pending {
-    void wait() override {}
-    bool done() override { return true; }
-  };
-  static std::unique_ptr<Pending> done() { return std::make_unique<Done>(); }
-  int64_t rank_, size_;
 };
 
 // Each part's bytes per sample, in `dtype` with `dropout`, over a batch of `rows`, on the

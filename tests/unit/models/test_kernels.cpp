@@ -30,6 +30,7 @@ using namespace dtrain;
 using test::Model;
 using test::build_part;
 using test::random_samples;
+using test::SilentComm;
 
 namespace {
 
@@ -57,7 +58,12 @@ struct Call {
   bool composite = false;
   std::vector<Call> inner;
   double values = 0;  // what its tensor outputs hold
+  bool low = false;   // an input or output in 16 bits
 };
+bool low(const c10::IValue& v) {
+  return v.isTensor() && v.toTensor().defined() &&
+         (v.toTensor().scalar_type() == torch::kBFloat16 || v.toTensor().scalar_type() == torch::kHalf);
+}
 thread_local std::vector<Call*>* t_open = nullptr;
 
 // The kernels under `c`, in order: an operator with a kernel of its own is one (what a CPU
@@ -89,15 +95,19 @@ Call calls_in(Run run) {
             const bool step = fn.scope() == at::RecordScope::BACKWARD_FUNCTION ||
                               std::string(fn.name()).rfind("autograd::", 0) == 0;
             inner.push_back(Call{fn.name(), step || composite(fn), {}});
+            for (const auto& i : fn.inputs()) inner.back().low |= low(i);
             t_open->push_back(&inner.back());
             return nullptr;
           },
           [](const at::RecordFunction& fn, at::ObserverContext*) {
-            for (const auto& o : fn.outputs())
+            for (const auto& o : fn.outputs()) {
               if (o.isTensor() && o.toTensor().defined()) t_open->back()->values += double(o.toTensor().numel());
+              t_open->back()->low |= low(o);
+            }
             t_open->pop_back();
           })
           .needsIds(false)
+          .needsInputs(true)
           .needsOutputs(true)
           .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
   run();
@@ -193,8 +203,8 @@ TEST_CASE("models: each part's forward launches the kernels its cost sheet count
 namespace {
 
 // The values a run's kernels write, by the cost sheet's kinds: products' (their flops are
-// counted instead; fused attention's too) aside, those through exp or tanh, the casts, the
-// rest. dtrain's dropout mask reports no output: it writes as many as the product that
+// counted instead; fused attention's too) aside, those through exp, log or tanh, the casts
+// to 16 bits, the rest. dtrain's dropout mask reports no output: it writes as many as the product that
 // applies it, next.
 PartCost::Values values_of(const Call& root) {
   static const std::set<std::string> products{"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
@@ -202,7 +212,8 @@ PartCost::Values values_of(const Call& root) {
                                               "aten::_scaled_dot_product_flash_attention_for_cpu",
                                               "aten::_scaled_dot_product_flash_attention_for_cpu_backward"};
   static const std::set<std::string> transcendental{"aten::gelu", "aten::gelu_backward", "aten::_softmax",
-                                                    "aten::_log_softmax", "aten::_log_softmax_backward_data"};
+                                                    "aten::_log_softmax", "aten::_log_softmax_backward_data",
+                                                    "aten::exp", "aten::log"};
   std::vector<const Call*> kernels;
   kernels_of(root, kernels);
   PartCost::Values v;
@@ -211,7 +222,7 @@ PartCost::Values values_of(const Call& root) {
     const double values = k.name == "dtrain::dropout_mask" && i + 1 < kernels.size() ? kernels[i + 1]->values : k.values;
     if (products.count(k.name)) continue;
     if (transcendental.count(k.name)) v.transcendental += values;
-    else if (k.name == "aten::_to_copy") v.casts_16 += values;
+    else if (k.name == "aten::_to_copy" && k.low) v.casts_16 += values;
     else v.plain += values;
   }
   return v;
@@ -227,29 +238,29 @@ std::string listed(const Call& root) {
 }
 
 // Each part's values in forward (the last part's with the loss) and in backward, per
-// sample: the difference between batches of 4 and 2 rows, halved (what a micro-batch
-// writes once, the causal mask or a weight's gradient, cancels); and the kernels of 4 rows.
+// sample, on `tensor`'s rank: the difference between batches of 4 and 2 rows, halved (what
+// a micro-batch writes once, the causal mask or a weight's gradient, cancels); and the
+// kernels of 4 rows.
 struct PartValues {
   PartCost::Values forward, backward;
   std::string kernels;
 };
-std::vector<PartValues> part_values(const Model& m, const std::string& dtype) {
+std::vector<PartValues> part_values(const Model& m, const std::string& dtype, const std::shared_ptr<Comm>& tensor) {
   const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
   std::vector<PartValues> out(static_cast<size_t>(parts));
   for (const int64_t rows : {2, 4}) {
     const double sign = rows == 4 ? 0.5 : -0.5;
     auto [x, batch, task] = random_samples(m, rows);
-    auto comm = make_local_comm();
     DropoutScope scope(DropoutDraw{1, 1, torch::arange(rows)});
     for (int64_t part = 0; part < parts; ++part) {
-      auto net = build_part(m, part, comm);
+      auto net = build_part(m, part, tensor);
       // The input's gradient as a model's inner part takes it; the data's none.
       const torch::Tensor in = x.is_floating_point() ? x.detach().requires_grad_(part > 0) : x;
       torch::Tensor y, loss;
       auto forward = [&] {
         AutocastGuard autocast(dtype, torch::kCPU);
         y = net->forward(in);
-        loss = part + 1 == parts ? task->loss(y, batch, *comm) : y.sum();
+        loss = part + 1 == parts ? task->loss(y, batch, *tensor) : y.sum();
       };
       forward();  // once before: the first builds what later ones reuse (dropout's unit hashes)
       const Call forward_calls = calls_in(forward);
@@ -268,6 +279,31 @@ std::vector<PartValues> part_values(const Model& m, const std::string& dtype) {
   return out;
 }
 
+// Checks each part's values on `tensor`'s rank against its cost sheet over `tensor` ranks.
+void check_values(const Model& m, const std::string& dtype, const std::shared_ptr<Comm>& tensor) {
+  const auto costs = model_spec(m.cfg.arch).costs(m.cfg, SizeContext{m.sample, m.classes, tensor->size()});
+  const auto measured = part_values(m, dtype, tensor);
+  REQUIRE(measured.size() == costs.size());
+  const bool low = dtype != "fp32";
+  for (size_t p = 0; p < costs.size(); ++p) {
+    CAPTURE(m.cfg.arch);
+    CAPTURE(m.cfg.batch_norm);
+    CAPTURE(m.cfg.dropout);
+    CAPTURE(dtype);
+    CAPTURE(tensor->rank());
+    CAPTURE(tensor->size());
+    CAPTURE(p);
+    const auto& [fwd, back, kernels] = measured[p];
+    CAPTURE(kernels);
+    CHECK(fwd.plain == doctest::Approx(costs[p].values.plain));
+    CHECK(fwd.transcendental == doctest::Approx(costs[p].values.transcendental));
+    CHECK(fwd.casts_16 == doctest::Approx(low ? costs[p].values.casts_16 : 0));
+    CHECK(back.plain == doctest::Approx(costs[p].values_back.plain));
+    CHECK(back.transcendental == doctest::Approx(costs[p].values_back.transcendental));
+    CHECK(back.casts_16 == doctest::Approx(low ? costs[p].values_back.casts_16 : 0));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("models: each part's kernels write the elementwise values its cost sheet counts") {
@@ -275,26 +311,26 @@ TEST_CASE("models: each part's kernels write the elementwise values its cost she
     for (double dropout : {0.0, 0.1})
       for (const std::string dtype : {"fp32", "bf16"}) {
         m.cfg.dropout = dropout;
-        const auto costs = model_spec(m.cfg.arch).costs(m.cfg, SizeContext{m.sample, m.classes, 1});
-        const auto measured = part_values(m, dtype);
-        REQUIRE(measured.size() == costs.size());
-        const bool low = dtype != "fp32";
-        for (size_t p = 0; p < costs.size(); ++p) {
-          CAPTURE(m.cfg.arch);
-          CAPTURE(m.cfg.batch_norm);
-          CAPTURE(dropout);
-          CAPTURE(dtype);
-          CAPTURE(p);
-          const auto& [fwd, back, kernels] = measured[p];
-          CAPTURE(kernels);
-          CHECK(fwd.plain == doctest::Approx(costs[p].values.plain));
-          CHECK(fwd.transcendental == doctest::Approx(costs[p].values.transcendental));
-          CHECK(fwd.casts_16 == doctest::Approx(low ? costs[p].values.casts_16 : 0));
-          CHECK(back.plain == doctest::Approx(costs[p].values_back.plain));
-          CHECK(back.transcendental == doctest::Approx(costs[p].values_back.transcendental));
-          CHECK(back.casts_16 == doctest::Approx(low ? costs[p].values_back.casts_16 : 0));
-        }
+        check_values(m, dtype, make_local_comm());
       }
+}
+
+TEST_CASE("models: each tensor rank's kernels write the values its cost sheet counts") {
+  // The models whose layers split (the CNN's do not): a rank's share of the split layers,
+  // and what splitting adds (vocab-parallel's masks and its loss's pieces).
+  auto models = small_models();
+  models.push_back(models[0]);  // the GPT with two heads a rank, laid out by copies
+  models.back().cfg.heads = 4;
+  models.push_back(models[1]);  // the MLP with a column-parallel layer past the data
+  models.back().cfg.hidden = {16, 8, 8};
+  for (auto m : models)
+    if (m.cfg.arch != "cnn")
+      for (double dropout : {0.0, 0.1})
+        for (const std::string dtype : {"fp32", "bf16"})
+          for (int64_t rank = 0; rank < 2; ++rank) {
+            m.cfg.dropout = dropout;
+            check_values(m, dtype, std::make_shared<SilentComm>(rank, 2));
+          }
 }
 
 }  // namespace unit_models_kernels
