@@ -306,6 +306,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   embeddings.activation_bytes = embeddings.activation_bytes_16 = 4 * (dropout ? 2 : 1) * s * d + (split ? 9 * s : 0);
   embeddings.flops = s * d;
   embeddings.reduced = split ? s * d : 0;
+  embeddings.reductions = split ? 1 : 0;
   embeddings.output = s * d;
   embeddings.matmuls = 0;
   embeddings.kernels = 4 + (dropout ? kDropoutKernels : 0);  // the positions, two lookups, their sum; its dropout
@@ -347,6 +348,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.backward_bytes = 4 * s * d + 16 * s * d / t;  // its input's gradient, the MLP's hidden one's
   block.flops = (24 * s * d * d + 4 * s * s * d) / t;
   block.reduced = block.reduced_back = split ? 2 * s * d : 0;
+  block.reductions = block.reductions_back = split ? 2 : 0;  // attention's and the MLP's
   block.output = s * d;
   block.matmuls = 4;  // Q K V, the projection, the MLP's two: each with a side of d / T or more
   block.side = d / t;
@@ -393,6 +395,8 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   head.flops = 2 * s * d * v / t;
   head.reduced = split ? 3 * s : 0;
   head.reduced_back = split ? s * d : 0;
+  head.reductions = split ? 3 : 0;  // the rows' maxima, the picks, the sums of exponentials
+  head.reductions_back = split ? 1 : 0;
   // The layer norm, the product, the log-softmax, the loss and its mean; under autocast
   // the normed input and the tied weight cast, and the logits back to fp32.
   head.kernels = 5;

@@ -116,6 +116,8 @@ struct PartCost {
   double flops = 0;             // its forward's (backward takes twice that)
   double reduced = 0;           // values all-reduced over the tensor group in forward
   double reduced_back = 0;      // ... and in backward
+  double reductions = 0;        // the all-reduces that carry them in forward, per micro-batch
+  double reductions_back = 0;   // ... and in backward
   double output = 0;            // values it hands the next part (what a pipeline sends)
   double matmuls = 1;           // the matrix multiplies its flops are spread over
   double side = 0;              // their smallest side, where the model knows it (else 0)

@@ -77,6 +77,8 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
       c.reduced = split == kRow ? out : 0;
       // backward all-reduces a column-parallel layer's input gradient
       c.reduced_back = split == kColumn && !on_data ? in : 0;
+      c.reductions = c.reduced > 0 ? 1 : 0;
+      c.reductions_back = c.reduced_back > 0 ? 1 : 0;
     }
     c.output = last ? 0 : out_here;
     // The product with its bias, then the ReLU and its dropout (or the loss's two); under

@@ -260,7 +260,7 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
     if (again) c.recompute_peak = std::max(c.recompute_peak, 2 * p.activation_bytes);
     c.flops += p.flops * (again ? 4 : 3);
     c.reduced += p.reduced * (again ? 2 : 1) + p.reduced_back;
-    c.reductions += (p.reduced > 0 ? (again ? 2 : 1) : 0) + (p.reduced_back > 0 ? 1 : 0);
+    c.reductions += p.reductions * (again ? 2 : 1) + p.reductions_back;
   }
   if (stage + 1 < job.stages()) c.sent_forward = job.costs[size_t(r.last - 1)].output;
   if (stage > 0) c.sent_backward = job.costs[size_t(r.first - 1)].output;
@@ -692,11 +692,14 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
         machine += work_seconds(job, s, speed, 0, shard_of(held_by(job, s).total), passes) *
                    double(d * job.dims.tensor);
       const double mine = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * running;
-      // And where they outnumber the cores, a pipeline's receiver waits for a core back.
-      const double handoffs = running < double(world) && job.dims.pipeline > 1
-                                  ? profile->crowded_handoff.seconds * double(job.micro * job.chunks) * 2
-                                  : 0;
-      out.step_s = std::max(mine, machine) + handoffs + talk_seconds({profile->all_reduce, profile->send});
+      // And where they outnumber the cores, a rank that waits on another (a pipeline's
+      // receiver, a tensor group's all-reduce) waits for a core back.
+      double waits = 0;
+      if (running < double(world)) {
+        if (job.dims.pipeline > 1) waits += profile->crowded.handoff_s * double(job.micro * job.chunks) * 2;
+        if (job.dims.tensor > 1) waits += profile->crowded.all_reduce_s * double(job.micro) * reductions;
+      }
+      out.step_s = std::max(mine, machine) + waits + talk_seconds({profile->all_reduce, profile->send});
     } else if (job.cuda && profile->gpu) {
       // The links of the backend the ranks take: the GPU's where the profile measured
       // that backend, else Gloo's between processes (its copies through the host aside);

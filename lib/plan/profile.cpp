@@ -184,16 +184,17 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
           fit(n, 4.0 * double(small), times[2], 4.0 * double(large), times[3])};
 }
 
-// A pipeline's hand-off where ranks outnumber the cores: `n` ranks as threads (twice the
-// cores), in pairs that each run a two-stage pipeline of one-thread work: the first
-// stage works an item and sends a small tensor on, the second receives it and works it.
-// Every rank computes all the time, as a pipeline's stages do past the bubble, so the
-// same work without the sends takes the machine's time for it; the difference, over the
-// items, is what a hand-off costs (4 ranks on 2 cores: a few milliseconds, where the
-// transfer alone takes 50 us).
-MachineProfile::Handoff measure_crowded_handoff(int64_t n) {
+// What waiting on another rank costs where ranks outnumber the cores: `n` ranks as threads
+// (twice the cores), in pairs, each rank working items of one-thread work. Every rank
+// computes all the time, as a pipeline's stages past the bubble and a tensor group's ranks
+// do, so the same work alone takes the machine's time for it; the difference, over the
+// items, is what each item's wait costs: a pipeline's hand-off (the first of a pair sends
+// a small tensor on after each item, the second receives it before its own) or a tensor
+// group's all-reduce (both sum a small tensor after each item). 4 ranks on 2 cores: a few
+// milliseconds, where the bytes take 50 us.
+MachineProfile::Crowded measure_crowded(int64_t n) {
   static int calls = 0;
-  const std::string rendezvous = fmt::format("handoff-{}-{}", ::getpid(), calls++);
+  const std::string rendezvous = fmt::format("crowded-{}-{}", ::getpid(), calls++);
   // An item of work: a dependent chain of multiply-adds, about 2 ms on one thread alone.
   std::atomic<double> sink{0};
   auto work = [&](int64_t steps) {
@@ -208,8 +209,9 @@ MachineProfile::Handoff measure_crowded_handoff(int64_t n) {
     if (std::chrono::duration<double>(Clock::now() - start).count() >= 2e-3 || steps >= (int64_t(1) << 30)) break;
     steps *= 2;
   }
-  const int items = 24, reps = 3;
-  std::array<double, 3> with_sends{}, without{};
+  enum Wait { kNone, kHandoff, kAllReduce };
+  const int items = 24;
+  std::array<std::array<double, 3>, 3> took{};  // [wait][sweep]
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
   for (int64_t r = 0; r < n; ++r)
@@ -218,20 +220,22 @@ MachineProfile::Handoff measure_crowded_handoff(int64_t n) {
         CommOptions opts;
         opts.comm_first = false;  // as dtrain run sets it where ranks outnumber the cores
         auto comm = make_in_process_comm(rendezvous, r, n, opts);
+        const int64_t first = r - r % 2, partner = r ^ 1;  // pairs (0, 1), (2, 3), ...
+        auto pair = comm->new_group(fmt::format("pair-{}", first), {first, first + 1});
         auto t = torch::ones({1024});
-        const int64_t partner = r ^ 1;  // pairs (0, 1), (2, 3), ...: even ranks send
-        for (int k = 0; k < 2 * reps; ++k) {
-          const bool sends = k % 2 == 0;
-          comm->barrier();
-          const auto start = Clock::now();
-          for (int i = 0; i < items; ++i) {
-            if (sends && r % 2 == 1) comm->recv(t, partner);
-            work(steps);
-            if (sends && r % 2 == 0) comm->send(t, partner);
+        for (int sweep = 0; sweep < 3; ++sweep)
+          for (Wait wait : {kNone, kHandoff, kAllReduce}) {
+            comm->barrier();
+            const auto start = Clock::now();
+            for (int i = 0; i < items; ++i) {
+              if (wait == kHandoff && r % 2 == 1) comm->recv(t, partner);
+              work(steps);
+              if (wait == kHandoff && r % 2 == 0) comm->send(t, partner);
+              if (wait == kAllReduce) pair->all_reduce(t);
+            }
+            comm->barrier();
+            if (r == 0) took[wait][size_t(sweep)] = std::chrono::duration<double>(Clock::now() - start).count();
           }
-          comm->barrier();
-          if (r == 0) (sends ? with_sends : without)[size_t(k / 2)] = std::chrono::duration<double>(Clock::now() - start).count();
-        }
       } catch (...) {
         errors[size_t(r)] = std::current_exception();
       }
@@ -239,7 +243,8 @@ MachineProfile::Handoff measure_crowded_handoff(int64_t n) {
   for (auto& t : threads) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
-  return {n, std::max(0.0, (median(with_sends) - median(without)) / items)};
+  auto per_item = [&](Wait wait) { return std::max(0.0, (median(took[wait]) - median(took[kNone])) / items); };
+  return {n, per_item(kHandoff), per_item(kAllReduce)};
 }
 
 #ifdef DTRAIN_CUDA
@@ -475,7 +480,7 @@ MachineProfile measure_machine(int64_t max_ranks) {
     p.all_reduce.push_back(all_reduce);
     p.send.push_back(send);
   }
-  if (p.cores <= 8) p.crowded_handoff = measure_crowded_handoff(2 * p.cores);
+  if (p.cores <= 8) p.crowded = measure_crowded(2 * p.cores);
   torch::set_num_threads(before);
 #ifdef DTRAIN_CUDA
   if (visible_gpus() > 0) p.gpu = measure_gpu(max_ranks);
@@ -564,7 +569,8 @@ nlohmann::json profile_json(const MachineProfile& p) {
           {"elementwise_bf16", elementwise(p.elementwise_bf16)},
           {"gloo_all_reduce", links_json(p.all_reduce)},
           {"gloo_send", links_json(p.send)},
-          {"crowded_handoff", {{"ranks", p.crowded_handoff.ranks}, {"seconds", p.crowded_handoff.seconds}}},
+          {"crowded", {{"ranks", p.crowded.ranks}, {"handoff_s", p.crowded.handoff_s},
+                       {"all_reduce_s", p.crowded.all_reduce_s}}},
           {"gpu", p.gpu ? gpu_json(*p.gpu) : nlohmann::json(nullptr)}};
 }
 
@@ -623,7 +629,7 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     const auto j = nlohmann::json::parse(in);
     if (j.at("format") != "dtrain-machine") throw std::runtime_error("not a dtrain machine profile");
     // Version 1 timed square products, which the plan no longer reads its rates as, 2 had
-    // no elementwise kernels, 3 no crowded hand-offs: as none, so that `plan --measure` or
+    // no elementwise kernels, 3 no crowded ranks' waits: as none, so that `plan --measure` or
     // parallel.auto's first start measures again.
     if (j.at("version") == 1 || j.at("version") == 2 || j.at("version") == 3) return std::nullopt;
     if (j.at("version") != 4) throw std::runtime_error("not a dtrain machine profile of version 4");
@@ -651,7 +657,8 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     elementwise("elementwise_bf16", p.elementwise_bf16);
     p.all_reduce = links_of(j.at("gloo_all_reduce"));
     p.send = links_of(j.at("gloo_send"));
-    p.crowded_handoff = {j.at("crowded_handoff").at("ranks"), j.at("crowded_handoff").at("seconds")};
+    const auto& crowded = j.at("crowded");
+    p.crowded = {crowded.at("ranks"), crowded.at("handoff_s"), crowded.at("all_reduce_s")};
     // Measured where a GPU was visible (absent from profiles written before GPUs were).
     if (j.contains("gpu") && !j.at("gpu").is_null()) p.gpu = gpu_of(j.at("gpu"));
     if (p.matmul.empty() || p.memory_one <= 0 || p.elementwise.plain_one <= 0 || p.elementwise.transcendental_one <= 0)

@@ -43,14 +43,15 @@ struct MachineProfile {
     double latency_s = 0, bytes_per_s = 0;
   };
   std::vector<Link> all_reduce, send;
-  // Where local ranks outnumber the cores (`ranks` of them on `cores`): the seconds a
-  // pipeline's hand-off costs beyond its bytes, the receiver woken by them but waiting
-  // for a core back. 0 where not measured (machines of more than 8 cores).
-  struct Handoff {
+  // Where local ranks outnumber the cores (`ranks` of them on `cores`): the seconds a wait
+  // on another rank costs beyond its bytes, the waiting rank woken by them but waiting for
+  // a core back: a pipeline's hand-off, a tensor group's all-reduce. 0 where not measured
+  // (machines of more than 8 cores).
+  struct Crowded {
     int64_t ranks = 0;
-    double seconds = 0;
+    double handoff_s = 0, all_reduce_s = 0;
   };
-  Handoff crowded_handoff;
+  Crowded crowded;
 
   // The first visible GPU's, where there was one.
   struct Gpu {

@@ -244,10 +244,12 @@ std::string listed(const Call& root) {
 struct PartValues {
   PartCost::Values forward, backward;
   std::string kernels;
+  int64_t all_reduces = 0, all_reduces_back = 0;  // the tensor group's, per micro-batch
 };
 std::vector<PartValues> part_values(const Model& m, const std::string& dtype, const std::shared_ptr<Comm>& tensor) {
   const int64_t parts = model_spec(m.cfg.arch).parts(m.cfg);
   std::vector<PartValues> out(static_cast<size_t>(parts));
+  auto* silent = dynamic_cast<SilentComm*>(tensor.get());  // counts the all-reduces
   for (const int64_t rows : {2, 4}) {
     const double sign = rows == 4 ? 0.5 : -0.5;
     auto [x, batch, task] = random_samples(m, rows);
@@ -263,12 +265,18 @@ std::vector<PartValues> part_values(const Model& m, const std::string& dtype, co
         loss = part + 1 == parts ? task->loss(y, batch, *tensor) : y.sum();
       };
       forward();  // once before: the first builds what later ones reuse (dropout's unit hashes)
+      const int64_t before = silent ? silent->all_reduces : 0;
       const Call forward_calls = calls_in(forward);
+      const int64_t between = silent ? silent->all_reduces : 0;
       const Call backward_calls = calls_in([&] { loss.backward(); });
       const auto f = values_of(forward_calls), b = values_of(backward_calls);
-      auto& [fwd, back, kernels] = out[size_t(part)];
-      kernels = "forward: " + listed(forward_calls) + "\nbackward: " + listed(backward_calls);
-      for (auto [into, from] : {std::pair{&fwd, &f}, std::pair{&back, &b}}) {
+      PartValues& here = out[size_t(part)];
+      here.kernels = "forward: " + listed(forward_calls) + "\nbackward: " + listed(backward_calls);
+      if (silent) {
+        here.all_reduces = between - before;
+        here.all_reduces_back = silent->all_reduces - between;
+      }
+      for (auto [into, from] : {std::pair{&here.forward, &f}, std::pair{&here.backward, &b}}) {
         into->plain += sign * from->plain;
         into->transcendental += sign * from->transcendental;
         into->casts_16 += sign * from->casts_16;
@@ -293,8 +301,12 @@ void check_values(const Model& m, const std::string& dtype, const std::shared_pt
     CAPTURE(tensor->rank());
     CAPTURE(tensor->size());
     CAPTURE(p);
-    const auto& [fwd, back, kernels] = measured[p];
+    const auto& [fwd, back, kernels, reductions, reductions_back] = measured[p];
     CAPTURE(kernels);
+    if (tensor->size() > 1) {
+      CHECK(reductions == costs[p].reductions);
+      CHECK(reductions_back == costs[p].reductions_back);
+    }
     CHECK(fwd.plain == doctest::Approx(costs[p].values.plain));
     CHECK(fwd.transcendental == doctest::Approx(costs[p].values.transcendental));
     CHECK(fwd.casts_16 == doctest::Approx(low ? costs[p].values.casts_16 : 0));

@@ -1,10 +1,12 @@
 // The plan's step time where a machine's ranks outnumber its cores: the cores never idle
 // while some rank has work (a stage's bubble is another's compute), and each pipeline
-// hand-off costs the profile's crowded hand-off. A made-up profile, so that the expected
+// hand-off and tensor all-reduce costs what the profile measured for one there. A made-up profile, so that the expected
 // differences follow from counting alone.
 #include <doctest/doctest.h>
 
 #include <string>
+
+#include <fmt/format.h>
 
 #include "config/schema.hpp"
 #include "plan/plan.hpp"
@@ -14,7 +16,7 @@ namespace unit_plan_crowded {
 
 using namespace dtrain;
 
-MachineProfile profile(int64_t cores, double handoff_s) {
+MachineProfile profile(int64_t cores, double handoff_s, double all_reduce_s = 0) {
   MachineProfile p;
   p.cores = cores;
   for (double size : {16.0, 64.0, 256.0}) p.matmul.push_back({size, 1e9, 1e9 * double(cores)});
@@ -23,7 +25,7 @@ MachineProfile profile(int64_t cores, double handoff_s) {
   p.memory_all = 1e9 * double(cores);
   p.elementwise = {1e8, 1e8 * double(cores), 1e7, 1e7 * double(cores)};
   p.all_reduce = p.send = {{2, 1e-5, 1e10}};
-  p.crowded_handoff = {2 * cores, handoff_s};
+  p.crowded = {2 * cores, handoff_s, all_reduce_s};
   return p;
 }
 
@@ -61,6 +63,19 @@ TEST_CASE("plan: where ranks outnumber the cores, hand-offs cost the profile's e
     CHECK(step_s(c.sets, 2, profile(1, 0.01)) - free == doctest::Approx(0.01 * c.handoffs));
     // Each rank has a core: no hand-off waits for one.
     CHECK(step_s(c.sets, 2, profile(2, 0.01)) == doctest::Approx(step_s(c.sets, 2, profile(2, 0))));
+  }
+}
+
+TEST_CASE("plan: where ranks outnumber the cores, tensor all-reduces cost the profile's each") {
+  // The 4-layer GPT split over 2 ranks all-reduces, per micro-batch, the embeddings' sum,
+  // each block's attention and MLP outputs and their inputs' gradients (4 a block), and
+  // the loss's maxima, picks and sums and its input's gradient: 1 + 16 + 4 = 21.
+  for (int64_t micro : {1, 2}) {
+    const std::string sets = fmt::format("parallel.tensor=2 train.grad_accum={}", micro);
+    CAPTURE(sets);
+    const double free = step_s(sets, 2, profile(1, 0.01, 0));
+    CHECK(step_s(sets, 2, profile(1, 0.01, 0.001)) - free == doctest::Approx(0.001 * 21 * double(micro)));
+    CHECK(step_s(sets, 2, profile(2, 0.01, 0.001)) == doctest::Approx(step_s(sets, 2, profile(2, 0, 0))));
   }
 }
 
