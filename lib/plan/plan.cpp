@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <set>
 #include <system_error>
 #include <unordered_set>
@@ -54,6 +55,8 @@ double ring(double bytes, int64_t ranks) {
   return ranks > 1 ? 2 * bytes * double(ranks - 1) / double(ranks) : 0;
 }
 
+struct Held;
+
 // What the planner knows of the job for its world.
 struct Job {
   const JobConfig& cfg;
@@ -67,6 +70,7 @@ struct Job {
   int64_t chunks = 1;              // stages per pipeline rank (interleaved: virtual_stages)
   int64_t micro = 1;               // micro-batches per step
   double rows = 1;                 // samples per micro-batch on a data rank
+  mutable std::map<int64_t, std::shared_ptr<const Held>> held_;  // held(), by pipeline rank
 
   Job(const JobConfig& c, int64_t w, const Devices& devices = Devices::here())
       : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
@@ -96,6 +100,9 @@ struct Job {
     return c;
   }
   int64_t stages() const { return dims.pipeline * chunks; }
+  // The parameters pipeline rank `r` holds (held_by, below): each rank's plan and the time
+  // of every rank's work read them, built once (an outline of the rank's chunks).
+  const Held& held(int64_t r) const;
   // Part i's cost sheet in this job's precision: under 16-bit autocast its 16-bit
   // activations, and its casts among the kernels.
   PartCost part(int64_t i) const {
@@ -215,6 +222,12 @@ Held held_by(const Job& job, int64_t pipeline_rank) {
     h.total += e.numel;
   }
   return h;
+}
+
+const Held& Job::held(int64_t r) const {
+  auto& h = held_[r];
+  if (!h) h = std::make_shared<const Held>(held_by(*this, r));
+  return *h;
 }
 
 // The actions of one step on a pipeline rank, as its runner takes them.
@@ -519,7 +532,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   out.coord = server ? Coord{} : job.dims.coord_of(trainer);
   const Coord at = out.coord;
   const int64_t d = job.dims.data;
-  const Held h = held_by(job, at.pipeline);
+  const Held& h = job.held(at.pipeline);
   // FlatParams' buffers: padded to cut into equal shards under ZeRO (or over the servers).
   const int64_t pad = p.mode == "async_ps" ? (job.servers > 1 ? job.servers * kShardAlign : 1)
                       : p.zero > 0 && d > 1 ? d * kShardAlign
@@ -689,7 +702,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
                         profile->elementwise_values(busy, bf16, true)};
       double machine = 0;  // every rank's work, the machine's alone
       for (int64_t s = 0; s < job.dims.pipeline; ++s)
-        machine += work_seconds(job, s, speed, 0, shard_of(held_by(job, s).total), passes) *
+        machine += work_seconds(job, s, speed, 0, shard_of(job.held(s).total), passes) *
                    double(d * job.dims.tensor);
       const double mine = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * running;
       // And where they outnumber the cores, a rank that waits on another (a pipeline's
