@@ -120,6 +120,24 @@ MachineProfile::Link fit(int64_t ranks, double small_bytes, double small_s, doub
   return l;
 }
 
+// Runs rank(r) for ranks 0 to n - 1, each on a thread of its own; rethrows the first
+// rank's failure once all have ended.
+void on_threads(int64_t n, const std::function<void(int64_t)>& rank) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        rank(r);
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 // All-reduce and send/recv among `n` ranks as threads of this process, real Gloo on
 // loopback (or `opts`' backend, with rank r's tensors on `device(r)`): the links of rank
 // 0, which sends as every rank does.
@@ -134,51 +152,41 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
   const std::string rendezvous = fmt::format("profile-{}-{}", ::getpid(), calls++);
   const int64_t small = 1024, large = int64_t(4) << 20;  // floats
   std::vector<double> times(4, 0);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int64_t r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        const c10::Device here = device(r);
-        if (here.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(here);
-        CommOptions mine = opts;
-        mine.device = here;
-        mine.comm_first = n <= usable_cpus();  // as a run's ranks would (dtrain run)
-        auto comm = make_in_process_comm(rendezvous, r, n, mine);
-        const auto on = torch::TensorOptions().device(here);
-        // A fixed number of each (every rank must make the same calls).
-        for (int k = 0; k < 2; ++k) {
-          auto t = torch::ones({k == 0 ? small : large}, on);
-          const int reps = k == 0 ? 200 : 10;
-          comm->all_reduce(t);  // warm-up
-          comm->barrier();
-          const auto start = Clock::now();
-          for (int i = 0; i < reps; ++i) comm->all_reduce(t);
-          settle(t);
-          if (r == 0) times[size_t(k)] = std::chrono::duration<double>(Clock::now() - start).count() / reps;
-        }
-        for (int k = 0; k < 2; ++k) {
-          auto t = torch::ones({k == 0 ? small : large}, on);
-          comm->barrier();
-          // Rank 0 sends to 1 and back, a fixed number of times (both must agree on it).
-          const int reps = k == 0 ? 200 : 10;
-          const auto start = Clock::now();
-          for (int i = 0; i < reps; ++i) {
-            if (r == 0) comm->send(t, 1), comm->recv(t, 1);
-            if (r == 1) comm->recv(t, 0), comm->send(t, 0);
-          }
-          settle(t);
-          if (r == 0)
-            times[size_t(2 + k)] = std::chrono::duration<double>(Clock::now() - start).count() / (2.0 * reps);
-        }
-        comm->barrier();
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
+  on_threads(n, [&](int64_t r) {
+    const c10::Device here = device(r);
+    if (here.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(here);
+    CommOptions mine = opts;
+    mine.device = here;
+    mine.comm_first = n <= usable_cpus();  // as a run's ranks would (dtrain run)
+    auto comm = make_in_process_comm(rendezvous, r, n, mine);
+    const auto on = torch::TensorOptions().device(here);
+    // A fixed number of each (every rank must make the same calls).
+    for (int k = 0; k < 2; ++k) {
+      auto t = torch::ones({k == 0 ? small : large}, on);
+      const int reps = k == 0 ? 200 : 10;
+      comm->all_reduce(t);  // warm-up
+      comm->barrier();
+      const auto start = Clock::now();
+      for (int i = 0; i < reps; ++i) comm->all_reduce(t);
+      settle(t);
+      if (r == 0) times[size_t(k)] = std::chrono::duration<double>(Clock::now() - start).count() / reps;
+    }
+    for (int k = 0; k < 2; ++k) {
+      auto t = torch::ones({k == 0 ? small : large}, on);
+      comm->barrier();
+      // Rank 0 sends to 1 and back, a fixed number of times (both must agree on it).
+      const int reps = k == 0 ? 200 : 10;
+      const auto start = Clock::now();
+      for (int i = 0; i < reps; ++i) {
+        if (r == 0) comm->send(t, 1), comm->recv(t, 1);
+        if (r == 1) comm->recv(t, 0), comm->send(t, 0);
       }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+      settle(t);
+      if (r == 0)
+        times[size_t(2 + k)] = std::chrono::duration<double>(Clock::now() - start).count() / (2.0 * reps);
+    }
+    comm->barrier();
+  });
   auto ring = [&](double floats) { return 2 * 4 * floats * double(n - 1) / double(n); };
   return {fit(n, ring(double(small)), times[0], ring(double(large)), times[1]),
           fit(n, 4.0 * double(small), times[2], 4.0 * double(large), times[3])};
@@ -212,37 +220,27 @@ MachineProfile::Crowded measure_crowded(int64_t n) {
   enum Wait { kNone, kHandoff, kAllReduce };
   const int items = 24;
   std::array<std::array<double, 3>, 3> took{};  // [wait][sweep]
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int64_t r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        CommOptions opts;
-        opts.comm_first = false;  // as dtrain run sets it where ranks outnumber the cores
-        auto comm = make_in_process_comm(rendezvous, r, n, opts);
-        const int64_t first = r - r % 2, partner = r ^ 1;  // pairs (0, 1), (2, 3), ...
-        auto pair = comm->new_group(fmt::format("pair-{}", first), {first, first + 1});
-        auto t = torch::ones({1024});
-        for (int sweep = 0; sweep < 3; ++sweep)
-          for (Wait wait : {kNone, kHandoff, kAllReduce}) {
-            comm->barrier();
-            const auto start = Clock::now();
-            for (int i = 0; i < items; ++i) {
-              if (wait == kHandoff && r % 2 == 1) comm->recv(t, partner);
-              work(steps);
-              if (wait == kHandoff && r % 2 == 0) comm->send(t, partner);
-              if (wait == kAllReduce) pair->all_reduce(t);
-            }
-            comm->barrier();
-            if (r == 0) took[wait][size_t(sweep)] = std::chrono::duration<double>(Clock::now() - start).count();
-          }
-      } catch (...) {
-        errors[size_t(r)] = std::current_exception();
+  on_threads(n, [&](int64_t r) {
+    CommOptions opts;
+    opts.comm_first = false;  // as dtrain run sets it where ranks outnumber the cores
+    auto comm = make_in_process_comm(rendezvous, r, n, opts);
+    const int64_t first = r - r % 2, partner = r ^ 1;  // pairs (0, 1), (2, 3), ...
+    auto pair = comm->new_group(fmt::format("pair-{}", first), {first, first + 1});
+    auto t = torch::ones({1024});
+    for (int sweep = 0; sweep < 3; ++sweep)
+      for (Wait wait : {kNone, kHandoff, kAllReduce}) {
+        comm->barrier();
+        const auto start = Clock::now();
+        for (int i = 0; i < items; ++i) {
+          if (wait == kHandoff && r % 2 == 1) comm->recv(t, partner);
+          work(steps);
+          if (wait == kHandoff && r % 2 == 0) comm->send(t, partner);
+          if (wait == kAllReduce) pair->all_reduce(t);
+        }
+        comm->barrier();
+        if (r == 0) took[wait][size_t(sweep)] = std::chrono::duration<double>(Clock::now() - start).count();
       }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  });
   auto per_item = [&](Wait wait) { return std::max(0.0, (median(took[wait]) - median(took[kNone])) / items); };
   return {n, per_item(kHandoff), per_item(kAllReduce)};
 }
