@@ -5,8 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "config/schema.hpp"
 #include "plan/plan.hpp"
@@ -29,13 +31,8 @@ MachineProfile profile(int64_t cores, double handoff_s, double all_reduce_s = 0)
   return p;
 }
 
-double step_s(const std::string& sets, int64_t world, const MachineProfile& p) {
-  std::vector<std::string> overrides = {"train.threads=1"};
-  for (size_t at = 0; at < sets.size();) {
-    const size_t end = std::min(sets.find(' ', at), sets.size());
-    if (end > at) overrides.push_back(sets.substr(at, end - at));
-    at = end + 1;
-  }
+double step_s(std::vector<std::string> overrides, int64_t world, const MachineProfile& p) {
+  overrides.push_back("train.threads=1");
   JobConfig cfg = parse_job(
       "data: {dataset: synthetic_tokens, samples: 64, batch_size: 16}\n"
       "model: {arch: gpt, layers: 4, heads: 2, dim: 64, vocab: 128, seq_len: 32}\n",
@@ -50,15 +47,15 @@ TEST_CASE("plan: where ranks outnumber the cores, hand-offs cost the profile's e
   // Two one-thread ranks on one core, then on two: the same plan but for the hand-offs,
   // 2 per micro-batch and chunk (its activations forward, their gradients back).
   struct Case {
-    const char* sets;
+    std::vector<std::string> sets;
     double handoffs;
   };
-  for (const Case& c : {Case{"parallel.pipeline=2 train.grad_accum=2", 4},
-                        Case{"parallel.pipeline=2 train.grad_accum=8", 16},
-                        Case{"parallel.pipeline=2 parallel.schedule=interleaved_1f1b "
-                             "parallel.virtual_stages=2 train.grad_accum=4", 16},
-                        Case{"train.grad_accum=2", 0}}) {  // data 2
-    CAPTURE(c.sets);
+  for (const Case& c : {Case{{"parallel.pipeline=2", "train.grad_accum=2"}, 4},
+                        Case{{"parallel.pipeline=2", "train.grad_accum=8"}, 16},
+                        Case{{"parallel.pipeline=2", "parallel.schedule=interleaved_1f1b",
+                              "parallel.virtual_stages=2", "train.grad_accum=4"}, 16},
+                        Case{{"train.grad_accum=2"}, 0}}) {  // data 2
+    CAPTURE(fmt::format("{}", fmt::join(c.sets, " ")));
     const double free = step_s(c.sets, 2, profile(1, 0));
     CHECK(step_s(c.sets, 2, profile(1, 0.01)) - free == doctest::Approx(0.01 * c.handoffs));
     // Each rank has a core: no hand-off waits for one.
@@ -71,8 +68,8 @@ TEST_CASE("plan: where ranks outnumber the cores, tensor all-reduces cost the pr
   // each block's attention and MLP outputs and their inputs' gradients (4 a block), and
   // the loss's maxima, picks and sums and its input's gradient: 1 + 16 + 4 = 21.
   for (int64_t micro : {1, 2}) {
-    const std::string sets = fmt::format("parallel.tensor=2 train.grad_accum={}", micro);
-    CAPTURE(sets);
+    const std::vector<std::string> sets = {"parallel.tensor=2", fmt::format("train.grad_accum={}", micro)};
+    CAPTURE(micro);
     const double free = step_s(sets, 2, profile(1, 0.01, 0));
     CHECK(step_s(sets, 2, profile(1, 0.01, 0.001)) - free == doctest::Approx(0.001 * 21 * double(micro)));
     CHECK(step_s(sets, 2, profile(2, 0.01, 0.001)) == doctest::Approx(step_s(sets, 2, profile(2, 0, 0))));
@@ -84,8 +81,8 @@ TEST_CASE("plan: where ranks outnumber the cores, a stage's bubble costs no time
   // batches, one process's work, plus the stages' sends; stretching each stage by its
   // bubble (1/9) and sharing the core between the two would say 1.1-1.2x that.
   const MachineProfile one_core = profile(1, 0);
-  const double alone = step_s("train.grad_accum=8", 1, one_core);
-  const double staged = step_s("parallel.pipeline=2 train.grad_accum=8", 2, one_core);
+  const double alone = step_s({"train.grad_accum=8"}, 1, one_core);
+  const double staged = step_s({"parallel.pipeline=2", "train.grad_accum=8"}, 2, one_core);
   CHECK(staged == doctest::Approx(alone).epsilon(0.03));
 }
 
