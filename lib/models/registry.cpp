@@ -68,11 +68,15 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     c.activation_bytes_16 = 2 * kept * out_here + (last ? 4 * out_here : 0) + (on_data ? 2 * in : 0);
     // Backward holds two gradients at once: its output's and its ReLU's (the log-softmax's
     // and the logits'), then the ReLU's and its input's, its ReLU's output freed meanwhile
-    // (the logits stay). Under autocast a hidden layer's are 16-bit.
+    // (the logits stay). Under autocast a hidden layer's are 16-bit, and so is the
+    // classifier's input gradient, after the log-softmax's fp32 one and its 16-bit cast
+    // (where the product is 16-bit: a GPU, or a CPU with AVX512-BF16 or AMX; elsewhere
+    // oneDNN converts through fp32 and takes about the fp32 count).
     const double in_grad = on_data ? 0 : in_here;
     c.backward_bytes = last ? std::max(8 * out_here, 4 * out_here + 4 * in_grad)
                             : std::max(8 * out_here, 4 * in_grad);
-    if (!last) c.backward_bytes_16 = std::max(4 * out_here, 2 * in_grad);
+    c.backward_bytes_16 = last ? std::max(8 * out_here, 6 * out_here + 2 * in_grad)
+                               : std::max(4 * out_here, 2 * in_grad);
     if (tensor > 1) {
       c.reduced = split == kRow ? out : 0;
       // backward all-reduces a column-parallel layer's input gradient
