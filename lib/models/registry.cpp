@@ -70,8 +70,8 @@ std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes
     // and the logits'), then the ReLU's and its input's, its ReLU's output freed meanwhile
     // (the logits stay). Under autocast a hidden layer's are 16-bit, and so is the
     // classifier's input gradient, after the log-softmax's fp32 one and its 16-bit cast
-    // (where the product is 16-bit: a GPU, or a CPU with AVX512-BF16 or AMX; elsewhere
-    // oneDNN converts through fp32 and takes about the fp32 count).
+    // (where the product is 16-bit: a GPU, LibTorch 1.13 on a CPU with AVX512-BF16; a CPU
+    // that converts through fp32 holds up to the fp32 count more, bytes a sample).
     const double in_grad = on_data ? 0 : in_here;
     c.backward_bytes = last ? std::max(8 * out_here, 4 * out_here + 4 * in_grad)
                             : std::max(8 * out_here, 4 * in_grad);

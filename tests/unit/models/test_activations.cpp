@@ -7,9 +7,6 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -60,26 +57,6 @@ struct Kept {
   double peak = 0;     // bytes above the start at most, through its backward
   double casts = 0;    // of them, autocast's 16-bit copies of its weights
 };
-
-// Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, as a GPU does, which the
-// sheets' 16-bit backward counts). Elsewhere oneDNN converts a product's operands and
-// results through fp32, and backward holds about the fp32 count (measured: the MLP's
-// classifier 358 bytes a sample natively, 670 with ONEDNN_MAX_CPU_ISA=AVX512_CORE; fp32
-// 513).
-bool native_bf16() {
-  static const bool native = [] {
-    for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {  // an ISA capped by hand
-      const std::string isa = std::getenv(name) ? std::getenv(name) : "";
-      if (!isa.empty() && isa != "ALL" && isa.find("BF16") == std::string::npos &&
-          isa.find("AMX") == std::string::npos)
-        return false;
-    }
-    std::ifstream cpuinfo("/proc/cpuinfo");
-    const std::string text{std::istreambuf_iterator<char>(cpuinfo), std::istreambuf_iterator<char>()};
-    return text.find(" avx512_bf16") != std::string::npos || text.find(" amx_bf16") != std::string::npos;
-  }();
-  return native;
-}
 
 // Each part's bytes per sample, in `dtype` with `dropout`, over a batch of `rows`, on the
 // rank of `tensor` (its group).
@@ -153,8 +130,15 @@ void check_parts(const Model& m, double dropout, const std::string& dtype, int64
     const auto& c = costs[p];
     const double sheet = dtype == "fp32" ? c.activation_bytes : c.activation_bytes_16 + c.weight_copy_16 / rows;
     const double forward = kept[p].forward - kept[p].casts, backward = kept[p].peak - kept[p].forward;
-    const bool sixteen = dtype != "fp32" && c.backward_bytes_16 >= 0 && native_bf16();
+    const bool sixteen = dtype != "fp32" && c.backward_bytes_16 >= 0;
     const double sheet_back = sixteen ? c.backward_bytes_16 : c.backward_bytes;
+    // A 16-bit product's backward on a CPU may hold an fp32 result beside the 16-bit one:
+    // oneDNN converts through fp32 where the CPU lacks AVX512-BF16 and AMX, LibTorch 2's
+    // CPU path at times even with them. The sheets count a GPU's (and LibTorch 1.13's on
+    // such a CPU), so the CPU may hold up to the fp32 count more. Measured, the MLP's
+    // classifier, 16-bit sheet 316 bytes a sample, fp32 552: 358 on 1.13 with AVX512-BF16,
+    // 670 on 1.13 with ONEDNN_MAX_CPU_ISA=AVX512_CORE, 492 on 2.15.
+    const double converted = sixteen ? c.backward_bytes : 0;
     CAPTURE(fmt::format("{}{} dropout {} {} tensor rank {} of {}, part {}: kept {:.0f} (sheet {:.0f}), "
                         "backward {:.0f} (sheet {:.0f})",
                         cfg.arch, cfg.batch_norm ? " batch_norm" : "", dropout, dtype, rank, tensor, p,
@@ -162,10 +146,11 @@ void check_parts(const Model& m, double dropout, const std::string& dtype, int64
     // Exact but for what a batch shares (the positions, the causal mask, the loss).
     CHECK(std::abs(forward - sheet) <= 0.01 * sheet + 64);
     // Gradients in flight, where they make a stage's peak: at its last part (the loss's,
-    // or a block's) while those before still hold theirs. Within 30% (fp32's count:
-    // 16-bit gradients are smaller), or a quarter of what the part keeps (freed meanwhile).
+    // or a block's) while those before still hold theirs. Within 30% (fp32's count where a
+    // part has no 16-bit one: 16-bit gradients are smaller), or a quarter of what the part
+    // keeps (freed meanwhile).
     if (c.block || p + 1 == costs.size()) {
-      CHECK(backward <= 1.3 * sheet_back + 0.25 * forward);
+      CHECK(backward <= 1.3 * (sheet_back + converted) + 0.25 * forward);
       CHECK(backward >= sheet_back / 1.3 - 0.25 * forward);
     }
   }
