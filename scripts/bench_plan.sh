@@ -18,8 +18,9 @@ OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-plan}"
 PY=${PY:-$(command -v python3)}
 BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 [ -x "$BIN" ] || { echo "bench_plan: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
-gpu=0
+gpu=0 gpt2=0
 if [ "${1:-}" = "--gpu" ]; then gpu=1; shift; fi
+if [ "${1:-}" = "--gpt2" ]; then gpt2=1; shift; fi
 filter="${1:-}"
 mkdir -p "$OUT_DIR"
 if [ -z "${DTRAIN_PROFILE:-}" ]; then
@@ -50,8 +51,17 @@ cases=(
   "gpt d2 p2 inter x8|$GPT|4|parallel.pipeline=2 parallel.schedule=interleaved_1f1b parallel.virtual_stages=2 train.grad_accum=8"
   "gpt p4 1f1b x4|$GPT|4|parallel.pipeline=4 train.grad_accum=4"
 )
+GPT2=$ROOT/configs/gpt2_small.yaml
+if [ $gpt2 = 1 ]; then
+  small="data.batch_size=4 model.seq_len=64"
+  cases=(
+    "gpt2 4x64|$GPT2|1|$small|4"
+    "gpt2 4x64 d2 zero1|$GPT2|2|$small parallel.zero=1|4"
+    "gpt2 4x64 p2 1f1b x4|$GPT2|2|$small parallel.pipeline=2 train.grad_accum=4|4"
+    "gpt2 4x64 t2|$GPT2|2|$small parallel.tensor=2|4"
+  )
+fi
 if [ $gpu = 1 ]; then
-  GPT2=$ROOT/configs/gpt2_small.yaml
   cases=(
     "gpu mlp|$MLP|1|train.device=cuda|200"
     "gpu mlp bf16|$MLP|1|train.device=cuda precision.dtype=bf16|200"
@@ -78,15 +88,23 @@ for c in "${cases[@]}"; do
 import json, statistics, sys
 plan = json.load(open(sys.argv[3]))
 lines = [json.loads(l) for l in open(sys.argv[4])]
-train = [l for l in lines if l["kind"] == "train"][10:]
+train = [l for l in lines if l["kind"] == "train"]
+steady = train[10:] if len(train) >= 20 else train[1:]  # a short run: all but the first
 summary = [l for l in lines if l["kind"] == "summary"][-1]
-row = {"case": sys.argv[1], "nproc": int(sys.argv[2]), "planned_s": plan["step_s"]}
+rank0 = plan["ranks"][0]
+row = {"case": sys.argv[1], "nproc": int(sys.argv[2]), "planned_s": plan["step_s"],
+       "planned_mb": rank0["memory_mb"]["total"], "planned_bytes": rank0["comm_bytes"],
+       "planned_bubble": rank0["bubble"]}
 if "peak_gpu_mb" in summary:  # a GPU: the steps' median, the allocator's peak
-    row.update(measured_s=summary["step_ms_median"] / 1000, comm_s=0,
-               planned_mb=plan["ranks"][0]["memory_mb"]["total"], measured_mb=summary["peak_gpu_mb"])
+    row.update(measured_s=summary["step_ms_median"] / 1000, comm_s=0, measured_mb=summary["peak_gpu_mb"])
 else:
-    row.update(measured_s=statistics.median(l["step_ms"] for l in train) / 1000,
-               comm_s=statistics.median(l.get("comm_ms", 0) for l in train) / 1000)
+    row.update(measured_s=statistics.median(l["step_ms"] for l in steady) / 1000,
+               comm_s=statistics.median(l.get("comm_ms", 0) for l in steady) / 1000,
+               measured_mb=train[-1]["peak_rss_mb"])
+if "comm_bytes" in train[-1]:
+    row["measured_bytes"] = statistics.median(l["comm_bytes"] for l in steady)
+if "bubble" in train[-1]:
+    row["measured_bubble"] = statistics.mean(l["bubble"][0] for l in steady)
 print(json.dumps(row))
 PYEOF
   tail -n 1 "$rows"
@@ -94,12 +112,17 @@ done
 $PY - "$rows" "$(nproc)" <<'PYEOF'
 import json, sys
 print(f"\n{'case':24} {'procs':>5} {'planned ms':>10} {'measured ms':>11} {'of it comm':>10} {'ratio':>6}"
-      f" {'planned MB':>10} {'peak MB':>8} {'ratio':>6}  ({sys.argv[2]} cores)")
+      f" {'planned MB':>10} {'peak MB':>8} {'ratio':>6} {'bytes ratio':>11} {'bubble':>13}  ({sys.argv[2]} cores)")
+nan = float("nan")
 for l in open(sys.argv[1]):
     r = json.loads(l)
     p = r["planned_s"]
-    memory = (f" {r['planned_mb']:10.1f} {r['measured_mb']:8.1f} {r['planned_mb'] / r['measured_mb']:6.2f}"
-              if "planned_mb" in r else "")
-    print(f"{r['case']:24} {r['nproc']:5} {p * 1e3 if p else float('nan'):10.2f} {r['measured_s'] * 1e3:11.2f} "
-          f"{r['comm_s'] * 1e3:10.2f} {p / r['measured_s'] if p else float('nan'):6.2f}{memory}")
+    sent = (f"{r['planned_bytes'] / r['measured_bytes']:11.3f}"
+            if r.get("planned_bytes") and r.get("measured_bytes") else f"{'-':>11}")
+    bubble = (f"{r['planned_bubble']:6.3f}/{r['measured_bubble']:6.3f}"
+              if "measured_bubble" in r else f"{'-':>13}")
+    print(f"{r['case']:24} {r['nproc']:5} {p * 1e3 if p else nan:10.2f} {r['measured_s'] * 1e3:11.2f} "
+          f"{r['comm_s'] * 1e3:10.2f} {p / r['measured_s'] if p else nan:6.2f}"
+          f" {r['planned_mb']:10.1f} {r['measured_mb']:8.1f} {r['planned_mb'] / r['measured_mb']:6.2f}"
+          f" {sent} {bubble}")
 PYEOF

@@ -100,6 +100,63 @@ std::vector<Action> pipeline_schedule(const std::string& name, int64_t rank, int
   throw std::logic_error("unknown pipeline schedule '" + name + "'");
 }
 
+ScheduleRun play_schedule(const std::string& name, int64_t ranks, int64_t micro, int64_t chunks,
+                          const std::vector<double>& forward, const std::vector<double>& backward) {
+  const int64_t stages = ranks * chunks;
+  std::vector<std::vector<Action>> lists;
+  for (int64_t r = 0; r < ranks; ++r) lists.push_back(pipeline_schedule(name, r, ranks, micro, chunks));
+  // When each (kind, micro-batch, global stage) ended; below 0 where it has not run yet.
+  std::vector<double> ended(size_t(2 * micro * stages), -1);
+  auto at = [&](Action::Kind kind, int64_t m, int64_t g) -> double& {
+    return ended[size_t((int64_t(kind) * micro + m) * stages + g)];
+  };
+  ScheduleRun run;
+  run.busy.assign(size_t(ranks), 0);
+  run.end.assign(size_t(ranks), 0);
+  run.most_held.assign(size_t(ranks), 0);
+  std::vector<int64_t> held(size_t(ranks), 0);
+  std::vector<size_t> next(size_t(ranks), 0);
+  // Each pass runs every rank's next action whose input is there; an action's times follow
+  // from its rank's previous action and its input alone, so the order of passes is free.
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t r = 0; r < ranks; ++r) {
+      const auto& list = lists[size_t(r)];
+      for (; next[size_t(r)] < list.size(); ++next[size_t(r)]) {
+        const Action a = list[next[size_t(r)]];
+        const int64_t g = a.chunk * ranks + r;
+        const bool forward_pass = a.kind == Action::kForward;
+        double input = 0;  // when its input arrived
+        if (forward_pass && g > 0) input = at(Action::kForward, a.micro, g - 1);
+        if (!forward_pass)
+          input = g == stages - 1 ? at(Action::kForward, a.micro, g) : at(Action::kBackward, a.micro, g + 1);
+        if (input < 0) break;
+        const double cost = forward_pass ? forward[size_t(g)] : backward[size_t(g)];
+        const double start = std::max(run.end[size_t(r)], input);
+        run.end[size_t(r)] = at(a.kind, a.micro, g) = start + cost;
+        run.busy[size_t(r)] += cost;
+        held[size_t(r)] += forward_pass ? 1 : -1;
+        run.most_held[size_t(r)] = std::max(run.most_held[size_t(r)], held[size_t(r)]);
+        progress = true;
+      }
+    }
+  }
+  for (int64_t r = 0; r < ranks; ++r)
+    if (next[size_t(r)] != lists[size_t(r)].size())
+      throw std::logic_error(fmt::format("{}: rank {} of {} cannot go on past action {} of {}", name,
+                                         r, ranks, next[size_t(r)], lists[size_t(r)].size()));
+  return run;
+}
+
+double ScheduleRun::makespan() const {
+  return end.empty() ? 0 : *std::max_element(end.begin(), end.end());
+}
+
+double ScheduleRun::bubble(int64_t rank) const {
+  const double e = end[size_t(rank)];
+  return e > 0 ? 1 - busy[size_t(rank)] / e : 0;
+}
+
 std::string schedule_str(const std::vector<Action>& actions) {
   const bool chunked = std::any_of(actions.begin(), actions.end(),
                                    [](const Action& a) { return a.chunk > 0; });

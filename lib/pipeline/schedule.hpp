@@ -49,6 +49,23 @@ struct Action {
 std::vector<Action> pipeline_schedule(const std::string& name, int64_t rank, int64_t ranks,
                                       int64_t micro, int64_t chunks = 1);
 
+// A step of schedule `name` played out with global stage g's forward of one micro-batch
+// taking forward[g] and its backward backward[g] (any unit of time): each rank runs its
+// actions in order, each as soon as the rank is free and its input is there (a forward's
+// activation from stage g - 1, a backward's gradient from stage g + 1, the last stage's
+// its own forward), hand-offs taking no time. Throws std::logic_error where the lists
+// cannot finish (a schedule that deadlocks).
+struct ScheduleRun {
+  std::vector<double> busy, end;    // each rank's working time, and its last action's end
+  std::vector<int64_t> most_held;   // each rank's most micro-batches in flight at once
+  double makespan() const;          // the last rank's end
+  // The share of rank r's time from the step's start to its last action that it waits
+  // for its neighbours: what the executor reports as the rank's `bubble`.
+  double bubble(int64_t rank) const;
+};
+ScheduleRun play_schedule(const std::string& name, int64_t ranks, int64_t micro, int64_t chunks,
+                          const std::vector<double>& forward, const std::vector<double>& backward);
+
 // "F0 F1 B0 ..." (with chunks, "F0.0 F1.0 F0.1 ..."): a schedule as the papers' tables
 // write it.
 std::string schedule_str(const std::vector<Action>& actions);

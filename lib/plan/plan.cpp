@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -300,19 +301,28 @@ double update_values(const OptimizerConfig& o) {
   return 1 + step + (o.grad_clip > 0 ? 2 : 0);
 }
 
+// What a stage computes in a step, forward and backward, in seconds at a speed.
+struct Work {
+  double forward = 0, backward = 0;
+  double total() const { return forward + backward; }
+};
+
 // Seconds a stage computes in a step: each part's matrix multiplies at the rate the profile
 // measured for their size (per micro-batch), backward's twice forward's; its elementwise
 // kernels' values at the profile's rates for them (16-bit autocast's at bf16's), or where
 // the profile has none its activations at memory speed, written in forward, read and
-// written in backward. A recomputed block runs forward twice.
-double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
+// written in backward. A recomputed block runs forward again in backward.
+Work compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
   const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
   const double rows_step = job.rows * double(job.micro);
-  double seconds = 0;
+  Work w;
   for (int64_t i = r.first; i < r.last; ++i) {
     const PartCost p = job.part(i);
-    const double passes = recompute && p.block ? 4 : 3;
+    const double back = recompute && p.block ? 3 : 2;  // backward's passes, forward's one
+    auto add = [&](double forward_seconds) {  // a pass's work, forward and backward
+      w.forward += forward_seconds, w.backward += back * forward_seconds;
+    };
     const double dense = p.flops - p.small_flops;
     if (dense > 0 && p.matmuls > 0) {
       // The profile's rates are by a product's smallest side: the side the model gives, or
@@ -321,35 +331,53 @@ double compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
       const double work = dense * job.rows / p.matmuls / 2;
       double size = std::cbrt(work);
       if (p.side > 0) size = std::min(size, p.side);
-      seconds += passes * dense * rows_step / speed.matmul(size, work, false);
+      add(dense * rows_step / speed.matmul(size, work, false));
     } else if (dense > 0 && speed.plain <= 0) {  // a lookup: among the values where counted
-      seconds += passes * 4 * dense * rows_step / speed.memory;
+      add(4 * dense * rows_step / speed.memory);
     }
     if (p.small_flops > 0)  // the scores and their weighting: two batched products
-      seconds += passes * p.small_flops * rows_step / speed.matmul(p.small_side, p.small_flops * job.rows / 4, true);
+      add(p.small_flops * rows_step / speed.matmul(p.small_side, p.small_flops * job.rows / 4, true));
     if (speed.plain > 0) {
       const double casts = job.cfg.precision.dtype != "fp32" ? 1 : 0;
       auto of = [&](const PartCost::Values& v) {
         return (v.plain + casts * v.casts_16) / speed.plain + v.transcendental / speed.transcendental;
       };
-      const double forwards = recompute && p.block ? 2 : 1;
-      seconds += (forwards * of(p.values) + of(p.values_back)) * rows_step;
+      const double forward = of(p.values) * rows_step;
+      w.forward += forward;
+      w.backward += (recompute && p.block ? forward : 0) + of(p.values_back) * rows_step;
     } else {
-      seconds += passes * p.activation_bytes * rows_step / speed.memory;
+      add(p.activation_bytes * rows_step / speed.memory);
     }
   }
-  return seconds;
+  return w;
 }
 
-// Seconds a pipeline rank's device works in a step at `speed`: its chunks' computing,
-// stretched by the bubble, then the update over its shard: its values at the elementwise
-// rate where measured, else `passes` over it at memory speed.
-double work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, double bubble,
-                    int64_t shard, double passes) {
+// A step of the pipeline's schedule played out at `speed`, each stage's forward and
+// backward of a micro-batch taking what it computes (pipeline/schedule.hpp): each rank's
+// waits for its neighbours, unequal stages' included.
+ScheduleRun played(const Job& job, const Speed& speed) {
+  std::vector<double> forward, backward;
+  for (int64_t g = 0; g < job.stages(); ++g) {
+    const Work w = compute_seconds(job, g, speed);
+    forward.push_back(w.forward / double(job.micro)), backward.push_back(w.backward / double(job.micro));
+  }
+  return play_schedule(job.cfg.parallel.schedule, job.dims.pipeline, job.micro, job.chunks, forward,
+                       backward);
+}
+
+// A speed at which a stage's time is its FLOPs (where no profile says more).
+const Speed kFlops{[](double, double, bool) { return 1.0; }, std::numeric_limits<double>::infinity()};
+
+// Seconds a pipeline rank's device works in a step at `speed`: its chunks' computing, or
+// with the schedule `played` at that speed, the step's computing with its waits (the
+// played step's end), then the update over its shard: its values at the elementwise rate
+// where measured, else `passes` over it at memory speed.
+double work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, int64_t shard,
+                    double passes, const ScheduleRun* played = nullptr) {
   double compute = 0;
   for (int64_t c = 0; c < job.chunks; ++c)
-    compute += compute_seconds(job, c * job.dims.pipeline + pipeline_rank, speed);
-  if (bubble < 1) compute /= 1 - bubble;
+    compute += compute_seconds(job, c * job.dims.pipeline + pipeline_rank, speed).total();
+  if (played) compute = played->makespan();
   if (speed.plain > 0) return compute + update_values(job.cfg.optimizer) * double(shard) / speed.plain;
   return compute + passes * 4 * double(shard) / speed.memory;
 }
@@ -500,7 +528,7 @@ std::string gpu_backend(const Job& job, const MachineProfile::Gpu& g) {
 // rates, ranks sharing a GPU taking turns on it; meanwhile the host launches every kernel,
 // and the step takes the longer of the two.
 double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::Gpu& g,
-                        int64_t shard, double parameters, double passes, double bubble) {
+                        int64_t shard, double parameters, double passes, double& bubble) {
   const auto& cfg = job.cfg;
   const std::string dtype = cfg.precision.dtype != "fp32" ? cfg.precision.dtype
                             : cfg.precision.tf32           ? "tf32"
@@ -509,7 +537,9 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
                       return g.matmul_flops(side, work, dtype, batched);
                     },
                     g.memory_bytes_per_s};
-  const double device = work_seconds(job, at.pipeline, speed, bubble, shard, passes);
+  std::optional<ScheduleRun> run;
+  if (job.dims.pipeline > 1) run = played(job, speed), bubble = run->bubble(at.pipeline);
+  const double device = work_seconds(job, at.pipeline, speed, shard, passes, run ? &*run : nullptr);
   double kernels = 0;
   for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, c * job.dims.pipeline + at.pipeline);
   // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
@@ -656,12 +686,12 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   out.flops *= rows_step;
   if (!async) out.comm_bytes = data_bytes + tensor_bytes + pipe_bytes + tied_bytes;
 
-  if (job.dims.pipeline > 1)
-    out.bubble = double(job.dims.pipeline - 1) /
-                 double(job.chunks * job.micro + job.dims.pipeline - 1);
+  // The bubble: this rank's waits in the schedule played out with each stage taking its
+  // FLOPs, or below, where the profile measured the device, the time it computes.
+  if (job.dims.pipeline > 1) out.bubble = played(job, kFlops).bubble(at.pipeline);
 
   // The time of a step, where the profile measured the planned device: the chunks' work
-  // stretched by the bubble, the optimizer streaming its shard, each group's bytes at its
+  // as the schedule plays it, the optimizer streaming its shard, each group's bytes at its
   // link's rate plus a latency per operation, not overlapped with computing.
   if (profile && !async) {
     const double passes = cfg.optimizer.name == "adamw" ? 12 : 4;
@@ -702,9 +732,11 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
                         profile->elementwise_values(busy, bf16, true)};
       double machine = 0;  // every rank's work, the machine's alone
       for (int64_t s = 0; s < job.dims.pipeline; ++s)
-        machine += work_seconds(job, s, speed, 0, shard_of(job.held(s).total), passes) *
+        machine += work_seconds(job, s, speed, shard_of(job.held(s).total), passes) *
                    double(d * job.dims.tensor);
-      const double mine = work_seconds(job, at.pipeline, speed, out.bubble, shard, passes) * running;
+      std::optional<ScheduleRun> run;
+      if (job.dims.pipeline > 1) run = played(job, speed), out.bubble = run->bubble(at.pipeline);
+      const double mine = work_seconds(job, at.pipeline, speed, shard, passes, run ? &*run : nullptr) * running;
       // And where they outnumber the cores, a rank that waits on another (a pipeline's
       // receiver, a tensor group's all-reduce) waits for a core back.
       double waits = 0;

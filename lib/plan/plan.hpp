@@ -39,7 +39,9 @@ struct RankPlan {
   int64_t alike = 1;           // ranks with this plan (they differ in data or tensor rank)
   MemoryPlan memory;
   std::optional<double> comm_bytes;  // per step, after any compression warm-up
-  double bubble = 0;           // the schedule's idle fraction of a step, ideal
+  // The share of its step's schedule the rank waits for its neighbours (the train line's
+  // `bubble`), the schedule played with each stage's time (its FLOPs without a profile)
+  double bubble = 0;
   double flops = 0;            // per step, forward and backward (and recompute)
   std::optional<double> step_s;  // with a profile of the device (sync and local SGD modes)
 };

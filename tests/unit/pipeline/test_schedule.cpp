@@ -3,7 +3,7 @@
 // GPU Clusters Using Megatron-LM", SC'21, figure 4; Huang et al., "GPipe", figure 2), the
 // interleaved ones against hand-worked lists of Megatron-LM's rule; every schedule is then
 // run in a small simulation of the whole pipeline (each action waits for the one it needs
-// on the neighbouring stage), which must finish without deadlock, hold no more micro-batches
+// on the neighbouring stage: play_schedule), which must finish without deadlock, hold no more micro-batches
 // than the schedule promises and leave the bubble the papers derive.
 #include <doctest/doctest.h>
 
@@ -34,54 +34,20 @@ std::string table(const std::string& name, int64_t rank, int64_t ranks, int64_t 
 struct Simulated {
   double bubble = 0;            // idle share of the ranks' time
   int64_t most_in_flight = 0;   // the most micro-batches any rank held activations for
-  bool finished = false;
+  double first_rank_bubble = 0; // rank 0's, as its executor measures it
 };
 
-// Runs every rank's list with forward taking 1 unit and backward 2 (their usual ratio), no
-// time for communication. A forward of micro-batch m at global stage g needs the forward of
-// m at g - 1; a backward needs the backward at g + 1 (the last stage: its own forward).
+// Plays every rank's list with forward taking 1 unit and backward 2 (their usual ratio), no
+// time for communication (play_schedule throws where the lists deadlock).
 Simulated simulate(const std::string& name, int64_t ranks, int64_t micro, int64_t chunks) {
   const int64_t stages = ranks * chunks;
-  std::vector<std::vector<Action>> lists;
-  for (int64_t r = 0; r < ranks; ++r) lists.push_back(pipeline_schedule(name, r, ranks, micro, chunks));
-  std::map<std::tuple<int, int64_t, int64_t>, double> done;  // (kind, micro, stage) -> end time
-  std::vector<size_t> next(size_t(ranks), 0);
-  std::vector<double> free_at(size_t(ranks), 0);
-  std::vector<int64_t> held(size_t(ranks), 0);
+  const auto run = play_schedule(name, ranks, micro, chunks, std::vector<double>(size_t(stages), 1.0 / double(chunks)),
+                                 std::vector<double>(size_t(stages), 2.0 / double(chunks)));
   Simulated out;
-  double busy = 0;
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int64_t r = 0; r < ranks; ++r) {
-      if (next[size_t(r)] == lists[size_t(r)].size()) continue;
-      const Action a = lists[size_t(r)][next[size_t(r)]];
-      const int64_t g = a.chunk * ranks + r;
-      std::tuple<int, int64_t, int64_t> need;
-      bool has_need = true;
-      if (a.kind == Action::kForward) {
-        has_need = g > 0;
-        need = {Action::kForward, a.micro, g - 1};
-      } else {
-        need = g == stages - 1 ? std::make_tuple(int(Action::kForward), a.micro, g)
-                               : std::make_tuple(int(Action::kBackward), a.micro, g + 1);
-      }
-      if (has_need && !done.count(need)) continue;
-      const double start = std::max(free_at[size_t(r)], has_need ? done[need] : 0.0);
-      const double cost = a.kind == Action::kForward ? 1 : 2;
-      free_at[size_t(r)] = start + cost;
-      busy += cost;
-      done[{a.kind, a.micro, g}] = start + cost;
-      held[size_t(r)] += a.kind == Action::kForward ? 1 : -1;
-      out.most_in_flight = std::max(out.most_in_flight, held[size_t(r)]);
-      ++next[size_t(r)];
-      progress = true;
-    }
-  }
-  out.finished = true;
-  for (int64_t r = 0; r < ranks; ++r)
-    out.finished = out.finished && next[size_t(r)] == lists[size_t(r)].size();
-  const double makespan = *std::max_element(free_at.begin(), free_at.end());
-  out.bubble = 1 - busy / (makespan * double(ranks));
+  const double busy = std::accumulate(run.busy.begin(), run.busy.end(), 0.0);
+  out.bubble = 1 - busy / (run.makespan() * double(ranks));
+  out.most_in_flight = *std::max_element(run.most_held.begin(), run.most_held.end());
+  out.first_rank_bubble = run.bubble(0);
   return out;
 }
 
@@ -124,22 +90,38 @@ TEST_CASE("pipeline: every schedule runs to the end, within its memory, with the
       // micro-batches, 1F1B at most p.
       const double theory = double(p - 1) / double(m + p - 1);
       auto gpipe = simulate("gpipe", p, m, 1);
-      REQUIRE(gpipe.finished);
       CHECK(gpipe.bubble == doctest::Approx(theory));
+      CHECK(gpipe.first_rank_bubble == doctest::Approx(theory));  // the last to finish
       CHECK(gpipe.most_in_flight == m);
       auto f1b1 = simulate("1f1b", p, m, 1);
-      REQUIRE(f1b1.finished);
       CHECK(f1b1.bubble == doctest::Approx(theory));
+      CHECK(f1b1.first_rank_bubble == doctest::Approx(theory));
       CHECK(f1b1.most_in_flight == std::min(p, m));
       // Interleaved over v chunks: the bubble, in units of one (whole-rank) micro-batch,
       // shrinks v-fold: (p - 1) / (v m + p - 1) of the time.
       for (int64_t v : {2, 3}) {
         CAPTURE(v);
         auto inter = simulate("interleaved_1f1b", p, m, v);
-        REQUIRE(inter.finished);
         CHECK(inter.bubble == doctest::Approx(double(p - 1) / double(v * m + p - 1)));
+        CHECK(inter.first_rank_bubble == doctest::Approx(double(p - 1) / double(v * m + p - 1)));
       }
     }
+}
+
+TEST_CASE("pipeline: unequal stages idle the lighter one") {
+  // 1F1B, 2 ranks, 4 micro-batches; stage 1 twice stage 0 (forward 1 and 2, backward 2 and
+  // 4). Worked by hand: rank 0 runs F0 [0,1] F1 [1,2], then B0 waits for rank 1's B0
+  // (F0 [1,3], B0 [3,7]): [7,9]; F2 [9,10]; B1 waits for rank 1's B1 (F1 [7,9], B1
+  // [9,13]): [13,15]; F3 [15,16]; rank 1's F2 [13,15] B2 [15,19] F3 [19,21] B3 [21,25];
+  // rank 0's B2 [19,21] B3 [25,27]. Rank 0 works 12 of 27, rank 1 24 of 25.
+  const auto run = play_schedule("1f1b", 2, 4, 1, {1, 2}, {2, 4});
+  CHECK(run.end == std::vector<double>{27, 25});
+  CHECK(run.busy == std::vector<double>{12, 24});
+  CHECK(run.makespan() == 27);
+  CHECK(run.bubble(0) == doctest::Approx(15.0 / 27));
+  CHECK(run.bubble(1) == doctest::Approx(1.0 / 25));
+  // Equal stages: theory's (p - 1) / (m + p - 1) on the first rank.
+  CHECK(play_schedule("1f1b", 2, 4, 1, {1, 1}, {2, 2}).bubble(0) == doctest::Approx(1.0 / 5));
 }
 
 TEST_CASE("pipeline: each action appears once, every backward after its forward") {
