@@ -58,6 +58,7 @@ if [ $gpt2 = 1 ]; then
     "gpt2 4x64|$GPT2|1|$small|4"
     "gpt2 4x64 d2 zero1|$GPT2|2|$small parallel.zero=1|4"
     "gpt2 4x64 p2 1f1b x4|$GPT2|2|$small parallel.pipeline=2 train.grad_accum=4|4"
+    "gpt2 4x64 p2 x4 flops|$GPT2|2|$small parallel.pipeline=2 train.grad_accum=4 parallel.balance=flops|4"
     "gpt2 4x64 t2|$GPT2|2|$small parallel.tensor=2|4"
   )
 fi

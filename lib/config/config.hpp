@@ -222,6 +222,7 @@ struct ParallelConfig {
   int64_t tensor = 1;
   int64_t pipeline = 1;
   Ints stages = {};
+  std::string balance = "params";
   std::string schedule = "1f1b";
   int64_t virtual_stages = 1;
   int64_t zero = 0;
@@ -250,7 +251,10 @@ struct ParallelConfig {
     v("tensor", tensor, "tensor-parallel ranks each layer is split over (mlp, gpt)");
     v("pipeline", pipeline, "pipeline stages the model's parts are split over");
     v("stages", stages,
-      "parts per pipeline stage, e.g. [2, 4]; empty = balanced by parameter count");
+      "parts per pipeline stage, e.g. [2, 4]; empty = balanced as parallel.balance says");
+    v("balance", balance, Choices{"params", "flops"},
+      "what an automatic split (parallel.stages empty) evens out over the stages: their "
+      "parameters, or their forward FLOPs (the model's cost sheet: the stages' time)");
     v("schedule", schedule, Choices{"gpipe", "1f1b", "interleaved_1f1b"},
       "the pipeline's order of forwards and backwards");
     v("virtual_stages", virtual_stages, "interleaved_1f1b: model chunks per pipeline rank");

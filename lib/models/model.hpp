@@ -14,6 +14,7 @@
 #include "models/init.hpp"
 #include "models/task.hpp"
 #include "parallel/dims.hpp"
+#include "pipeline/schedule.hpp"
 
 namespace dtrain {
 
@@ -189,6 +190,13 @@ struct ModelSpec {
   std::function<void(const ModelConfig&, const ModelContext&)> fits =
       [](const ModelConfig&, const ModelContext&) {};
 };
+
+// The parts each of `stages` global stages holds: parallel.stages where the job gives it,
+// else the contiguous split that evens out (parallel.balance) each part's parameters, as
+// the model's `outline` holds them, or its forward FLOPs per sample (its cost sheet at one
+// tensor rank, so every layout of the job splits alike).
+std::vector<PartRange> stage_split(const JobConfig& cfg, const Network& outline, const ModelContext& mc,
+                                   int64_t stages);
 
 // model.arch's spec; throws ConfigError for an unknown arch.
 const ModelSpec& model_spec(const std::string& arch);

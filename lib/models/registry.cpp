@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include <fmt/format.h>
@@ -26,6 +27,17 @@ const ModelSpec& model_spec(const std::string& arch) {
   fail_if<ConfigError>(it == registry().end(), "model.arch: unknown model '{}' (one of {})", arch,
                        fmt::join(model_names(), " | "));
   return it->second;
+}
+
+std::vector<PartRange> stage_split(const JobConfig& cfg, const Network& outline, const ModelContext& mc,
+                                   int64_t stages) {
+  std::vector<int64_t> weights = outline.part_params();
+  if (cfg.parallel.balance == "flops") {
+    const auto costs = model_spec(cfg.model.arch).costs(cfg.model, SizeContext{mc.sample_shape, mc.classes});
+    weights.clear();
+    for (const auto& c : costs) weights.push_back(std::llround(c.flops));
+  }
+  return split_stages(weights, stages, cfg.parallel.stages);
 }
 
 std::vector<std::string> model_names() {

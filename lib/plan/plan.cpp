@@ -87,9 +87,7 @@ struct Job {
     SizeContext sc{kind.sample_shape, kind.classes, dims.tensor, cuda};
     costs = spec.costs(cfg.model, sc);
     chunks = dims.pipeline > 1 ? cfg.parallel.virtual_stages : 1;
-    ModelContext whole = outline_context(0);
-    split = split_stages(spec.build(cfg.model, whole)->part_params(), dims.pipeline * chunks,
-                         cfg.parallel.stages);
+    split = planned_split(cfg, dims.pipeline * chunks, dims.tensor);
     micro = cfg.train.grad_accum;
     rows = double(cfg.data.batch_size) / double(dims.data * micro);
   }
@@ -760,6 +758,17 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
 }
 
 }  // namespace
+
+std::vector<PartRange> planned_split(const JobConfig& cfg, int64_t stages, int64_t tensor) {
+  const auto kind = data_kind(cfg.data);
+  ModelContext whole;  // tensor rank 0's outline of the whole model, shapes only
+  whole.sample_shape = kind.sample_shape;
+  whole.classes = kind.classes;
+  whole.vocab = cfg.model.vocab;
+  whole.options = torch::TensorOptions().device(torch::kMeta);
+  if (tensor > 1) whole.tensor = make_shape_comm(0, tensor);
+  return stage_split(cfg, *model_spec(cfg.model.arch).build(cfg.model, whole), whole, stages);
+}
 
 bool plans_gpu(const JobConfig& cfg, const Devices& devices) {
   return plan_device(cfg, 0, 1, mode_spec(cfg.parallel.mode).any_source, devices).device.is_cuda();

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <tuple>
 #include <variant>
 
@@ -23,8 +24,9 @@ namespace dtrain {
 
 const std::set<std::string> kLayoutKeys{
     "parallel.data",   "parallel.tensor",         "parallel.pipeline",
-    "parallel.stages", "parallel.schedule",       "parallel.virtual_stages",
-    "parallel.zero",   "train.grad_accum",        "train.recompute"};
+    "parallel.stages", "parallel.balance",        "parallel.schedule",
+    "parallel.virtual_stages", "parallel.zero",   "train.grad_accum",
+    "train.recompute"};
 
 namespace {
 
@@ -81,6 +83,23 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const 
   const bool blocks = model_spec(cfg.model.arch).blocks;
   // The ranks that train (async_ps sets its servers apart).
   const int64_t trainers = mode_spec(own.mode).trainers(cfg, world);
+  // A pipeline's split evened out by parameters and by FLOPs, where the two differ and
+  // the job sets neither (else the job's own), by stages and tensor ranks.
+  std::map<std::pair<int64_t, int64_t>, bool> differ;
+  auto balances = [&](const JobConfig& c) -> std::vector<std::string> {
+    const int64_t stages = c.parallel.pipeline * c.parallel.virtual_stages;
+    if (c.parallel.pipeline == 1 || is_held("parallel.balance") || is_held("parallel.stages"))
+      return {own.balance};
+    const auto key = std::make_pair(stages, c.parallel.tensor);
+    if (!differ.count(key)) {
+      JobConfig by = c;
+      by.parallel.balance = "params";
+      const auto params = planned_split(by, stages, c.parallel.tensor);
+      by.parallel.balance = "flops";
+      differ[key] = planned_split(by, stages, c.parallel.tensor) != params;
+    }
+    return differ[key] ? std::vector<std::string>{"params", "flops"} : std::vector<std::string>{own.balance};
+  };
   for (int64_t t = 1; t <= trainers; ++t) {
     if (trainers % t || (is_held("parallel.tensor") && t != own.tensor)) continue;
     for (int64_t p = 1; p <= trainers / t; ++p) {
@@ -115,15 +134,19 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const 
                 } catch (const ConfigError&) {
                   continue;  // a layout the job cannot take
                 }
-                Candidate cand;
-                cand.layout = fmt::format(
-                    "d{} x t{} x p{}, zero {}{}, {} micro-batch(es){}", d, t, p, zero,
-                    p > 1 ? ", " + par.schedule +
-                                (virtual_stages > 1 ? fmt::format(" x{}", virtual_stages) : "")
-                          : "",
-                    accum, recompute ? ", recompute" : "");
-                cand.cfg = std::move(c);
-                out.push_back(std::move(cand));
+                for (const std::string& balance : balances(c)) {
+                  Candidate cand;
+                  cand.cfg = c;
+                  cand.cfg.parallel.balance = balance;
+                  cand.layout = fmt::format(
+                      "d{} x t{} x p{}, zero {}{}, {} micro-batch(es){}", d, t, p, zero,
+                      p > 1 ? ", " + par.schedule +
+                                  (virtual_stages > 1 ? fmt::format(" x{}", virtual_stages) : "") +
+                                  (balance == "flops" ? ", flops split" : "")
+                            : "",
+                      accum, recompute ? ", recompute" : "");
+                  out.push_back(std::move(cand));
+                }
               }
         }
       }
@@ -258,12 +281,14 @@ JobConfig agree_on_layout(const JobConfig& cfg, int64_t local, bool resuming, Co
 std::string candidates_table(const std::vector<Candidate>& all, double memory_bytes) {
   std::string out = fmt::format("{} layout(s){}\n", all.size(),
                                 memory_bytes > 0 ? fmt::format(", memory limit {:.1f} GiB", memory_bytes / (1024 * kMiB)) : "");
-  out += fmt::format("{:<64} {:>9} {:>11} {:>12} {:>12} {:>6} {:>5}\n", "layout", "step s",
+  size_t width = 64;
+  for (const auto& c : all) width = std::max(width, c.layout.size());
+  out += fmt::format("{:<{}} {:>9} {:>11} {:>12} {:>12} {:>6} {:>5}\n", "layout", width, "step s",
                      "samples/s", "largest MB", "all MB", "bubble", "fits");
   for (const auto& c : all) {
     double bubble = 0;
     for (const auto& r : c.plan.ranks) bubble = std::max(bubble, r.bubble);
-    out += fmt::format("{:<64} {:>9} {:>11} {:>12.1f} {:>12.1f} {:>6.3f} {:>5}\n", c.layout,
+    out += fmt::format("{:<{}} {:>9} {:>11} {:>12.1f} {:>12.1f} {:>6.3f} {:>5}\n", c.layout, width,
                        c.plan.step_s ? fmt::format("{:.4g}", *c.plan.step_s) : "-",
                        c.plan.samples_per_s ? fmt::format("{:.4g}", *c.plan.samples_per_s) : "-",
                        largest_rank(c.plan) / kMiB, c.plan.world_memory / kMiB, bubble,

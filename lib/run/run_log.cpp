@@ -236,7 +236,7 @@ nlohmann::json RunLog::summary(const std::string& status) const {
   if (cfg_.parallel.auto_layout) {  // what parallel.auto chose, besides the mesh's sizes
     const auto& p = cfg_.parallel;
     auto& layout = s["layout"];
-    layout["zero"] = p.zero, layout["schedule"] = p.schedule;
+    layout["zero"] = p.zero, layout["schedule"] = p.schedule, layout["balance"] = p.balance;
     layout["virtual_stages"] = p.virtual_stages, layout["grad_accum"] = cfg_.train.grad_accum;
     layout["recompute"] = cfg_.train.recompute, layout["chosen_by"] = "parallel.auto";
   }

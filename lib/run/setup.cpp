@@ -93,7 +93,7 @@ ModelParts build_model(const Run& run, const ModelContext& mc) {
   const auto outline = m.spec->build(cfg.model, outline_ctx);
   for (const auto& p : outline->named_parameters()) m.names.push_back(p.key());
   for (const auto& b : outline->named_buffers()) m.names.push_back(b.key());
-  const auto split = split_stages(outline->part_params(), m.stages, cfg.parallel.stages);
+  const auto split = stage_split(cfg, *outline, mc, m.stages);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const int64_t stage = chunk * ranks + run.mesh().coord().pipeline;
     ModelContext held = mc;

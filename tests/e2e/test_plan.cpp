@@ -35,11 +35,12 @@ Job cnn_job() {
 }
 
 // The plan's runtime memory is its own process's (run.hpp's kExec: not a fork's).
-// A plan without a machine profile (whatever this machine's cache holds): its bubble is
-// the schedule played with each stage's FLOPs, and it has no time.
+// A plan with the profile `sets` names, else none (whatever this machine's cache holds):
+// its bubble is then the schedule played with each stage's FLOPs, and it has no time.
 nlohmann::json plan_of(const std::string& job, int64_t nproc, const std::string& sets) {
+  const bool profiled = sets.find("--profile") != std::string::npos;
   auto r = dtrain("plan " + job + " --json --nproc " + std::to_string(nproc) + sets +
-                      " --profile /nonexistent/dtrain-machine.json",
+                      (profiled ? "" : " --profile /nonexistent/dtrain-machine.json"),
                   kExec);
   INFO(r.err);
   REQUIRE(r.code == 0);
@@ -154,6 +155,38 @@ TEST_SUITE("plan") {
     // The two stages' FLOPs add up to one process's.
     CHECK(p2["ranks"][0]["flops"].get<double>() + p2["ranks"][1]["flops"].get<double>() ==
           doctest::Approx(expected).epsilon(0.01));
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+
+  TEST_CASE("plan: parallel.balance: flops evens out the stages' FLOPs; --all lists both splits where they differ") {
+    auto dir = temp_dir("plan-balance");
+    // 3 blocks of d 32 and a vocabulary of 2048: the head's 2 d v = 131,072 FLOPs a token
+    // forward outweigh the three blocks' 3 x (24 d^2 + 4 s d) = 79,872 (s 16), and the
+    // embedding's 66k parameters the blocks' 3 x 12.7k.
+    Job big = gpt_job();
+    big.model = "{arch: gpt, layers: 3, heads: 2, dim: 32, vocab: 2048, seq_len: 16}";
+    const auto job = big.write(dir);
+    const std::string p2 = " --set parallel.pipeline=2 --set train.grad_accum=4";
+    const auto by_params = plan_of(job, 2, p2), by_flops = plan_of(job, 2, p2 + " --set parallel.balance=flops");
+    const double block = 24 * 32 * 32 + 4 * 16 * 32, head = 2 * 32 * 2048, tokens = 8 * 16;
+    // By parameters stage 0 is the embedding alone (no FLOPs): it waits out the whole step.
+    CHECK(by_params["ranks"][0]["flops"].get<double>() < 0.01 * block * tokens);
+    CHECK(by_params["ranks"][0]["bubble"].get<double>() == doctest::Approx(1.0));
+    // By FLOPs stage 0 runs the three blocks, stage 1 the head (forward and backward: 3x).
+    CHECK(by_flops["ranks"][0]["flops"].get<double>() == doctest::Approx(3 * 3 * block * tokens).epsilon(0.01));
+    CHECK(by_flops["ranks"][1]["flops"].get<double>() == doctest::Approx(3 * head * tokens).epsilon(0.01));
+    CHECK(by_flops["ranks"][0]["bubble"].get<double>() < 0.6);
+    // --all: each pipeline layout by both splits; gpt_job's splits agree, so it lists one.
+    auto all = dtrain("plan " + job + " --all --nproc 2 --profile " + dir + "/none.json", kExec);
+    INFO(all.err);
+    REQUIRE(all.code == 0);
+    CHECK(all.out.find("d1 x t1 x p2, zero 0, 1f1b, flops split, 4 micro-batch(es)") != std::string::npos);
+    CHECK(all.out.find("d1 x t1 x p2, zero 0, 1f1b, 4 micro-batch(es)") != std::string::npos);
+    const auto small = gpt_job().write(dir, "small.yaml");
+    all = dtrain("plan " + small + " --all --nproc 2 --profile " + dir + "/none.json", kExec);
+    REQUIRE(all.code == 0);
+    CHECK(all.out.find("d1 x t1 x p2") != std::string::npos);
+    CHECK(all.out.find("flops split") == std::string::npos);
     std::system(("rm -rf '" + dir + "'").c_str());
   }
 

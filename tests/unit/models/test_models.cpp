@@ -313,6 +313,35 @@ TEST_CASE("models: a part built alone creates only its own parameters") {
   CHECK(outline->part_params() == build_gpt_for(cfg, 12, 50)->part_params());
 }
 
+TEST_CASE("models: a pipeline's split evens out parameters or FLOPs (parallel.balance)") {
+  // A GPT whose vocabulary outweighs its blocks: d 64, 3 layers, v 4096, 32 tokens. Its
+  // parts: the embedding (v d + s d = 264,192 parameters, no FLOPs), three blocks (12 d^2 +
+  // 13 d = 49,984 parameters; 24 d^2 + 4 s d = 106,496 FLOPs a token forward) and the head
+  // (the final LayerNorm's 2 d = 128 parameters, the tied weight counted once, in the
+  // embedding; 2 d v = 524,288 FLOPs a token).
+  JobConfig job;
+  job.model = arch("gpt");
+  job.model.layers = 3, job.model.heads = 2, job.model.dim = 64, job.model.vocab = 4096, job.model.seq_len = 32;
+  ModelContext ctx;
+  ctx.sample_shape = {32};
+  ctx.vocab = 4096;
+  ctx.options = torch::TensorOptions().device(torch::kMeta);
+  const auto outline = model_spec("gpt").build(job.model, ctx);
+  // (Compared in parentheses: doctest would print the lists through glog's operator<<.)
+  // By parameters: the embedding alone (264k) against the rest (150k); any other cut
+  // puts more than 264k on stage 0.
+  CHECK((stage_split(job, *outline, ctx, 2) == std::vector<PartRange>{{0, 1}, {1, 5}}));
+  // By FLOPs: the head alone (524k) against the embedding and the blocks (319k); moving
+  // the last block over gives stage 1 631k.
+  job.parallel.balance = "flops";
+  CHECK((stage_split(job, *outline, ctx, 2) == std::vector<PartRange>{{0, 4}, {4, 5}}));
+  // Three stages: the head, and the blocks two and one (213k and 106k) or one and two.
+  CHECK((stage_split(job, *outline, ctx, 3).back() == PartRange{4, 5}));
+  // parallel.stages, where given, whatever the balance.
+  job.parallel.stages = {2, 3};
+  CHECK((stage_split(job, *outline, ctx, 2) == std::vector<PartRange>{{0, 2}, {2, 5}}));
+}
+
 TEST_CASE("models: initial weights are a function of the seed and each parameter's name") {
   auto cfg = arch("mlp");
   cfg.hidden = {6};
