@@ -54,11 +54,16 @@ cases=(
 GPT2=$ROOT/configs/gpt2_small.yaml
 if [ $gpt2 = 1 ]; then
   small="data.batch_size=4 model.seq_len=64"
+  # GPT-2's vocabulary on a narrow model (the head is 16 blocks' FLOPs): split by
+  # parameters stage 0 holds the embedding alone
+  narrow="data.batch_size=8 model.seq_len=128 model.dim=256 model.heads=4 model.layers=6"
   cases=(
     "gpt2 4x64|$GPT2|1|$small|4"
     "gpt2 4x64 d2 zero1|$GPT2|2|$small parallel.zero=1|4"
     "gpt2 4x64 p2 1f1b x4|$GPT2|2|$small parallel.pipeline=2 train.grad_accum=4|4"
     "gpt2 4x64 p2 x4 flops|$GPT2|2|$small parallel.pipeline=2 train.grad_accum=4 parallel.balance=flops|4"
+    "d256 x6 p2 x4|$GPT2|2|$narrow parallel.pipeline=2 train.grad_accum=4|8"
+    "d256 x6 p2 x4 flops|$GPT2|2|$narrow parallel.pipeline=2 train.grad_accum=4 parallel.balance=flops|8"
     "gpt2 4x64 t2|$GPT2|2|$small parallel.tensor=2|4"
   )
 fi

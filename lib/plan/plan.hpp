@@ -73,11 +73,11 @@ Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile
 RankPlan plan_rank(const JobConfig& cfg, int64_t world, int64_t rank,
                    const MachineProfile* profile = nullptr);
 
-// The human table and the --json object.
 // The parts each of `stages` global stages would hold over `tensor` tensor ranks
 // (models/model.hpp's stage_split), for a job that validates with those.
 std::vector<PartRange> planned_split(const JobConfig& cfg, int64_t stages, int64_t tensor);
 
+// The human table and the --json object.
 std::string plan_table(const JobConfig& cfg, const Plan& plan);
 nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan);
 
