@@ -380,6 +380,16 @@ double work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, i
   return compute + passes * 4 * double(shard) / speed.memory;
 }
 
+// work_seconds with its waits: a pipeline's schedule played at `speed`, this rank's share
+// of it spent waiting put into `bubble`.
+double step_work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, int64_t shard,
+                         double passes, double& bubble) {
+  if (job.dims.pipeline == 1) return work_seconds(job, pipeline_rank, speed, shard, passes);
+  const ScheduleRun run = played(job, speed);
+  bubble = run.bubble(pipeline_rank);
+  return work_seconds(job, pipeline_rank, speed, shard, passes, &run);
+}
+
 // The kernels a stage's host launches in a step for its parts: each part's forward,
 // backward twice that (a recomputed block's forward again).
 double stage_kernels(const Job& job, int64_t stage) {
@@ -535,9 +545,7 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
                       return g.matmul_flops(side, work, dtype, batched);
                     },
                     g.memory_bytes_per_s};
-  std::optional<ScheduleRun> run;
-  if (job.dims.pipeline > 1) run = played(job, speed), bubble = run->bubble(at.pipeline);
-  const double device = work_seconds(job, at.pipeline, speed, shard, passes, run ? &*run : nullptr);
+  const double device = step_work_seconds(job, at.pipeline, speed, shard, passes, bubble);
   double kernels = 0;
   for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, c * job.dims.pipeline + at.pipeline);
   // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
@@ -732,9 +740,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
       for (int64_t s = 0; s < job.dims.pipeline; ++s)
         machine += work_seconds(job, s, speed, shard_of(job.held(s).total), passes) *
                    double(d * job.dims.tensor);
-      std::optional<ScheduleRun> run;
-      if (job.dims.pipeline > 1) run = played(job, speed), out.bubble = run->bubble(at.pipeline);
-      const double mine = work_seconds(job, at.pipeline, speed, shard, passes, run ? &*run : nullptr) * running;
+      const double mine = step_work_seconds(job, at.pipeline, speed, shard, passes, out.bubble) * running;
       // And where they outnumber the cores, a rank that waits on another (a pipeline's
       // receiver, a tensor group's all-reduce) waits for a core back.
       double waits = 0;

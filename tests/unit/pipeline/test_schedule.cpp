@@ -2,13 +2,12 @@
 // published tables (Narayanan et al., "Efficient Large-Scale Language Model Training on
 // GPU Clusters Using Megatron-LM", SC'21, figure 4; Huang et al., "GPipe", figure 2), the
 // interleaved ones against hand-worked lists of Megatron-LM's rule; every schedule is then
-// run in a small simulation of the whole pipeline (each action waits for the one it needs
-// on the neighbouring stage: play_schedule), which must finish without deadlock, hold no more micro-batches
-// than the schedule promises and leave the bubble the papers derive.
+// played out over the whole pipeline (play_schedule: each action waits for the one it
+// needs on the neighbouring stage), which must finish without deadlock, hold no more
+// micro-batches than the schedule promises and leave the bubble the papers derive.
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <map>
 #include <numeric>
 #include <ostream>
 
