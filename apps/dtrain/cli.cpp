@@ -397,7 +397,7 @@ int plan_command(const Cli& cli) {
   const std::string profile_path = default_profile_path();
   fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
   if (cli.measure) {
-    std::cerr << "measuring this machine (about 15 s; 30 with a GPU)...\n";
+    std::cerr << "measuring this machine (about 20 s; 35 with a GPU)...\n";
     save_profile(measure_machine(std::max<int64_t>(2, cli.check_nproc)), profile_path);
     std::cerr << "wrote " << profile_path << "\n";
     if (cli.job.path.empty()) return 0;

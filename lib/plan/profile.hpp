@@ -89,7 +89,7 @@ struct MachineProfile {
   const Link* link(const std::vector<Link>& links, int64_t ranks) const;
 };
 
-// Measures this machine (about 15 s on 2 cores): matmuls, memory, elementwise kernels, and
+// Measures this machine (about 20 s on 2 cores): matmuls, memory, elementwise kernels, and
 // the collectives between 2 to `max_ranks` local ranks (threads of this process over Gloo
 // on loopback, as between processes); the first GPU too where one is visible (a few
 // seconds more).

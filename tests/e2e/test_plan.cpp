@@ -265,7 +265,7 @@ TEST_SUITE("plan") {
     auto values = nlohmann::json{{"plain_one_thread_values_per_s", 1e9}, {"plain_all_threads_values_per_s", 1e9},
                                  {"transcendental_one_thread_values_per_s", 1e9},
                                  {"transcendental_all_threads_values_per_s", 1e9}};
-    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 4}, {"host", "gpu-node"},
+    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 5}, {"host", "gpu-node"},
                            {"build", "test"}, {"cores", 1}, {"matmul_fp32", cpu}, {"matmul_bf16", cpu},
                            {"bmm_fp32", cpu}, {"bmm_bf16", cpu},
                            {"memory_one_thread_bytes_per_s", 1e9}, {"memory_all_threads_bytes_per_s", 1e9},
@@ -471,12 +471,16 @@ TEST_SUITE("plan_measure") {
     auto bad = dtrain("plan " + path + " --profile " + dir + "/bad.json");
     CHECK(bad.code == 3);
     CHECK(bad.err.find("bad.json") != std::string::npos);
-    // A profile of the first version (square products, read by volume) is as none.
-    auto first_version = p;
-    first_version["version"] = 1;
-    std::ofstream(dir + "/v1.json") << first_version.dump();
-    const auto stale = nlohmann::json::parse(dtrain("plan " + path + " --json --profile " + dir + "/v1.json").out);
-    CHECK(stale["step_s"].is_null());
+    // A profile of the first version (square products, read by volume) or of the fourth
+    // (cores timed cold) is as none.
+    for (int version : {1, 4}) {
+      auto stale_profile = p;
+      stale_profile["version"] = version;
+      const auto file = dir + "/v" + std::to_string(version) + ".json";
+      std::ofstream(file) << stale_profile.dump();
+      const auto stale = nlohmann::json::parse(dtrain("plan " + path + " --json --profile " + file).out);
+      CHECK(stale["step_s"].is_null());
+    }
 
     // parallel.auto takes --all's first layout, holding the layout keys the job sets (its
     // grad_accum 2, and here zero 1): the plan of an auto job is that layout's, and a run
