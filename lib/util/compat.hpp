@@ -12,6 +12,10 @@
 // at::scaled_dot_product_attention (fused attention) exists from 2.0 on.
 #define DTRAIN_HAS_FUSED_ATTENTION DTRAIN_TORCH_AT_LEAST(2, 0)
 
+// c10::Allocator::allocate lost its const and copy_data became pure virtual in 2.3 (the
+// allocator's clone()); before, allocate is const and there is no copy_data.
+#define DTRAIN_ALLOCATOR_MUTABLE DTRAIN_TORCH_AT_LEAST(2, 3)
+
 // LibTorch >= 2.4 hosts and joins c10d's TCPStore through libuv by default, which
 // distribution builds (Debian 13's 2.6) lack: "use_libuv was requested but PyTorch was
 // build without libuv support". dtrain only joins a c10d store as a client (torchrun's

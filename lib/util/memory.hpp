@@ -11,8 +11,13 @@
 
 namespace dtrain {
 
-// Keeps freed memory in the process for reuse (mmap threshold 32 MiB, trim at 1 GiB).
+// Keeps freed memory in the process for reuse: glibc's mmap threshold at 32 MiB (its
+// largest) and trim at 1 GiB, and LibTorch's CPU blocks of 32 MiB or more, which glibc
+// maps whatever its threshold, kept by size for the next of that size (memory.cpp).
 void tune_allocator();
+
+// Bytes of freed CPU blocks that tune_allocator's cache keeps for reuse (0 before it).
+int64_t kept_cpu_bytes();
 
 // Bytes allocated now: on a GPU, LibTorch's caching allocator's (tensors alive on that
 // device); on the CPU, glibc's heap in use (mallinfo2: every allocation of the process,
