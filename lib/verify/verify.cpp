@@ -144,8 +144,9 @@ std::string job_text(const VerifyOptions& o, int64_t steps, int64_t eval_samples
   return text;
 }
 
-// The first key where two jobs differ, in words; "" when they are the same.
-std::string first_difference(const std::string& here, const std::string& there) {
+// The first key where two jobs differ, in words, `seed` aside unless `with_seed`; "" when
+// they are the same.
+std::string first_difference(const std::string& here, const std::string& there, bool with_seed = true) {
   auto parse = [](const std::string& text) {
     std::map<std::string, std::string> m;
     std::stringstream in(text);
@@ -153,7 +154,8 @@ std::string first_difference(const std::string& here, const std::string& there) 
       if (auto c = line.find(": "); c != std::string::npos) m[line.substr(0, c)] = line.substr(c + 2);
     return m;
   };
-  const auto a = parse(here), b = parse(there);
+  auto a = parse(here), b = parse(there);
+  if (!with_seed) a.erase("seed"), b.erase("seed");
   // A key one side lacks (added or removed between the versions that wrote them) counts
   // only where it is not at its default.
   const auto defaults = job_keys(to_yaml(JobConfig{}));
@@ -376,9 +378,15 @@ int verify(const VerifyOptions& o) {
   const int64_t eval_samples = job.train.eval_samples > 0 ? job.train.eval_samples : 512;
   const std::string text = job_text(o, steps, eval_samples);
   if (saved) {
-    const auto diff = first_difference(text, saved->job);
+    // Another seed is the same job drawn again (weights, data order, dropout): compared,
+    // and said, so that a reference shows what a seed alone moves. Any other key is
+    // another job.
+    const auto diff = first_difference(text, saved->job, /*with_seed=*/false);
     fail_if<ConfigError>(!diff.empty(), "verify: {} is not the job '{}' was saved from: {}",
                          o.job_path, o.against, diff);
+    if (const auto seed = first_difference(text, saved->job); !seed.empty())
+      std::cerr << fmt::format("verify: another seed than the reference's: {}; its losses are "
+                               "compared as they are\n", seed);
   }
 
   const auto sets = run_sets(o, steps, eval_samples);

@@ -85,6 +85,12 @@ TEST_SUITE("verify") {
     auto other = dtrain("verify " + job + " --set optimizer.lr=0.2 --against " + dir + "/ref.json");
     CHECK(other.code == 2);
     CHECK(other.err.find("optimizer.lr (here 0.2, there 0.05)") != std::string::npos);
+    // Another seed is the same job drawn again: compared, said, and apart (exit 1).
+    auto reseeded = dtrain("verify " + job + " --set seed=7 --against " + dir + "/ref.json");
+    INFO(reseeded.out << reseeded.err);
+    CHECK(reseeded.code == 1);
+    CHECK(reseeded.err.find("seed (here 7, there") != std::string::npos);
+    CHECK(reseeded.out.find("differ: 1 of 1 layout(s)") != std::string::npos);
     auto steps = dtrain("verify " + job + " --steps 5 --against " + dir + "/ref.json");
     CHECK(steps.code == 2);
     CHECK(steps.err.find("--steps 5") != std::string::npos);
