@@ -305,14 +305,18 @@ void build_run(Run& run) {
   run.runner = make_runner(runner_parts(run));
   run.savers = run_savers(run);
   run.mode->bind(run);
-  if (!mode.holds_run()) return;  // it gets its state from the ranks that hold the run
-  const auto resume_from = open_run(run);
-  if (run.finished)
-    run.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
-                        "(train.max_steps, or train.epochs x {} steps); checkpoints and logs "
-                        "unchanged", run.state().step, run.total_steps, run.steps_per_epoch));
-  else
-    run.say(start_line(run, process, resume_from));
+  if (mode.holds_run()) {  // else it gets its state from the ranks that hold the run
+    const auto resume_from = open_run(run);
+    if (run.finished)
+      run.say(fmt::format("nothing to train: the checkpoint is at step {} and the job ends at step {} "
+                          "(train.max_steps, or train.epochs x {} steps); checkpoints and logs "
+                          "unchanged", run.state().step, run.total_steps, run.steps_per_epoch));
+    else
+      run.say(start_line(run, process, resume_from));
+  }
+  // The steps' large tensors come back every step: keep their blocks from here (not the
+  // setup's temporaries, which do not come back).
+  keep_cpu_blocks();
 }
 
 }  // namespace dtrain

@@ -13,8 +13,14 @@ namespace dtrain {
 
 // Keeps freed memory in the process for reuse: glibc's mmap threshold at 32 MiB (its
 // largest) and trim at 1 GiB, and LibTorch's CPU blocks of 32 MiB or more, which glibc
-// maps whatever its threshold, kept by size for the next of that size (memory.cpp).
+// maps whatever its threshold, kept by size for the next of that size once
+// keep_cpu_blocks() is called (memory.cpp).
 void tune_allocator();
+
+// From now on tune_allocator's cache keeps the large blocks freed, within the most in use
+// at once from now on (what it kept before goes back): a run calls it between its setup,
+// whose temporaries do not come back, and its steps, whose tensors do.
+void keep_cpu_blocks();
 
 // Bytes of freed CPU blocks that tune_allocator's cache keeps for reuse (0 before it).
 int64_t kept_cpu_bytes();

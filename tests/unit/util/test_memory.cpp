@@ -13,6 +13,7 @@ using namespace dtrain;
 
 TEST_CASE("memory: a freed large CPU block is reused at its size, and given back for a larger one") {
   tune_allocator();
+  keep_cpu_blocks();  // as a run does once set up
   const int64_t values = int64_t(10) << 20;  // 40 MiB of floats: above glibc's mmap threshold
   const int64_t before = allocated_bytes(torch::kCPU);
   void* first = nullptr;
@@ -37,6 +38,16 @@ TEST_CASE("memory: a freed large CPU block is reused at its size, and given back
     CHECK(kept_cpu_bytes() == 0);
   }
   CHECK(kept_cpu_bytes() == int64_t(1) << 30);
+  // Called again: nothing kept, and the bound is what is in use from now on: a 40 MiB
+  // block kept, then given back for an 80 MiB one.
+  keep_cpu_blocks();
+  CHECK(kept_cpu_bytes() == 0);
+  { auto t = torch::empty({values}); }
+  CHECK(kept_cpu_bytes() == 4 * values);
+  {
+    auto larger = torch::empty({2 * values});
+    CHECK(kept_cpu_bytes() == 0);
+  }
   // Small tensors are glibc's, as before.
   auto small = torch::ones({1000});
   CHECK(small.sum().item<float>() == 1000);
