@@ -46,7 +46,8 @@ using Clock = std::chrono::steady_clock;
 // or more of calls, which is what a training step's back-to-back products see.
 template <class Fn>
 double seconds_per(Fn fn, double budget = 0.2) {
-  for (const auto warm = Clock::now(); std::chrono::duration<double>(Clock::now() - warm).count() < 0.03;) fn();
+  const auto warm = Clock::now();
+  while (std::chrono::duration<double>(Clock::now() - warm).count() < 0.03) fn();
   int64_t calls = 0;
   const auto start = Clock::now();
   double took = 0;

@@ -32,7 +32,8 @@ namespace {
 // 2 cores went to the kernel zeroing their pages). It keeps them once a run's setup is
 // done (keep_cpu_blocks): reading the data and building the model free temporaries that
 // never come back, and kept they raised the MLP's peak RSS from 422 to 458-491 MB. What is
-// kept and in use together stays within the most in use at once since (make_room). Smaller blocks go to LibTorch's own allocator (glibc's heap).
+// kept and in use together stays within the most in use at once since (make_room).
+// Smaller blocks go to LibTorch's own allocator (glibc's heap).
 class BlockCache final : public c10::Allocator {
  public:
   static constexpr size_t kSmallest = size_t(32) << 20;
@@ -58,10 +59,7 @@ class BlockCache final : public c10::Allocator {
 
   // From now on freed blocks are kept (before, they go straight back); what is kept now
   // goes back, and the bound is what is in use from now on.
-  void keep() const {
-    give_back(/*reset_peak=*/true);
-    keeping_ = true;
-  }
+  void keep() const { give_back(/*reset_peak=*/true, /*then_keep=*/true); }
 
   static BlockCache* instance;
 
@@ -86,8 +84,8 @@ class BlockCache final : public c10::Allocator {
   }
 
   // Before a new block of `size`: kept blocks given back, the largest first, until the
-  // blocks held (kept and in use) are no more than the most ever in use at once, so that
-  // the process holds no more than it would without the cache at its peak.
+  // blocks held (kept and in use) are no more than the most in use at once since keeping
+  // began, so that the process holds no more than it would without the cache at its peak.
   void make_room(size_t size) const {
     std::lock_guard<std::mutex> lock(mutex_);
     const size_t bound = std::max(peak_used_, used_bytes_ + size);
@@ -125,12 +123,13 @@ class BlockCache final : public c10::Allocator {
     c10::reportMemoryUsageToProfiler(block, bytes, used, held, c10::Device(c10::kCPU));
   }
 
-  void give_back(bool reset_peak = false) const {
+  void give_back(bool reset_peak = false, bool then_keep = false) const {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [bytes, block] : free_) std::free(block);
     free_.clear();
     kept_bytes_ = 0;
     if (reset_peak) peak_used_ = used_bytes_;
+    if (then_keep) keeping_ = true;
   }
 
   // A block back: kept where it is one of ours, else the next allocator's (raw_allocate
