@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <iterator>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -59,28 +59,37 @@ class BlockCache final : public c10::Allocator {
 
   // From now on freed blocks are kept (before, they go straight back); what is kept now
   // goes back, and the bound is what is in use from now on.
-  void keep() const { give_back(/*reset_peak=*/true, /*then_keep=*/true); }
+  void keep() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_kept();
+    peak_used_ = used_bytes_;
+    keeping_ = true;
+  }
 
   static BlockCache* instance;
 
  private:
   c10::DataPtr take(size_t n) const {
     if (n < kSmallest) return next_->allocate(n);
-    const size_t size = n;  // a step's tensors come back at the same sizes
-    void* block = reuse(size);
+    void* block = reuse(n);  // a step's tensors come back at the same sizes
     if (!block) {
-      make_room(size);
-      if (posix_memalign(&block, kAlignment, size) != 0) {
+      make_room(n);
+      if (posix_memalign(&block, kAlignment, n) != 0) {
         give_back();  // the kept blocks make room
-        if (posix_memalign(&block, kAlignment, size) != 0) throw std::bad_alloc();
+        if (posix_memalign(&block, kAlignment, n) != 0) throw std::bad_alloc();
       }
       std::lock_guard<std::mutex> lock(mutex_);
-      used_[block] = size;
-      used_bytes_ += size;
-      peak_used_ = std::max(peak_used_, used_bytes_);
+      in_use(block, n);
     }
-    report(block, int64_t(size));
+    report(block, int64_t(n));
     return {block, block, &release, c10::Device(c10::kCPU)};
+  }
+
+  // `block` of `size` bytes counted in use (the lock held).
+  void in_use(void* block, size_t size) const {
+    used_[block] = size;
+    used_bytes_ += size;
+    peak_used_ = std::max(peak_used_, used_bytes_);
   }
 
   // Before a new block of `size`: kept blocks given back, the largest first, until the
@@ -105,9 +114,7 @@ class BlockCache final : public c10::Allocator {
     void* block = it->second;
     free_.erase(it);
     kept_bytes_ -= size;
-    used_[block] = size;
-    used_bytes_ += size;
-    peak_used_ = std::max(peak_used_, used_bytes_);
+    in_use(block, size);
     return block;
   }
 
@@ -123,13 +130,16 @@ class BlockCache final : public c10::Allocator {
     c10::reportMemoryUsageToProfiler(block, bytes, used, held, c10::Device(c10::kCPU));
   }
 
-  void give_back(bool reset_peak = false, bool then_keep = false) const {
+  void give_back() const {
     std::lock_guard<std::mutex> lock(mutex_);
+    free_kept();
+  }
+
+  // Every kept block back to the system (the lock held).
+  void free_kept() const {
     for (const auto& [bytes, block] : free_) std::free(block);
     free_.clear();
     kept_bytes_ = 0;
-    if (reset_peak) peak_used_ = used_bytes_;
-    if (then_keep) keeping_ = true;
   }
 
   // A block back: kept where it is one of ours, else the next allocator's (raw_allocate

@@ -1,6 +1,6 @@
 // The CPU block cache tune_allocator installs: a freed block of 32 MiB or more comes back
 // for the next tensor of its size instead of a fresh mapping, and what it keeps stays
-// within the most ever in use at once.
+// within the most in use at once since keep_cpu_blocks().
 #include <doctest/doctest.h>
 
 #include <torch/torch.h>
