@@ -51,10 +51,13 @@ def read_run(run_dir):
     train = [l for l in lines if l.get("kind") == "train"]
     if not train:
         fail(f"{path}: no train lines")
-    # A resumed run appends: the last line written for a step is the one that counts.
+    # dtrain keeps one timeline (a rollback's abandoned lines move aside); a log edited by
+    # hand may still repeat a step: the last line written for it counts.
     by_step = {l["step"]: l for l in train}
     evals = {l["step"]: l for l in lines if l.get("kind") == "eval"}
-    return [by_step[s] for s in sorted(by_step)], [evals[s] for s in sorted(evals)]
+    branches = sorted(l["step"] for l in lines if l.get("kind") == "branch"
+                      and isinstance(l.get("step"), int) and not isinstance(l.get("step"), bool))
+    return [by_step[s] for s in sorted(by_step)], [evals[s] for s in sorted(evals)], branches
 
 
 def values(lines, key):
@@ -86,9 +89,11 @@ def main():
     runs = [(os.path.basename(os.path.normpath(r)), *read_run(r)) for r in args.runs]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     (loss_ax, eval_ax), (lr_ax, speed_ax) = axes
-    for name, train, evals in runs:
+    for name, train, evals, branches in runs:
         steps = [l["step"] for l in train]
         loss_ax.plot(steps, values(train, "loss"), label=name)
+        for at in branches:  # where a resume from an older checkpoint began a new branch
+            loss_ax.axvline(at, color=loss_ax.lines[-1].get_color(), linestyle=":", linewidth=1)
         lr_ax.plot(steps, values(train, "lr"), label=name)
         speed = "tokens_per_s" if "tokens_per_s" in train[0] else "samples_per_s"
         speed_ax.plot(steps, values(train, speed), label=f"{name} ({speed.replace('_per_s', '')}/s)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# scripts/plot.py on real runs: two short runs (one of them resumed, so its metrics.jsonl
-# repeats no step but has a second leg) side by side make a PNG; a folder without
-# metrics.jsonl is exit 2 naming the file.
+# scripts/plot.py on real runs: three short runs (one of them resumed, so its metrics.jsonl
+# repeats no step but has a second leg; one rolled back, with a branch line) side by side
+# make a PNG; a folder without metrics.jsonl is exit 2 naming the file.
 #   tests/check_plot.sh DTRAIN SOURCE_DIR
 set -uo pipefail
 dtrain=${1:?usage: check_plot.sh DTRAIN SOURCE_DIR} src=${2:?usage: check_plot.sh DTRAIN SOURCE_DIR}
@@ -21,7 +21,12 @@ YAML
 timeout 120 "$dtrain" run "$dir/job.yaml" --run-dir "$dir/a" > /dev/null 2>&1 || fail "run a failed"
 timeout 120 "$dtrain" run "$dir/job.yaml" --run-dir "$dir/b" --set train.max_steps=10 > /dev/null 2>&1 || fail "run b failed"
 timeout 120 "$dtrain" run "$dir/job.yaml" --run-dir "$dir/b" --resume auto > /dev/null 2>&1 || fail "run b's resume failed"
-out=$(timeout 120 /usr/bin/python3 "$src/scripts/plot.py" "$dir/a" "$dir/b" -o "$dir/curves.png" --title check 2>&1) ||
+# A rollback: c's metrics.jsonl has a branch line at step 10, drawn as a mark on the curve.
+timeout 120 "$dtrain" run "$dir/job.yaml" --run-dir "$dir/c" > /dev/null 2>&1 || fail "run c failed"
+timeout 120 "$dtrain" run "$dir/job.yaml" --run-dir "$dir/c" --set optimizer.lr=0.1 \
+  --resume "$dir/c/checkpoints/step-00000010" > /dev/null 2>&1 || fail "run c's rollback failed"
+grep -q '"kind":"branch"' "$dir/c/metrics.jsonl" || fail "c's rollback wrote no branch line"
+out=$(timeout 120 /usr/bin/python3 "$src/scripts/plot.py" "$dir/a" "$dir/b" "$dir/c" -o "$dir/curves.png" --title check 2>&1) ||
   fail "plot.py failed: $out"
 [ "$(head -c 8 "$dir/curves.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "not a PNG"
 [ "$(stat -c %s "$dir/curves.png")" -gt 20000 ] || fail "a PNG too small to hold the curves"

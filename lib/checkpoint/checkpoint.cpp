@@ -21,8 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string folder_name(int64_t step) { return fmt::format("step-{:08d}", step); }
-
 bool starts_ends(const std::string& s, const std::string& head, const std::string& tail) {
   return s.size() >= head.size() + tail.size() && s.rfind(head, 0) == 0 &&
          s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
@@ -53,33 +51,10 @@ std::string kind_of(const std::string& file) {
   return "";
 }
 
-bool is_checkpoint_name(const std::string& name) {
-  return name.size() == 13 && name.rfind("step-", 0) == 0 &&
-         std::all_of(name.begin() + 5, name.end(), ::isdigit);
-}
-
-// Checkpoint folders, oldest first (zero-padded names sort by step).
-std::vector<std::string> list_checkpoints(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    if (e.is_directory() && is_checkpoint_name(e.path().filename().string()))
-      names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-std::optional<std::string> read_pointer(const std::string& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return std::nullopt;
-  auto s = read_file(path);
-  s.erase(s.find_last_not_of(" \n") + 1);
-  return s;
-}
 }  // namespace
 
 CheckpointStore::CheckpointStore(std::string run_dir, const CheckpointConfig& cfg)
-    : dir_((fs::path(run_dir) / "checkpoints").string()), cfg_(cfg) {
+    : dir_((fs::path(run_dir) / "checkpoints").string()), cfg_(cfg), timeline_(dir_) {
   fs::create_directories(dir_);
 }
 
@@ -105,11 +80,11 @@ std::string CheckpointStore::save(const CheckpointState& state, int64_t step, in
 }
 
 std::string CheckpointStore::temp_folder(const std::string& run_dir, int64_t step) {
-  return (fs::path(run_dir) / "checkpoints" / (".tmp-" + folder_name(step))).string();
+  return (fs::path(run_dir) / "checkpoints" / (".tmp-" + checkpoint_name(step))).string();
 }
 
 void CheckpointStore::begin(int64_t step) {
-  const auto tmp = fs::path(dir_) / (".tmp-" + folder_name(step));
+  const auto tmp = fs::path(dir_) / (".tmp-" + checkpoint_name(step));
   remove_tree(tmp.string());
   fs::create_directories(tmp);
 }
@@ -215,7 +190,7 @@ void CheckpointStore::write_sync_state(const std::string& temp, int64_t data_ran
 
 void CheckpointStore::abort(int64_t step) {
   try {  // never leave a partial folder filling the disk
-    remove_tree((fs::path(dir_) / (".tmp-" + folder_name(step))).string());
+    remove_tree((fs::path(dir_) / (".tmp-" + checkpoint_name(step))).string());
   } catch (const std::exception&) {  // the first error is the one to report
   }
 }
@@ -223,8 +198,12 @@ void CheckpointStore::abort(int64_t step) {
 std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, int64_t epoch,
                                     const nlohmann::json& layout,
                                     const std::optional<Metric>& metric) {
-  const std::string name = folder_name(step);
+  const std::string name = checkpoint_name(step);
   const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
+  nlohmann::json scored;  // the manifest's metric, which `best` compares
+  if (metric)
+    scored = {{"name", metric->name}, {"value", metric->value},
+              {"higher_is_better", metric->higher_is_better}};
   try {
     write_file_synced((tmp / "trainer.json").string(), state.trainer.dump(1) + "\n");
     write_file_synced((tmp / "config.yaml").string(), state.config_yaml);
@@ -233,9 +212,7 @@ std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, 
                             {"created_unix", std::chrono::duration<double>(
                                                  std::chrono::system_clock::now().time_since_epoch())
                                                  .count()}};
-    if (metric)
-      manifest["metric"] = {{"name", metric->name}, {"value", metric->value},
-                            {"higher_is_better", metric->higher_is_better}};
+    if (metric) manifest["metric"] = scored;
     if (!state.run_id.empty()) manifest["run_id"] = state.run_id;
     // Every file the writers left, each part included: the manifest is the completion
     // record, so a part that is missing or damaged later fails verification.
@@ -253,58 +230,35 @@ std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, 
     remove_tree(final_path.string());  // a re-save of the same step (e.g. after a restart)
     fs::rename(tmp, final_path);
     fsync_dir(dir_);
-    write_file_atomic((fs::path(dir_) / "latest").string(), name + "\n");
   } catch (const std::exception& e) {
     abort(step);
     throw CheckpointError(fmt::format("cannot write the checkpoint of step {} in '{}': {}", step,
                                       dir_, first_line(e.what())));
   }
-
-  if (cfg_.keep_best && metric && std::isfinite(metric->value)) {  // NaN is never best
-    auto current = best();
-    std::optional<double> best_value;
-    if (current) {
-      try {
-        best_value = verify_checkpoint((fs::path(dir_) / *current).string())["metric"]["value"]
-                         .get<double>();
-      } catch (const std::exception&) {  // a vanished or damaged best is simply replaced
-      }
-    }
-    const bool better = !best_value || (metric->higher_is_better ? metric->value > *best_value
-                                                                 : metric->value < *best_value);
-    if (better) write_file_atomic((fs::path(dir_) / "best").string(), name + "\n");
+  try {
+    timeline_.advance(name, scored, cfg_.keep_best);
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("cannot point {}/latest at the checkpoint of step {}: {}",
+                                      dir_, step, first_line(e.what())));
   }
   prune();
   return final_path.string();
 }
 
-std::optional<std::string> CheckpointStore::best() const {
-  return read_pointer((fs::path(dir_) / "best").string());
-}
-
 void CheckpointStore::prune() {
-  auto names = list_checkpoints(dir_);
-  auto keep_best = cfg_.keep_best ? best() : std::nullopt;
-  const size_t keep = static_cast<size_t>(cfg_.keep_last);
-  for (size_t i = 0; i + keep < names.size(); ++i)
-    if (!keep_best || names[i] != *keep_best) remove_tree((fs::path(dir_) / names[i]).string());
-}
-
-CheckpointScan CheckpointStore::scan() const {
-  CheckpointScan out;
-  auto names = list_checkpoints(dir_);
-  out.folders = names.size();
-  for (auto it = names.rbegin(); it != names.rend(); ++it) {
-    auto path = (fs::path(dir_) / *it).string();
+  const auto names = timeline_.line();
+  std::optional<std::string> best;
+  if (cfg_.keep_best) {
     try {
-      out.newest_manifest = verify_checkpoint(path);
-      out.newest_valid = path;
-      break;
-    } catch (const CheckpointError& e) {  // damaged: fall back to an older one, and say so
-      out.skipped.push_back({path, e.what()});
+      best = timeline_.best();
+    } catch (const CheckpointError&) {  // an unreadable pointer protects nothing
     }
   }
-  return out;
+  const size_t keep = static_cast<size_t>(cfg_.keep_last);
+  for (size_t i = 0; i + keep < names.size(); ++i) {
+    const auto folder = (fs::path(dir_) / names[i]).string();
+    if (!best || *best != folder) remove_tree(folder);
+  }
 }
 
 nlohmann::json verify_checkpoint(const std::string& folder) {
@@ -519,10 +473,10 @@ std::string resolve_checkpoint(const std::string& path) {
   std::error_code ec;
   const fs::path p(path);
   auto follow = [&](const fs::path& pointer) {
-    auto name = read_pointer(pointer.string());
-    if (!name || !is_checkpoint_name(*name))
+    auto folder = follow_pointer(pointer.string());
+    if (!folder)
       throw CheckpointError(fmt::format("'{}' does not name a checkpoint folder", pointer.string()));
-    return (pointer.parent_path() / *name).string();
+    return *folder;
   };
   if (!fs::exists(p, ec))
     throw CheckpointError(fmt::format("checkpoint '{}' does not exist", path));

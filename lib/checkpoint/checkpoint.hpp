@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/safetensors.hpp"
+#include "checkpoint/timeline.hpp"
 #include "config/config.hpp"
 #include "parallel/flat_params.hpp"
 
@@ -36,25 +37,13 @@ struct Metric {
   bool higher_is_better = true;  // which way "best" goes
 };
 
-// What a run directory holds: the newest checkpoint that verifies, and the newer (or all)
-// folders that did not, each with the reason.
-struct CheckpointScan {
-  struct Damaged {
-    std::string folder, why;
-  };
-  std::optional<std::string> newest_valid;
-  nlohmann::json newest_manifest;  // its manifest, as verified (null when none verifies)
-  std::vector<Damaged> skipped;  // newer than newest_valid (or all, when none verifies)
-  size_t folders = 0;            // step-* folders found, valid or not
-};
-
 class CheckpointStore {
  public:
   // Creates RUN_DIR/checkpoints; touches nothing in it.
   CheckpointStore(std::string run_dir, const CheckpointConfig& cfg);
 
   // Writes the checkpoint for `step`, points `latest` (and `best` when `metric` beats it)
-  // at it, and prunes beyond checkpoint.keep_last. Returns the folder. On any failure
+  // at it, and prunes the line beyond checkpoint.keep_last (timeline.hpp). Returns the folder. On any failure
   // (a full disk) the temporary folder is removed, earlier checkpoints are untouched, and
   // CheckpointError says what could not be written.
   std::string save(const CheckpointState& state, int64_t step, int64_t epoch,
@@ -91,19 +80,20 @@ class CheckpointStore {
                      const nlohmann::json& layout, const std::optional<Metric>& metric);
   // Removes what a failed save left of step's temporary folder.
   void abort(int64_t step);
-  CheckpointScan scan() const;
-  // The newest folder that verifies, if any.
+  // What `--resume auto` takes (Timeline::resume_point).
+  CheckpointScan scan() const { return timeline_.resume_point(); }
   std::optional<std::string> newest_valid() const { return scan().newest_valid; }
+  Timeline& timeline() { return timeline_; }
   // Removes the temporary folders of saves a crash cut short (once the run owns the folder).
   void discard_partial();
   std::string dir() const { return dir_; }
 
  private:
-  std::optional<std::string> best() const;
   void prune();
 
   std::string dir_;
   CheckpointConfig cfg_;
+  Timeline timeline_;
 };
 
 // Checks the manifest against the files; returns the manifest or throws CheckpointError.

@@ -67,6 +67,11 @@ class Checkpointer {
   // (if any) the job resumes from; the others follow, or fail together with rank 0's exit
   // code. The lock is held while the Checkpointer lives.
   std::optional<std::string> open();
+  // Rank 0, once every rank has restored `folder`: it becomes the head of the run's line;
+  // a rollback's checkpoints past it are kept aside (timeline.hpp). Returns that branch.
+  std::optional<Branch> continue_from(const std::string& folder) {
+    return store_->timeline().continue_from(folder);
+  }
   // Joins a save still in flight (a run that failed): not committed, so the previous
   // checkpoint stays `latest`.
   ~Checkpointer();

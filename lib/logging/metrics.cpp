@@ -13,13 +13,14 @@
 
 #include "logging/tensorboard.hpp"
 #include "util/error.hpp"
+#include "util/files.hpp"
 
 namespace dtrain {
 
 MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step,
-                       const std::string& tensorboard_dir)
+                       const std::string& tensorboard_dir, const std::string& set_aside)
     : path_(path) {
-  std::string kept;
+  std::string kept, aside;
   std::vector<nlohmann::json> kept_lines;
   if (resume_step) {
     std::ifstream in(path);
@@ -27,12 +28,22 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_st
     while (std::getline(in, line)) {
       try {
         auto j = nlohmann::json::parse(line);
-        if (j.value("kind", "") != "summary" && j.value("step", int64_t(0)) <= *resume_step) {
+        const bool summary = j.value("kind", "") == "summary";
+        if (!summary && j.value("step", int64_t(0)) <= *resume_step) {
           kept += line + "\n";
           kept_lines.push_back(std::move(j));
+        } else if (j.value(summary ? "steps" : "step", int64_t(0)) > *resume_step) {
+          aside += line + "\n";
         }
       } catch (const nlohmann::json::exception&) {  // a line cut short by a crash
       }
+    }
+  }
+  if (!set_aside.empty() && !aside.empty()) {
+    try {
+      write_file_atomic(set_aside, aside);
+    } catch (const std::exception& e) {
+      throw RunDirError(fmt::format("cannot write '{}': {}", set_aside, first_line(e.what())));
     }
   }
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

@@ -18,10 +18,11 @@ class MetricsLog {
  public:
   // A fresh run truncates the file; a resumed run keeps the lines up to `resume_step` and
   // drops anything a crashed attempt wrote after it (and old summaries), so the log reads
-  // as one run. With `tensorboard_dir`, the train and eval lines also go to TensorBoard's
-  // event file there (tensorboard.hpp), the kept ones first.
+  // as one run. A rollback's abandoned lines (past `resume_step`, their summaries too) go
+  // to `set_aside` instead when it is named. With `tensorboard_dir`, the train and eval
+  // lines also go to TensorBoard's event file there (tensorboard.hpp), the kept ones first.
   MetricsLog(const std::string& path, std::optional<int64_t> resume_step,
-             const std::string& tensorboard_dir = "");
+             const std::string& tensorboard_dir = "", const std::string& set_aside = "");
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;

@@ -5,6 +5,7 @@
 #include <csignal>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/resource.h>
 
 #include "launch/requeue.hpp"
@@ -91,6 +92,23 @@ void RunLog::diverge(const Divergence& d) {
   summary["reason"] = d.why;
   write_summary(summary);
   throw DivergedError("training diverged: " + d.why);
+}
+
+void RunLog::branched(const Branch& b) {
+  if (metrics_)
+    metrics_->write({{"kind", "branch"},
+                     {"step", b.step},
+                     {"from", b.resumed},
+                     {"same_line", b.on_line},
+                     {"set_aside", b.set_aside},
+                     {"kept_in", b.kept_in},
+                     {"time", unix_time()}});
+  say(fmt::format("new branch after step {} of {}{}", b.step, b.resumed,
+                  b.kept_in.empty()
+                      ? ""
+                      : fmt::format("; the checkpoints of step{} {} (and their metrics lines) are "
+                                    "kept aside in {}", b.set_aside.size() > 1 ? "s" : "",
+                                    fmt::join(b.set_aside, ", "), b.kept_in)));
 }
 
 void RunLog::eval(int64_t n, const EvalResult& e, double eval_ms) {

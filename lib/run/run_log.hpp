@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/timeline.hpp"
 #include "config/config.hpp"
 #include "logging/metrics.hpp"
 #include "models/task.hpp"
@@ -145,6 +146,10 @@ class RunLog {
   // Time a checkpoint held up training (taking the state, writing it or waiting for the
   // one in flight): the next train line's and the summary's checkpoint_stall_ms.
   void checkpoint_stalled(double ms) { window_.checkpoint_stall_ms += ms, stall_ms_ += ms; }
+
+  // A resume that started a new branch of the run's timeline: its line (the branch point)
+  // and the message.
+  void branched(const Branch& b);
 
   // An evaluation after step n: the best so far, its line, the message.
   void eval(int64_t n, const EvalResult& e, double eval_ms);

@@ -240,12 +240,21 @@ std::optional<std::string> open_run(Run& run) {
       if (b.is_floating_point()) data.broadcast(b, 0);
   }
   root_does(*run.mesh().world(), fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
+    // Restored: the checkpoint heads the run's line now; a rollback's later ones (and
+    // their metrics lines) are kept aside.
+    const auto branch = resume_from ? run.checkpointer->continue_from(*resume_from) : std::nullopt;
     write_file_atomic((fs::path(cfg.run_dir) / "config.yaml").string(), to_yaml(cfg));
+    // The lines that stay: up to the step resumed, none after another line's checkpoint.
+    std::optional<int64_t> kept_through;
+    if (resume_from) kept_through = branch && !branch->on_line ? 0 : run.state().step;
     run.metrics = std::make_unique<MetricsLog>(
-        (fs::path(cfg.run_dir) / "metrics.jsonl").string(),
-        resume_from ? std::optional<int64_t>(run.state().step) : std::nullopt,
-        cfg.logging.tensorboard ? (fs::path(cfg.run_dir) / "tb").string() : "");
+        (fs::path(cfg.run_dir) / "metrics.jsonl").string(), kept_through,
+        cfg.logging.tensorboard ? (fs::path(cfg.run_dir) / "tb").string() : "",
+        branch && !branch->kept_in.empty()
+            ? (fs::path(cfg.run_dir) / branch->kept_in / "metrics.jsonl").string()
+            : "");
     run.log->attach(run.metrics.get());
+    if (branch) run.log->branched(*branch);
     return int64_t(0);
   });
   return resume_from;

@@ -216,6 +216,100 @@ TEST_SUITE("robust") {
     ::umount2(disk.c_str(), MNT_DETACH);
   }
 
+  TEST_CASE("a rollback starts a new branch: nothing of either branch lost, auto follows latest") {
+    auto dir = temp_dir("rollback");
+    Job j = small_job();
+    j.schedule = "{decay: constant}";  // the legs below end at other steps
+    j.checkpoint = "{every_steps: 2, keep_last: 3}";
+    j.log_every = 1, j.eval_every = 2;
+    auto job = j.write(dir);
+    const std::string run = dir + "/run", ck = run + "/checkpoints/";
+    const std::string lr = " --set optimizer.lr=0.3";  // the second branch's
+    auto to = [](int n) { return " --set train.max_steps=" + std::to_string(n); };
+    // References that never roll back: the first learning rate to 12; to 6, then the second.
+    run_ok("run " + job + " --run-dir " + dir + "/a" + to(12));
+    run_ok("run " + job + " --run-dir " + dir + "/ab" + to(6));
+    run_ok("run " + job + " --run-dir " + dir + "/ab --resume auto" + to(12) + lr);
+    const auto a = train_losses(dir + "/a"), ab = train_losses(dir + "/ab");
+    auto same_losses = [](const std::map<int64_t, double>& got, const std::map<int64_t, double>& want,
+                          int64_t from, int64_t through) {
+      for (int64_t s = from; s <= through; ++s) {
+        INFO("step " << s);
+        REQUIRE(got.count(s));
+        CHECK(got.at(s) == want.at(s));  // bit-identical: the branch trains from its own weights
+      }
+    };
+    auto line = [&] {
+      std::vector<std::string> names;
+      for (const auto& e : fs::directory_iterator(ck))
+        if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
+          names.push_back(e.path().filename().string());
+      std::sort(names.begin(), names.end());
+      return names;
+    };
+
+    run_ok("run " + job + " --run-dir " + run + to(10));
+    const auto old8 = slurp(ck + "step-00000008/model.safetensors");
+    // Back to step 6 with another learning rate: it writes steps 8 and 9, which keep_last
+    // counts among themselves, and the first branch's 8 and 10 are kept aside.
+    auto r = dtrain("run " + job + " --run-dir " + run + " --resume " + ck + "step-00000006" + to(9) +
+                    lr + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err.find("new branch after step 6 of " + ck + "step-00000006; the checkpoints of "
+                     "steps 8, 10 (and their metrics lines) are kept aside in "
+                     "checkpoints/abandoned/branch-1") != std::string::npos);
+    CHECK(slurp(ck + "latest") == "step-00000009\n");
+    const auto kept = line();
+    CHECK(kept.back() == "step-00000009");
+    CHECK(std::count(kept.begin(), kept.end(), "step-00000008") == 1);
+    CHECK(slurp(ck + "step-00000008/model.safetensors") != old8);
+    const std::string aside = ck + "abandoned/branch-1/";
+    CHECK(slurp(aside + "step-00000008/model.safetensors") == old8);
+    CHECK(fs::exists(aside + "step-00000010/manifest.json"));
+    CHECK(dtrain("inspect " + run).out.find("step 9") != std::string::npos);
+    // metrics.jsonl reads as one timeline with its branch point; the first branch's later
+    // lines are with its checkpoints.
+    auto lines = metrics(run);
+    auto branches = of_kind(lines, "branch");
+    REQUIRE(branches.size() == 1);
+    CHECK(branches[0]["step"] == 6);
+    CHECK(branches[0]["set_aside"] == nlohmann::json{8, 10});
+    CHECK(branches[0]["kept_in"] == "checkpoints/abandoned/branch-1");
+    CHECK(train_losses(run).size() == 9);
+    CHECK(of_kind(lines, "train").size() == 9);
+    auto old_lines = metrics(aside);
+    CHECK(of_kind(old_lines, "train").size() == 4);  // 7 to 10
+    CHECK(of_kind(old_lines, "summary").size() == 1);
+
+    // --resume auto follows latest (9), not the abandoned step 10.
+    r = dtrain("run " + job + " --run-dir " + run + " --resume auto" + to(12) + lr + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err.find("resumed at step 9") != std::string::npos);
+    CHECK(r.err.find("new branch") == std::string::npos);
+    auto losses = train_losses(run);
+    CHECK(losses.size() == 12);
+    same_losses(losses, a, 1, 6);
+    same_losses(losses, ab, 7, 12);
+
+    // The first branch again, from its step 10: the second branch goes aside whole.
+    r = dtrain("run " + job + " --run-dir " + run + " --resume " + aside + "step-00000010" + to(12) +
+               kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err.find("kept aside in checkpoints/abandoned/branch-2") != std::string::npos);
+    same_losses(train_losses(run), a, 11, 12);
+    CHECK(line() == std::vector<std::string>{"step-00000012"});
+    CHECK(slurp(ck + "latest") == "step-00000012\n");
+    lines = metrics(run);
+    REQUIRE(!lines.empty());
+    CHECK(lines.front()["kind"] == "branch");
+    CHECK(lines.front()["same_line"] == false);
+    CHECK(of_kind(lines, "train").size() == 2);
+    CHECK(fs::exists(ck + "abandoned/branch-2/step-00000012/manifest.json"));
+  }
+
   TEST_CASE("resuming a finished run says there is nothing to train and changes nothing") {
     auto dir = temp_dir("finished");
     auto job = small_job().write(dir);

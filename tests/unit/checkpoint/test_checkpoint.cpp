@@ -376,6 +376,115 @@ TEST_CASE("resolve_checkpoint follows a run directory, checkpoints/ and its poin
                        doctest::Contains("does not name a checkpoint folder"), CheckpointError);
 }
 
+TEST_CASE("timeline: a rollback keeps the abandoned checkpoints aside; auto follows latest") {
+  TempDir run;
+  CheckpointConfig cfg;
+  cfg.keep_last = 2;
+  cfg.keep_best = true;
+  CheckpointStore store(run.path().string(), cfg);
+  auto& line = store.timeline();
+  const fs::path dir = store.dir();
+  const nlohmann::json layout = nlohmann::json::object();
+  auto save = [&](int64_t step, double acc) {
+    store.save(state_for(step), step, 0, layout, Metric{"accuracy", acc});
+  };
+  save(2, 0.9), save(4, 0.1), save(6, 0.2), save(8, 0.3), save(10, 0.4);
+  CHECK(line.line() == std::vector<std::string>{"step-00000002", "step-00000008", "step-00000010"});
+  CHECK(line.best().value_or("") == (dir / "step-00000002").string());
+
+  // Back to step 2 (the issue's case: the best, older than latest).
+  auto branch = line.continue_from((dir / "step-00000002").string());
+  REQUIRE(branch);
+  CHECK(branch->step == 2);
+  CHECK(branch->on_line);
+  CHECK(branch->set_aside == std::vector<int64_t>{8, 10});
+  CHECK(branch->kept_in == "checkpoints/abandoned/branch-1");
+  CHECK(trim(test::read_bytes((dir / "latest").string())) == "step-00000002");
+  CHECK(line.line() == std::vector<std::string>{"step-00000002"});
+  const fs::path kept = dir / "abandoned" / "branch-1";
+  for (int64_t step : {8, 10})  // whole, and still checkpoints a user may name
+    CHECK(verify_checkpoint((kept / fmt::format("step-{:08d}", step)).string())["step"] == step);
+  const auto record = nlohmann::json::parse(test::read_bytes((kept / "branch.json").string()));
+  CHECK(record["step"] == 2);
+  CHECK(record["latest_was"] == "step-00000010");
+  CHECK(record["set_aside"] == nlohmann::json{"step-00000008", "step-00000010"});
+  CHECK(store.newest_valid().value_or("") == (dir / "step-00000002").string());
+
+  // The new branch's checkpoints are pruned among themselves only; best (step 2) stays.
+  save(4, 0.5), save(6, 0.6), save(8, 0.7);
+  CHECK(line.line() == std::vector<std::string>{"step-00000002", "step-00000006", "step-00000008"});
+  CHECK(checkpoint_folders((kept).string()) == std::vector<std::string>{"step-00000008", "step-00000010"});
+  CHECK(store.newest_valid().value_or("") == (dir / "step-00000008").string());
+  CHECK(state_for(8).trainer == load_checkpoint((dir / "step-00000008").string()).trainer);
+
+  // Resuming the head is no branch.
+  CHECK_FALSE(line.continue_from((dir / "step-00000008").string()));
+  CHECK(fs::exists(dir / "step-00000008"));
+
+  // The abandoned branch's step 10, another line's checkpoint: the whole line goes aside,
+  // latest names it where it is, best is gone with the line.
+  branch = line.continue_from((kept / "step-00000010").string());
+  REQUIRE(branch);
+  CHECK_FALSE(branch->on_line);
+  CHECK(branch->set_aside == std::vector<int64_t>{2, 6, 8});
+  CHECK(branch->kept_in == "checkpoints/abandoned/branch-2");
+  CHECK(line.line().empty());
+  CHECK(trim(test::read_bytes((dir / "latest").string())) == "abandoned/branch-1/step-00000010");
+  CHECK(resolve_checkpoint(run.path().string()) == (kept / "step-00000010").string());
+  CHECK(store.newest_valid().value_or("") == (kept / "step-00000010").string());
+  CHECK_FALSE(fs::exists(dir / "best"));
+  save(12, 0.1);
+  CHECK(line.line() == std::vector<std::string>{"step-00000012"});
+  CHECK(trim(test::read_bytes((dir / "latest").string())) == "step-00000012");
+  CHECK(line.best().value_or("") == (dir / "step-00000012").string());
+}
+
+TEST_CASE("timeline: a head that does not verify falls back along the line, never past it") {
+  TempDir run;
+  CheckpointConfig cfg;
+  cfg.keep_last = 10;
+  CheckpointStore store(run.path().string(), cfg);
+  auto& line = store.timeline();
+  const fs::path dir = store.dir();
+  for (int64_t step : {1, 2, 3, 4}) store.save(state_for(step), step, 0, nlohmann::json::object(), std::nullopt);
+
+  // A crash between a rollback's `latest` and its moves: latest (2) is older than the
+  // line's newest. auto takes latest; continuing from it sets the rest aside.
+  write_file_atomic((dir / "latest").string(), "step-00000002\n");
+  CHECK(store.newest_valid().value_or("") == (dir / "step-00000002").string());
+  auto branch = line.continue_from((dir / "step-00000002").string());
+  REQUIRE(branch);
+  CHECK(branch->set_aside == std::vector<int64_t>{3, 4});
+  CHECK(line.line() == std::vector<std::string>{"step-00000001", "step-00000002"});
+
+  // latest names a folder that is gone: the newest older folder that verifies.
+  store.save(state_for(5), 5, 0, nlohmann::json::object(), std::nullopt);
+  store.save(state_for(6), 6, 0, nlohmann::json::object(), std::nullopt);
+  remove_tree((dir / "step-00000006").string());
+  fs::remove(dir / "step-00000005" / "trainer.json");
+  auto scan = store.scan();
+  CHECK(scan.newest_valid.value_or("") == (dir / "step-00000002").string());
+  REQUIRE(scan.skipped.size() == 2);
+  CHECK(scan.skipped[0].why.find("does not exist (named by latest)") != std::string::npos);
+  CHECK(scan.skipped[1].folder == (dir / "step-00000005").string());
+
+  // A head of another line that does not verify: the line's folders never stand in.
+  fs::create_directories(run.path() / "elsewhere");
+  fs::rename(dir / "step-00000002", run.path() / "elsewhere" / "step-00000002");
+  write_file_atomic((dir / "latest").string(), (run.path() / "elsewhere" / "step-00000002").string());
+  CHECK(store.newest_valid().value_or("") == (run.path() / "elsewhere" / "step-00000002").string());
+  fs::remove(run.path() / "elsewhere" / "step-00000002" / "config.yaml");
+  scan = store.scan();
+  CHECK_FALSE(scan.newest_valid);
+  CHECK(scan.folders == 3);  // 1 and 5 on the line, and the head
+
+  // An unreadable latest: the line alone decides, and says so.
+  write_file_atomic((dir / "latest").string(), "../../etc\n");
+  scan = store.scan();
+  CHECK(scan.newest_valid.value_or("") == (dir / "step-00000001").string());
+  CHECK(scan.skipped.front().why.find("does not name a checkpoint folder") != std::string::npos);
+}
+
 TEST_CASE("DirLock: one holder at a time, named; free again once released") {
   TempDir dir;
   std::string holder;
