@@ -1,10 +1,10 @@
 # Sourced by the benchmark scripts: which PyTorch the baseline runs on.
 #   baseline_flag ARGS...             takes --baseline and --no-compile out of a script's arguments
 #   baseline_python current|debian    prints that Python, or exits 2 saying how to set it up
-# current: today's PyTorch, pinned in scripts/requirements-bench.txt, in .venv-bench/;
-# debian: Debian's python3-torch (1.13 on Debian 12, 2.6 on 13). Both from setup.sh --bench.
-# Sets WHICH (default current), COMPILE (yes, but no with --no-compile or for debian, whose
-# 1.13 has no torch.compile) and REST (the other arguments, in order).
+# current: today's PyTorch, pinned in scripts/requirements-test.txt, in .venv/ (setup.sh
+# --bench or --test); debian: the distribution's python3-torch (Debian 13's 2.6), installed
+# by hand. Sets WHICH (default current), COMPILE (yes, but no with --no-compile or for
+# debian, eager only) and REST (the other arguments, in order).
 baseline_flag() {
   WHICH=current COMPILE=yes REST=()
   while [ $# -gt 0 ]; do
@@ -21,12 +21,12 @@ baseline_python() {
   local root py
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   case "$1" in
-    current) py=$root/.venv-bench/bin/python ;;
+    current) py=$root/.venv/bin/python ;;
     debian) py=/usr/bin/python3 ;;
     *) echo "--baseline is current or debian, not '$1'" >&2; exit 2 ;;
   esac
   "$py" -c 'import torch, numpy' 2>/dev/null ||
-    { echo "no PyTorch for --baseline $1 at $py: run scripts/setup.sh --bench first" >&2; exit 2; }
+    { echo "no PyTorch for --baseline $1 at $py: run scripts/setup.sh --bench (debian: apt-get install python3-torch)" >&2; exit 2; }
   echo "$py"
 }
 

@@ -10,9 +10,9 @@
 #
 #   scripts/bench.sh [--repeats N] [--models "mlp cnn"] [--threads T] [--nproc N]
 #                    [--baseline current|debian] [--no-compile]
-# --baseline current (the default): today's PyTorch, pinned in scripts/requirements-bench.txt
-# (.venv-bench/), eager and torch.compile'd (--no-compile: eager only); debian: Debian's
-# python3-torch (1.13 on Debian 12, eager). Needs scripts/setup.sh --bench.
+# --baseline current (the default): today's PyTorch, pinned in scripts/requirements-test.txt
+# (.venv/), eager and torch.compile'd (--no-compile: eager only); debian: the
+# distribution's python3-torch, eager. Needs scripts/setup.sh --bench.
 # Results: $OUT_DIR/bench.jsonl.
 # DTRAIN_BIN=PATH benchmarks another dtrain binary (e.g. an older build) the same way.
 set -euo pipefail

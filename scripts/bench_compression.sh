@@ -14,8 +14,8 @@
 # under torchrun: DDP, its fp16/bf16/PowerSGD comm hooks, ZeroRedundancyOptimizer, FSDP2 as
 # ZeRO-2; sign and top-k have none), same model, global batch and threads, and give
 # dtrain's ratio to it, eager and torch.compile'd (ddp_comm.py --compile; --no-compile:
-# eager only). --baseline current (the default: today's PyTorch, .venv-bench/) or debian
-# (python3-torch, eager only); both need scripts/setup.sh --bench.
+# eager only). --baseline current (the default: today's PyTorch, .venv/) or debian
+# (python3-torch, eager only); see scripts/baseline.sh.
 #   scripts/bench_compression.sh [speed|memory|accuracy|all] [EPOCHS] [--baseline current|debian]
 #                                [--no-compile]
 #   (default: all 3)

@@ -10,9 +10,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-dropout}"
 REPEATS=${1:-3} STEPS=${2:-40}
-PY=/usr/bin/python3
-$PY -c 'import torch' 2>/dev/null && [ -x "$ROOT/build/dtrain" ] ||
-  { echo "bench_dropout: run scripts/setup.sh --bench (python3-torch, build/dtrain) first" >&2; exit 2; }
+source "$ROOT/scripts/baseline.sh"
+PY=$(baseline_python current)   # today's PyTorch (.venv), eager
+[ -x "$ROOT/build/dtrain" ] || { echo "bench_dropout: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 rows=$OUT_DIR/bench_dropout.jsonl
 : > "$rows"

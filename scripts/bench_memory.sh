@@ -6,8 +6,8 @@
 # process's high-water mark (peak_rss_mb of dtrain's last train line, before the final
 # checkpoint; the kernel's ru_maxrss for PyTorch), reported against PyTorch's eager.
 # PyTorch runs eager and torch.compile'd with --baseline current (the default: today's
-# PyTorch, .venv-bench/), and Debian's python3-torch (1.13 on Debian 12) eager beside it
-# where installed; --baseline debian: Debian's only. Needs scripts/setup.sh --bench.
+# PyTorch, .venv/); --baseline debian: the distribution's python3-torch, eager. Needs
+# scripts/setup.sh --bench.
 #   scripts/bench_memory.sh [--baseline current|debian]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -38,10 +38,7 @@ pytorch() {  # PYTHON [--compile]: a row named by the run's own torch and compil
     "$PY" -c 'import json, sys; d = json.loads(sys.stdin.read()); d["who"] = "PyTorch " + d["torch"].split("+")[0] + (" compiled" if d["compile"] else " eager"); print(json.dumps(d))' >> "$rows"
 }
 pytorch "$BPY"   # the first row: what the others are reported against
-if [ "$WHICH" = current ]; then
-  pytorch "$BPY" --compile
-  "$PY" -c 'import torch' 2>/dev/null && pytorch "$PY"
-fi
+[ "$WHICH" = current ] && pytorch "$BPY" --compile
 run() {  # label, extra args...
   local label=$1; shift
   rm -rf "$OUT_DIR/run"

@@ -13,7 +13,7 @@
 # PeriodicModelAverager every EVERY steps; PyTorch has no parameter server), same model,
 # global batch, threads and slowed rank, and give dtrain's ratio to it, eager and
 # torch.compile'd (ddp_comm.py --compile; --no-compile: eager only). --baseline current (the
-# default: today's PyTorch, .venv-bench/) or debian (python3-torch, eager only); both need
+# default: today's PyTorch, .venv/) or debian (python3-torch, eager only); both need
 # scripts/setup.sh --bench.
 #   scripts/bench_modes.sh [speed|accuracy|all] [EPOCHS] [--baseline current|debian] [--no-compile]
 #   (default: all 1)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the README's test command (scripts/test.sh) on a fresh Debian root of another
 # release, as a new user there would: debootstrap a minimal root, copy this checkout's
-# tracked files in, bind /proc and /dev, and run it under chroot. CI uses it to keep
-# Debian 13's LibTorch 2.x passing as well as Debian 12's 1.13.
+# tracked files in, bind /proc and /dev, and run it under chroot, on the distribution's
+# own LibTorch (scripts/test.sh --system-libtorch). CI uses it to keep Debian 13's 2.6, the
+# oldest LibTorch dtrain supports, passing as well as the pinned one.
 #   scripts/test-in-root.sh [--mirror URL] [RELEASE]     (default trixie; needs root)
 # The packages come from --mirror, else from the Debian archive this machine's apt already
 # uses (its deb822 .sources or sources.list entries), so a machine behind its own mirror
@@ -53,6 +54,13 @@ chmod 755 "$root"  # it becomes /: its users (munge's postinst runs as munge) mu
 cleanup() {
   umount "$root/proc" 2>/dev/null || true
   umount "$root/dev" 2>/dev/null || true
+  # The pip cache is this machine's own disk, the same file system to rm: detached (lazily,
+  # should a process still use it), and the root never removed while it is mounted.
+  umount -l "$root/root/.cache/pip" 2>/dev/null || true
+  if mountpoint -q "$root/root/.cache/pip" 2>/dev/null; then
+    echo "test-in-root: $root/root/.cache/pip is still mounted; $root left in place" >&2
+    return
+  fi
   rm -rf --one-file-system "$root"
 }
 trap cleanup EXIT
@@ -71,4 +79,9 @@ if ls /usr/local/share/ca-certificates/*.crt > /dev/null 2>&1; then
 fi
 mount --bind /proc "$root/proc"
 mount --bind /dev "$root/dev"
-chroot "$root" bash -c 'cd /root/dtrain && scripts/test.sh'
+# This machine's pip cache: the tests' torch and the CUDA libraries it brings (3.5 GB of
+# wheels) are downloaded once, not into every new root.
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/pip
+mkdir -p "$cache" "$root/root/.cache/pip"
+mount --bind "$cache" "$root/root/.cache/pip"
+chroot "$root" bash -c 'cd /root/dtrain && scripts/test.sh --system-libtorch'

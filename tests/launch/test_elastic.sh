@@ -11,13 +11,13 @@
 #  2. Leave, one worker per agent: C and D train at world 2; D's agent and worker are
 #     killed. C's worker fails (exit 4), C restarts it at world 1 (--max_restarts 1), it
 #     resumes and completes: every step logged once, world_size 1.
-# Exit 77 (skipped) without python3-torch. Usage: test_elastic.sh DTRAIN_BINARY
+# Exit 77 (skipped) without .venv's torch. Usage: test_elastic.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 dtrain=$(realpath "$1")
-py=/usr/bin/python3
-$py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun: install python3-torch (scripts/setup.sh --test)"; exit 77; }
+py=${DTRAIN_PYTHON:-$root/.venv/bin/python}   # today's torch, pinned (scripts/setup.sh --test)
+$py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun at $py: run scripts/setup.sh --test"; exit 77; }
 # torch 2.x's c10d rendezvous serves its store at this node's hostname: a host whose name
 # does not resolve (a bare chroot without /etc/hosts, as the Debian 13 CI root) cannot run it.
 getent hosts "$(hostname)" > /dev/null ||

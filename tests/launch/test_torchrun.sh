@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# dtrain under the real torchrun (Debian's python3-torch, through scripts/torchrun):
+# dtrain under the real torchrun (.venv's torch, through scripts/torchrun):
 #  1. two workers join torchrun's agent store, complete with world size 2, and train the
 #     same per-step losses as `dtrain run --nproc 2`;
 #  2. a worker killed mid-run with --max-restarts 1: torchrun restarts both, they resume
 #     from the newest checkpoint, the job ends at max_steps with each step logged once;
 #  3. a worker that fails reports its one-line error through TORCHELASTIC_ERROR_FILE, and
 #     its exit code, to torchrun's summary.
-# Exit 77 (skipped) without python3-torch. Usage: test_torchrun.sh DTRAIN_BINARY
+# Exit 77 (skipped) without .venv's torch. Usage: test_torchrun.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 dtrain=$1
-py=/usr/bin/python3
-$py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun: install python3-torch (scripts/setup.sh --test)"; exit 77; }
+py=${DTRAIN_PYTHON:-$root/.venv/bin/python}   # today's torch, pinned (scripts/setup.sh --test)
+$py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun at $py: run scripts/setup.sh --test"; exit 77; }
 work=$(mktemp -d /tmp/dtrain-torchrun-test.XXXXXX)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 source "$here/check_run.sh"
