@@ -132,8 +132,7 @@ struct GroupContext {
 std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const std::string& name,
                                  int64_t rank, int64_t size);
 
-// Holds a Gloo or NCCL process group. ProcessGroupGloo/NCCL have the collective methods
-// in both 1.13 (where they derive from ProcessGroup) and 2.x (from Backend).
+// Holds a Gloo or NCCL process group (c10d's ProcessGroupGloo/NCCL, each a Backend).
 template <class PG>
 class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> {
  public:
@@ -214,8 +213,8 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     });
   }
   void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp op) override {
-    // Gloo in LibTorch 1.13 has no reduce-scatter: reduce everything, keep this rank's
-    // chunk. Twice the traffic of a true reduce-scatter, the same result.
+    // Reduce everything, keep this rank's chunk, as Gloo's own reduce-scatter does (2.6 and
+    // later; 1.13 had none): twice the traffic of a true reduce-scatter, the same result.
     const int64_t n = out.numel();
     TORCH_CHECK(in.numel() == n * size_, "reduce_scatter: input holds ", in.numel(),
                 " elements, expected ", n * size_);
@@ -374,7 +373,7 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
       // (exit 4, the peer named) instead of NCCL's watchdog aborting the process. Once per
       // process, before any group reads it (ranks as threads create groups side by side).
       static std::once_flag env_once;
-      std::call_once(env_once, [] { ::setenv(compat::kNcclBlockingWait, "1", /*overwrite=*/0); });
+      std::call_once(env_once, [] { ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0); });
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, int(rank), int(size), o);
@@ -456,7 +455,9 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
       so.port = static_cast<std::uint16_t>(world.master_port);
       so.isServer = false;
       so.timeout = timeout;
-      compat::store_without_libuv(so);
+      // The classic socket client, which every server answers: a distribution's LibTorch
+      // (Debian 13's 2.6) has no libuv, and asking for it there fails.
+      so.useLibUV = false;
       auto agent = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
       const std::string slot = fmt::format("dtrain/attempt_{}/world_{}", world.restart_count,
                                            world.world);

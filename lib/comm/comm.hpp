@@ -1,6 +1,6 @@
 // The collectives dtrain uses, over one group of processes. This is the only interface the
-// rest of the code sees: the c10d calls (whose signatures differ between LibTorch 1.13 and
-// 2.x) stay inside comm.cpp. Every wait is bounded by dist.timeout_s; a failure or a
+// rest of the code sees: the c10d calls (whose signatures change between LibTorch
+// versions) stay inside comm.cpp. Every wait is bounded by dist.timeout_s; a failure or a
 // timeout throws DistError naming the operation, the group and the world rank (exit 4).
 #pragma once
 #include <atomic>
@@ -101,9 +101,9 @@ class Comm {
   }
   virtual std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) = 0;
   // Whether the backend sums this type natively, at full speed: NCCL every float type;
-  // Gloo fp32 and fp64 only (it has no bf16 in LibTorch 1.13, and adds fp16 element by
-  // element through fp32: an fp16 all-reduce of the MLP's gradient ran 3x slower there
-  // than gathering the fp16 values and summing them here).
+  // Gloo fp32 and fp64 only (it adds 16-bit floats element by element through fp32: an
+  // fp16 all-reduce of the MLP's gradient ran 3x slower, on LibTorch 1.13, than gathering
+  // the fp16 values and summing them here).
   virtual bool can_sum(torch::ScalarType type) const = 0;
   // `in` holds size() equal chunks; `out` (one chunk) gets chunk rank() reduced over ranks.
   virtual void reduce_scatter(torch::Tensor out, const torch::Tensor& in,

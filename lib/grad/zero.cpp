@@ -23,8 +23,8 @@ namespace {
 // the same). Entries listed as `whole` are all-reduced instead: every rank needs them.
 // On the wire, Gloo's reduce is a ring reduce-scatter then a gather to the root: a rank
 // sends (D-1)/D of a slice plus, unless it owns it, 1/D; 0.75 of the bytes of the
-// all-reduce at 2 ranks, 0.63 at 4. (Gloo in LibTorch 1.13 has no reduce-scatter; an
-// all-reduce whose result each rank keeps a part of would send all of them.)
+// all-reduce at 2 ranks, 0.63 at 4. (Gloo's reduce-scatter is an all-reduce whose
+// result each rank keeps a part of: it would send all of them.)
 class ReduceToOwners : public Reduction {
  public:
   ReduceToOwners(std::shared_ptr<Comm> comm, int64_t shard_numel,

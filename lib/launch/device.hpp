@@ -60,7 +60,7 @@ bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group
 bool cuda_linked();
 // This build, for --version and bug reports: the LibTorch it was compiled against, CUDA's
 // runtime version where that LibTorch has CUDA, and NCCL where dtrain was built with it,
-// e.g. "LibTorch 1.13.0, no CUDA, no NCCL".
+// e.g. "LibTorch 2.15.0, no CUDA, no NCCL".
 std::string build_info();
 
 // Makes `device` this thread's current CUDA device and applies the job's CUDA settings

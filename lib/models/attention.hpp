@@ -6,8 +6,8 @@
 
 namespace dtrain {
 
-// LibTorch's fused kernel (at::scaled_dot_product_attention) where the version has it,
-// else plain_causal_attention. The two agree to float tolerance (tested where both exist).
+// LibTorch's fused kernel (at::scaled_dot_product_attention). It agrees with
+// plain_causal_attention to float tolerance (tested).
 // No dropout: the fused kernel would draw its own masks (see models/dropout.hpp).
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v);

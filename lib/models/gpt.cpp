@@ -22,13 +22,10 @@
 #include "models/recompute.hpp"
 #include "layers/tensor_parallel.hpp"
 #include "layers/vocab_parallel.hpp"
-#include "util/compat.hpp"
 #include "util/error.hpp"
 #include "util/strings.hpp"
 
-#if DTRAIN_HAS_FUSED_ATTENTION
 #include <ATen/ops/scaled_dot_product_attention.h>
-#endif
 
 namespace dtrain {
 namespace nn = torch::nn;
@@ -45,11 +42,7 @@ torch::Tensor plain_causal_attention(const torch::Tensor& q, const torch::Tensor
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v) {
-#if DTRAIN_HAS_FUSED_ATTENTION
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, 0.0, /*is_causal=*/true);
-#else
-  return plain_causal_attention(q, k, v);
-#endif
 }
 
 namespace {
@@ -298,7 +291,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   const double s = ctx.sample_shape.empty() ? double(m.seq_len) : double(ctx.sample_shape[0]);
   const bool split = ctx.tensor > 1;
   const bool dropout = m.dropout > 0;
-  const bool fused = DTRAIN_HAS_FUSED_ATTENTION && !dropout;  // as Attention::forward takes it
+  const bool fused = !dropout;  // as Attention::forward takes it
   std::vector<PartCost> parts;
   PartCost embeddings;
   // Their sum (fp32 under autocast too), with a dropout its mask and output instead; split

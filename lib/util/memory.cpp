@@ -15,7 +15,6 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
-#include "util/compat.hpp"
 
 #ifdef DTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -41,14 +40,10 @@ class BlockCache final : public c10::Allocator {
 
   explicit BlockCache(c10::Allocator* next) : next_(next) {}
 
-#if DTRAIN_ALLOCATOR_MUTABLE
   c10::DataPtr allocate(size_t n) override { return take(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
-#else
-  c10::DataPtr allocate(size_t n) const override { return take(n); }
-#endif
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   // Bytes kept for reuse, not in use.

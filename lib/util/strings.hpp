@@ -1,5 +1,5 @@
-// Small string tests the rooms share (std::string::ends_with is C++20; LibTorch 1.13 and
-// 2.6 build dtrain as C++17).
+// Small string tests the rooms share (std::string::ends_with is C++20; with a
+// distribution's LibTorch 2.6 dtrain builds as C++17).
 #pragma once
 #include <string>
 
