@@ -55,9 +55,14 @@ Batch Loader::make(int64_t global_step) {
 
 void Loader::work() {
   // A gather big enough for ATen's parallel_for would start a second OpenMP team on this
-  // thread, whose spinning threads then fight the training step's team for the cores
-  // (measured: MLP steps 1.0 -> 1.6 ms on 2 cores). Loader threads gather serially.
-  at::internal::lazy_init_num_threads();
+  // thread. Its threads count against the cores, and libgomp, seeing more threads than
+  // cores, then sends the training step's team to sleep between parallel regions instead
+  // of spinning (measured on 2 cores: ~54 context switches a step, MLP steps 1.0 -> 2.1
+  // ms). Loader threads gather serially: ATen first sets this thread's OpenMP thread count
+  // once, lazily (at::get_num_threads does it, in LibTorch's own copy of the lazy flag,
+  // which an inline call from here would not set where LibTorch hides its symbols), then
+  // this thread keeps one.
+  at::get_num_threads();
   omp_set_num_threads(1);
   unpin_this_thread();  // created by the (pinned) training thread: use any free CPU
   for (;;) {

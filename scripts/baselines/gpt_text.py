@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""PyTorch (Python, eager) reference for configs/gpt_text.yaml's model on the CPU: the same
-GPT-2-shaped network (pre-LayerNorm blocks, plain causal attention as Debian's torch 1.13
-has no fused kernel, tanh GELU, tied head), AdamW with weight decay on >= 2-D parameters,
-clipping at 1.0, fp32; --dropout P adds GPT-2's dropout (embeddings, attention weights,
-both residual branches) as dtrain's model.dropout does. Random byte tokens (loading is not what is measured). Prints one JSON
+"""PyTorch (Python, eager) reference for configs/gpt_text.yaml's model on the CPU, written as
+a PyTorch 2.x user writes it (nanoGPT's model.py): the same GPT-2-shaped network
+(pre-LayerNorm blocks, causal attention through F.scaled_dot_product_attention, tanh GELU,
+tied head), AdamW with weight decay on >= 2-D parameters as the fused kernel where the
+torch has one (fused=True), clipping at 1.0, fp32; --dropout P adds GPT-2's dropout
+(embeddings, attention weights, both residual branches) as dtrain's model.dropout does. Random byte tokens (loading is not what is measured). Prints one JSON
 line: tokens/s over the steady state (median step after warm-up). --compile: the model
 through torch.compile (PyTorch >= 2.0, Inductor's C++ on the CPU), compiled in the warm-up."""
-import argparse, json, math, statistics, time
+import argparse, inspect, json, statistics, time
 
 import torch
 import torch.nn as nn
@@ -22,12 +23,12 @@ class Block(nn.Module):
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
-    def forward(self, x, mask):
+    def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.h)
-        a = self.drop(att.masked_fill(mask[:t, :t], float("-inf")).softmax(-1)) @ v
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.drop.p if self.training else 0.0,
+                                           is_causal=True)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
 
@@ -39,12 +40,11 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(p)
         self.blocks = nn.ModuleList(Block(d, heads, p) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
-        self.register_buffer("mask", torch.ones(ctx, ctx, dtype=torch.bool).triu(1))
 
     def forward(self, idx, targets):
         x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
         for blk in self.blocks:
-            x = blk(x, self.mask)
+            x = blk(x)
         logits = F.linear(self.ln(x), self.tok.weight)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
@@ -67,8 +67,9 @@ def main():
     model = GPT(256, a.seq, a.dim, a.layers, a.heads, a.dropout)
     decay = [q for q in model.parameters() if q.dim() >= 2]
     other = [q for q in model.parameters() if q.dim() < 2]
+    fused = "fused" in inspect.signature(torch.optim.AdamW).parameters  # 2.4+ on the CPU
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=2e-3, betas=(0.9, 0.99))
+                            lr=2e-3, betas=(0.9, 0.99), **({"fused": True} if fused else {}))
     data = torch.randint(0, 256, (a.steps + a.warmup, a.batch, a.seq + 1))
     forward = torch.compile(model) if a.compile else model
     times = []
