@@ -57,11 +57,12 @@ torch::Tensor assemble_figures(const StepParts& c, const Figures& layout,
     f[Figures::kLossSum] = counts ? loss : loss * 0.0;
     f[Figures::kStopVotes] = stop ? 1.0 : 0.0;
     f[Figures::kEndVotes] = apart_diverged ? 1.0 : 0.0;
+    f[layout.grad_norm()] = norm.defined() ? norm.item<double>() : std::nan("");
+    f[Figures::kBadNorms] = norm.defined() && !std::isfinite(f[layout.grad_norm()]) ? 1.0 : 0.0;
     if (layout.stages > 0) {
       f[layout.bubble(stage)] = s.bubble;
       f[layout.activation_mb(stage)] = s.activation_mb;
     }
-    f[layout.grad_norm()] = norm.defined() ? norm.item<double>() : std::nan("");
     f[layout.local_loss()] = loss;
     return figures;
   }
@@ -79,6 +80,8 @@ torch::Tensor assemble_figures(const StepParts& c, const Figures& layout,
     f[size_t(layout.activation_mb(stage))] = torch::full({}, s.activation_mb, f64);
   }
   f[size_t(layout.grad_norm())] = norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64);
+  f[Figures::kBadNorms] = norm.defined() ? f[size_t(layout.grad_norm())].isfinite().logical_not().to(f64)
+                                         : torch::zeros({}, f64);
   f[size_t(layout.local_loss())] = loss;
   return torch::stack(f);
 }
@@ -129,11 +132,14 @@ void take_figures(const StepParts& c, PendingStep& p) {
     p.stats.stage_activation_mb.push_back(f[layout.activation_mb(stage)] / (replicas * tensor));
   }
   p.stats.grad_norm = f[layout.grad_norm()];
+  p.bad_norm = f[Figures::kBadNorms] > 0;
   p.local_loss = f[layout.local_loss()];
 }
 
+// Whether every rank that agreed on the step saw a finite gradient norm: so all of them
+// judge the step alike, local SGD's replicas (each with a norm of its own) where they meet.
 bool grads_finite(const PendingStep& p) {
-  return !p.norm_taken || std::isfinite(p.stats.grad_norm);
+  return !p.norm_taken || (std::isfinite(p.stats.grad_norm) && !p.bad_norm);
 }
 
 // What this rank sent over the groups the model's layers and stages use since the last
@@ -182,11 +188,13 @@ torch::Tensor update(StepParts& c, PendingStep& p, const torch::Tensor& figures,
     }
     return skip;
   }
-  // skip: the update waits on the global loss and norm being finite, on the device.
+  // skip: the update waits on the global loss and every agreeing rank's norm being
+  // finite, on the device.
   if (c.cfg.train.on_nonfinite == "skip") {
     const auto total = figures.select(0, Figures::kLossSum)
                            .add(figures.select(0, layout.grad_norm()));  // NaN if either is
-    skip = total.isfinite().logical_not().to(torch::kFloat32);
+    skip = total.isfinite().logical_not().logical_or(figures.select(0, Figures::kBadNorms) > 0)
+               .to(torch::kFloat32);
   }
   clip_grad(c.params, norm, clip, 1.0, c.sync.shard());
   c.optimizer.step(lr, skip);
@@ -270,8 +278,9 @@ StepStats read_step(StepParts& c, PendingStep& p, bool apart_diverged, int64_t i
   if (s.nonfinite) {
     // Name the lowest rank that saw it, and agree on the longest run of skipped steps: one
     // more reduction over the ranks that agreed on the step, on this rare path only.
-    const bool seen_here =
-        !std::isfinite(p.local_loss) || !grads_finite(p) || (s.replica_diverged && apart_diverged);
+    const bool seen_here = !std::isfinite(p.local_loss) ||
+                           (p.norm_taken && !std::isfinite(s.grad_norm)) ||  // its own norm
+                           (s.replica_diverged && apart_diverged);
     const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
     double seen[2] = {seen_here ? double(world - rank) : 0.0, double(in_a_row)};
     c.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {2}, torch::kFloat64),

@@ -29,16 +29,19 @@ namespace dtrain {
 // ranks (0 without one):
 //   [0, summed())  summed over those ranks: the batch's loss (over the ranks that hold it),
 //                  the ranks asked to stop, the ranks whose replica diverged since the last
-//                  meeting (local SGD), and per pipeline rank its bubble and peak activation
-//                  memory (each rank adds its own into its stage's slots)
-//   grad_norm()    the gradient norm; NaN when not taken
+//                  meeting (local SGD), the ranks whose gradient norm is not finite, and
+//                  per pipeline rank its bubble and peak activation memory (each rank adds
+//                  its own into its stage's slots)
+//   grad_norm()    the gradient norm; NaN when not taken. The same on every rank that
+//                  syncs gradients; where local SGD's replicas meet, each replica's own, so
+//                  whether a step is skipped goes by the summed count above
 //   local_loss()   this rank's loss (0 where it has none): names a rank that saw a NaN
 struct Figures {
   int64_t stages = 0;
-  static constexpr int64_t kLossSum = 0, kStopVotes = 1, kEndVotes = 2;
-  int64_t bubble(int64_t stage) const { return 3 + stage; }
-  int64_t activation_mb(int64_t stage) const { return 3 + stages + stage; }
-  int64_t summed() const { return 3 + 2 * stages; }
+  static constexpr int64_t kLossSum = 0, kStopVotes = 1, kEndVotes = 2, kBadNorms = 3;
+  int64_t bubble(int64_t stage) const { return 4 + stage; }
+  int64_t activation_mb(int64_t stage) const { return 4 + stages + stage; }
+  int64_t summed() const { return 4 + 2 * stages; }
   int64_t grad_norm() const { return summed(); }
   int64_t local_loss() const { return summed() + 1; }
   int64_t count() const { return summed() + 2; }
@@ -50,6 +53,7 @@ struct PendingStep {
   torch::Tensor figures;     // Figures' values, on the host once `ready`
   double local_loss = 0;     // this rank's, once read: it names a rank that saw a NaN
   bool norm_taken = false;   // whether the norm was taken (else it reads NaN)
+  bool bad_norm = false;     // whether a rank that agreed on the step saw a non-finite norm
   bool decided = false;      // fp16: the step read its figures itself to decide its update
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
   // When the host first saw the step finished (the loop's clock for its step time).

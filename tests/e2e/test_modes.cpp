@@ -44,6 +44,50 @@ std::set<int64_t> checkpoint_steps(const std::string& run_dir) {
       out.insert(std::stoll(e.path().filename().string().substr(5)));
   return out;
 }
+
+// MNIST-shaped images in which a few samples have one bright pixel, and an MLP whose first
+// layer's weights on that pixel are `weight`: those samples make about one step in three
+// non-finite on some replica, and the replicas skip apart between averages. 3e38 makes
+// the loss not finite; 1e30 keeps it finite and makes the gradient's norm overflow, which
+// each replica sees alone even where they meet (their gradients are their own). Returns
+// the job file and the --set that starts from those weights.
+std::pair<std::string, std::string> bright_pixel_job(const std::string& dir, float weight) {
+  auto idx = [&](const std::string& name, const torch::Tensor& bytes) {
+    std::string out{'\0', '\0', '\x08', char(bytes.dim())};
+    for (int64_t d : bytes.sizes())
+      for (int shift : {24, 16, 8, 0}) out += char((uint32_t(d) >> shift) & 0xff);
+    const auto c = bytes.contiguous();
+    out.append(static_cast<const char*>(c.data_ptr()), size_t(c.numel()));
+    std::ofstream(dir + "/" + name, std::ios::binary) << out;
+  };
+  torch::manual_seed(1);
+  auto images = torch::randint(0, 100, {256, 28, 28}, torch::kUInt8);
+  images.select(2, 0).select(1, 0).zero_();
+  for (int64_t k = 0; k < 256; k += 11) images[k][0][0] = 255;
+  const auto labels = torch::randint(0, 10, {256}, torch::kUInt8);
+  idx("train-images-idx3-ubyte", images);
+  idx("train-labels-idx1-ubyte", labels);
+  idx("t10k-images-idx3-ubyte", images.narrow(0, 0, 64));
+  idx("t10k-labels-idx1-ubyte", labels.narrow(0, 0, 64));
+  Job j;
+  j.name = "nonfinite", j.seed = 3;
+  j.data = "{dataset: mnist, path: " + dir + ", batch_size: 16, workers: 1}";
+  j.model = "{arch: mlp, hidden: [16]}";
+  j.optimizer = "{name: sgd, lr: 0.01, momentum: 0}";
+  j.schedule = "{decay: constant}";
+  j.max_steps = 40, j.eval_every = std::nullopt, j.train = "on_nonfinite: skip";
+  j.parallel = "{mode: local_sgd, average_every: 4}";
+  j.dist = "{timeout_s: 20}";
+  const auto path = j.write(dir);
+  run_ok("run " + path + " --run-dir " + dir + "/init --set train.max_steps=1"
+         " --set parallel.mode=sync");
+  auto weights = dtrain::load_checkpoint(dir + "/init/checkpoints/step-00000001").model;
+  for (auto& [name, t] : weights)
+    if (name == "1.weight") t.select(1, 0).fill_(weight);  // the bright pixel's column
+  dtrain::write_safetensors(dir + "/huge.safetensors", weights);
+  return {path, " --set model.init_from=" + dir + "/huge.safetensors"};
+}
+
 }  // namespace
 
 TEST_SUITE("modes") {
@@ -225,43 +269,8 @@ TEST_SUITE("modes") {
   }
 
   TEST_CASE("local_sgd with transient non-finite steps: each replica skips, all judge alike") {
-    // MNIST-shaped images in which a few samples have one bright pixel, and a first layer
-    // whose weights on that pixel are huge: those samples' loss is not finite, so about
-    // one step in three on some replica, and the replicas skip apart between averages.
     auto dir = temp_dir("modes-nonfinite");
-    auto idx = [&](const std::string& name, const torch::Tensor& bytes) {
-      std::string out{'\0', '\0', '\x08', char(bytes.dim())};
-      for (int64_t d : bytes.sizes())
-        for (int shift : {24, 16, 8, 0}) out += char((uint32_t(d) >> shift) & 0xff);
-      const auto c = bytes.contiguous();
-      out.append(static_cast<const char*>(c.data_ptr()), size_t(c.numel()));
-      std::ofstream(dir + "/" + name, std::ios::binary) << out;
-    };
-    auto images = torch::randint(0, 100, {256, 28, 28}, torch::kUInt8);
-    images.select(2, 0).select(1, 0).zero_();
-    for (int64_t k = 0; k < 256; k += 11) images[k][0][0] = 255;
-    const auto labels = torch::randint(0, 10, {256}, torch::kUInt8);
-    idx("train-images-idx3-ubyte", images);
-    idx("train-labels-idx1-ubyte", labels);
-    idx("t10k-images-idx3-ubyte", images.narrow(0, 0, 64));
-    idx("t10k-labels-idx1-ubyte", labels.narrow(0, 0, 64));
-    Job j;
-    j.name = "nonfinite", j.seed = 3;
-    j.data = "{dataset: mnist, path: " + dir + ", batch_size: 16, workers: 1}";
-    j.model = "{arch: mlp, hidden: [16]}";
-    j.optimizer = "{name: sgd, lr: 0.01, momentum: 0}";
-    j.schedule = "{decay: constant}";
-    j.max_steps = 40, j.eval_every = std::nullopt, j.train = "on_nonfinite: skip";
-    j.parallel = "{mode: local_sgd, average_every: 4}";
-    j.dist = "{timeout_s: 20}";
-    const auto path = j.write(dir);
-    run_ok("run " + path + " --run-dir " + dir + "/init --set train.max_steps=1"
-           " --set parallel.mode=sync");
-    auto weights = dtrain::load_checkpoint(dir + "/init/checkpoints/step-00000001").model;
-    for (auto& [name, t] : weights)
-      if (name == "1.weight") t.select(1, 0).fill_(3e38f);  // the bright pixel's column
-    dtrain::write_safetensors(dir + "/huge.safetensors", weights);
-    const std::string init = " --set model.init_from=" + dir + "/huge.safetensors";
+    const auto [path, init] = bright_pixel_job(dir, 3e38f);
     // Skipped apart, the run goes on and completes.
     run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/skip" + init);
     const auto done = metrics(dir + "/skip").back();
@@ -277,6 +286,26 @@ TEST_SUITE("modes") {
     CHECK(r.err.find("closed its connection") == std::string::npos);
     CHECK(r.err.find("timed out") == std::string::npos);
     CHECK(metrics(dir + "/limit").back()["status"] == "diverged");
+  }
+
+  TEST_CASE("local_sgd: a gradient norm that overflows on one replica where they meet is skipped by all") {
+    // A finite loss, an infinite norm on one replica only, at steps where the replicas
+    // average: they must still agree the step is skipped, or one waits in a reduction the
+    // other never makes (issue 56: every rank blocked at the average after it). Over seeds
+    // and averaging periods, so that such a step falls on and beside an average.
+    auto dir = temp_dir("modes-overflow");
+    const auto [path, init] = bright_pixel_job(dir, 1e30f);
+    int64_t skipped = 0;
+    for (int every : {2, 3, 5})
+      for (int seed : {2, 3}) {
+        const auto run = fmt::format("{}/run-{}-{}", dir, every, seed);
+        run_ok(fmt::format("run {} --nproc 2 --run-dir {}{} --set parallel.average_every={} --set seed={} "
+                           "--set train.max_skipped=40", path, run, init, every, seed));
+        const auto done = metrics(run).back();
+        CHECK(done["status"] == "completed");
+        skipped += done["skipped_steps"].get<int64_t>();
+      }
+    CHECK(skipped > 0);
   }
 
   TEST_CASE("modes: what local_sgd cannot combine with is refused, naming the keys") {
