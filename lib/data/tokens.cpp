@@ -178,10 +178,10 @@ struct WindowSplit {
 class TokenShards : public Dataset {
  public:
   // `print`: the shards' token count, sums and weighted sums (scan_shards()), and their
-  // first and last KiB's checksums, read by this rank.
-  TokenShards(std::vector<TokenShard> shards, WindowSplit split, int64_t seq,
-              const std::vector<double>& print)
-      : shards_(std::move(shards)), split_(split), seq_(seq) {
+  // first and last KiB's checksums, read by this rank. `vocab`: every id read is below it.
+  TokenShards(std::vector<TokenShard> shards, WindowSplit split, int64_t seq, int64_t vocab,
+              const std::vector<double>& print, std::string key)
+      : shards_(std::move(shards)), split_(split), seq_(seq), vocab_(vocab), key_(std::move(key)) {
     double keys = 0;  // the shards' sizes by their place: what the windows are cut from
     for (size_t s = 0; s < shards_.size(); ++s) {
       first_.push_back(total_);
@@ -204,7 +204,16 @@ class TokenShards : public Dataset {
     for (int64_t r = 0; r < n; ++r) {  // each token read once: x the first seq, y the last
       const int64_t g = split_.global(pi[r]);
       const size_t s = size_t(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
-      shards_[s].read((g - first_[s]) * seq_, seq_ + 1, window.data());
+      const int64_t from = (g - first_[s]) * seq_;
+      shards_[s].read(from, seq_ + 1, window.data());
+      // The scan (or the record of one) vouched for the shard as it was: a shard rewritten
+      // since with the same size, start and time is caught here, not by the embedding.
+      for (int64_t i = 0; i <= seq_; ++i)
+        if (window[size_t(i)] >= vocab_)
+          throw DataError(fmt::format(
+              "{}: '{}' holds token id {} at token {} of the shard, outside the vocabulary of {} "
+              "(data.vocab, else model.vocab); it changed since it was scanned", key_,
+              shards_[s].file->path(), window[size_t(i)], from + i, vocab_));
       std::copy(window.begin(), window.end() - 1, px + r * seq_);
       std::copy(window.begin() + 1, window.end(), py + r * seq_);
     }
@@ -215,7 +224,8 @@ class TokenShards : public Dataset {
  private:
   std::vector<TokenShard> shards_;
   WindowSplit split_;
-  int64_t seq_;
+  int64_t seq_, vocab_;
+  std::string key_;             // the job key naming the shards: data.path or data.eval_path
   std::vector<int64_t> first_;  // each shard's first window among all
   int64_t total_ = 0;           // windows of every shard
   std::vector<double> fingerprint_;
@@ -390,17 +400,21 @@ DataSplits load_tokens(const DataConfig& cfg, const ReadTogether& together) {
   if (cfg.eval_path.empty()) {
     // Every n-th window held out, spread over the corpus (as for text).
     const int64_t every = std::max<int64_t>(2, std::llround(1.0 / cfg.eval_fraction));
-    s.train = std::make_shared<TokenShards>(train_shards, WindowSplit{every, false}, seq, train_print);
-    s.test = std::make_shared<TokenShards>(train_shards, WindowSplit{every, true}, seq, train_print);
+    s.train = std::make_shared<TokenShards>(train_shards, WindowSplit{every, false}, seq, cfg.vocab,
+                                            train_print, "data.path");
+    s.test = std::make_shared<TokenShards>(train_shards, WindowSplit{every, true}, seq, cfg.vocab,
+                                           train_print, "data.path");
     fail_if<DataError>(s.test->size() == 0, "data.path: '{}' holds {} tokens, too few for windows "
                        "of {} with one in {} held out", cfg.path, int64_t(train_print[0]), seq + 1,
                        every);
   } else {
-    s.train = std::make_shared<TokenShards>(train_shards, WindowSplit{}, seq, train_print);
+    s.train = std::make_shared<TokenShards>(train_shards, WindowSplit{}, seq, cfg.vocab, train_print,
+                                            "data.path");
     fail_if<DataError>(s.train->size() == 0, "data.path: '{}' holds {} tokens, too few for one "
                        "window of {}", cfg.path, int64_t(train_print[0]), seq + 1);
     const auto eval_print = print_of(train_shards.size(), every.size());
-    s.test = std::make_shared<TokenShards>(eval_shards, WindowSplit{}, seq, eval_print);
+    s.test = std::make_shared<TokenShards>(eval_shards, WindowSplit{}, seq, cfg.vocab, eval_print,
+                                           "data.eval_path");
     fail_if<DataError>(s.test->size() == 0, "data.eval_path: '{}' holds {} tokens, too few for "
                        "one window of {}", cfg.eval_path, int64_t(eval_print[0]), seq + 1);
   }

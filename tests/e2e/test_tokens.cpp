@@ -9,6 +9,9 @@
 #include <fstream>
 #include <functional>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include "run.hpp"
 
 namespace e2e::tokens_tests {
@@ -187,6 +190,26 @@ TEST_SUITE("tokens") {
       CHECK(r.code == 3);
       CHECK(r.err.find("train_1.bin' holds token id 999 at position 1554 (token 777 of the shard)") !=
             std::string::npos);
+    }
+    // A shard rewritten in place with its size, first KiB and modification time kept: the
+    // record still vouches for it, so the ids are checked where they are read, on one
+    // process and on two tensor ranks.
+    write_nanogpt(dir + "/data/train_1.bin", corpus_tokens(20000, 10001));
+    run_ok("run " + job + " --run-dir " + two + " --resume auto --set train.max_steps=6");
+    const std::string shard = dir + "/data/train_2.bin";
+    struct stat st {};
+    REQUIRE(::stat(shard.c_str(), &st) == 0);
+    auto far = corpus_tokens(40000, 13002);  // as written above
+    for (size_t i = 512; i < far.size(); ++i) far[i] = 300;
+    write_nanogpt(shard, far);
+    const timespec times[2] = {st.st_atim, st.st_mtim};
+    REQUIRE(::utimensat(AT_FDCWD, shard.c_str(), times, 0) == 0);
+    for (const std::string how : {std::string(""), std::string(" --nproc 2 --set parallel.tensor=2")}) {
+      auto r = dtrain("run " + job + " --run-dir " + two + how + " --resume auto --set train.max_steps=12" + kQuiet);
+      INFO(how << ": " << r.err);
+      CHECK(r.code == 3);
+      CHECK(r.err.find("train_2.bin' holds token id 300 at token ") != std::string::npos);
+      CHECK(r.err.find("it changed since it was scanned") != std::string::npos);
     }
   }
 }
