@@ -16,6 +16,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "util/error.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace {
@@ -492,6 +493,12 @@ void check_data(const JobConfig& c) {
   need(!d.input_shape.empty() && d.input_shape.size() <= 3 &&
            std::all_of(d.input_shape.begin(), d.input_shape.end(), [](int64_t x) { return x > 0; }),
        "data.input_shape", "1 to 3 positive sizes", fmt::format("{}", d.input_shape));
+  auto set = d.input_shape;  // the synthetic set: its samples and a test split alike
+  set.push_back(std::max(d.samples, d.test_samples));
+  need(d.dataset != "synthetic" || addressable(set), "data.input_shape",
+       fmt::format("small enough that {} samples of it (data.samples) make a tensor LibTorch "
+                   "can address (at most 2^60 values)", std::max(d.samples, d.test_samples)),
+       fmt::format("{}", d.input_shape));
   need(d.classes >= 2, "data.classes", ">= 2", d.classes);
   // (The model's own window, copied here by resolve(), is the model's to bound.)
   need(d.seq_len >= 0 && (d.seq_len <= kMaxSeqLen || d.seq_len == c.model.seq_len), "data.seq_len",

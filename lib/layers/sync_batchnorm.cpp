@@ -67,17 +67,18 @@ struct SyncBNFunction : public torch::autograd::Function<SyncBNFunction> {
 }  // namespace
 
 SyncBatchNorm2dImpl::SyncBatchNorm2dImpl(int64_t channels, std::shared_ptr<Comm> comm,
-                                         double eps, double momentum)
-    : channels_(channels), comm_(std::move(comm)), eps_(eps), momentum_(momentum) {
+                                         torch::TensorOptions options, double eps, double momentum)
+    : channels_(channels), comm_(std::move(comm)), options_(options), eps_(eps), momentum_(momentum) {
   reset();
 }
 
 void SyncBatchNorm2dImpl::reset() {
-  weight = register_parameter("weight", torch::ones({channels_}));
-  bias = register_parameter("bias", torch::zeros({channels_}));
-  running_mean = register_buffer("running_mean", torch::zeros({channels_}));
-  running_var = register_buffer("running_var", torch::ones({channels_}));
-  num_batches_tracked = register_buffer("num_batches_tracked", torch::zeros({}, torch::kInt64));
+  weight = register_parameter("weight", torch::ones({channels_}, options_));
+  bias = register_parameter("bias", torch::zeros({channels_}, options_));
+  running_mean = register_buffer("running_mean", torch::zeros({channels_}, options_));
+  running_var = register_buffer("running_var", torch::ones({channels_}, options_));
+  num_batches_tracked =
+      register_buffer("num_batches_tracked", torch::zeros({}, options_.dtype(torch::kInt64)));
 }
 
 torch::Tensor SyncBatchNorm2dImpl::forward(const torch::Tensor& x) {

@@ -13,8 +13,8 @@ namespace dtrain {
 
 class SyncBatchNorm2dImpl : public torch::nn::Cloneable<SyncBatchNorm2dImpl> {
  public:
-  SyncBatchNorm2dImpl(int64_t channels, std::shared_ptr<Comm> comm, double eps = 1e-5,
-                      double momentum = 0.1);
+  SyncBatchNorm2dImpl(int64_t channels, std::shared_ptr<Comm> comm,
+                      torch::TensorOptions options = {}, double eps = 1e-5, double momentum = 0.1);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
 
@@ -23,6 +23,7 @@ class SyncBatchNorm2dImpl : public torch::nn::Cloneable<SyncBatchNorm2dImpl> {
  private:
   int64_t channels_;
   std::shared_ptr<Comm> comm_;
+  torch::TensorOptions options_;  // where it is built (the meta device: shapes only)
   double eps_, momentum_;
 };
 TORCH_MODULE(SyncBatchNorm2d);

@@ -10,8 +10,11 @@
 
 #include "models/dropout.hpp"
 #include "models/model.hpp"
+#include "layers/plain.hpp"
 #include "layers/sync_batchnorm.hpp"
+#include "layers/tensor_parallel.hpp"
 #include "util/error.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace nn = torch::nn;
@@ -27,6 +30,12 @@ void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims) {
                            v == &cfg.channels ? "channels" : "fc", x);
   fail_if<ConfigError>(cfg.dropout < 0 || cfg.dropout >= 1, "model.dropout: must be in [0, 1) "
                        "(got {})", cfg.dropout);
+  // Weights between dense layers a tensor LibTorch can address; the rest against the data
+  // in cnn_fits.
+  for (size_t i = 1; i < cfg.fc.size(); ++i)
+    fail_if<ConfigError>(!addressable({cfg.fc[i], cfg.fc[i - 1]}), "model.fc: dense layer {}'s "
+                         "weight would be {} x {}, more values than a tensor can address (2^60)",
+                         i + 1, cfg.fc[i], cfg.fc[i - 1]);
 }
 
 // Parts: each conv stage (conv, norm, ReLU, pool), each hidden dense layer, the
@@ -40,11 +49,24 @@ void cnn_fits(const ModelConfig& cfg, const ModelContext& ctx) {
   fail_if<ConfigError>(shape.size() != 3,
                        "model.arch: cnn needs samples shaped [channels, height, width], the data "
                        "has {} dimension(s)", shape.size());
-  int64_t h = shape[1], w = shape[2];
-  for (size_t i = 0; i < cfg.channels.size(); ++i, h /= 2, w /= 2)
+  int64_t c = shape[0], h = shape[1], w = shape[2];
+  for (size_t i = 0; i < cfg.channels.size(); ++i, h /= 2, w /= 2) {
     fail_if<ConfigError>(h < 2 || w < 2,
                          "model.channels: {} conv+pool stages shrink the {}x{} input below 1x1",
                          cfg.channels.size(), shape[1], shape[2]);
+    // Each stage's weight and its output for one sample: tensors LibTorch can address.
+    fail_if<ConfigError>(!addressable({cfg.channels[i], c, 9}) || !addressable({cfg.channels[i], h, w}),
+                         "model.channels: stage {}'s {} channels make tensors of more values "
+                         "than LibTorch can address (2^60)", i + 1, cfg.channels[i]);
+    c = cfg.channels[i];
+  }
+  int64_t in = c * h * w;
+  for (size_t i = 0; i <= cfg.fc.size(); ++i) {
+    const int64_t out = i < cfg.fc.size() ? cfg.fc[i] : ctx.classes;
+    fail_if<ConfigError>(!addressable({in, out}), "model.fc: dense layer {}'s weight would be {} x "
+                         "{}, more values than a tensor can address (2^60)", i + 1, out, in);
+    in = out;
+  }
 }
 
 NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
@@ -54,12 +76,12 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   auto m = std::make_shared<LayerStack>(ctx, cnn_parts(cfg));
   for (auto out : cfg.channels) {
     // With BatchNorm right after, the conv bias would be cancelled by the mean: leave it out.
-    m->add([&] { return nn::Conv2d(nn::Conv2dOptions(c, out, 3).padding(1).bias(!cfg.batch_norm)); },
+    m->add([&] { return Conv2d(c, out, /*kernel=*/3, /*padding=*/1, /*bias=*/!cfg.batch_norm, ctx.options); },
            /*new_part=*/true);
     if (cfg.batch_norm && ctx.sync_batchnorm)
-      m->add([&] { return SyncBatchNorm2d(out, ctx.sync_batchnorm); });
+      m->add([&] { return SyncBatchNorm2d(out, ctx.sync_batchnorm, ctx.options); });
     else if (cfg.batch_norm)
-      m->add([&] { return nn::BatchNorm2d(out); });
+      m->add([&] { return BatchNorm2d(out, ctx.options); });
     m->add([] { return nn::ReLU(nn::ReLUOptions().inplace(true)); });
     m->add([] { return nn::MaxPool2d(nn::MaxPool2dOptions(2)); });
     c = out, h /= 2, w /= 2;
@@ -68,8 +90,13 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
   int64_t in = c * h * w;
   bool first_dense = true;
   int64_t fc_index = 0;
+  auto linear = [&](int64_t out) {
+    ParallelLinearOptions o{in, out};
+    o.options = ctx.options;
+    return ColumnParallelLinear(o, make_local_comm());
+  };
   for (auto width : cfg.fc) {
-    m->add([&] { return nn::Linear(in, width); }, !first_dense);
+    m->add([&] { return linear(width); }, !first_dense);
     m->add([] { return nn::ReLU(nn::ReLUOptions().inplace(true)); });
     if (cfg.dropout > 0) {
       const auto site = dropout_site(fmt::format("fc.{}", fc_index++));
@@ -77,7 +104,7 @@ NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {
     }
     in = width, first_dense = false;
   }
-  m->add([&] { return nn::Linear(in, ctx.classes); }, !first_dense);
+  m->add([&] { return linear(ctx.classes); }, !first_dense);
   return m;
 }
 

@@ -20,6 +20,7 @@
 #include "models/dropout.hpp"
 #include "models/model.hpp"
 #include "models/recompute.hpp"
+#include "layers/plain.hpp"
 #include "layers/tensor_parallel.hpp"
 #include "layers/vocab_parallel.hpp"
 #include "util/error.hpp"
@@ -125,9 +126,9 @@ TORCH_MODULE(Mlp);
 class BlockImpl : public nn::Module {
  public:
   BlockImpl(const ModelConfig& cfg, const ModelContext& ctx, int64_t index) {
-    ln_1 = register_module("ln_1", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+    ln_1 = register_module("ln_1", LayerNorm(cfg.dim, ctx.options));
     attn = register_module("attn", Attention(cfg, ctx, index));
-    ln_2 = register_module("ln_2", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+    ln_2 = register_module("ln_2", LayerNorm(cfg.dim, ctx.options));
     mlp = register_module("mlp", Mlp(cfg, ctx, index));
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -135,7 +136,7 @@ class BlockImpl : public nn::Module {
     return x + mlp->forward(ln_2->forward(x));
   }
 
-  nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  LayerNorm ln_1{nullptr}, ln_2{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
 };
@@ -158,7 +159,7 @@ class Gpt : public Network {
     if (embeddings_ || head_)
       wte = register_module("wte", VocabParallelEmbedding(cfg.vocab, cfg.dim, ctx.tensor, ctx.options));
     if (embeddings_) {
-      wpe = register_module("wpe", nn::Embedding(cfg.seq_len, cfg.dim));
+      wpe = register_module("wpe", Embedding(cfg.seq_len, cfg.dim, ctx.options));
       sizes_[0] = count(*wte) + count(*wpe);  // the head's weight is counted here
     }
     h = register_module("h", std::make_shared<nn::Module>());
@@ -168,7 +169,7 @@ class Gpt : public Network {
       sizes_[size_t(i + 1)] = count(*blocks_.back());
     }
     if (head_) {
-      ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({cfg.dim})));
+      ln_f = register_module("ln_f", LayerNorm(cfg.dim, ctx.options));
       sizes_.back() = count(*ln_f);
     }
   }
@@ -218,9 +219,9 @@ class Gpt : public Network {
   void recompute_blocks(bool on) override { recompute_ = on; }
 
   VocabParallelEmbedding wte{nullptr};
-  nn::Embedding wpe{nullptr};
+  Embedding wpe{nullptr};
   std::shared_ptr<nn::Module> h;
-  nn::LayerNorm ln_f{nullptr};
+  LayerNorm ln_f{nullptr};
 
  private:
   double dropout_;

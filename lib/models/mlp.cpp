@@ -13,16 +13,12 @@
 #include "models/model.hpp"
 #include "layers/tensor_parallel.hpp"
 #include "util/error.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace nn = torch::nn;
 
 namespace {
-int64_t product(const Ints& v) {
-  int64_t p = 1;
-  for (auto x : v) p *= x;
-  return p;
-}
 bool column_parallel(size_t layer) { return layer % 2 == 0; }
 
 void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
@@ -35,6 +31,26 @@ void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
   }
   fail_if<ConfigError>(cfg.dropout < 0 || cfg.dropout >= 1, "model.dropout: must be in [0, 1) "
                        "(got {})", cfg.dropout);
+  // Every weight a tensor LibTorch can address (a width of 1e10 is a typo, not a model);
+  // the first layer's and the classifier's against the data in mlp_fits.
+  for (size_t i = 1; i < cfg.hidden.size(); ++i)
+    fail_if<ConfigError>(!addressable({cfg.hidden[i], cfg.hidden[i - 1]}), "model.hidden: layer "
+                         "{}'s weight would be {} x {}, more values than a tensor can address "
+                         "(2^60)", i + 1, cfg.hidden[i], cfg.hidden[i - 1]);
+}
+
+// The first layer's and the classifier's weights, which the data shapes (validate_mlp
+// checks those between hidden layers), tensors LibTorch can address.
+void mlp_fits(const ModelConfig& cfg, const ModelContext& ctx) {
+  fail_if<ConfigError>(!addressable(ctx.sample_shape), "model.arch: mlp flattens samples of {} "
+                       "values, more than a tensor can address", fmt::format("{}", ctx.sample_shape));
+  const int64_t in = shape_numel(ctx.sample_shape);
+  const int64_t first = cfg.hidden.empty() ? ctx.classes : cfg.hidden.front();
+  fail_if<ConfigError>(!addressable({in, first}), "model.hidden: layer 1's weight would be {} x "
+                       "{}, more values than a tensor can address (2^60)", first, in);
+  fail_if<ConfigError>(!cfg.hidden.empty() && !addressable({cfg.hidden.back(), ctx.classes}),
+                       "model.hidden: the classifier's weight would be {} x {}, more values than "
+                       "a tensor can address (2^60)", ctx.classes, cfg.hidden.back());
 }
 
 // Parts: each hidden layer (with its ReLU and dropout), then the classifier; the first
@@ -42,9 +58,10 @@ void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
 int64_t mlp_parts(const ModelConfig& cfg) { return int64_t(cfg.hidden.size()) + 1; }
 
 NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
+  mlp_fits(cfg, ctx);
   auto m = std::make_shared<LayerStack>(ctx, mlp_parts(cfg));
   m->add([] { return nn::Flatten(); });
-  int64_t in = product(ctx.sample_shape);
+  int64_t in = shape_numel(ctx.sample_shape);
   auto linear = [&](bool column, int64_t out, const std::shared_ptr<Comm>& tensor) {
     return [=, &ctx]() -> nn::AnyModule {
       ParallelLinearOptions o{in, out};
@@ -74,7 +91,7 @@ NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
 }
 
 std::vector<PartCost> mlp_costs(const ModelConfig& cfg, const SizeContext& ctx) {
-  return dense_costs(double(product(ctx.sample_shape)), cfg.hidden, ctx.classes, ctx.tensor,
+  return dense_costs(double(shape_numel(ctx.sample_shape)), cfg.hidden, ctx.classes, ctx.tensor,
                      /*first=*/true, cfg.dropout > 0);
 }
 
@@ -84,6 +101,7 @@ ModelSpec mlp_spec() {
   ModelSpec s;
   s.task = &classification_task();
   s.validate = validate_mlp;
+  s.fits = mlp_fits;
   s.build = build_mlp;
   s.parts = mlp_parts;
   s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };

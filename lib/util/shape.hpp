@@ -21,4 +21,18 @@ inline int64_t shape_numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// The most values a tensor may hold: its bytes (8 a value at most) must stay an int64,
+// which LibTorch counts them in ("Storage size calculation overflowed" past it).
+inline constexpr int64_t kMostValues = int64_t(1) << 60;
+
+// Whether sizes that are each >= 0 multiply to at most kMostValues (checked as they
+// multiply, so no product overflows on the way).
+inline bool addressable(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (auto d : sizes)
+    if (d != 0 && n > kMostValues / d) return false;
+    else n *= d;
+  return n <= kMostValues;
+}
+
 }  // namespace dtrain

@@ -88,6 +88,11 @@ TEST_SUITE("cli") {
         {kMinimal, "--set optimizer.lr", "expected KEY=VALUE"},
         {kMinimal, "--set parallel.tensor=2", "parallel.tensor"},
         {kMinimal, "--set checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1"},
+        // Sizes whose tensors LibTorch cannot address (their byte counts overflow int64).
+        {kMinimal, "--set model.hidden=[10000000000,10000000000]", "model.hidden: layer 2's weight"},
+        {kMinimal, "--set data.input_shape=[1,3000000000,3000000000]", "data.input_shape: must be small enough"},
+        {"model: {arch: cnn, fc: [10000000000, 10000000000]}\ndata: {dataset: synthetic, input_shape: [1, 8, 8]}\n",
+         "", "model.fc: dense layer 2's weight"},
         // Devices: what cannot run on this machine is refused before anything starts.
         {kMinimal, "--set train.device=gpu", "train.device: expected auto, cpu, cuda or cuda:N"},
         {kMinimal, "--set train.device=cuda:99", "train.device: cuda:99"},
@@ -137,6 +142,12 @@ TEST_SUITE("cli") {
       check_one_line_error(dtrain(std::string(cmd) + " " + DTRAIN_CONFIGS), 2, "is a folder");
     }
     check_one_line_error(dtrain("run " + config("fashion_mnist_mlp.yaml") + " --bogus"), 2, "--bogus");
+    // A memory limit that is no amount, and more measuring ranks than a profile holds.
+    for (const char* gb : {"nan", "inf", "0", "-2", "1e400", "lots"})
+      check_one_line_error(dtrain("plan " + config("fashion_mnist_mlp.yaml") + " --all --memory-gb " + gb),
+                           2, "a number of GiB above 0, e.g. 64 (got '" + std::string(gb) + "')");
+    check_one_line_error(dtrain("plan --measure --nproc 17 --profile /nonexistent/p.json"), 2,
+                         "at most 16 local ranks");
     CHECK(dtrain("--help").code == 0);
   }
 
