@@ -2,7 +2,9 @@
 // and maps errors to the exit codes of docs/contract.md. No training logic lives here.
 // main.cpp calls dtrain_main; the end-to-end tests call it too, in a forked copy of their
 // own process (tests/e2e/run.hpp), as the supervisor starts its workers.
+#include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
@@ -237,6 +239,23 @@ int inspect(const std::string& path) {
 int export_weights(const std::string& path, const std::string& out, const std::string& format,
                    int64_t vocab) {
   const std::string folder = resolve_checkpoint(path);
+  // A file written into a checkpoint folder (the one read, or any other) breaks the
+  // checksums its manifest keeps: the checkpoint would no longer verify.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  auto is_checkpoint = [&](const fs::path& at) {
+    if (fs::equivalent(at, folder, ec)) return true;
+    try {
+      return nlohmann::json::parse(read_file((at / "manifest.json").string())).value("format", "") ==
+             "dtrain-checkpoint";
+    } catch (const std::exception&) {  // no manifest, or not dtrain's
+      return false;
+    }
+  };
+  for (fs::path at = fs::weakly_canonical(fs::absolute(out), ec); !at.empty() && at != at.root_path();
+       at = at.parent_path())
+    fail_if<ConfigError>(is_checkpoint(at), "export: '{}' is inside checkpoint '{}', whose "
+                         "checksums a file there would break; write it elsewhere", out, at.string());
   const auto state = load_checkpoint(folder);  // verified, parts merged
   const auto& weights = state.model;
   if (format == "hf") {
@@ -246,7 +265,6 @@ int export_weights(const std::string& path, const std::string& out, const std::s
     return 0;
   }
   fail_if<ConfigError>(vocab > 0, "export --vocab: only with --format hf");
-  std::error_code ec;
   fail_if<RunDirError>(std::filesystem::is_directory(out, ec),
                        "export: '{}' is a folder; name the file to write, e.g. {}/model.safetensors",
                        out, out);
@@ -316,7 +334,15 @@ struct Cli {
     plan->add_option("--memory-gb", memory_gb, "with --all: the memory to fit in, GiB (default: "
                                                "what this machine has available; on a GPU: "
                                                "the profile's GPU's, less a tenth)")
-        ->check(CLI::PositiveNumber);
+        ->check(CLI::Validator(
+            [](std::string& text) -> std::string {
+              char* end = nullptr;
+              const double gb = std::strtod(text.c_str(), &end);
+              if (end == text.c_str() || *end || !std::isfinite(gb) || gb <= 0 || gb > 1e9)
+                return fmt::format("a number of GiB above 0, e.g. 64 (got '{}')", text);
+              return "";
+            },
+            "GIB"));
     plan->add_option("--device", plan_device_name, "cuda: plan for a GPU whatever this machine "
                                                    "has (with --profile of a GPU machine for "
                                                    "time and memory limit)")
@@ -397,6 +423,12 @@ int plan_command(const Cli& cli) {
   const std::string profile_path = default_profile_path();
   fail_if<ConfigError>(cli.job.path.empty() && !cli.measure, "plan: JOB is required (or --measure)");
   if (cli.measure) {
+    // Each measured rank is a thread here, timing Gloo against the others: 32 took 83 s
+    // and 1.1 GB, and beyond a node's cores the links time the same crowding.
+    constexpr int64_t kMostMeasured = 16;
+    fail_if<ConfigError>(cli.check_nproc > kMostMeasured, "plan --measure --nproc {}: at most {} "
+                         "local ranks are measured (a plan for more uses their links); pass "
+                         "--nproc {} or fewer", cli.check_nproc, kMostMeasured, kMostMeasured);
     std::cerr << "measuring this machine (about 20 s; 35 with a GPU)...\n";
     save_profile(measure_machine(std::max<int64_t>(2, cli.check_nproc)), profile_path);
     std::cerr << "wrote " << profile_path << "\n";

@@ -266,8 +266,14 @@ nlohmann::json verify_checkpoint(const std::string& folder) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
     throw CheckpointError(fmt::format("checkpoint '{}' does not exist", folder));
-  if (!fs::exists(manifest_path, ec))
+  if (!fs::exists(manifest_path, ec)) {
+    // A folder dtrain wrote holds trainer.json from the start; one without it is something
+    // else, e.g. a Hugging Face folder that lost its config.json.
+    if (!fs::exists(dir / "trainer.json", ec))
+      throw CheckpointError(fmt::format("'{}' has neither manifest.json (a dtrain checkpoint) nor "
+                                        "config.json (a Hugging Face GPT-2 folder)", folder));
     throw CheckpointError(fmt::format("checkpoint '{}' has no manifest.json (incomplete)", folder));
+  }
   nlohmann::json m;
   try {
     m = nlohmann::json::parse(read_file(manifest_path.string()));

@@ -33,7 +33,7 @@ void write_text(const std::string& path, const std::string& text) {
     std::ofstream f(temp, std::ios::binary | std::ios::trunc);
     f << text;
     f.flush();
-    fail_if<RunDirError>(!f, "export: cannot write '{}'", temp);
+    fail_if<RunDirError>(!f, "cannot write '{}'", temp);
   }
   fs::rename(temp, path);
 }
@@ -137,12 +137,21 @@ void write_hf_gpt2(const std::string& out, const NamedTensors& weights, const Mo
   std::error_code ec;
   fail_if<RunDirError>(fs::exists(out, ec) && !fs::is_directory(out, ec),
                        "export: '{}' is a file; --format hf writes a folder", out);
+  const bool made = !fs::exists(out, ec);
   fs::create_directories(out, ec);
   fail_if<RunDirError>(bool(ec), "export: cannot create '{}': {}", out, ec.message());
-  const std::string temp = out + "/model.safetensors.tmp-export";
-  write_safetensors(temp, hf, {{"format", "pt"}});  // transformers wants "pt" here
-  fs::rename(temp, out + "/model.safetensors");
-  write_text(out + "/config.json", config.dump(2) + "\n");
+  // Each file under a temporary name renamed into place; a write that fails (a full disk,
+  // a read-only folder) leaves no temporary behind, nor the folder if it made it.
+  const std::string weights_path = out + "/model.safetensors", config_path = out + "/config.json";
+  try {
+    write_safetensors(weights_path + ".tmp-export", hf, {{"format", "pt"}});  // transformers wants "pt"
+    fs::rename(weights_path + ".tmp-export", weights_path);
+    write_text(config_path, config.dump(2) + "\n");
+  } catch (const std::exception& e) {
+    for (const auto& path : {weights_path, config_path}) fs::remove(path + ".tmp-export", ec);
+    if (made) fs::remove(out, ec);  // only if empty
+    throw RunDirError(fmt::format("export: cannot write '{}': {}", out, first_line(e.what())));
+  }
 }
 
 HfGpt2 read_hf_gpt2(const std::string& folder) {

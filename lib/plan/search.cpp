@@ -203,7 +203,7 @@ JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
   JobConfig c = cfg, from = earlier;
   auto to_fields = fields_of(c), from_fields = fields_of(from);  // the same keys, in order
   for (size_t i = 0; i < to_fields.size(); ++i)
-    if (kLayoutKeys.count(to_fields[i].key))
+    if (kLayoutKeys.count(to_fields[i].key) && !cfg.given.count(to_fields[i].key))
       std::visit([&](auto* to) { *to = *std::get<decltype(to)>(from_fields[i].value); }, to_fields[i].value);
   c.given.insert(kLayoutKeys.begin(), kLayoutKeys.end());
   return c;
@@ -232,8 +232,10 @@ AutoChoice auto_layout(const JobConfig& cfg, int64_t world, int64_t local, bool 
     try {
       const JobConfig earlier = parse_job(read_file(earlier_yaml.string()), earlier_yaml.string());
       auto kept = choose_layout(with_layout_of(cfg, earlier), world, nullptr, 0);
-      return {std::move(kept.cfg), fmt::format("parallel.auto: {} (as {} records)", kept.layout,
-                                               earlier_yaml.string())};
+      const auto set_now = held_keys(cfg);  // the job's own keys win over the record
+      return {std::move(kept.cfg),
+              fmt::format("parallel.auto: {} (as {} records{})", kept.layout, earlier_yaml.string(),
+                          set_now.empty() ? "" : fmt::format("; {} as the job sets", fmt::join(set_now, ", ")))};
     } catch (const ConfigError&) {
       // another world size, or a job changed since: chosen again below
     }

@@ -46,7 +46,8 @@ Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfil
 // elastic auto job's check at each size, with nothing planned).
 void check_some_layout(const JobConfig& cfg, int64_t world);
 
-// `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose).
+// `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose),
+// but for those the job sets itself: a key set for the resume is honoured.
 JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier);
 
 // What parallel.auto's choice ranks by: the stored machine profile (plan/profile.hpp), else

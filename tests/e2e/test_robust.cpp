@@ -370,6 +370,40 @@ TEST_SUITE("robust") {
         3, ck + "/trainer.json: step -5");
   }
 
+  TEST_CASE("export never writes into a checkpoint; a Hugging Face folder it cannot write is exit 3, nothing left") {
+    auto dir = temp_dir("export-target");
+    Job j = small_job();
+    j.data = "{dataset: synthetic_tokens, samples: 64, test_samples: 8, seq_len: 16, batch_size: 8, workers: 1}";
+    j.model = "{arch: gpt, layers: 1, heads: 2, dim: 32, vocab: 256, seq_len: 16}";
+    j.max_steps = 2, j.eval_every = 0;
+    auto job = j.write(dir);
+    const auto run = dir + "/run", ck = run + "/checkpoints/step-00000002";
+    REQUIRE(dtrain("run " + job + " --run-dir " + run + kQuiet).code == 0);
+    // Into the checkpoint it reads, or any other: its manifest's checksums would break.
+    check_one_line_error(dtrain("export " + ck + " " + ck + "/model.dp0.safetensors"), 2,
+                         "is inside checkpoint '" + ck + "'");
+    check_one_line_error(dtrain("export " + run + " " + ck + "/hf --format hf"), 2,
+                         "is inside checkpoint '" + ck + "'");
+    CHECK(!fs::exists(ck + "/model.dp0.safetensors"));
+    CHECK(!fs::exists(ck + "/hf"));
+    CHECK(dtrain("inspect " + ck).code == 0);
+    // A Hugging Face folder that lost its config.json is named as what it lacks.
+    REQUIRE(dtrain("export " + ck + " " + dir + "/hf --format hf").code == 0);
+    fs::remove(dir + "/hf/config.json");
+    check_one_line_error(dtrain("inspect " + dir + "/hf"), 3, "nor config.json (a Hugging Face");
+    check_one_line_error(dtrain("run " + job + " --run-dir " + dir + "/from-hf --set model.init_from=" +
+                                dir + "/hf" + kQuiet), 3, "nor config.json (a Hugging Face");
+    if (::geteuid() != 0) return;  // the targets below are file systems of their own
+    const auto ro = dir + "/read-only", full = dir + "/full";
+    REQUIRE(mount_tmpfs(ro, "1m", /*read_only=*/true));
+    REQUIRE(mount_tmpfs(full, "16k"));  // less than the token embedding alone (32 KiB)
+    check_one_line_error(dtrain("export " + ck + " " + ro + "/hf --format hf"), 3, ro + "/hf");
+    check_one_line_error(dtrain("export " + ck + " " + full + "/hf --format hf"), 3, full + "/hf");
+    CHECK(!fs::exists(full + "/hf"));  // made by export, removed with its temporary files
+    ::umount2(ro.c_str(), MNT_DETACH);
+    ::umount2(full.c_str(), MNT_DETACH);
+  }
+
   TEST_CASE("export verifies the weights it writes; a forged header is refused") {
     auto dir = temp_dir("export");
     auto job = small_job().write(dir);
