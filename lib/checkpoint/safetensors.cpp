@@ -75,13 +75,14 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // the format recommends 8-byte aligned data
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((uint64_t(h.size()) >> (8 * i)) & 0xff);
-  out += h;
-  out.reserve(out.size() + offset);
-  for (const auto& c : data)
-    out.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
-  write_file_synced(path, out);
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[i] = static_cast<char>((uint64_t(h.size()) >> (8 * i)) & 0xff);
+  head += h;
+  // The tensors' bytes go to the file from where they are: a second image of the weights
+  // in memory made a save's peak 1.26x training's (ZeRO-1, a 333 MiB MLP).
+  std::vector<ByteSpan> pieces{{head.data(), head.size()}};
+  for (const auto& c : data) pieces.emplace_back(c.data_ptr(), c.numel() * c.element_size());
+  write_file_synced(path, pieces);
 }
 
 namespace {

@@ -25,17 +25,24 @@ std::runtime_error sys_error(const char* what, const std::string& path) {
 }  // namespace
 
 void write_file_synced(const std::string& path, const std::string& data) {
+  write_file_synced(path, std::vector<ByteSpan>{{data.data(), data.size()}});
+}
+
+void write_file_synced(const std::string& path, const std::vector<ByteSpan>& pieces) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw sys_error("create", path);
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      throw sys_error("write", path);
+  for (const auto& [data, size] : pieces) {
+    size_t done = 0;
+    while (done < size) {
+      ssize_t n = ::write(fd, static_cast<const char*>(data) + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {  // 0: nothing written, a full disk by another name
+        if (n == 0) errno = ENOSPC;
+        ::close(fd);
+        throw sys_error("write", path);
+      }
+      done += static_cast<size_t>(n);
     }
-    done += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0) {
     ::close(fd);

@@ -4,11 +4,16 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace dtrain {
 
 // Writes `data` to `path` (truncating) and fsyncs it. Throws std::runtime_error with errno.
 void write_file_synced(const std::string& path, const std::string& data);
+// The same from pieces in memory, one after another, none of them copied (a checkpoint's
+// tensors straight from where they are).
+using ByteSpan = std::pair<const void*, size_t>;
+void write_file_synced(const std::string& path, const std::vector<ByteSpan>& pieces);
 // Writes to a temporary name beside `path`, fsyncs, then renames over `path`.
 void write_file_atomic(const std::string& path, const std::string& data);
 // fsyncs a directory, making renames and creations inside it durable.
