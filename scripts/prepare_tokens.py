@@ -17,6 +17,7 @@ import base64
 import codecs
 import hashlib
 import os
+import re
 import sys
 import time
 
@@ -29,9 +30,10 @@ DEFAULT_BPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".v
                            "share", "dtrain", "gpt2.tiktoken")
 
 
-def fail(message):
+def fail(message, code=2):
+    """One line, and exit 2 (bad arguments) or 3 (a file that cannot be read or written)."""
     print(f"prepare_tokens: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def gpt2_encoding(bpe_path):
@@ -148,11 +150,20 @@ class Shards:
         if sys.byteorder != "little":
             header.byteswap()
         path = os.path.join(self.out, f"{self.prefix}_{self.index:06d}.bin")
-        # Written beside, then renamed: a run stopped part-way leaves no short shard.
-        with open(path + ".part", "wb") as f:
-            header.tofile(f)
-            ids.tofile(f)
-        os.replace(path + ".part", path)
+        # Written beside under a hidden name (which dtrain's folder and glob data.path skip),
+        # then renamed: a run stopped part-way, or a full disk, leaves no short shard.
+        part = os.path.join(self.out, f".{self.prefix}_{self.index:06d}.bin.part")
+        try:
+            with open(part, "wb") as f:
+                header.tofile(f)
+                ids.tofile(f)
+            os.replace(part, path)
+        except OSError as e:
+            try:
+                os.remove(part)
+            except OSError:
+                pass
+            fail(f"cannot write '{path}': {e.strerror}", code=3)
         self.index += 1
         self.written += count
         self.paths.append((path, count))
@@ -177,6 +188,9 @@ def main():
         fail(f"--shard-tokens {a.shard_tokens}: must be at least 1")
     if a.separator is not None and "\n" in a.separator:
         fail("--separator is one line")
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", a.name):
+        fail(f"--name '{a.name}': a file-name prefix of letters, digits, '.', '_' or '-', "
+             "not starting with '.'")
     files = input_files(a.inputs)
     enc = gpt2_encoding(a.bpe)
     try:
@@ -231,9 +245,22 @@ def main():
     for path, count in not_utf8.items():
         print(f"prepare_tokens: warning: {path}: {count} byte(s) that are not UTF-8, read as "
               "U+FFFD", file=sys.stderr)
+    # An earlier run's shards of the same name that this one did not write again (fewer, or
+    # no val split now) would be read with these by a folder or glob data.path: removed.
+    written = {path for s in splits.values() for path, _ in s.paths}
+    stale = sorted(os.path.join(a.out, f) for f in os.listdir(a.out)
+                   if re.fullmatch(re.escape(a.name) + r"_(train|val)_\d{6}\.bin", f)
+                   and os.path.join(a.out, f) not in written)
+    for path in stale:
+        try:
+            os.remove(path)
+        except OSError as e:
+            fail(f"cannot remove '{path}', an earlier run's shard: {e.strerror}", code=3)
     for s in splits.values():
         for path, count in s.paths:
             print(f"prepare_tokens: wrote {path} ({count:,} tokens)")
+    for path in stale:
+        print(f"prepare_tokens: removed {path} (an earlier run's, not written again)")
     print(f"prepare_tokens: {docs:,} documents from {len(files)} file(s): "
           f"{splits['train'].written:,} train tokens, {splits['val'].written:,} val tokens")
 

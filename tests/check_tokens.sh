@@ -7,7 +7,8 @@
 #  - val holds its fraction of the tokens;
 #  - a document cut into pieces (a tiny --chunk-bytes) gives the same shards as whole;
 #  - dtrain trains and evaluates a GPT on the shards;
-#  - bad input is exit 2 naming it.
+#  - bad input is exit 2 naming it; a full disk exit 3, leaving no partial shard; a second
+#    run into the same folder leaves none of the first's shards.
 #   tests/check_tokens.sh DTRAIN SOURCE_DIR
 set -uo pipefail
 dtrain=${1:?usage: check_tokens.sh DTRAIN SOURCE_DIR} src=${2:?usage: check_tokens.sh DTRAIN SOURCE_DIR}
@@ -128,13 +129,34 @@ refused() {
   prep "$@" > "$dir/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 2 ] || fail "$name: exit $rc, wanted 2: $(tail -1 "$dir/$name.log")"
-  grep -q "$want" "$dir/$name.log" || fail "$name: the error does not name $want: $(tail -1 "$dir/$name.log")"
+  grep -q -e "$want" "$dir/$name.log" || fail "$name: the error does not name $want: $(tail -1 "$dir/$name.log")"
 }
 refused missing "$dir/nowhere" "$dir/nowhere" --out "$dir/x"
 mkdir "$dir/binary" && printf 'a\0b' > "$dir/binary/x.dat"
 refused binary "no text files" "$dir/binary" --out "$dir/x"
 refused bpe "not GPT-2's" "$dir/long.txt" --out "$dir/x" --bpe "$dir/long.txt"
 refused fraction "val-fraction" "$dir/long.txt" --out "$dir/x" --val-fraction 1
+refused name "--name 'a/b'" "$dir/long.txt" --out "$dir/x" --name a/b
+# A second run into the same --out with fewer shards leaves none of the first's behind (a
+# folder data.path would read both corpora).
+prep "$dir/long.txt" --out "$dir/again" --shard-tokens 5000 --val-fraction 0 > "$dir/again1.log" 2>&1 ||
+  fail "again: $(tail -1 "$dir/again1.log")"
+[ "$(ls "$dir/again" | wc -l)" -ge 3 ] || fail "the long text gave $(ls "$dir/again" | wc -l) shard(s) of 5000"
+printf 'Hello world' > "$dir/short.txt"
+prep "$dir/short.txt" --out "$dir/again" --val-fraction 0 > "$dir/again2.log" 2>&1 || fail "again: $(tail -1 "$dir/again2.log")"
+[ "$(ls -A "$dir/again")" = tokens_train_000000.bin ] || fail "an earlier run's shards stayed: $(ls -A "$dir/again" | tr '\n' ' ')"
+grep -q "removed $dir/again/tokens_train_000001.bin" "$dir/again2.log" || fail "the stale shards' removal is not said"
+# A full disk: exit 3 naming the shard, no partial file (root: a tmpfs of its own).
+if [ "$(id -u)" -eq 0 ] && mkdir "$dir/full" && mount -t tmpfs -o size=16k tmpfs "$dir/full" 2>/dev/null; then
+  prep "$dir/long.txt" --out "$dir/full" --val-fraction 0 > "$dir/full.log" 2>&1
+  rc=$?
+  ls -A "$dir/full" > "$dir/full.ls"
+  umount "$dir/full"
+  [ $rc -eq 3 ] || fail "a full disk: exit $rc, wanted 3: $(tail -1 "$dir/full.log")"
+  grep -q "cannot write '$dir/full/tokens_train_000000.bin'" "$dir/full.log" || fail "a full disk: $(tail -1 "$dir/full.log")"
+  grep -q Traceback "$dir/full.log" && fail "a full disk: a traceback"
+  [ ! -s "$dir/full.ls" ] || fail "a full disk left $(cat "$dir/full.ls")"
+fi
 : > "$dir/empty.txt"
 refused empty "are empty" "$dir/empty.txt" --out "$dir/x"
 # Bytes that are not UTF-8 are read as U+FFFD, and the file is named.
