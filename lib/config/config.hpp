@@ -270,7 +270,8 @@ struct ParallelConfig {
     v("powersgd_rank", powersgd_rank, "powersgd: rank of each matrix's approximation");
     v("compression_warmup", compression_warmup,
       "steps all-reduced uncompressed before compression starts: a number, or auto (sign: "
-      "the run's first quarter; topk, powersgd: its first tenth; fp16, bf16: none)");
+      "the run's first quarter; topk: its first fifth; powersgd: its first tenth; fp16, bf16: "
+      "none)");
     v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
       "training mode: sync (every step's gradient averaged), async_ps (parameter servers apply "
       "each worker's gradient as it arrives), local_sgd (each data replica steps alone, the "

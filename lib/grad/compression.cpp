@@ -411,7 +411,8 @@ std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shar
 int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps) {
   if (cfg.compression_warmup != "auto") return std::stoll(cfg.compression_warmup);
   if (cfg.compression == "sign") return (total_steps + 3) / 4;
-  if (cfg.compression == "topk" || cfg.compression == "powersgd") return (total_steps + 9) / 10;
+  if (cfg.compression == "topk") return (total_steps + 4) / 5;
+  if (cfg.compression == "powersgd") return (total_steps + 9) / 10;
   return 0;
 }
 

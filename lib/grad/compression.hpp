@@ -39,9 +39,10 @@ std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shar
 // sensitive to an approximate gradient (PyTorch's start_powerSGD_iter, Deep Gradient
 // Compression's warm-up epochs, 1-bit Adam's freeze_step say the same). sign, the
 // coarsest, gets a quarter (the Fashion-MNIST MLP's epoch at 2 ranks: 1.4 points short of
-// uncompressed with none, 0.9 with a tenth, 0.3 with a quarter); topk and powersgd a
-// tenth (the CNN's first 400 steps: 3.2 and 1.2 points short with none, 2.5 and 0.8 with
-// a tenth); fp16 and bf16 none, their rounding costs nothing measurable.
+// uncompressed with none, 0.9 with a tenth, 0.3 with a quarter); topk a fifth (that epoch
+// with a tenth: 0.76-1.04 points short over three seeds; with a fifth 0.68-0.76);
+// powersgd a tenth (the CNN's first 400 steps: 1.2 points short with none, 0.8 with a
+// tenth); fp16 and bf16 none, their rounding costs nothing measurable.
 int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps);
 
 }  // namespace dtrain

@@ -202,7 +202,7 @@ TEST_CASE("compression: the warm-up, a number or auto (a share of the run for th
   };
   CHECK(warmup("sign", "auto", 400) == 100);
   CHECK(warmup("sign", "auto", 937) == 235);
-  CHECK(warmup("topk", "auto", 401) == 41);  // rounded up: never less than a tenth
+  CHECK(warmup("topk", "auto", 401) == 81);  // rounded up: never less than a fifth
   CHECK(warmup("powersgd", "auto", 2811) == 282);
   CHECK(warmup("powersgd", "auto", 1) == 1);
   CHECK(warmup("fp16", "auto", 400) == 0);
