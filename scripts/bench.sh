@@ -9,7 +9,10 @@
 # waiting on communication.
 #
 #   scripts/bench.sh [--repeats N] [--models "mlp cnn"] [--threads T] [--nproc N]
-#                    [--baseline current|debian] [--no-compile]
+#                    [--baseline current|debian] [--no-compile] [--busy]
+# samples/s is throughput on both sides (the samples over the timed steps' whole time: dtrain's
+# summary, PyTorch's mean); step ms the median step. --busy runs one busy-looping process
+# beside everything (a workstation that runs other things): there the two part ways.
 # --baseline current (the default): today's PyTorch, pinned in scripts/requirements-test.txt
 # (.venv/), eager and torch.compile'd (--no-compile: eager only); debian: the
 # distribution's python3-torch, eager. Needs scripts/setup.sh --bench.
@@ -19,7 +22,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BASELINE="${DTRAIN_BASELINE:-$ROOT/scripts/baselines/cpu.py}"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench}"
-REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1
+REPEATS=3 MODELS="mlp cnn" THREADS=2 NPROC=1 BUSY=no
 source "$ROOT/scripts/baseline.sh"
 baseline_flag "$@"  # WHICH and COMPILE
 set -- "${REST[@]}"
@@ -29,7 +32,8 @@ while [ $# -gt 0 ]; do
     --models) MODELS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --nproc) NPROC=$2; shift 2 ;;
-    *) echo "usage: scripts/bench.sh [--repeats N] [--models \"mlp cnn\"] [--threads T] [--nproc N] [--baseline current|debian] [--no-compile]" >&2; exit 2 ;;
+    --busy) BUSY=yes; shift ;;
+    *) echo "usage: scripts/bench.sh [--repeats N] [--models \"mlp cnn\"] [--threads T] [--nproc N] [--baseline current|debian] [--no-compile] [--busy]" >&2; exit 2 ;;
   esac
 done
 [ -f "$BASELINE" ] || { echo "bench: no baseline at $BASELINE (set DTRAIN_BASELINE)" >&2; exit 2; }
@@ -41,6 +45,11 @@ DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 [ -x "$DTRAIN" ] || { echo "bench: no dtrain at $DTRAIN (build it: scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/bench.jsonl"
+if [ "$BUSY" = yes ]; then  # a neighbour that keeps one core busy, gone when this script is
+  sh -c 'while :; do :; done' &
+  trap 'kill $! 2>/dev/null' EXIT
+  echo "a busy-looping neighbour runs beside everything" >&2
+fi
 echo "BLAS: $(update-alternatives --query libblas.so.3-x86_64-linux-gnu 2>/dev/null | sed -n 's/^Value: //p')" >&2
 
 steps_for() { if [ "$1" = mlp ]; then echo $((900 / NPROC)); else echo $((300 / NPROC)); fi; }
@@ -72,7 +81,7 @@ for r in $(seq 1 "$REPEATS"); do
       flag=(); [ "$who" = compiled ] && flag=(--compile)
       ( cd "$OUT_DIR" && $BPY "${launch[@]}" --model "$model" --max-steps "$steps" \
           --threads "$PER_RANK_THREADS" "${flag[@]}" 2>/dev/null ) | grep '^{' | tail -1 |
-        $PY -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({"kind":"run","who":sys.argv[1],"model":d["model"],"samples_per_s":d["samples_per_s"],"step_ms":d["step_ms_median"]}))' "$who" \
+        $PY -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({"kind":"run","who":sys.argv[1],"model":d["model"],"samples_per_s":d["samples_per_s_mean"],"step_ms":d["step_ms_median"]}))' "$who" \
         >> "$OUT_DIR/bench.jsonl"
     done
     echo "== repeat $r/$REPEATS $model: dtrain" >&2

@@ -2,6 +2,8 @@
 
 #include <fstream>
 
+#include <ATen/Context.h>
+
 namespace dtrain {
 
 std::string loaded_blas() {
@@ -14,7 +16,8 @@ std::string loaded_blas() {
     if (path.find("libblas.so") != std::string::npos || path.find("libopenblas") != std::string::npos)
       return path;
   }
-  return "";
+  // The torch wheel's LibTorch links MKL into itself: no library of its own to name.
+  return at::hasMKL() ? "MKL (in LibTorch)" : "";
 }
 
 bool is_reference_blas(const std::string& path) {

@@ -46,8 +46,8 @@ def model(name):
                          nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def median_step(step, steps, warmup, sync=lambda: None):
-    """Runs `step` warmup + steps times; the median seconds of the timed ones."""
+def step_times(step, steps, warmup, sync=lambda: None):
+    """Runs `step` warmup + steps times; the seconds of each timed one."""
     for _ in range(warmup):
         step()
     sync()
@@ -57,4 +57,9 @@ def median_step(step, steps, warmup, sync=lambda: None):
         step()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_step(step, steps, warmup, sync=lambda: None):
+    """The median seconds of step_times'."""
+    return statistics.median(step_times(step, steps, warmup, sync))

@@ -8,6 +8,7 @@ batch over the median step), step_ms_median."""
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -55,11 +56,15 @@ def main():
         loss.backward()
         opt.step()
 
-    seconds = common.median_step(step, a.max_steps, a.warmup_steps)
+    times = common.step_times(step, a.max_steps, a.warmup_steps)
+    seconds = statistics.median(times)
     if rank == 0:
+        # samples_per_s_mean: what the steps gave over their whole time, as dtrain's
+        # summary says it; on a shared machine far from the median's figure.
         print(json.dumps({"model": a.model, "world_size": world, "batch": a.batch,
                           "torch": torch.__version__, "compile": a.compile,
-                          "samples_per_s": per_step / seconds, "step_ms_median": seconds * 1e3}),
+                          "samples_per_s": per_step / seconds, "step_ms_median": seconds * 1e3,
+                          "samples_per_s_mean": per_step * len(times) / sum(times)}),
               flush=True)
     if world > 1:
         dist.destroy_process_group()
