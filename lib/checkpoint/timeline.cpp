@@ -86,12 +86,9 @@ CheckpointScan Timeline::resume_point() const {
   try {
     if (const auto head = this->head()) {
       const auto name = fs::path(*head).filename().string();
-      const bool on_line = fs::path(*head).parent_path() == fs::path(dir_) &&
-                           std::count(names.begin(), names.end(), name);
-      if (!on_line) out.folders += 1;
-      below = fs::path(*head).parent_path() == fs::path(dir_) && is_checkpoint_name(name)
-                  ? step_of_name(name)
-                  : 0;
+      const bool here = fs::path(*head).parent_path() == fs::path(dir_);  // in checkpoints/
+      if (!here || !std::count(names.begin(), names.end(), name)) out.folders += 1;
+      below = here && is_checkpoint_name(name) ? step_of_name(name) : 0;
       try {
         out.newest_manifest = verify_checkpoint(*head);
         out.newest_valid = *head;

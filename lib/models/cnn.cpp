@@ -32,10 +32,7 @@ void validate_cnn(const ModelConfig& cfg, const ParallelDims& dims) {
                        "(got {})", cfg.dropout);
   // Weights between dense layers a tensor LibTorch can address; the rest against the data
   // in cnn_fits.
-  for (size_t i = 1; i < cfg.fc.size(); ++i)
-    fail_if<ConfigError>(!addressable({cfg.fc[i], cfg.fc[i - 1]}), "model.fc: dense layer {}'s "
-                         "weight would be {} x {}, more values than a tensor can address (2^60)",
-                         i + 1, cfg.fc[i], cfg.fc[i - 1]);
+  check_dense_sizes("model.fc", "dense layer", 0, cfg.fc, 0);
 }
 
 // Parts: each conv stage (conv, norm, ReLU, pool), each hidden dense layer, the
@@ -60,13 +57,7 @@ void cnn_fits(const ModelConfig& cfg, const ModelContext& ctx) {
                          "than LibTorch can address (2^60)", i + 1, cfg.channels[i]);
     c = cfg.channels[i];
   }
-  int64_t in = c * h * w;
-  for (size_t i = 0; i <= cfg.fc.size(); ++i) {
-    const int64_t out = i < cfg.fc.size() ? cfg.fc[i] : ctx.classes;
-    fail_if<ConfigError>(!addressable({in, out}), "model.fc: dense layer {}'s weight would be {} x "
-                         "{}, more values than a tensor can address (2^60)", i + 1, out, in);
-    in = out;
-  }
+  check_dense_sizes("model.fc", "dense layer", c * h * w, cfg.fc, ctx.classes);
 }
 
 NetworkPtr build_cnn(const ModelConfig& cfg, const ModelContext& ctx) {

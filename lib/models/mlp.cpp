@@ -31,26 +31,15 @@ void validate_mlp(const ModelConfig& cfg, const ParallelDims& dims) {
   }
   fail_if<ConfigError>(cfg.dropout < 0 || cfg.dropout >= 1, "model.dropout: must be in [0, 1) "
                        "(got {})", cfg.dropout);
-  // Every weight a tensor LibTorch can address (a width of 1e10 is a typo, not a model);
-  // the first layer's and the classifier's against the data in mlp_fits.
-  for (size_t i = 1; i < cfg.hidden.size(); ++i)
-    fail_if<ConfigError>(!addressable({cfg.hidden[i], cfg.hidden[i - 1]}), "model.hidden: layer "
-                         "{}'s weight would be {} x {}, more values than a tensor can address "
-                         "(2^60)", i + 1, cfg.hidden[i], cfg.hidden[i - 1]);
+  // Every weight a tensor LibTorch can address (a width of 1e10 is a typo, not a model):
+  // those between hidden layers here, the ends against the data in mlp_fits.
+  check_dense_sizes("model.hidden", "layer", 0, cfg.hidden, 0);
 }
 
-// The first layer's and the classifier's weights, which the data shapes (validate_mlp
-// checks those between hidden layers), tensors LibTorch can address.
 void mlp_fits(const ModelConfig& cfg, const ModelContext& ctx) {
   fail_if<ConfigError>(!addressable(ctx.sample_shape), "model.arch: mlp flattens samples of {} "
                        "values, more than a tensor can address", fmt::format("{}", ctx.sample_shape));
-  const int64_t in = shape_numel(ctx.sample_shape);
-  const int64_t first = cfg.hidden.empty() ? ctx.classes : cfg.hidden.front();
-  fail_if<ConfigError>(!addressable({in, first}), "model.hidden: layer 1's weight would be {} x "
-                       "{}, more values than a tensor can address (2^60)", first, in);
-  fail_if<ConfigError>(!cfg.hidden.empty() && !addressable({cfg.hidden.back(), ctx.classes}),
-                       "model.hidden: the classifier's weight would be {} x {}, more values than "
-                       "a tensor can address (2^60)", ctx.classes, cfg.hidden.back());
+  check_dense_sizes("model.hidden", "layer", shape_numel(ctx.sample_shape), cfg.hidden, ctx.classes);
 }
 
 // Parts: each hidden layer (with its ReLU and dropout), then the classifier; the first

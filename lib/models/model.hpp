@@ -159,6 +159,13 @@ struct SizeContext {
   bool cuda = false;
 };
 
+// Throws ConfigError naming `key` where a weight of the dense layers `in` -> `widths` ->
+// `out` would hold more values than a tensor can address (LibTorch counts its bytes in an
+// int64): "KEY: LAYER N's weight would be ...". `in` or `out` 0: that end is not known yet
+// (validation before the data is read), so only the weights it does not touch are checked.
+void check_dense_sizes(const std::string& key, const std::string& layer, int64_t in,
+                       const Ints& widths, int64_t out);
+
 // Dense layers from `in` inputs through `widths` to `classes` outputs, alternately
 // column- and row-parallel over `tensor` ranks as the mlp splits them (tensor 1 for the
 // cnn's): a part per layer, each hidden one followed by a dropout where `dropout`. `first`:

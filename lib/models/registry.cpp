@@ -7,6 +7,7 @@
 
 #include "models/model.hpp"
 #include "util/error.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace {
@@ -56,6 +57,17 @@ std::vector<const torch::nn::Module*> LayerStack::units() const {
   std::vector<const torch::nn::Module*> out;
   for (const auto& layer : layers_) out.push_back(layer.ptr().get());
   return out;
+}
+
+void check_dense_sizes(const std::string& key, const std::string& layer, int64_t in,
+                       const Ints& widths, int64_t out) {
+  Ints sizes{in};  // every layer's inputs, then the last one's outputs
+  sizes.insert(sizes.end(), widths.begin(), widths.end());
+  sizes.push_back(out);
+  for (size_t i = 1; i < sizes.size(); ++i)  // layer i: sizes[i] x sizes[i - 1]
+    fail_if<ConfigError>(sizes[i - 1] > 0 && sizes[i] > 0 && !addressable({sizes[i], sizes[i - 1]}),
+                         "{}: {} {}'s weight would be {} x {}, more values than a tensor can "
+                         "address (2^60)", key, layer, i, sizes[i], sizes[i - 1]);
 }
 
 std::vector<PartCost> dense_costs(double in, const Ints& widths, int64_t classes, int64_t tensor,

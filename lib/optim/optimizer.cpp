@@ -36,7 +36,7 @@ class FlatOptimizer : public Optimizer {
     p_ = params.data_of(shard_);
     g_ = params.grad_of(shard_);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
-    if (has_fused_kernel(cfg.name, p_.device())) {
+    if (has_fused_kernel(p_.device())) {
       group_for_fused();  // none when the shard holds nothing: then the (empty) unfused update
       return;             // the groups carry the decay
     }
@@ -252,8 +252,8 @@ class AdamW : public FlatOptimizer {
 
 }  // namespace
 
-bool has_fused_kernel(const std::string& /*name*/, const c10::Device& device) {
-  return device.is_cuda() || device.is_cpu();  // both kernels, both devices, since 2.4
+bool has_fused_kernel(const c10::Device& device) {
+  return device.is_cuda() || device.is_cpu();  // SGD's and AdamW's, on both, since 2.4
 }
 
 bool keeps_shard(const Optimizer& opt, const FlatParams& params) {

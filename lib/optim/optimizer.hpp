@@ -70,9 +70,9 @@ void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedT
                           int64_t tensor_rank, const std::string& origin);
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
                           int64_t tensor_rank);
-// Whether this LibTorch has optimizer `name`'s fused kernel for parameters on `device`
-// (then the update makes no temporaries the size of the parameters).
-bool has_fused_kernel(const std::string& name, const c10::Device& device);
+// Whether this LibTorch has the optimizers' fused kernels for parameters on `device` (then
+// the update makes no temporaries the size of the parameters).
+bool has_fused_kernel(const c10::Device& device);
 // The bytes of state this rank keeps (its slots), for the summary.
 int64_t optimizer_state_bytes(const Optimizer& opt);
 

@@ -550,7 +550,7 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
   for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, c * job.dims.pipeline + at.pipeline);
   // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
   // step count) or about one kernel a pass over each piece; the norm's two a piece.
-  const bool fused = has_fused_kernel(cfg.optimizer.name, torch::kCUDA);
+  const bool fused = has_fused_kernel(torch::kCUDA);
   const double pieces = std::ceil(double(shard) / double(update_piece(shard)));
   kernels += double(job.micro) * parameters + (fused ? 4 : passes * pieces) + 2 * pieces;
   return std::max(device * ranks_per_gpu(job, g), kernels * g.launch_s);
@@ -583,7 +583,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     m.data = data_bytes(cfg);
     m.runtime = runtime_bytes(workers_forked(job.world)) + kLoaderThreadBytes * double(cfg.data.workers);
   }
-  const bool fused = has_fused_kernel(cfg.optimizer.name, job.cuda ? torch::kCUDA : torch::kCPU);
+  const bool fused = has_fused_kernel(job.cuda ? torch::kCUDA : torch::kCPU);
   // Autograd's gradient of the largest parameter, before it goes into the flat gradient
   // (ZeRO-2 and 3: into its buckets; ZeRO-3's compute-dtype weights' in that dtype).
   double largest = 0;

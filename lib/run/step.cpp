@@ -136,11 +136,10 @@ void take_figures(const StepParts& c, PendingStep& p) {
   p.local_loss = f[layout.local_loss()];
 }
 
-// Whether every rank that agreed on the step saw a finite gradient norm: so all of them
-// judge the step alike, local SGD's replicas (each with a norm of its own) where they meet.
-bool grads_finite(const PendingStep& p) {
-  return !p.norm_taken || (std::isfinite(p.stats.grad_norm) && !p.bad_norm);
-}
+// Whether every rank that agreed on the step saw a finite gradient norm (this one's
+// counted among them): so all of them judge the step alike, local SGD's replicas (each with
+// a norm of its own) where they meet.
+bool grads_finite(const PendingStep& p) { return !p.norm_taken || !p.bad_norm; }
 
 // What this rank sent over the groups the model's layers and stages use since the last
 // call: tensor-parallel all-reduces, activations and their gradients between stages, a tied
@@ -165,7 +164,7 @@ torch::Tensor unscaled_norm(const StepParts& c, double scale) {
 // (whether to update, and the loss scale, decide the next step); under train.on_nonfinite:
 // skip the update is gated on the device. Returns the skip flag (undefined when none).
 torch::Tensor update(StepParts& c, PendingStep& p, const torch::Tensor& figures,
-                     const Figures& layout, const torch::Tensor& norm, double scale) {
+                     const torch::Tensor& norm, double scale) {
   StepStats& s = p.stats;
   const double clip = c.cfg.optimizer.grad_clip;
   const double lr = lr_at(c.cfg.schedule, c.cfg.optimizer.lr, p.step, c.total_steps);
@@ -190,12 +189,10 @@ torch::Tensor update(StepParts& c, PendingStep& p, const torch::Tensor& figures,
   }
   // skip: the update waits on the global loss and every agreeing rank's norm being
   // finite, on the device.
-  if (c.cfg.train.on_nonfinite == "skip") {
-    const auto total = figures.select(0, Figures::kLossSum)
-                           .add(figures.select(0, layout.grad_norm()));  // NaN if either is
-    skip = total.isfinite().logical_not().logical_or(figures.select(0, Figures::kBadNorms) > 0)
+  if (c.cfg.train.on_nonfinite == "skip")
+    skip = figures.select(0, Figures::kLossSum).isfinite().logical_not()
+               .logical_or(figures.select(0, Figures::kBadNorms) > 0)
                .to(torch::kFloat32);
-  }
   clip_grad(c.params, norm, clip, 1.0, c.sync.shard());
   c.optimizer.step(lr, skip);
   return skip;
@@ -260,7 +257,7 @@ PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double 
   send_to_host(figures, p);
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
-  const torch::Tensor skip = update(c, p, figures, layout, norm, scale);
+  const torch::Tensor skip = update(c, p, figures, norm, scale);
   c.sync.after_update(skip);
   s.comm_bytes = c.sync.bytes_per_step() + c.mode.after_update(n) + model_traffic(c.mesh);
   c.params.zero_grad();
