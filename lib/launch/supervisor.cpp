@@ -224,6 +224,7 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
 // How long the other workers have, once one stopped on a signal of its own, to write the
 // checkpoint and exit alike.
 constexpr std::chrono::seconds kStopGrace{300};
+constexpr std::chrono::seconds kPeerFailGrace{2};
 
 void signal_all(std::vector<Worker>& ws, int sig) {
   for (auto& w : ws)
@@ -328,8 +329,10 @@ int supervise(const SupervisorOptions& o) {
       if (stop_seen && Clock::now() - *stop_seen > kStopGrace) stop_all(ws, std::chrono::seconds(5));
       if (first_failure) {
         // Give the peers a moment to fail on their own (a dead peer breaks their next
-        // collective), so a signal death can be told from its consequences.
-        const auto until = Clock::now() + std::chrono::milliseconds(500);
+        // collective), so a signal death can be told from its consequences and each says
+        // what it saw. Two seconds, not less: on a loaded machine a survivor may wait that
+        // long for a core before it reaches the broken collective (CI saw 500 ms fall short).
+        const auto until = Clock::now() + kPeerFailGrace;
         while (!all_done(ws) && Clock::now() < until) pump(ws, 50), reap(ws);
         for (size_t i = 0; i < ws.size(); ++i) running[i] = ws[i].status ? 0 : proc_state(ws[i].pid);
         stop_all(ws, std::chrono::seconds(5));
