@@ -18,7 +18,7 @@
 #include "job/validate.hpp"
 #include "plan/plan.hpp"
 #include "plan/profile.hpp"
-#include "plan/search.hpp"
+#include "job/layouts.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "launch/device.hpp"

@@ -15,6 +15,18 @@
 namespace dtrain {
 namespace {
 
+// sign: the values of one parameter that share one scale (the mean magnitude) on the wire.
+constexpr int64_t kSignBlock = 256;
+// powersgd: whether an n x m matrix goes as a rank-r product (when that shrinks it at least
+// 2x, PyTorch's rule); others go as they are.
+bool powersgd_compresses(int64_t n, int64_t m, int64_t rank) { return (n + m) * rank * 2 < n * m; }
+
+// What one rank sends in a ring all-reduce of `bytes` over `ranks` (ring_all_reduce_bytes,
+// for the plan's fractional sums).
+double ring(double bytes, int64_t ranks) { return 2 * bytes * double(ranks - 1) / double(ranks); }
+
+using Comms = std::shared_ptr<Comm>;
+
 // Every rank's `wire` (the same length on each), side by side: [ranks, wire.numel()] bytes.
 // Sent as bytes: the backend need not know the type it carries.
 struct Gathered {
@@ -33,6 +45,15 @@ Gathered gather_bytes(Comm& comm, const torch::Tensor& wire) {
 class Cast16 : public Reduction {
  public:
   Cast16(std::shared_ptr<Comm> comm, torch::ScalarType type) : comm_(std::move(comm)), type_(type) {}
+  template <torch::ScalarType kType>
+  static std::unique_ptr<Reduction> make(const ParallelConfig&, Comms comm, const FlatParams&) {
+    return std::make_unique<Cast16>(std::move(comm), kType);
+  }
+  // Two bytes a value, all-reduced where the backend sums them, else all-gathered.
+  static double step_bytes(const ParallelConfig&, const GradShape& g) {
+    const double bytes = 2 * double(g.numel);
+    return g.sums_16bit ? ring(bytes, g.ranks) : bytes * double(g.ranks - 1);
+  }
   std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t /*offset*/) override {
     torch::NoGradGuard no_grad;
     const int64_t numel = slice.numel();
@@ -170,6 +191,16 @@ class Sign : public EachSlice {
  public:
   Sign(std::shared_ptr<Comm> comm, const FlatParams& params)
       : EachSlice(std::move(comm), params), blocks_(cuts_of(params, kSignBlock)) {}
+  static std::unique_ptr<Reduction> make(const ParallelConfig&, Comms comm, const FlatParams& params) {
+    return std::make_unique<Sign>(std::move(comm), params);
+  }
+  // A bit a value and an fp32 scale a block, all-gathered. (A bucket's cut through a
+  // parameter adds a block: the plan counts whole parameters.)
+  static double step_bytes(const ParallelConfig&, const GradShape& g) {
+    double blocks = 0;
+    for (const auto& p : g.params) blocks += std::ceil(double(p.numel) / double(kSignBlock));
+    return (std::ceil(double(g.numel) / 8) + 4 * blocks) * double(g.ranks - 1);
+  }
   std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
                                     int64_t offset) override {
     const int64_t numel = slice.numel();
@@ -210,13 +241,26 @@ class TopK : public EachSlice {
  public:
   TopK(std::shared_ptr<Comm> comm, const FlatParams& params, double ratio)
       : EachSlice(std::move(comm), params), ratio_(ratio), parts_(cuts_of(params)) {}
+  static std::unique_ptr<Reduction> make(const ParallelConfig& cfg, Comms comm, const FlatParams& params) {
+    return std::make_unique<TopK>(std::move(comm), params, cfg.topk_ratio);
+  }
+  // k (index, value) pairs of 4 + 4 bytes for each parameter, all-gathered.
+  static double step_bytes(const ParallelConfig& cfg, const GradShape& g) {
+    double k = 0;
+    for (const auto& p : g.params) k += double(values_sent(cfg.topk_ratio, p.numel));
+    return 8 * k * double(g.ranks - 1);
+  }
+  // The values of `n` a parameter's part sends.
+  static int64_t values_sent(double ratio, int64_t n) {
+    return std::max<int64_t>(1, int64_t(std::ceil(ratio * double(n))));
+  }
   std::unique_ptr<Pending> compress(torch::Tensor slice, torch::Tensor c, torch::Tensor e,
                                     int64_t offset) override {
     const Runs& parts = parts_.of(offset, slice.numel(), c.device());
     std::vector<torch::Tensor> picked;
     for (int64_t j = 0; j < parts.count; ++j) {
       const int64_t n = parts.length[size_t(j)];
-      const int64_t k = std::max<int64_t>(1, int64_t(std::ceil(ratio_ * double(n))));
+      const int64_t k = values_sent(ratio_, n);
       auto top = std::get<1>(c.narrow(0, parts.begin[size_t(j)], n).abs().topk(
           k, /*dim=*/0, /*largest=*/true, /*sorted=*/false));
       picked.push_back(top + parts.begin[size_t(j)]);
@@ -289,6 +333,20 @@ class PowerSgd : public ErrorFeedback {
       q = q.to(params.grad().options());
       matrices_.push_back({i, n, m, q, q.clone(), q.clone()});
     }
+  }
+  static std::unique_ptr<Reduction> make(const ParallelConfig& cfg, Comms comm, const FlatParams& params) {
+    return std::make_unique<PowerSgd>(std::move(comm), params, cfg.powersgd_rank);
+  }
+  // Each matrix it compresses as two all-reduces of (n + m) r values, the rest as it is.
+  static double step_bytes(const ParallelConfig& cfg, const GradShape& g) {
+    double bytes = 0, plain = double(g.numel);
+    for (const auto& p : g.params) {
+      if (p.shape.size() < 2) continue;
+      const int64_t n = p.shape[0], m = p.numel / n;
+      if (!powersgd_compresses(n, m, cfg.powersgd_rank)) continue;
+      bytes += ring(4 * double((n + m) * cfg.powersgd_rank), g.ranks), plain -= double(p.numel);
+    }
+    return bytes + ring(4 * plain, g.ranks);
   }
   PerEntry factors() const override {
     PerEntry out;
@@ -396,24 +454,29 @@ class PowerSgd : public ErrorFeedback {
 
 }  // namespace
 
-std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shared_ptr<Comm> comm,
-                                            const FlatParams& params) {
-  const auto& how = cfg.compression;
-  if (how == "fp16") return std::make_unique<Cast16>(std::move(comm), torch::kFloat16);
-  if (how == "bf16") return std::make_unique<Cast16>(std::move(comm), torch::kBFloat16);
-  if (how == "sign") return std::make_unique<Sign>(std::move(comm), params);
-  if (how == "topk") return std::make_unique<TopK>(std::move(comm), params, cfg.topk_ratio);
-  if (how == "powersgd")
-    return std::make_unique<PowerSgd>(std::move(comm), params, cfg.powersgd_rank);
-  throw std::logic_error(fmt::format("parallel.compression: no reduction for '{}'", how));
+const std::vector<CompressionSpec>& compression_specs() {
+  auto fp32 = [](const ParallelConfig&, const GradShape& g) { return ring(4 * double(g.numel), g.ranks); };
+  // name, keeps a residual, warm-up share, collectives a bucket, bytes a step, make
+  static const std::vector<CompressionSpec> specs{
+      {"none", false, 0, 1, fp32, nullptr},
+      {"fp16", false, 0, 1, Cast16::step_bytes, Cast16::make<torch::kFloat16>},
+      {"bf16", false, 0, 1, Cast16::step_bytes, Cast16::make<torch::kBFloat16>},
+      {"sign", true, 4, 1, Sign::step_bytes, Sign::make},
+      {"topk", true, 5, 1, TopK::step_bytes, TopK::make},
+      {"powersgd", true, 10, 2, PowerSgd::step_bytes, PowerSgd::make}};
+  return specs;
+}
+
+const CompressionSpec& compression_spec(const std::string& name) {
+  for (const auto& s : compression_specs())
+    if (s.name == name) return s;
+  throw std::logic_error(fmt::format("parallel.compression: no reduction '{}'", name));
 }
 
 int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps) {
   if (cfg.compression_warmup != "auto") return std::stoll(cfg.compression_warmup);
-  if (cfg.compression == "sign") return (total_steps + 3) / 4;
-  if (cfg.compression == "topk") return (total_steps + 4) / 5;
-  if (cfg.compression == "powersgd") return (total_steps + 9) / 10;
-  return 0;
+  const int64_t share = compression_spec(cfg.compression).warmup_share;
+  return share > 0 ? (total_steps + share - 1) / share : 0;
 }
 
 }  // namespace dtrain

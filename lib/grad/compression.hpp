@@ -18,21 +18,51 @@
 // form sums.
 #pragma once
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "grad/grad_sync.hpp"
 
 namespace dtrain {
 
-// sign: the values of one parameter that share one scale (the mean magnitude) on the wire.
-constexpr int64_t kSignBlock = 256;
-// powersgd: whether an n x m matrix goes as a rank-r product (when that shrinks it at least
-// 2x, PyTorch's rule); others go as they are.
-inline bool powersgd_compresses(int64_t n, int64_t m, int64_t rank) { return (n + m) * rank * 2 < n * m; }
-
 class Comm;
 
-std::unique_ptr<Reduction> make_compression(const ParallelConfig& cfg, std::shared_ptr<Comm> comm,
-                                            const FlatParams& params);
+// What a reduction's cost is figured from: the gradient a data rank syncs, parameter by
+// parameter (this rank's part of each, in the flat layout's order), and its data group.
+struct GradShape {
+  struct Param {
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+  };
+  std::vector<Param> params;
+  int64_t numel = 0;        // the flat gradient's values, padding included
+  int64_t ranks = 1;        // the data group
+  bool sums_16bit = false;  // the backend sums fp16 and bf16 itself (NCCL; Gloo does not)
+};
+
+// One choice of parallel.compression: how it runs and what it costs, declared beside its
+// code so that the planner, validation and the warm-up ask it rather than name it. A new
+// reduction is a class in compression.cpp and a line in its registry.
+struct CompressionSpec {
+  std::string name;
+  // Keeps error feedback's residual from step to step: a buffer the flat gradient's size.
+  bool residual = false;
+  // parallel.compression_warmup `auto`: the run's first 1/warmup_share steps (0: none).
+  int64_t warmup_share = 0;
+  // The collectives a bucket takes.
+  int64_t ops_per_bucket = 1;
+  // The bytes a data rank sends a step, by the ring algorithms' counts (as its
+  // Reduction::take_sent measures them).
+  double (*step_bytes)(const ParallelConfig&, const GradShape&) = nullptr;
+  // The reduction; null for `none`, grad_sync's plain all-reduce.
+  std::unique_ptr<Reduction> (*make)(const ParallelConfig&, std::shared_ptr<Comm>,
+                                     const FlatParams&) = nullptr;
+};
+
+// parallel.compression's spec; throws std::logic_error for a name it does not know (the
+// config's choices are checked before).
+const CompressionSpec& compression_spec(const std::string& name);
+const std::vector<CompressionSpec>& compression_specs();
 
 // The steps all-reduced uncompressed first: parallel.compression_warmup, or under `auto`
 // a share of a run of `total_steps`, rounded up. The start of training is the most

@@ -155,9 +155,9 @@ std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& 
                                          int64_t total_steps, Tied tied) {
   if (mesh.dims().data == 1) return make_no_sync(params, micro_batches, std::move(tied));
   if (cfg.zero > 0) return make_zero_sync(cfg, mesh, params, micro_batches, std::move(tied));
-  if (cfg.compression != "none")
+  if (const auto& how = compression_spec(cfg.compression); how.make)
     return std::make_unique<BucketedSync>(
-        params, make_compression(cfg, mesh.data(), params), mesh.dims().data, cfg.bucket_mb,
+        params, how.make(cfg, mesh.data(), params), mesh.dims().data, cfg.bucket_mb,
         micro_batches, std::move(tied), mesh.coord().tensor,
         std::make_unique<AllReduce>(mesh.data()), compression_warmup_steps(cfg, total_steps));
   return make_all_reduce_sync(cfg, mesh, params, micro_batches, std::move(tied));

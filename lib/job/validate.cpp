@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "config/schema.hpp"
+#include "grad/compression.hpp"
 #include "launch/device.hpp"
 #include "models/model.hpp"
 #include "plan/plan.hpp"
@@ -29,7 +30,7 @@ void check_compression(const JobConfig& c) {
                        "not supported (ZeRO reduces each shard to its owner uncompressed); "
                        "choose one", how, c.parallel.zero);
   // The residual would mix gradients scaled by different loss scales.
-  fail_if<ConfigError>(how != "fp16" && how != "bf16" && c.precision.dtype == "fp16",
+  fail_if<ConfigError>(compression_spec(how).residual && c.precision.dtype == "fp16",
                        "parallel.compression: {} keeps error-feedback residuals from step to "
                        "step, which fp16's changing loss scale would corrupt; use "
                        "precision.dtype bf16 or fp32", how);

@@ -14,7 +14,7 @@
 #include "models/init.hpp"
 #include "models/task.hpp"
 #include "parallel/dims.hpp"
-#include "pipeline/schedule.hpp"
+#include "parallel/stages.hpp"
 
 namespace dtrain {
 

@@ -1,10 +1,9 @@
-// Pipeline parallelism, the pure part: which of the model's parts each stage holds, and the
-// order in which each pipeline rank runs a step's micro-batches (a schedule). A schedule is
-// a list of actions per rank that one executor runs (pipeline/executor.cpp), so a new schedule
-// is a new list, not a new loop.
+// Pipeline parallelism, the pure part: the order in which each pipeline rank runs a step's
+// micro-batches (a schedule). A schedule is a list of actions per rank that one executor
+// runs (pipeline/executor.cpp), so a new schedule is a new list, not a new loop.
 //
-// Stages: the model's parts (models/model.hpp) cut into pipeline x virtual_stages
-// contiguous runs. Global stage g sits on pipeline rank g % pipeline as its chunk
+// Stages: the model's parts cut into pipeline x virtual_stages contiguous runs
+// (parallel/stages.hpp). Global stage g sits on pipeline rank g % pipeline as its chunk
 // g / pipeline: with one chunk per rank, rank r is stage r; interleaved, rank r holds
 // stages r, r + p, r + 2p, ... (Megatron-LM's virtual pipeline).
 #pragma once
@@ -13,18 +12,6 @@
 #include <vector>
 
 namespace dtrain {
-
-struct PartRange {
-  int64_t first = 0, last = 0;  // parts [first, last)
-  bool operator==(const PartRange& o) const { return first == o.first && last == o.last; }
-};
-
-// The parts of each global stage. `explicit_split` (parallel.stages) gives each stage's
-// number of parts; empty, the split is the contiguous one whose largest stage has the
-// fewest parameters (`part_params`: each part's count), ties going to earlier cuts.
-// The caller has checked that every stage gets at least one part (validation).
-std::vector<PartRange> split_stages(const std::vector<int64_t>& part_params, int64_t stages,
-                                    const std::vector<int64_t>& explicit_split = {});
 
 struct Action {
   enum Kind { kForward, kBackward };

@@ -27,6 +27,7 @@
 #include "precision/autocast.hpp"
 #include "run/mode.hpp"
 #include "util/affinity.hpp"
+#include "util/error.hpp"
 #include "util/memory.hpp"
 
 namespace dtrain {
@@ -486,34 +487,14 @@ int64_t optimizer_slots(const OptimizerConfig& o) {
   return o.name == "adamw" ? 2 : o.momentum != 0 ? 1 : 0;
 }
 
-// The gradient sync's bytes for the data group, ZeRO's aside (after compression's warm-up).
-double sync_bytes(const Job& job, const Held& h, double numel) {
-  const auto& p = job.cfg.parallel;
-  const int64_t d = job.dims.data;
-  const double g = 4 * numel;
-  if (p.compression == "fp16" || p.compression == "bf16")
-    return job.cuda && job.cfg.dist.backend == "nccl" ? ring(g / 2, d) : g / 2 * double(d - 1);
-  if (p.compression == "sign") {
-    double blocks = 0;
-    for (const auto& e : h.entries) blocks += std::ceil(double(e.numel) / double(kSignBlock));
-    return (std::ceil(numel / 8) + 4 * blocks) * double(d - 1);
-  }
-  if (p.compression == "topk") {
-    double k = 0;
-    for (const auto& e : h.entries) k += std::max(1.0, std::ceil(p.topk_ratio * double(e.numel)));
-    return 8 * k * double(d - 1);
-  }
-  if (p.compression == "powersgd") {
-    double bytes = 0, plain = numel;
-    for (const auto& e : h.entries) {
-      if (e.shape.size() < 2) continue;
-      const int64_t n = e.shape[0], m = e.numel / n;
-      if (!powersgd_compresses(n, m, p.powersgd_rank)) continue;
-      bytes += ring(4 * double((n + m) * p.powersgd_rank), d), plain -= double(e.numel);
-    }
-    return bytes + ring(4 * plain, d);
-  }
-  return ring(g, d);
+// What the data group's gradient sync is figured from (compression.hpp), ZeRO's aside.
+GradShape grad_shape(const Job& job, const Held& h, int64_t numel) {
+  GradShape g;
+  for (const auto& e : h.entries) g.params.push_back({e.shape, e.numel});
+  g.numel = numel;
+  g.ranks = job.dims.data;
+  g.sums_16bit = job.cuda && job.cfg.dist.backend == "nccl";
+  return g;
 }
 
 // Ranks that share one GPU: those beyond the GPUs take turns on them.
@@ -648,8 +629,8 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
       m.buffers += peak;
     }
   }
-  if (p.compression == "sign" || p.compression == "topk" || p.compression == "powersgd")
-    m.buffers += 4 * double(numel);
+  const CompressionSpec& compression = compression_spec(p.compression);
+  if (compression.residual) m.buffers += 4 * double(numel);
   if (!async) m.buffers += update_temporaries(shard);
 
   // Bytes sent per step: the data group's gradient sync (or local SGD's averages), the
@@ -676,8 +657,8 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     for (const auto& u : h.units) gathers += double(u.dtypes.size());
     data_ops = 2 * buckets + (p.zero >= 3 ? 2 * double(job.micro) * gathers : 0);
   } else if (d > 1) {
-    data_bytes = sync_bytes(job, h, double(numel));
-    data_ops = p.compression == "powersgd" ? 2 * buckets : buckets;
+    data_bytes = compression.step_bytes(p, grad_shape(job, h, numel));
+    data_ops = double(compression.ops_per_bucket) * buckets;
   }
   double reduced = 0, reductions = 0, piped = 0;
   for (const auto& cc : chunk) {

@@ -16,7 +16,7 @@
 #include "config/config.hpp"
 #include "launch/device.hpp"
 #include "parallel/dims.hpp"
-#include "pipeline/schedule.hpp"
+#include "parallel/stages.hpp"
 #include "plan/profile.hpp"
 #include "util/units.hpp"
 

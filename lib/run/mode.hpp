@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "checkpoint/stateful.hpp"
 #include "comm/comm.hpp"
@@ -111,6 +112,7 @@ struct ModeSpec {
 
 // parallel.mode's spec (run/modes/registry.cpp); ConfigError for an unknown one.
 const ModeSpec& mode_spec(const std::string& name);
+std::vector<std::string> mode_names();  // the registry's, for the config's choices
 
 // A mode that cannot run with `what` (when `bad`): ConfigError naming both and why.
 void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,

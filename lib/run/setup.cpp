@@ -11,7 +11,6 @@
 
 #include "config/schema.hpp"
 #include "launch/device.hpp"
-#include "pipeline/schedule.hpp"
 #include "precision/autocast.hpp"
 #include "run/run.hpp"
 #include "run/saved_state.hpp"

@@ -12,15 +12,29 @@ ModeSpec sync_spec();
 ModeSpec local_sgd_spec();
 ModeSpec async_ps_spec();
 
-const ModeSpec& mode_spec(const std::string& name) {
+namespace {
+
+const std::map<std::string, ModeSpec>& registry() {
   static const std::map<std::string, ModeSpec> specs{
       {"sync", sync_spec()},
       {"local_sgd", local_sgd_spec()},
       {"async_ps", async_ps_spec()},
   };
-  auto it = specs.find(name);
-  fail_if<ConfigError>(it == specs.end(), "parallel.mode: unknown training mode '{}'", name);
+  return specs;
+}
+
+}  // namespace
+
+const ModeSpec& mode_spec(const std::string& name) {
+  auto it = registry().find(name);
+  fail_if<ConfigError>(it == registry().end(), "parallel.mode: unknown training mode '{}'", name);
   return it->second;
+}
+
+std::vector<std::string> mode_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, spec] : registry()) names.push_back(name);
+  return names;
 }
 
 void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,

@@ -2,7 +2,9 @@
 // table of bad specs with what each error message must tell the user.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <regex>
 #include <set>
 #include <string>
@@ -11,7 +13,10 @@
 
 #include "config/config.hpp"
 #include "config/schema.hpp"
+#include "grad/compression.hpp"
 #include "job/validate.hpp"
+#include "models/model.hpp"
+#include "run/mode.hpp"
 #include "util/error.hpp"
 
 namespace unit_config_config {
@@ -410,6 +415,22 @@ TEST_CASE("config: nearest_key") {
   CHECK(nearest_key("lr") == "optimizer.lr");
   CHECK(nearest_key("train.warmup_steps") == "schedule.warmup_steps");
   CHECK(nearest_key("completely.unrelated.thing") == "");
+}
+
+// config/ sits below the registries and cannot ask them, so its choices for the keys they
+// serve are written out: here they must be the registries' lists, name for name (a model,
+// mode or reduction added to its registry and not to config.hpp, or the other way round,
+// fails).
+TEST_CASE("config: the choices of model.arch, parallel.mode and parallel.compression are the registries'") {
+  JobConfig cfg;
+  std::map<std::string, Choices> choices;
+  for (const auto& f : fields_of(cfg)) choices[f.key] = f.choices;
+  auto sorted = [](std::vector<std::string> v) { return std::sort(v.begin(), v.end()), v; };
+  std::vector<std::string> reductions;
+  for (const auto& spec : compression_specs()) reductions.push_back(spec.name);
+  CHECK(sorted(choices.at("model.arch")) == sorted(model_names()));
+  CHECK(sorted(choices.at("parallel.mode")) == sorted(mode_names()));
+  CHECK(sorted(choices.at("parallel.compression")) == sorted(reductions));
 }
 
 }  // namespace unit_config_config

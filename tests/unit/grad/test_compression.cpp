@@ -76,7 +76,7 @@ TEST_CASE("compression: each reduction's sum, bytes and error-feedback residual,
       ParallelConfig cfg;
       cfg.compression = how;
       cfg.topk_ratio = 0.1;
-      auto reduction = make_compression(cfg, comm, flat);
+      auto reduction = compression_spec(cfg.compression).make(cfg, comm, flat);
       std::vector<torch::Tensor> g{gradient_of(0, numel), gradient_of(1, numel)};
       std::vector<torch::Tensor> residual{torch::zeros({numel}), torch::zeros({numel})};
       for (int step = 0; step < 2; ++step) {  // the second step carries the first's residual
@@ -141,7 +141,7 @@ TEST_CASE("compression: powersgd's sum, bytes, residual and warm-started Q, agai
     ParallelConfig cfg;
     cfg.compression = "powersgd";
     cfg.powersgd_rank = 2;
-    auto reduction = make_compression(cfg, comm, flat);
+    auto reduction = compression_spec(cfg.compression).make(cfg, comm, flat);
     const auto factors = reduction->factors();
     if (factors.size() != 1 || factors[0].first != 0) return fail("one matrix: the weight");
     torch::Tensor q = factors[0].second.clone();  // [40, 2], the same on both ranks

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <ostream>
 
+#include "parallel/stages.hpp"
 #include "pipeline/schedule.hpp"
 
 namespace dtrain {

@@ -1,4 +1,4 @@
-#include "plan/search.hpp"
+#include "job/layouts.hpp"
 
 #include <algorithm>
 #include <cstring>

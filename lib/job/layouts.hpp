@@ -1,6 +1,6 @@
-// `dtrain plan --all`: every layout of a number of processes the job validates for, planned
-// and ranked. Apart from plan.hpp because it validates each candidate (job/validate.hpp
-// uses the plan's memory estimate).
+// `dtrain plan --all` and parallel.auto: every layout of a number of processes the job
+// validates for, planned and ranked, and the choice among them. Here, above plan/, because
+// it validates each candidate (validate.hpp, which uses the plan's memory estimate).
 #pragma once
 #include <cstdint>
 #include <set>
