@@ -257,7 +257,7 @@ TEST_SUITE("async") {
 
   TEST_CASE("Fashion-MNIST MLP: 2 workers at staleness 4 within 2 points of sync") {
     auto dir = temp_dir("async-accuracy");
-    // One epoch. (The CNN's epoch, 0.7 points behind sync when measured for the README, took
+    // One epoch. (The CNN's epoch, 0.7 points behind sync when measured for docs/modes.md, took
     // two thirds of this suite's time: momentum 0.9 needs the whole epoch to catch up, at
     // 300 steps it was 2.4 points behind. The MLP's is the check that runs every time.)
     const std::string config = "fashion_mnist_mlp.yaml", steps = "937";

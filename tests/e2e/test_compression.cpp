@@ -49,8 +49,8 @@ std::map<int64_t, int64_t> comm_bytes(const std::string& run_dir) {
 TEST_SUITE("compression") {
   TEST_CASE("compression: every method trains the Fashion-MNIST CNN at 2 ranks, with its bytes") {
     auto dir = temp_dir("compress-cnn");
-    // 400 steps of the shipped CNN job (a ninth of its 3 epochs; the README has those) for
-    // the methods that keep residuals or factors.
+    // 400 steps of the shipped CNN job (a ninth of its 3 epochs; docs/data-parallel.md has
+    // those) for the methods that keep residuals or factors.
     std::map<std::string, double> accuracy;
     std::map<std::string, int64_t> bytes, first_bytes;
     // (none is the sync run local SGD and async_ps compare with too: sync_reference.)
@@ -66,7 +66,8 @@ TEST_SUITE("compression") {
       first_bytes[how] = of_kind(metrics(out), "train").front()["comm_bytes"];
     }
     // fp16 and bf16 round the gradient on the wire and keep nothing: 20 steps follow none's
-    // losses step by step (here within 2e-6; the README has their accuracy), and differ.
+    // losses step by step (here within 2e-6; docs/data-parallel.md has their accuracy), and
+    // differ.
     // Compared on the same schedule: a single step's loss of runs with other max_steps
     // (other cosine schedules) is no reference.
     std::map<std::string, std::map<int64_t, double>> losses;
@@ -88,8 +89,8 @@ TEST_SUITE("compression") {
       CHECK(losses[how] != losses["none"]);  // the wire did round
     }
     // With the default warm-up (auto: 40 steps for topk and powersgd, 100 for sign), here
-    // 2.5, 0.8 and 3.6 points short; 3 epochs: see the README. A seed or a CPU moves each
-    // by about half a point.
+    // 2.5, 0.8 and 3.6 points short; 3 epochs: see docs/data-parallel.md. A seed or a CPU
+    // moves each by about half a point.
     CHECK(accuracy["topk"] > accuracy["none"] - 0.035);
     CHECK(accuracy["powersgd"] > accuracy["none"] - 0.02);
     CHECK(accuracy["sign"] > accuracy["none"] - 0.05);

@@ -121,7 +121,7 @@ TEST_SUITE("cuda") {
     CHECK(p["gpu"]["launch_s"].get<double>() < 1e-3);
     CHECK(p["gpu"]["all_reduce"].size() >= 1);
     // A GPT in bf16: the plan's step and rank 0's memory against the run's median step and
-    // its allocator's peak. Loose (4x, 2x): the README's table is the measured accuracy.
+    // its allocator's peak. Loose (4x, 2x): docs/plan.md's table is the measured accuracy.
     const auto job = gpt_job(dir);
     const std::string sets = " --set precision.dtype=bf16 --set train.log_every=60 --set train.eval_every=0";
     auto planned = dtrain("plan " + job + " --json" + sets + profile);

@@ -202,7 +202,7 @@ TEST_SUITE("zero") {
     // gradient where ZeRO-1 keeps it whole, and its peak must show at least half of those
     // 163 MiB (a rank's peak varies by some 30 MiB from run to run here). Staged buckets
     // held until the end of backward once kept the whole gradient in ZeRO-2 too: 1270 vs
-    // ZeRO-1's 1291 MiB on the README's 89M MLP.
+    // ZeRO-1's 1291 MiB on docs/data-parallel.md's 89M MLP.
     auto dir = temp_dir("zero-peak");
     auto j = zero_job();
     j.data = "{dataset: synthetic, samples: 256, test_samples: 32, input_shape: [1, 32, 32],"
