@@ -293,6 +293,48 @@ int free_local_port() {
   return ntohs(a.sin_port);
 }
 
+// How an attempt ended: the job's exit code (a forwarded stop, success, a failure the job
+// cannot outlive: a bad spec or data, the restarts used up), or none where the workers
+// restart; `why` names the failure.
+struct AttemptEnd {
+  std::optional<int> exit;
+  std::string why;
+};
+AttemptEnd attempt_end(const SupervisorOptions& o, const std::vector<Worker>& ws, int forwarded,
+                       const std::optional<size_t>& first_failure, const std::vector<char>& running,
+                       int64_t attempt) {
+  if (forwarded) {
+    // A worker stops by checkpointing and exiting 128+signal, or, still starting up,
+    // by dying of the signal itself.
+    for (auto& w : ws)
+      if (failed(w) && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) >= 128) &&
+          !(WIFSIGNALED(*w.status) && WTERMSIG(*w.status) == forwarded))
+        return {kExitPeerFailed, ""};
+    return {forwarded == SIGINT ? 130 : 143, ""};
+  }
+  if (!first_failure) return {kExitOk, ""};
+  auto [culprit, what] = blame(ws, *first_failure, running);
+  if (const auto role = o.role ? o.role(int64_t(culprit)) : ""; !role.empty())
+    what += fmt::format(" (it was {})", role);
+  const int status = *ws[culprit].status;
+  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+  // A bad job spec or unreadable data fails the same way on every attempt: no restart,
+  // and the worker's own exit code (its message says why).
+  if (code == kExitBadSpec || code == kExitBadData) {
+    std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
+    return {code, what};
+  }
+  if (attempt >= o.max_restarts) {
+    std::cerr << "dtrain: error: " << what << "; the other ranks were stopped"
+              << (o.max_restarts > 0 ? fmt::format("; no restarts left (--max-restarts {} used)",
+                                                   o.max_restarts)
+                                     : std::string())
+              << "\n";
+    return {kExitPeerFailed, what};
+  }
+  return {std::nullopt, what};
+}
+
 int supervise(const SupervisorOptions& o) {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -345,37 +387,10 @@ int supervise(const SupervisorOptions& o) {
       if (!open) break;
       pump(ws, 50);
     }
-    if (forwarded) {
-      // A worker stops by checkpointing and exiting 128+signal, or, still starting up,
-      // by dying of the signal itself.
-      for (auto& w : ws)
-        if (failed(w) && !(WIFEXITED(*w.status) && WEXITSTATUS(*w.status) >= 128) &&
-            !(WIFSIGNALED(*w.status) && WTERMSIG(*w.status) == forwarded))
-          return kExitPeerFailed;
-      return forwarded == SIGINT ? 130 : 143;
-    }
-    if (!first_failure) return kExitOk;
-    auto [culprit, what] = blame(ws, *first_failure, running);
-    if (const auto role = o.role ? o.role(int64_t(culprit)) : ""; !role.empty())
-      what += fmt::format(" (it was {})", role);
-    const int status = *ws[culprit].status;
-    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
-    // A bad job spec or unreadable data fails the same way on every attempt: no restart,
-    // and the worker's own exit code (its message says why).
-    if (code == kExitBadSpec || code == kExitBadData) {
-      std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
-      return code;
-    }
-    if (attempt >= o.max_restarts) {
-      std::cerr << "dtrain: error: " << what << "; the other ranks were stopped"
-                << (o.max_restarts > 0 ? fmt::format("; no restarts left (--max-restarts {} used)",
-                                                     o.max_restarts)
-                                       : std::string())
-                << "\n";
-      return kExitPeerFailed;
-    }
+    const auto end = attempt_end(o, ws, forwarded, first_failure, running, attempt);
+    if (end.exit) return *end.exit;
     std::cerr << fmt::format("dtrain: {}; restarting all {} workers from the latest checkpoint "
-                             "(restart {} of {})\n", what, o.nproc, attempt + 1, o.max_restarts);
+                             "(restart {} of {})\n", end.why, o.nproc, attempt + 1, o.max_restarts);
   }
 }
 
