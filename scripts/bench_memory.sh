@@ -17,7 +17,8 @@ baseline_flag "$@"
 BPY=$(baseline_python "$WHICH")
 PY=/usr/bin/python3   # the figures' arithmetic
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-memory}"
-[ -x "$ROOT/build/dtrain" ] || { echo "bench_memory: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
+DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"  # DTRAIN_BIN=PATH measures another build
+[ -x "$DTRAIN" ] || { echo "bench_memory: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 rows=$OUT_DIR/rows.jsonl
 : > "$rows"
@@ -42,7 +43,7 @@ pytorch "$BPY"   # the first row: what the others are reported against
 run() {  # label, extra args...
   local label=$1; shift
   rm -rf "$OUT_DIR/run"
-  "$ROOT/build/dtrain" run "$job" --run-dir "$OUT_DIR/run" --set logging.progress=off "$@" \
+  "$DTRAIN" run "$job" --run-dir "$OUT_DIR/run" --set logging.progress=off "$@" \
     > "$OUT_DIR/$label.log" 2>&1 || { tail -n 5 "$OUT_DIR/$label.log" >&2; exit 1; }
   "$PY" - "$label" "$OUT_DIR/run" >> "$rows" <<'PYEOF'
 import json, sys

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "layers/linear.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -68,12 +69,13 @@ Placement ColumnParallelLinearImpl::placement_of(const std::string&) const {
   return Placement::split(/*dim=*/0, tensor_->size(), opts_.blocks);  // weight rows, bias
 }
 
-// torch::linear (ATen's), not the C++ frontend's F::linear: that one multiplies and then
-// adds the bias for 3-D inputs, outside autocast's cast, so on a GPU in bf16 the bias went
-// through a separate mixed-precision add over the whole output (6 ms of a GPT-2 small
-// step's 25 ms forward on an H100) instead of the matmul's fused epilogue.
+// layers/linear.hpp's (ATen's linear, or oneDNN's on the CPU), not the C++ frontend's
+// F::linear: that one multiplies and then adds the bias for 3-D inputs, outside autocast's
+// cast, so on a GPU in bf16 the bias went through a separate mixed-precision add over the
+// whole output (6 ms of a GPT-2 small step's 25 ms forward on an H100) instead of the
+// matmul's fused epilogue.
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  return torch::linear(copy_to_tensor_region(x, tensor_), weight, bias);
+  return dtrain::linear(copy_to_tensor_region(x, tensor_), weight, bias);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const ParallelLinearOptions& opts,
@@ -91,8 +93,8 @@ Placement RowParallelLinearImpl::placement_of(const std::string& param) const {
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   // One rank: the fused addmm of an unsplit layer.
-  if (tensor_->size() == 1) return torch::linear(x, weight, bias);
-  auto y = reduce_from_tensor_region(torch::linear(x, weight), tensor_);
+  if (tensor_->size() == 1) return dtrain::linear(x, weight, bias);
+  auto y = reduce_from_tensor_region(dtrain::linear(x, weight), tensor_);
   // In the sum's dtype, as the unsplit layer's fused bias is under autocast: an fp32 bias
   // would promote the output to fp32, and what follows it (a ReLU's output, a dropout's
   // mask, the next layer's cast of it) would be kept in 4 bytes a value, not 2.

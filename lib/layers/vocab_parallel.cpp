@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "layers/tensor_parallel.hpp"
+#include "layers/linear.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -32,7 +33,7 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::logits(const torch::Tensor& x) {
-  return torch::linear(copy_to_tensor_region(x, tensor_), weight);
+  return dtrain::linear(copy_to_tensor_region(x, tensor_), weight);
 }
 
 namespace {

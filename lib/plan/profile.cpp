@@ -23,6 +23,7 @@
 
 #include "comm/comm.hpp"
 #include "launch/device.hpp"
+#include "layers/linear.hpp"
 #include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
@@ -87,7 +88,8 @@ Timed time_product(int64_t n, double work, double min_rows, const torch::TensorO
   }
   const int64_t rows = int64_t(std::clamp(work / (side * side), min_rows, cap / side));
   a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like), c = torch::empty({rows, n}, like);
-  return {double(rows) * side * side, time([&] { at::mm_out(c, a, b); })};
+  // A dense layer's product, by the kernel its layers take (layers/linear.hpp).
+  return {double(rows) * side * side, time([&] { (void)dtrain::linear(a, b); })};
 }
 
 // flop/s of a product whose smallest side is n on this CPU, about 33 MFLOP or more a call
@@ -425,15 +427,11 @@ const MachineProfile::Link* MachineProfile::link(const std::vector<Link>& links,
   return best;
 }
 
-MachineProfile measure_machine(int64_t max_ranks) {
-  MachineProfile p;
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  p.host = host;
-  p.build = build_info();
-  p.cores = usable_cpus();
-  torch::NoGradGuard no_grad;
-  const int before = torch::get_num_threads();
+namespace {
+
+// The CPU's rates into `p` (its cores set): matmuls by dtype and size, memory, elementwise
+// kernels, each on one thread and on all.
+void measure_rates(MachineProfile& p) {
   // Three sweeps over every shape, one thread then all, and each rate the fastest of its
   // three: a shared machine's slow spells last seconds (a rate on all threads measured
   // back to back varied by up to 3x here), so the timings of one point are spread apart,
@@ -464,6 +462,7 @@ MachineProfile measure_machine(int64_t max_ranks) {
       {torch::kBFloat16, true, &p.elementwise_bf16.transcendental_one, &p.elementwise_bf16.transcendental_all}};
   std::map<double*, std::array<double, 3>> elementwise;
   tune_allocator();  // as a run takes its memory: a freed tensor's reused, not mapped anew
+  use_cpu_matmul("auto");  // the dense layers' product as a run takes it by default
   // Threads pinned as a run pins them (util/affinity.hpp): one thread on its own CPU, or
   // a thread on each, so that the rates are those of the run's placement.
   auto use_threads = [&](int64_t n) {
@@ -500,7 +499,21 @@ MachineProfile measure_machine(int64_t max_ranks) {
     }
   p.memory_one = fastest(memory_one);
   p.memory_all = fastest(memory_all);
-  use_threads(1);
+}
+
+}  // namespace
+
+MachineProfile measure_machine(int64_t max_ranks) {
+  MachineProfile p;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  p.host = host;
+  p.build = build_info();
+  p.cores = usable_cpus();
+  torch::NoGradGuard no_grad;
+  const int before = torch::get_num_threads();
+  measure_rates(p);
+  torch::set_num_threads(1);
   unpin_this_thread();  // the ranks' threads below are made by this one
   for (int64_t n = 2; n <= std::max<int64_t>(2, max_ranks); n *= 2) {
     auto [all_reduce, send] = measure_links(n);
@@ -586,7 +599,7 @@ nlohmann::json profile_json(const MachineProfile& p) {
                           {"transcendental_one_thread_values_per_s", e.transcendental_one},
                           {"transcendental_all_threads_values_per_s", e.transcendental_all}};
   };
-  return {{"format", "dtrain-machine"}, {"version", 5},    {"host", p.host},
+  return {{"format", "dtrain-machine"}, {"version", 6},    {"host", p.host},
           {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
           {"matmul_bf16", rates(p.matmul_bf16)}, {"bmm_fp32", rates(p.bmm)},
           {"bmm_bf16", rates(p.bmm_bf16)},
@@ -657,11 +670,12 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     if (j.at("format") != "dtrain-machine") throw std::runtime_error("not a dtrain machine profile");
     // Version 1 timed square products, which the plan no longer reads its rates as, 2 had
     // no elementwise kernels, 3 no crowded ranks' waits, 4 timed the cores before they had
-    // warmed up: as none, so that `plan --measure` or parallel.auto's first start measures
+    // warmed up, 5 the fp32 products with ATen's mm where the dense layers may take
+    // oneDNN's: as none, so that `plan --measure` or parallel.auto's first start measures
     // again.
-    if (j.at("version").is_number_integer() && j.at("version").get<int>() >= 1 && j.at("version").get<int>() <= 4)
+    if (j.at("version").is_number_integer() && j.at("version").get<int>() >= 1 && j.at("version").get<int>() <= 5)
       return std::nullopt;
-    if (j.at("version") != 5) throw std::runtime_error("not a dtrain machine profile of version 5");
+    if (j.at("version") != 6) throw std::runtime_error("not a dtrain machine profile of version 6");
     MachineProfile p;
     p.host = j.at("host");
     p.build = j.at("build");

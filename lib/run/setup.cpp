@@ -11,6 +11,7 @@
 
 #include "config/schema.hpp"
 #include "launch/device.hpp"
+#include "layers/linear.hpp"
 #include "precision/autocast.hpp"
 #include "run/run.hpp"
 #include "run/saved_state.hpp"
@@ -42,8 +43,9 @@ std::string set_up_process(const Run& run) {
   if (run.job->rank() == 0 && is_reference_blas(blas))
     std::cerr << "dtrain: warning: LibTorch is using the reference BLAS (" << blas
               << "), which is ~19x slower on Linear layers; install libopenblas0-openmp\n";
-  return fmt::format("{} thread(s) per rank ({}), BLAS {}", threads, pinning,
-                     blas.empty() ? "unknown" : blas);
+  const std::string matmul = use_cpu_matmul(cfg.train.cpu_matmul);
+  return fmt::format("{} thread(s) per rank ({}), BLAS {}, dense layers {}", threads, pinning,
+                     blas.empty() ? "unknown" : blas, matmul);
 }
 
 // Every rank must train on the same data: each one's fingerprint of both splits, gathered

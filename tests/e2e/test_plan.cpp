@@ -289,7 +289,7 @@ TEST_SUITE("plan") {
     auto values = nlohmann::json{{"plain_one_thread_values_per_s", 1e9}, {"plain_all_threads_values_per_s", 1e9},
                                  {"transcendental_one_thread_values_per_s", 1e9},
                                  {"transcendental_all_threads_values_per_s", 1e9}};
-    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 5}, {"host", "gpu-node"},
+    nlohmann::json profile{{"format", "dtrain-machine"}, {"version", 6}, {"host", "gpu-node"},
                            {"build", "test"}, {"cores", 1}, {"matmul_fp32", cpu}, {"matmul_bf16", cpu},
                            {"bmm_fp32", cpu}, {"bmm_bf16", cpu},
                            {"memory_one_thread_bytes_per_s", 1e9}, {"memory_all_threads_bytes_per_s", 1e9},
@@ -493,9 +493,9 @@ TEST_SUITE("plan_measure") {
     auto bad = dtrain("plan " + path + " --profile " + dir + "/bad.json");
     CHECK(bad.code == 3);
     CHECK(bad.err.find("bad.json") != std::string::npos);
-    // A profile of the first version (square products, read by volume) or of the fourth
-    // (cores timed cold) is as none.
-    for (int version : {1, 4}) {
+    // A profile of the first version (square products, read by volume), of the fourth
+    // (cores timed cold) or of the fifth (fp32 products by ATen's mm only) is as none.
+    for (int version : {1, 4, 5}) {
       auto stale_profile = p;
       stale_profile["version"] = version;
       const auto file = dir + "/v" + std::to_string(version) + ".json";
