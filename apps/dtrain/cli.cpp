@@ -302,6 +302,14 @@ struct Cli {
   Cli() {
     app.set_version_flag("--version", fmt::format("dtrain {} ({})", DTRAIN_VERSION, build_info()));
     app.require_subcommand(1);
+    add_run();
+    add_checks();
+    add_verify();
+    add_checkpoint_commands();
+  }
+
+ private:
+  void add_run() {
     run = app.add_subcommand("run", "train a job");
     add_job_args(run, job);
     run->add_option("--run-dir", run_dir, "logs and checkpoints (overrides run_dir)");
@@ -314,6 +322,10 @@ struct Cli {
     run->add_option("--max-restarts", max_restarts,
                     "with --nproc: restart all workers from the latest checkpoint up to N times")
         ->check(CLI::Range(int64_t(0), int64_t(1000)));
+  }
+
+  // validate, config and plan: the job checked, printed or costed without training.
+  void add_checks() {
     validate = app.add_subcommand("validate", "check a job spec; exit 0 or a clear error");
     add_job_args(validate, job);
     config = app.add_subcommand("config", "print the fully resolved job as YAML");
@@ -354,6 +366,9 @@ struct Cli {
     validate->add_option("--nnodes", nnodes, "an elastic job's range of nodes, MIN:MAX (as "
                                              "torchrun's): check every world size in it, "
                                              "--nproc processes per node");
+  }
+
+  void add_verify() {
     verify = app.add_subcommand("verify", "train one process and each parallel layout a few "
                                           "steps; exit 0 when their losses agree");
     verify->add_option("JOB", verify_opts.job_path, "job spec (YAML)")->required();
@@ -370,6 +385,10 @@ struct Cli {
     verify->add_option("--against", verify_opts.against,
                        "compare with the losses in FILE (from --save) instead of one process");
     verify->add_flag("--keep", verify_opts.keep, "keep the runs' folders (the path is printed)");
+  }
+
+  // inspect and export: what a checkpoint holds, and its weights for other tools.
+  void add_checkpoint_commands() {
     inspect = app.add_subcommand("inspect", "what a checkpoint holds");
     inspect->add_option("CHECKPOINT", folder, "checkpoint folder, a run directory (its "
                                               "latest checkpoint) or a Hugging Face GPT-2 folder")

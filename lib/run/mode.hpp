@@ -100,6 +100,9 @@ struct ModeSpec {
   // Non-empty when it receives from whichever rank sends first, which a backend must
   // allow (NCCL cannot): why, for the refusal.
   std::string any_source;
+  // Non-empty when no layout repeats another's losses (`dtrain verify` cannot compare
+  // them): why, for the refusal.
+  std::string unrepeatable;
   // A rank's part in the job, for the launcher's messages ("" when all are alike).
   std::function<std::string(const JobConfig&, int64_t rank)> role =
       [](const JobConfig&, int64_t) { return std::string(); };

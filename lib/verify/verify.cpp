@@ -28,6 +28,7 @@
 #include "launch/device.hpp"
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
+#include "run/mode.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 
@@ -344,7 +345,10 @@ struct WorkDir {
 
 }  // namespace
 
-int verify(const VerifyOptions& o) {
+namespace {
+
+// The options against one another and the launcher: ConfigError where they cannot run.
+void check_options(const VerifyOptions& o) {
   fail_if<ConfigError>(!o.save.empty() && !o.against.empty(),
                        "verify: --save and --against: one or the other (--against compares "
                        "with a saved reference, --save writes one)");
@@ -354,11 +358,71 @@ int verify(const VerifyOptions& o) {
   fail_if<ConfigError>(o.steps < 0 || o.steps > 100000, "verify --steps: 1..100000 (got {})", o.steps);
   fail_if<ConfigError>(!(o.tolerance >= 0) || !std::isfinite(o.tolerance),
                        "verify --tolerance: a number >= 0 (got {})", o.tolerance);
-  {
-    const auto env = process_env();
-    fail_if<ConfigError>(detect_launcher(env) != "single" && discover_world(env, 0).world > 1,
-                         "verify: run it as one process; it starts each layout's processes itself");
+  const auto env = process_env();
+  fail_if<ConfigError>(detect_launcher(env) != "single" && discover_world(env, 0).world > 1,
+                       "verify: run it as one process; it starts each layout's processes itself");
+}
+
+// The reference: one process trained `steps` steps (written to --save), or the saved one.
+Reference reference_of(const VerifyOptions& o, const std::optional<Reference>& saved, int64_t steps,
+                       const std::vector<std::string>& sets, const JobConfig& job,
+                       const std::string& text, const WorkDir& work) {
+  if (saved) {
+    std::cout << fmt::format("verify {}: {} steps against {} (dtrain {}, {})\n", o.job_path, steps,
+                             o.against, saved->dtrain, saved->libtorch);
+    return *saved;
   }
+  Reference ref;
+  const auto one = parse_layout("1");
+  const auto dir = work.path + "/reference";
+  const auto r = run_layout(o, one, sets, layout_sets(one, job), dir);
+  require_ok(r, one, dir);
+  for (int64_t s = 1; s <= steps; ++s) {
+    if (!r.losses.count(s))
+      throw Error(kExitFailure, fmt::format("verify: one process logged no loss at step {}", s));
+    ref.losses.push_back(r.losses.at(s));
+  }
+  ref.eval_loss = r.eval_loss;
+  ref.job = text;
+  std::cout << fmt::format("verify {}: {} steps, one process in {:.1f} s; tolerance {:g} "
+                           "(relative)\n", o.job_path, steps, r.seconds, o.tolerance);
+  if (!o.save.empty()) {
+    write_reference(o.save, ref);
+    std::cout << fmt::format("saved the reference losses to {}\n", o.save);
+  }
+  return ref;
+}
+
+// Layout `l`'s run against the reference: its table row, and whether it went past the
+// tolerance.
+bool compare_layout(const VerifyOptions& o, const Layout& l, const Reference& ref, int64_t steps,
+                    const std::vector<std::string>& sets, const JobConfig& job, const std::string& dir) {
+  const auto r = run_layout(o, l, sets, layout_sets(l, job), dir);
+  require_ok(r, l, dir);
+  double worst = 0;
+  int64_t first = 0;
+  for (int64_t s = 1; s <= steps; ++s) {
+    const double d = r.losses.count(s) ? relative(r.losses.at(s), ref.losses[size_t(s - 1)]) : INFINITY;
+    worst = std::max(worst, d);
+    if (d > o.tolerance && first == 0) first = s;
+  }
+  std::string eval = "-";
+  if (r.eval_loss && ref.eval_loss) {
+    const double d = relative(*r.eval_loss, *ref.eval_loss);
+    eval = fmt::format("{:.1e}", d);
+    if (d > o.tolerance && first == 0) first = steps;  // the last step's evaluation
+  }
+  std::cout << fmt::format("{:<14} {:>9} {:>6} {:>17.1e} {:>10} {:>15} {:>8.1f}\n",
+                           l.text == "1" ? "one process" : l.text, l.processes(), steps, worst,
+                           first > 0 ? std::to_string(first) : "-", eval, r.seconds)
+            << std::flush;
+  return first > 0;
+}
+
+}  // namespace
+
+int verify(const VerifyOptions& o) {
+  check_options(o);
   std::vector<Layout> layouts = parse_layouts(o.layouts);
   std::optional<Reference> saved;
   if (!o.against.empty()) saved = read_reference(o.against);
@@ -372,9 +436,10 @@ int verify(const VerifyOptions& o) {
   // The job is checked before anything runs: a bad key or value is exit 2 here, once.
   JobConfig job = load_job(o.job_path, o.sets);
   resolve(job);
-  fail_if<ConfigError>(job.parallel.mode == "async_ps",
-                       "verify: parallel.mode async_ps: its workers run ahead of one another, "
-                       "so no layout repeats another's losses (verify sync or local_sgd jobs)");
+  const auto& unrepeatable = mode_spec(job.parallel.mode).unrepeatable;
+  fail_if<ConfigError>(!unrepeatable.empty(),
+                       "verify: parallel.mode {}: {}, so no layout repeats another's losses "
+                       "(verify a mode whose layouts train alike)", job.parallel.mode, unrepeatable);
   const int64_t eval_samples = job.train.eval_samples > 0 ? job.train.eval_samples : 512;
   const std::string text = job_text(o, steps, eval_samples);
   if (saved) {
@@ -408,60 +473,15 @@ int verify(const VerifyOptions& o) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
   WorkDir work(o.keep);
-  Reference ref;
-  if (saved) {
-    ref = *saved;
-    std::cout << fmt::format("verify {}: {} steps against {} (dtrain {}, {})\n", o.job_path, steps,
-                             o.against, ref.dtrain, ref.libtorch);
-  } else {
-    const auto one = parse_layout("1");
-    const auto dir = work.path + "/reference";
-    const auto r = run_layout(o, one, sets, layout_sets(one, job), dir);
-    require_ok(r, one, dir);
-    for (int64_t s = 1; s <= steps; ++s) {
-      if (!r.losses.count(s))
-        throw Error(kExitFailure, fmt::format("verify: one process logged no loss at step {}", s));
-      ref.losses.push_back(r.losses.at(s));
-    }
-    ref.eval_loss = r.eval_loss;
-    ref.job = text;
-    std::cout << fmt::format("verify {}: {} steps, one process in {:.1f} s; tolerance {:g} "
-                             "(relative)\n", o.job_path, steps, r.seconds, o.tolerance);
-    if (!o.save.empty()) {
-      write_reference(o.save, ref);
-      std::cout << fmt::format("saved the reference losses to {}\n", o.save);
-    }
-  }
+  const Reference ref = reference_of(o, saved, steps, sets, job, text, work);
   if (layouts.empty()) return 0;
 
   std::cout << fmt::format("{:<14} {:>9} {:>6} {:>17} {:>10} {:>15} {:>8}\n", "layout",
                            "processes", "steps", "largest rel diff", "first over", "eval rel diff",
                            "time s");
   int over = 0;
-  for (size_t i = 0; i < layouts.size(); ++i) {
-    const auto& l = layouts[i];
-    const auto dir = work.path + "/layout" + std::to_string(i);
-    const auto r = run_layout(o, l, sets, layout_sets(l, job), dir);
-    require_ok(r, l, dir);
-    double worst = 0;
-    int64_t first = 0;
-    for (int64_t s = 1; s <= steps; ++s) {
-      const double d = r.losses.count(s) ? relative(r.losses.at(s), ref.losses[size_t(s - 1)]) : INFINITY;
-      worst = std::max(worst, d);
-      if (d > o.tolerance && first == 0) first = s;
-    }
-    std::string eval = "-";
-    if (r.eval_loss && ref.eval_loss) {
-      const double d = relative(*r.eval_loss, *ref.eval_loss);
-      eval = fmt::format("{:.1e}", d);
-      if (d > o.tolerance && first == 0) first = steps;  // the last step's evaluation
-    }
-    if (first > 0) ++over;
-    std::cout << fmt::format("{:<14} {:>9} {:>6} {:>17.1e} {:>10} {:>15} {:>8.1f}\n",
-                             l.text == "1" ? "one process" : l.text, l.processes(), steps, worst,
-                             first > 0 ? std::to_string(first) : "-", eval, r.seconds)
-              << std::flush;
-  }
+  for (size_t i = 0; i < layouts.size(); ++i)
+    over += compare_layout(o, layouts[i], ref, steps, sets, job, work.path + "/layout" + std::to_string(i));
   const std::string against = saved ? "the saved reference" : "one process";
   if (over == 0)
     std::cout << fmt::format("ok: every layout within {:g} of {}\n", o.tolerance, against);

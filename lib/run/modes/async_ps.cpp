@@ -762,6 +762,7 @@ ModeSpec async_ps_spec() {
   // The data-parallel ranks are the workers: the world past the servers.
   s.trainers = [](const JobConfig& cfg, int64_t world) { return world - cfg.parallel.servers; };
   s.any_source = "parallel.mode async_ps's servers take pushes from whichever worker sends first";
+  s.unrepeatable = "its workers run ahead of one another";
   s.role = [](const JobConfig& cfg, int64_t rank) {
     const int64_t servers = cfg.parallel.servers;
     return rank < servers ? fmt::format("async_ps server {}", rank)
