@@ -25,7 +25,7 @@ OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-compression}"
 source "$ROOT/scripts/baseline.sh"
 baseline_flag "$@"
 WHAT=${REST[0]:-all} EPOCHS=${REST[1]:-3}
-DTRAIN="$ROOT/build/dtrain"
+DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"  # DTRAIN_BIN=PATH measures another build
 [ -x "$DTRAIN" ] || { echo "bench_compression: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 STRATEGIES=(none fp16 bf16 sign topk powersgd zero1 zero2)

@@ -23,7 +23,7 @@ OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-modes}"
 source "$ROOT/scripts/baseline.sh"
 baseline_flag "$@"
 WHAT=${REST[0]:-all} EPOCHS=${REST[1]:-1}
-DTRAIN="$ROOT/build/dtrain"
+DTRAIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"  # DTRAIN_BIN=PATH measures another build
 [ -x "$DTRAIN" ] || { echo "bench_modes: build dtrain first (scripts/setup.sh)" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 MODES=(sync local_sgd async_ps)
