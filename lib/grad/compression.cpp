@@ -21,10 +21,6 @@ constexpr int64_t kSignBlock = 256;
 // 2x, PyTorch's rule); others go as they are.
 bool powersgd_compresses(int64_t n, int64_t m, int64_t rank) { return (n + m) * rank * 2 < n * m; }
 
-// What one rank sends in a ring all-reduce of `bytes` over `ranks` (ring_all_reduce_bytes,
-// for the plan's fractional sums).
-double ring(double bytes, int64_t ranks) { return 2 * bytes * double(ranks - 1) / double(ranks); }
-
 using Comms = std::shared_ptr<Comm>;
 
 // Every rank's `wire` (the same length on each), side by side: [ranks, wire.numel()] bytes.
@@ -52,7 +48,7 @@ class Cast16 : public Reduction {
   // Two bytes a value, all-reduced where the backend sums them, else all-gathered.
   static double step_bytes(const ParallelConfig&, const GradShape& g) {
     const double bytes = 2 * double(g.numel);
-    return g.sums_16bit ? ring(bytes, g.ranks) : bytes * double(g.ranks - 1);
+    return g.sums_16bit ? ring_all_reduce_share(bytes, g.ranks) : bytes * double(g.ranks - 1);
   }
   std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t /*offset*/) override {
     torch::NoGradGuard no_grad;
@@ -344,9 +340,10 @@ class PowerSgd : public ErrorFeedback {
       if (p.shape.size() < 2) continue;
       const int64_t n = p.shape[0], m = p.numel / n;
       if (!powersgd_compresses(n, m, cfg.powersgd_rank)) continue;
-      bytes += ring(4 * double((n + m) * cfg.powersgd_rank), g.ranks), plain -= double(p.numel);
+      bytes += ring_all_reduce_share(4 * double((n + m) * cfg.powersgd_rank), g.ranks);
+      plain -= double(p.numel);
     }
-    return bytes + ring(4 * plain, g.ranks);
+    return bytes + ring_all_reduce_share(4 * plain, g.ranks);
   }
   PerEntry factors() const override {
     PerEntry out;
@@ -455,7 +452,9 @@ class PowerSgd : public ErrorFeedback {
 }  // namespace
 
 const std::vector<CompressionSpec>& compression_specs() {
-  auto fp32 = [](const ParallelConfig&, const GradShape& g) { return ring(4 * double(g.numel), g.ranks); };
+  auto fp32 = [](const ParallelConfig&, const GradShape& g) {
+    return ring_all_reduce_share(4 * double(g.numel), g.ranks);
+  };
   // name, keeps a residual, warm-up share, collectives a bucket, bytes a step, make
   static const std::vector<CompressionSpec> specs{
       {"none", false, 0, 1, fp32, nullptr},

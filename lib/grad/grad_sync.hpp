@@ -102,6 +102,11 @@ class Reduction {
 inline int64_t ring_all_reduce_bytes(int64_t bytes, int64_t ranks) {
   return 2 * bytes * (ranks - 1) / ranks;
 }
+// The same in fractions of a byte, for sums over a step (the plan's, a reduction's
+// step_bytes); none over one rank.
+inline double ring_all_reduce_share(double bytes, int64_t ranks) {
+  return ranks > 1 ? 2 * bytes * double(ranks - 1) / double(ranks) : 0;
+}
 
 // A weight tied across pipeline stages (GPT's token embedding and its head): its entries,
 // whose copies on the first and the last stage finish() sums over `group` once the data

@@ -17,6 +17,7 @@
 #include "comm/comm.hpp"
 #include "data/dataset.hpp"
 #include "grad/compression.hpp"
+#include "grad/grad_sync.hpp"
 #include "grad/zero.hpp"
 #include "launch/device.hpp"
 #include "launch/supervisor.hpp"
@@ -51,10 +52,6 @@ double runtime_bytes(bool forked) {
     return std::pair{anon, proc_field_bytes("/proc/self/status", "RssFile:")};
   }();
   return own.first + (forked ? kForkedLibraryBytes : own.second) + 5 * kMiB;
-}
-
-double ring(double bytes, int64_t ranks) {
-  return ranks > 1 ? 2 * bytes * double(ranks - 1) / double(ranks) : 0;
 }
 
 struct Held;
@@ -640,7 +637,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   const double buckets = std::ceil(4 * double(numel) / (p.bucket_mb * kMiB));
   if (p.mode == "local_sgd") {
     const double averaged = double(numel) * (1 + (p.average_optimizer ? double(slots) : 0));
-    data_bytes = ring(4 * averaged, d) / double(p.average_every);
+    data_bytes = ring_all_reduce_share(4 * averaged, d) / double(p.average_every);
     data_ops = (p.average_optimizer ? double(1 + slots) : 1) / double(p.average_every);
   } else if (d > 1 && p.zero > 0) {
     // Each slice reduced to its owner: (D-1)/D of it, and 1/D more off the owner; the tied
@@ -650,7 +647,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
       tied_here += double(std::max<int64_t>(0, std::min(hi, (at.data + 1) * shard) - std::max(lo, at.data * shard)));
     const double others = 4 * double(numel - h.tied), owned = 4 * (double(shard) - tied_here);
     data_bytes = others * double(d - 1) / double(d) + (others - owned) / double(d);
-    data_bytes += ring(4 * double(h.tied), d);
+    data_bytes += ring_all_reduce_share(4 * double(h.tied), d);
     if (p.zero < 3) data_bytes += 4 * double(shard) * double(d - 1);
     data_bytes += zero3_sent;
     double gathers = 0;
@@ -668,8 +665,9 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
     out.flops += cc.flops;
   }
   const double rows_step = job.rows * double(job.micro);
-  const double tensor_bytes = ring(4 * reduced * rows_step, job.dims.tensor);
-  const double pipe_bytes = 4 * piped * rows_step, tied_bytes = ring(4 * double(h.tied), 2);
+  const double tensor_bytes = ring_all_reduce_share(4 * reduced * rows_step, job.dims.tensor);
+  const double pipe_bytes = 4 * piped * rows_step;
+  const double tied_bytes = ring_all_reduce_share(4 * double(h.tied), 2);
   out.flops *= rows_step;
   if (!async) out.comm_bytes = data_bytes + tensor_bytes + pipe_bytes + tied_bytes;
 

@@ -87,7 +87,7 @@ Timed time_product(int64_t n, double work, double min_rows, const torch::TensorO
     return {double(batch) * each, time([&] { at::bmm_out(c, a, b); })};
   }
   const int64_t rows = int64_t(std::clamp(work / (side * side), min_rows, cap / side));
-  a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like), c = torch::empty({rows, n}, like);
+  a = torch::randn({rows, n}, like), b = torch::randn({n, n}, like);
   // A dense layer's product, by the kernel its layers take (layers/linear.hpp).
   return {double(rows) * side * side, time([&] { (void)dtrain::linear(a, b); })};
 }
