@@ -287,13 +287,21 @@ InitRule gpt_init(int64_t layers) {
 // the head all-reduces three numbers per token for the loss. What each part keeps for
 // backward is counted below, tensor by tensor, as the test (tests/unit/models/
 // test_activations.cpp) measures it with LibTorch's allocator.
-std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
-  const double d = double(m.dim), v = double(m.vocab), t = double(ctx.tensor);
-  const double s = ctx.sample_shape.empty() ? double(m.seq_len) : double(ctx.sample_shape[0]);
-  const bool split = ctx.tensor > 1;
-  const bool dropout = m.dropout > 0;
-  const bool fused = !dropout;  // as Attention::forward takes it
-  std::vector<PartCost> parts;
+// A GPT's sizes as its cost sheets take them, per window of s tokens over t tensor ranks.
+struct GptShape {
+  double d, v, t, s, a;  // width, vocabulary, tensor ranks, window, heads
+  bool split, dropout, fused, cuda;
+  GptShape(const ModelConfig& m, const SizeContext& ctx)
+      : d(double(m.dim)), v(double(m.vocab)), t(double(ctx.tensor)),
+        s(ctx.sample_shape.empty() ? double(m.seq_len) : double(ctx.sample_shape[0])),
+        a(double(m.heads)), split(ctx.tensor > 1), dropout(m.dropout > 0),
+        fused(m.dropout <= 0),  // as Attention::forward takes it
+        cuda(ctx.cuda) {}
+};
+
+PartCost gpt_embeddings_cost(const GptShape& g) {
+  const double d = g.d, s = g.s;
+  const bool split = g.split, dropout = g.dropout;
   PartCost embeddings;
   // Their sum (fp32 under autocast too), with a dropout its mask and output instead; split
   // by vocabulary, which ids are this rank's (1 byte each) and their local ids (8).
@@ -311,7 +319,12 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // Backward's weight gradients are the embeddings' size, once a micro-batch.
   embeddings.values.plain = 2 * s * d + (dropout ? 2 * s * d : 0) + (split ? 7 * s + 2 * s * d : 0);
   embeddings.values_back.plain = (dropout ? s * d : 0) + (split ? s * d : 0);
-  parts.push_back(embeddings);
+  return embeddings;
+}
+
+PartCost gpt_block_cost(const GptShape& g) {
+  const double d = g.d, t = g.t, s = g.s, a = g.a;
+  const bool split = g.split, dropout = g.dropout, fused = g.fused;
   PartCost block;
   // What a block keeps, with `low` bytes a value where products write (4 in fp32, 2 under
   // 16-bit autocast; the residual stream and the layer norms stay fp32): whole on each
@@ -324,13 +337,12 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   // outputs are only summed). On a GPU, CUDA's autocast keeps softmax's output in fp32
   // (PyTorch's fp32_set_opt_dtype list; the CPU's runs it in 16 bits): the weights, their
   // mask and, for the product with v, a 16-bit copy of them (or of their dropout's output).
-  const double a = double(m.heads);
   auto block_bytes = [&](double low) {
     double b = (8 + 2 * low) * s * d + 12 * low * s * d / t + 16 * s;
     if (fused) {
       b += 4 * a * s / t;
     } else {
-      const double weights = ctx.cuda ? 4 : low;
+      const double weights = g.cuda ? 4 : low;
       const double copy = weights != low || dropout ? low : 0;
       b += (weights + (dropout ? weights : 0) + copy) * a * s * s / t;
     }
@@ -349,7 +361,7 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   block.small_flops = 4 * s * s * d / t;  // the scores and their weighting of V, head by head
   // [s, d/heads] x [d/heads, s] and back: the profile's batched products have their long
   // sides at 4x the short one (s = 4 d/heads in gpt_text; GPT-2's 1024 tokens are 16x).
-  block.small_side = std::min(s, d / double(m.heads));
+  block.small_side = std::min(s, d / a);
   block.block = true;
   // Two layer norms, four products, attention (fused: one; else the scores, their scale,
   // the causal mask made and applied, softmax and weighting, and the heads' layout copies),
@@ -378,7 +390,12 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
                             (dropout ? scores + 2 * s * d : 0) + (split ? 2 * s * d : 0);
   block.values_back.transcendental = 4 * s * d / t;
   block.values_back.casts_16 = 4 * s * d;
-  for (int64_t i = 0; i < m.layers; ++i) parts.push_back(block);
+  return block;
+}
+
+PartCost gpt_head_cost(const GptShape& g) {
+  const double d = g.d, v = g.v, t = g.t, s = g.s;
+  const bool split = g.split;
   PartCost head;
   // The layer norm's output (cast under autocast) and statistics, the logits (16-bit under
   // autocast) and their log-softmax (fp32); backward holds the gradients of both at once.
@@ -416,7 +433,14 @@ std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
   }
   head.values.casts_16 = s * d + s * v / t;
   head.values_back.casts_16 = s * d + s * v / t;
-  parts.push_back(head);
+  return head;
+}
+
+std::vector<PartCost> gpt_costs(const ModelConfig& m, const SizeContext& ctx) {
+  const GptShape g(m, ctx);
+  std::vector<PartCost> parts{gpt_embeddings_cost(g)};
+  parts.insert(parts.end(), size_t(m.layers), gpt_block_cost(g));
+  parts.push_back(gpt_head_cost(g));
   return parts;
 }
 

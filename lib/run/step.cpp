@@ -44,12 +44,12 @@ namespace {
 // the CPU from the values themselves: reading them costs nothing there, and a handful of
 // tensor ops would cost more than the step's arithmetic. On a GPU by stacking them on the
 // device: reading them would wait.
-torch::Tensor assemble_figures(const StepParts& c, const Figures& layout,
+torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
                                const std::vector<torch::Tensor>& losses, bool counts, bool stop,
                                bool apart_diverged, const torch::Tensor& norm, const StepStats& s) {
   const double accum = double(losses.size());
-  const int64_t stage = c.mesh.coord().pipeline;
-  if (!c.device.is_cuda()) {
+  const int64_t stage = parts.mesh.coord().pipeline;
+  if (!parts.device.is_cuda()) {
     double loss = 0;
     for (const auto& l : losses) loss += l.item<double>() / accum;
     auto figures = torch::zeros({layout.count()}, torch::kFloat64);
@@ -66,7 +66,7 @@ torch::Tensor assemble_figures(const StepParts& c, const Figures& layout,
     f[layout.local_loss()] = loss;
     return figures;
   }
-  const auto f64 = torch::dtype(torch::kFloat64).device(c.device);
+  const auto f64 = torch::dtype(torch::kFloat64).device(parts.device);
   auto loss = losses.empty()      ? torch::zeros({}, f64)
               : losses.size() == 1 ? losses[0].to(torch::kFloat64)
                                    : (torch::stack(losses).sum() / accum).to(torch::kFloat64);
@@ -108,21 +108,21 @@ void send_to_host(const torch::Tensor& figures, PendingStep& p) {
 // Waits for the figures and puts them into the step's stats. Read two steps late, they
 // have usually arrived; otherwise the host sleeps in short naps (a spinning host would take
 // a core from the loader), for at most dist.timeout_s.
-void take_figures(const StepParts& c, PendingStep& p) {
+void take_figures(const StepParts& parts, PendingStep& p) {
   if (p.ready) {
-    const auto give_up = Clock::now() + std::chrono::seconds(c.cfg.dist.timeout_s);
+    const auto give_up = Clock::now() + std::chrono::seconds(parts.cfg.dist.timeout_s);
     while (!p.ready->query()) {
       if (Clock::now() > give_up)
         throw DistError(fmt::format("the device did not finish step {} within dist.timeout_s = "
-                                    "{} s", p.step, c.cfg.dist.timeout_s));
+                                    "{} s", p.step, parts.cfg.dist.timeout_s));
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     p.ready.reset();
   }
-  const Figures layout = figures_of(c.mesh);
+  const Figures layout = figures_of(parts.mesh);
   const auto f = p.figures.accessor<double, 1>();
-  const double replicas = double(c.mode.replicas(p.step)), tensor = double(c.mesh.dims().tensor);
-  const bool meets = c.mode.meets(p.step);
+  const double replicas = double(parts.mode.replicas(p.step)), tensor = double(parts.mesh.dims().tensor);
+  const bool meets = parts.mode.meets(p.step);
   p.stats.loss = f[Figures::kLossSum] / replicas;  // each data replica's counts once
   // A stop, or a replica's divergence, is acted on only where every rank agrees on it.
   p.stats.stop = meets && f[Figures::kStopVotes] > 0;
@@ -153,54 +153,54 @@ int64_t model_traffic(const Mesh& mesh) {
 
 // The gradient's global norm over every shard (the same on every rank after the sync),
 // fp16's scale divided out; a tied weight's copy counted once.
-torch::Tensor unscaled_norm(const StepParts& c, double scale) {
-  auto norm = global_grad_norm(c.params, *c.mesh.tensor(), *c.mesh.pipeline(),
-                               c.tied.copy ? c.tied.entries : std::vector<size_t>{},
-                               c.sync.shard(), c.mesh.data().get());
+torch::Tensor unscaled_norm(const StepParts& parts, double scale) {
+  auto norm = global_grad_norm(parts.params, *parts.mesh.tensor(), *parts.mesh.pipeline(),
+                               parts.tied.copy ? parts.tied.entries : std::vector<size_t>{},
+                               parts.sync.shard(), parts.mesh.data().get());
   return scale != 1.0 ? norm / scale : norm;
 }
 
 // Step 5: clipping and the optimizer's update. Under fp16 the figures are read at once
 // (whether to update, and the loss scale, decide the next step); under train.on_nonfinite:
 // skip the update is gated on the device. Returns the skip flag (undefined when none).
-torch::Tensor update(StepParts& c, PendingStep& p, const torch::Tensor& figures,
+torch::Tensor update(StepParts& parts, PendingStep& p, const torch::Tensor& figures,
                      const torch::Tensor& norm, double scale) {
   StepStats& s = p.stats;
-  const double clip = c.cfg.optimizer.grad_clip;
-  const double lr = lr_at(c.cfg.schedule, c.cfg.optimizer.lr, p.step, c.total_steps);
+  const double clip = parts.cfg.optimizer.grad_clip;
+  const double lr = lr_at(parts.cfg.schedule, parts.cfg.optimizer.lr, p.step, parts.total_steps);
   torch::Tensor skip;  // train.on_nonfinite: skip: 1 when the step makes no update
-  if (c.scaler) {
-    take_figures(c, p);
+  if (parts.scaler) {
+    take_figures(parts, p);
     p.decided = true;
     const bool loss_finite = std::isfinite(s.loss), grad_finite = grads_finite(p);
     bool update = loss_finite && grad_finite;
     // A finite loss with an overflowing gradient is fp16's range, not a divergence: lower
     // the scale and skip, until the floor.
-    if (loss_finite && c.scaler->after_backward(grad_finite) == LossScaler::Verdict::kSkip)
+    if (loss_finite && parts.scaler->after_backward(grad_finite) == LossScaler::Verdict::kSkip)
       s.overflow = true;
     s.nonfinite = !update && !s.overflow;
-    s.loss_scale = c.scaler->scale();
-    s.overflow_steps = c.scaler->overflows();
+    s.loss_scale = parts.scaler->scale();
+    s.overflow_steps = parts.scaler->overflows();
     if (update) {
-      clip_grad(c.params, norm, clip, scale, c.sync.shard());
-      c.optimizer.step(lr);
+      clip_grad(parts.params, norm, clip, scale, parts.sync.shard());
+      parts.optimizer.step(lr);
     }
     return skip;
   }
   // skip: the update waits on the global loss and every agreeing rank's norm being
   // finite, on the device.
-  if (c.cfg.train.on_nonfinite == "skip")
+  if (parts.cfg.train.on_nonfinite == "skip")
     skip = figures.select(0, Figures::kLossSum).isfinite().logical_not()
                .logical_or(figures.select(0, Figures::kBadNorms) > 0)
                .to(torch::kFloat32);
-  clip_grad(c.params, norm, clip, 1.0, c.sync.shard());
-  c.optimizer.step(lr, skip);
+  clip_grad(parts.params, norm, clip, 1.0, parts.sync.shard());
+  parts.optimizer.step(lr, skip);
   return skip;
 }
 
 }  // namespace
 
-PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double data_wait_ms,
+PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, double data_wait_ms,
                        bool logged, bool kept, bool apart_diverged) {
   PendingStep p;
   p.step = n;
@@ -209,33 +209,33 @@ PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double 
   // On a GPU the phases run asynchronously to the host. A logged step waits for the device
   // at the start and at each phase's end, so that its phase times are the GPU's (the run
   // log logs that step's); the other steps never wait there.
-  s.device_timed = logged && c.device.is_cuda();
+  s.device_timed = logged && parts.device.is_cuda();
   auto settle = [&] {
     if (s.device_timed) torch::cuda::synchronize();
   };
   settle();  // the previous step's last kernels, so that this step's phases are its own
-  if (c.cfg.train.debug_slow_rank == c.mesh.rank())  // a slow worker, for benchmarks
-    std::this_thread::sleep_for(std::chrono::milliseconds(c.cfg.train.debug_slow_ms));
+  if (parts.cfg.train.debug_slow_rank == parts.mesh.rank())  // a slow worker, for benchmarks
+    std::this_thread::sleep_for(std::chrono::milliseconds(parts.cfg.train.debug_slow_ms));
   // The steps that wait for the device by design (see the top; with several ranks, every
   // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
-  const bool skip_mode = c.cfg.train.on_nonfinite == "skip";
-  const bool waits = s.device_timed || c.scaler || c.mesh.world()->size() > 1 ||
-                     (skip_mode && !c.optimizer.fused());
-  SyncDebugScope sync_check(c.device.is_cuda() && !waits ? sync_debug_mode() : "off");
-  c.sync.begin_step(n);
-  model_traffic(c.mesh);  // what went before (an evaluation) is not the step's
+  const bool skip_mode = parts.cfg.train.on_nonfinite == "skip";
+  const bool waits = s.device_timed || parts.scaler || parts.mesh.world()->size() > 1 ||
+                     (skip_mode && !parts.optimizer.fused());
+  SyncDebugScope sync_check(parts.device.is_cuda() && !waits ? sync_debug_mode() : "off");
+  parts.sync.begin_step(n);
+  model_traffic(parts.mesh);  // what went before (an evaluation) is not the step's
   // 1. the batch (prepared ahead by the loader's threads), queued to the device
-  const Batch batch = to_device(host_batch, c.device);
-  const double scale = c.scaler ? c.scaler->scale() : 1.0;
+  const Batch batch = to_device(host_batch, parts.device);
+  const double scale = parts.scaler ? parts.scaler->scale() : 1.0;
   // 2-3. forward (autocast keeps fp32 master weights) and backward of every micro-batch,
   //      the loss scaled by what makes the gradient a global mean and by fp16's scale;
   //      their mean is this rank's loss (on a pipeline, the last stage's)
   MicroBatchTimes times;
-  const auto losses = c.runner.train(n, batch, c.sync.loss_factor() * scale, times, settle);
+  const auto losses = parts.runner.train(n, batch, parts.sync.loss_factor() * scale, times, settle);
   s.forward_ms = times.forward_ms, s.backward_ms = times.backward_ms;
   s.bubble = times.bubble, s.activation_mb = times.activation_mb;
   auto t0 = Clock::now();
-  c.sync.finish();  // also sums a tied weight's copies across stages
+  parts.sync.finish();  // also sums a tied weight's copies across stages
   settle();
   s.comm_ms = ms_since(t0);
   const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
@@ -244,32 +244,32 @@ PendingStep train_step(StepParts& c, int64_t n, const Batch& host_batch, double 
   //    overflow check); otherwise a non-finite gradient shows in the next step's loss. It
   //    is the norm over every shard, the same on every rank after the sync, of the gradient
   //    with fp16's scale divided out.
-  p.norm_taken = logged || kept || c.cfg.optimizer.grad_clip > 0 || skip_mode || c.scaler;
-  const torch::Tensor norm = p.norm_taken ? unscaled_norm(c, scale) : torch::Tensor();
+  p.norm_taken = logged || kept || parts.cfg.optimizer.grad_clip > 0 || skip_mode || parts.scaler;
+  const torch::Tensor norm = p.norm_taken ? unscaled_norm(parts, scale) : torch::Tensor();
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
   // to stop votes so: every rank stops after the same step, whatever the layout.
-  const bool counts = c.mesh.coord().tensor == 0 && c.runner.holds_last();
-  const Figures layout = figures_of(c.mesh);
-  auto figures = assemble_figures(c, layout, losses, counts, stop_signal() != 0, apart_diverged,
+  const bool counts = parts.mesh.coord().tensor == 0 && parts.runner.holds_last();
+  const Figures layout = figures_of(parts.mesh);
+  auto figures = assemble_figures(parts, layout, losses, counts, stop_signal() != 0, apart_diverged,
                                   norm, s);
-  Comm& agree = c.mode.figures_group(n);
+  Comm& agree = parts.mode.figures_group(n);
   if (agree.size() > 1) agree.all_reduce(figures.narrow(0, 0, layout.summed()));
   send_to_host(figures, p);
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
-  const torch::Tensor skip = update(c, p, figures, norm, scale);
-  c.sync.after_update(skip);
-  s.comm_bytes = c.sync.bytes_per_step() + c.mode.after_update(n) + model_traffic(c.mesh);
-  c.params.zero_grad();
+  const torch::Tensor skip = update(parts, p, figures, norm, scale);
+  parts.sync.after_update(skip);
+  s.comm_bytes = parts.sync.bytes_per_step() + parts.mode.after_update(n) + model_traffic(parts.mesh);
+  parts.params.zero_grad();
   settle();
   s.optim_ms = ms_since(t_opt);
   return p;  // its step_ms is the loop's to measure: the host's time here is not the device's
 }
 
-StepStats read_step(StepParts& c, PendingStep& p, bool apart_diverged, int64_t in_a_row) {
+StepStats read_step(StepParts& parts, PendingStep& p, bool apart_diverged, int64_t in_a_row) {
   StepStats& s = p.stats;
   if (!p.decided) {
-    take_figures(c, p);
+    take_figures(parts, p);
     s.nonfinite = !std::isfinite(s.loss) || !grads_finite(p) || s.replica_diverged;
   }
   if (s.nonfinite) {
@@ -278,9 +278,9 @@ StepStats read_step(StepParts& c, PendingStep& p, bool apart_diverged, int64_t i
     const bool seen_here = !std::isfinite(p.local_loss) ||
                            (p.norm_taken && !std::isfinite(s.grad_norm)) ||  // its own norm
                            (s.replica_diverged && apart_diverged);
-    const int64_t world = c.mesh.world()->size(), rank = c.mesh.rank();
+    const int64_t world = parts.mesh.world()->size(), rank = parts.mesh.rank();
     double seen[2] = {seen_here ? double(world - rank) : 0.0, double(in_a_row)};
-    c.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {2}, torch::kFloat64),
+    parts.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {2}, torch::kFloat64),
                                             ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
     s.peers_in_a_row = int64_t(seen[1]);
