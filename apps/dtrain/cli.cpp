@@ -424,7 +424,7 @@ int validate_job(const Cli& cli) {
   check_machine(checked.cfg, world, local);
   check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
   const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
-  // A mode may set ranks apart from the layout (async_ps's servers).
+  // A mode may set ranks apart from the layout (parameter servers).
   const int64_t others = world - checked.dims.world();
   std::cout << fmt::format("{}: ok ({} process(es): {}{}; {}{})\n", cli.job.path, world,
                            checked.dims.str(),

@@ -1,14 +1,19 @@
 #include "grad/grad_sync.hpp"
 
+#include <algorithm>
+#include <cmath>
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "comm/comm.hpp"
 #include "grad/bucketed.hpp"
 #include "grad/compression.hpp"
+#include "grad/sync_cost.hpp"
 #include "grad/zero.hpp"
 #include "parallel/mesh.hpp"
 #include "util/error.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
 
@@ -161,6 +166,47 @@ std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& 
         micro_batches, std::move(tied), mesh.coord().tensor,
         std::make_unique<AllReduce>(mesh.data()), compression_warmup_steps(cfg, total_steps));
   return make_all_reduce_sync(cfg, mesh, params, micro_batches, std::move(tied));
+}
+
+double buckets_of(const ParallelConfig& cfg, int64_t numel) {
+  return std::ceil(4 * double(numel) / (cfg.bucket_mb * kMiB));
+}
+
+SyncCost unsharded_cost(const FlatShape& shape, int64_t pad_to) {
+  FlatOptions opts;
+  opts.pad_to = pad_to;
+  const FlatSizes sizes = flat_sizes(opts, shape.total);
+  SyncCost c;
+  c.numel = sizes.numel;
+  c.shard = sizes.numel;
+  c.params = 4 * double(sizes.params);
+  c.grads = 4 * double(sizes.grads);
+  // Autograd's gradient of the largest parameter, before it goes into the flat gradient;
+  // autocast's 16-bit copies of the weights it casts, kept for backward.
+  double largest = 0;
+  for (const auto& e : shape.entries) {
+    largest = std::max(largest, 4 * double(e.numel));
+    if (e.gathered < 4) c.buffers += double(e.numel * e.gathered);
+  }
+  c.buffers += largest;
+  c.bytes = 0;
+  return c;
+}
+
+SyncCost grad_sync_cost(const ParallelConfig& cfg, const FlatShape& shape, const DataGroup& group) {
+  if (group.ranks == 1) return unsharded_cost(shape);
+  if (cfg.zero > 0) return zero_sync_cost(cfg, shape, group);
+  SyncCost c = unsharded_cost(shape);
+  const auto& how = compression_spec(cfg.compression);
+  GradShape g;
+  for (const auto& e : shape.entries) g.params.push_back({e.shape, e.numel});
+  g.numel = c.numel;
+  g.ranks = group.ranks;
+  g.sums_16bit = group.sums_16bit;
+  c.bytes = how.step_bytes(cfg, g);
+  c.ops = double(how.ops_per_bucket) * buckets_of(cfg, c.numel);
+  if (how.residual) c.buffers += 4 * double(c.numel);  // error feedback's
+  return c;
 }
 
 }  // namespace dtrain

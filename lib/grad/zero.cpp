@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include <torch/torch.h>
 
 #include "grad/bucketed.hpp"
+#include "grad/sync_cost.hpp"
 #include "parallel/mesh.hpp"
+#include "util/units.hpp"
 
 namespace dtrain {
 namespace {
@@ -428,6 +431,110 @@ std::unique_ptr<GradSync> make_zero_sync(const ParallelConfig& cfg, const Mesh& 
   if (cfg.zero >= 2)
     return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
   return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+}
+
+namespace {
+
+// ZeRO-3's gathers over a step, as Zero3Sync makes them: each use gathers its units unless
+// resident, frees every other but the one gathered ahead, and starts the next unit's
+// gather (forward: the one after; backward: the one before, within a chunk). Returns the
+// bytes this data rank sends and the most it holds gathered at once.
+std::pair<double, double> zero3_gathers(const FlatShape& h, const DataGroup& group, int64_t shard) {
+  const int64_t d = group.ranks;
+  std::set<size_t> resident;
+  size_t ahead = size_t(-1);
+  double sent = 0, held = 0, peak = 0;
+  auto start = [&](size_t u) {
+    if (!resident.insert(u).second) return;
+    const auto& unit = h.units[u];
+    held += unit.bytes;
+    for (size_t i : unit.entries) {  // this rank's part of it, to every other
+      const auto& e = h.entries[i];
+      const int64_t lo = std::max(e.offset, group.rank * shard);
+      const int64_t hi = std::min(e.offset + e.numel, (group.rank + 1) * shard);
+      if (hi > lo) sent += double((hi - lo) * e.gathered) * double(d - 1);
+    }
+  };
+  auto gather = [&](const std::vector<size_t>& units, int step) {
+    for (auto it = resident.begin(); it != resident.end();)
+      if (*it != ahead && std::find(units.begin(), units.end(), *it) == units.end())
+        held -= h.units[*it].bytes, it = resident.erase(it);
+      else
+        ++it;
+    for (size_t u : units) start(u);
+    peak = std::max(peak, held);
+    const size_t top = *std::max_element(units.begin(), units.end());
+    const int64_t next = int64_t(top) + step;
+    ahead = size_t(-1);
+    if (next >= 0 && next < int64_t(h.units.size()) && h.units[size_t(next)].chunk == h.units[top].chunk) {
+      ahead = size_t(next);
+      start(ahead);
+      peak = std::max(peak, held);
+    }
+  };
+  for (const auto& [chunk, forward] : group.passes) {
+    const auto& uses = h.uses[chunk];
+    if (forward)
+      for (const auto& use : uses) gather(use, +1);
+    else
+      for (auto it = uses.rbegin(); it != uses.rend(); ++it) gather(*it, -1);
+  }
+  return {sent, peak};
+}
+
+}  // namespace
+
+SyncCost zero_sync_cost(const ParallelConfig& cfg, const FlatShape& h, const DataGroup& group) {
+  const int64_t d = group.ranks;
+  ParallelDims dims;
+  dims.data = d;
+  Coord at;
+  at.data = group.rank;
+  FlatOptions opts;
+  shard_flat(cfg, dims, at, opts);
+  const FlatSizes sizes = flat_sizes(opts, h.total);
+  const int64_t numel = sizes.numel, shard = numel / d;
+  const bool gathers = cfg.zero >= 3;
+  SyncCost c;
+  c.numel = numel;
+  c.shard = shard;
+  c.params = 4 * double(sizes.params);
+  c.grads = 4 * double(sizes.grads);
+  // Autograd's gradient of the largest parameter (ZeRO-3's compute-dtype weights' in that
+  // dtype); autocast's 16-bit copies, unless ZeRO-3 gathers the weights in that dtype.
+  double largest = 0, copies = 0;
+  for (const auto& e : h.entries) {
+    largest = std::max(largest, double(e.numel * (gathers ? e.gathered : 4)));
+    if (e.gathered < 4) copies += double(e.numel * e.gathered);
+  }
+  c.buffers = largest + (gathers ? 0 : copies);
+  double gathered_sent = 0;
+  if (cfg.zero >= 2) {
+    c.buffers += double(kZeroInFlight) * cfg.bucket_mb * kMiB + 4 * double(h.tied);
+    if (group.micro > 1) c.buffers += 4 * double(h.total);  // micro-batches add up whole
+    // and a compute-dtype weight's next one beside its fp32 sum
+    if (group.micro > 1 && gathers) c.buffers += copies;
+    if (gathers) {
+      const auto [sent, peak] = zero3_gathers(h, group, shard);
+      gathered_sent = sent;
+      c.buffers += peak;
+    }
+  }
+  // Each slice reduced to its owner: (D-1)/D of it, and 1/D more off the owner; the tied
+  // weight all-reduced instead (every data rank needs it whole to sum it across stages);
+  // ZeRO-1 and 2's shard broadcast back, ZeRO-3's gathers.
+  double tied_here = 0;
+  for (const auto& [lo, hi] : h.tied_at)
+    tied_here += double(std::max<int64_t>(0, std::min(hi, (at.data + 1) * shard) - std::max(lo, at.data * shard)));
+  const double others = 4 * double(numel - h.tied), owned = 4 * (double(shard) - tied_here);
+  double bytes = others * double(d - 1) / double(d) + (others - owned) / double(d);
+  bytes += ring_all_reduce_share(4 * double(h.tied), d);
+  if (!gathers) bytes += 4 * double(shard) * double(d - 1);
+  c.bytes = bytes + gathered_sent;
+  double broadcasts = 0;
+  for (const auto& u : h.units) broadcasts += double(u.dtypes.size());
+  c.ops = 2 * buckets_of(cfg, numel) + (gathers ? 2 * double(group.micro) * broadcasts : 0);
+  return c;
 }
 
 }  // namespace dtrain

@@ -44,7 +44,7 @@ double needed(const Plan& p) {
   return p.device == "cuda" ? largest_rank(p) * double(p.ranks_per_gpu) : p.world_memory;
 }
 
-// Without a time estimate (no profile, a GPU, async_ps), what a layout costs beyond the
+// Without a time estimate (no profile, a GPU, a mode whose steps have none), what a layout costs beyond the
 // work itself, in order: the busiest rank's bubble, bytes sent and FLOPs (recompute's
 // extra forward), the micro-batches (smaller matmuls), then the memory it needs.
 std::tuple<double, double, double, int64_t, double> overhead(const Candidate& c) {
@@ -81,7 +81,7 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const 
   const auto is_held = [&](const char* key) { return held.count(key) > 0; };
   const auto& own = cfg.parallel;
   const bool blocks = model_spec(cfg.model.arch).blocks;
-  // The ranks that train (async_ps sets its servers apart).
+  // The ranks that train (a mode may set some apart: parameter servers).
   const int64_t trainers = mode_spec(own.mode).trainers(cfg, world);
   // A pipeline's split evened out by parameters and by FLOPs, where the two differ and
   // the job sets neither (else the job's own), by stages and tensor ranks.

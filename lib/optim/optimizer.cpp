@@ -158,11 +158,8 @@ class FlatOptimizer : public Optimizer {
 // d = nesterov ? d + m*buf : buf; p -= lr*d.
 class Sgd : public FlatOptimizer {
  public:
-  // Without momentum there is no buffer (torch.optim.SGD keeps none either).
   Sgd(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard,
-                      cfg.momentum != 0 ? std::vector<std::string>{"momentum_buffer"}
-                                        : std::vector<std::string>{}) {}
+      : FlatOptimizer(cfg, params, shard, slot_names(cfg)) {}
 
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
@@ -213,7 +210,7 @@ class Sgd : public FlatOptimizer {
 class AdamW : public FlatOptimizer {
  public:
   AdamW(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard, {"exp_avg", "exp_avg_sq"}) {}
+      : FlatOptimizer(cfg, params, shard, slot_names(cfg)) {}
 
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
@@ -251,6 +248,13 @@ class AdamW : public FlatOptimizer {
 };
 
 }  // namespace
+
+std::vector<std::string> slot_names(const OptimizerConfig& cfg) {
+  if (cfg.name == "adamw") return {"exp_avg", "exp_avg_sq"};
+  // Without momentum there is no buffer (torch.optim.SGD keeps none either).
+  if (cfg.momentum != 0) return {"momentum_buffer"};
+  return {};
+}
 
 bool has_fused_kernel(const c10::Device& device) {
   return device.is_cuda() || device.is_cpu();  // SGD's and AdamW's, on both, since 2.4

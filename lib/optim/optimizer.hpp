@@ -70,6 +70,9 @@ void load_optimizer_state(Optimizer& opt, const FlatParams& params, const NamedT
                           int64_t tensor_rank, const std::string& origin);
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
                           int64_t tensor_rank);
+// The state the optimizer of `cfg` keeps, a flat buffer over its shard each (its slots):
+// the optimizers make them by it and the planner counts them.
+std::vector<std::string> slot_names(const OptimizerConfig& cfg);
 // Whether this LibTorch has the optimizers' fused kernels for parameters on `device` (then
 // the update makes no temporaries the size of the parameters).
 bool has_fused_kernel(const c10::Device& device);

@@ -94,6 +94,13 @@ std::set<std::string> cast_by_autocast(const torch::nn::Module& model) {
   return cast;
 }
 
+FlatSizes flat_sizes(const FlatOptions& opts, int64_t total) {
+  const int64_t numel = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
+  if (numel % opts.grad_ranks != 0 || numel % opts.param_ranks != 0)
+    throw std::logic_error("FlatOptions: pad_to must make the buffers cut in equal shards");
+  return {numel, numel / opts.param_ranks, numel / opts.grad_ranks};
+}
+
 FlatParams::FlatParams(torch::nn::Module& model, const FlatOptions& opts)
     : FlatParams(std::vector<torch::nn::Module*>{&model}, opts) {}
 
@@ -115,17 +122,16 @@ FlatParams::FlatParams(const std::vector<torch::nn::Module*>& modules, const Fla
   }
   torch::NoGradGuard no_grad;
   auto options = torch::TensorOptions().dtype(opts.dtype).device(opts.device);
-  numel_ = (total + opts.pad_to - 1) / opts.pad_to * opts.pad_to;
-  if (numel_ % opts.grad_ranks != 0 || numel_ % opts.param_ranks != 0)
-    throw std::logic_error("FlatOptions: pad_to must make the buffers cut in equal shards");
-  data_held_ = {opts.param_rank * (numel_ / opts.param_ranks), numel_ / opts.param_ranks};
+  const FlatSizes sizes = flat_sizes(opts, total);
+  numel_ = sizes.numel;
+  data_held_ = {opts.param_rank * sizes.params, sizes.params};
   // Empty, not zeros: each page is first written by its own parameter, so a model that is
   // initialised here costs one copy of the weights, not two.
   data_ = torch::empty({data_held_.numel}, options);
   const int64_t held_end = data_held_.offset + data_held_.numel;
   const int64_t pad = std::clamp(total, data_held_.offset, held_end);  // the padding held here
   data_.narrow(0, pad - data_held_.offset, held_end - pad).zero_();
-  grad_held_ = {opts.grad_rank * (numel_ / opts.grad_ranks), numel_ / opts.grad_ranks};
+  grad_held_ = {opts.grad_rank * sizes.grads, sizes.grads};
   grad_ = torch::zeros({grad_held_.numel}, options);
   if (opts.param_ranks > 1) {
     make_units(modules, opts);

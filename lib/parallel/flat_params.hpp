@@ -157,6 +157,14 @@ struct FlatOptions {
   bool keep_values = true;
 };
 
+// The buffers' lengths for `total` values under `opts`: the padded length, and the values
+// this rank's parameter and gradient buffers hold. FlatParams allocates by it and the
+// planner (plan/) counts by it.
+struct FlatSizes {
+  int64_t numel = 0, params = 0, grads = 0;
+};
+FlatSizes flat_sizes(const FlatOptions& opts, int64_t total);
+
 class FlatParams {
  public:
   struct Entry {

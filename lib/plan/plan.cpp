@@ -16,9 +16,8 @@
 
 #include "comm/comm.hpp"
 #include "data/dataset.hpp"
-#include "grad/compression.hpp"
+#include "grad/sync_cost.hpp"
 #include "grad/grad_sync.hpp"
-#include "grad/zero.hpp"
 #include "launch/device.hpp"
 #include "launch/supervisor.hpp"
 #include "models/model.hpp"
@@ -54,14 +53,12 @@ double runtime_bytes(bool forked) {
   return own.first + (forked ? kForkedLibraryBytes : own.second) + 5 * kMiB;
 }
 
-struct Held;
-
 // What the planner knows of the job for its world.
 struct Job {
   const JobConfig& cfg;
   const ModeSpec& mode;
   ParallelDims dims;
-  int64_t world = 1, servers = 0;  // servers: async_ps's ranks apart from the layout
+  int64_t world = 1, apart = 0;  // ranks a mode sets apart from the layout (the first ones)
   bool cuda = false;
   ModelContext mc;                 // the data's shape, as the model is built from it
   std::vector<PartCost> costs;     // each part's, at dims.tensor
@@ -69,13 +66,13 @@ struct Job {
   int64_t chunks = 1;              // stages per pipeline rank (interleaved: virtual_stages)
   int64_t micro = 1;               // micro-batches per step
   double rows = 1;                 // samples per micro-batch on a data rank
-  mutable std::map<int64_t, std::shared_ptr<const Held>> held_;  // held(), by pipeline rank
+  mutable std::map<int64_t, std::shared_ptr<const FlatShape>> held_;  // held(), by pipeline rank
 
   Job(const JobConfig& c, int64_t w, const Devices& devices = Devices::here())
       : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
     const int64_t trainers = mode.trainers(cfg, world);
     dims = ParallelDims::resolve(cfg.parallel, trainers);
-    servers = world - trainers;
+    apart = world - trainers;
     cuda = plans_gpu(cfg, devices);
     const auto kind = data_kind(cfg.data);
     mc.sample_shape = kind.sample_shape;
@@ -99,7 +96,12 @@ struct Job {
   int64_t stages() const { return dims.pipeline * chunks; }
   // The parameters pipeline rank `r` holds (held_by, below): each rank's plan and the time
   // of every rank's work read them, built once (an outline of the rank's chunks).
-  const Held& held(int64_t r) const;
+  const FlatShape& held(int64_t r) const;
+  // The world rank of the trainer at `at`: the ranks a mode sets apart come first.
+  int64_t rank_at(const Coord& at) const { return apart + dims.rank_of(at); }
+  Coord coord(int64_t rank) const { return rank < apart ? Coord{} : dims.coord_of(rank - apart); }
+  // What world rank `rank` keeps and sends for its parameters, as its mode declares.
+  RankCost cost_of(int64_t rank) const;
   // Part i's cost sheet in this job's precision: under 16-bit autocast its 16-bit
   // activations, and its casts among the kernels.
   PartCost part(int64_t i) const {
@@ -114,35 +116,11 @@ struct Job {
   }
 };
 
-// The parameters a pipeline rank holds, as FlatParams lays them out: its chunks' in order,
-// each once; ZeRO-3's units over them; forward's uses of the units.
-struct Held {
-  struct Entry {
-    std::string name;
-    std::vector<int64_t> shape;
-    int64_t numel = 0;
-    int64_t offset = 0;
-    int64_t gathered = 4;  // bytes a value takes in ZeRO-3's gathers (FlatOptions::compute_dtype)
-  };
-  struct Unit {
-    int64_t offset = 0, numel = 0;
-    size_t chunk = 0;
-    std::vector<size_t> entries;
-    double bytes = 0;     // gathered
-    std::set<int64_t> dtypes;  // its entries' gathered sizes: a broadcast each
-  };
-  std::vector<Entry> entries;
-  std::vector<Unit> units;
-  std::vector<std::vector<std::vector<size_t>>> uses;  // per chunk: the units each use gathers
-  int64_t total = 0;       // parameters
-  int64_t tied = 0;        // of them, a weight tied across stages (summed over the pipeline)
-  std::vector<std::pair<int64_t, int64_t>> tied_at;  // its [begin, end) in the flat buffer
-  bool first = false, last = false;  // holds the model's first / last part
-};
-
-Held held_by(const Job& job, int64_t pipeline_rank) {
+// The parameters a pipeline rank holds, as FlatParams lays them out (grad/sync_cost.hpp's
+// FlatShape), read off an outline of its chunks.
+FlatShape held_by(const Job& job, int64_t pipeline_rank) {
   const auto& spec = model_spec(job.cfg.model.arch);
-  Held h;
+  FlatShape h;
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<std::string> tied_names;
   std::vector<NetworkPtr> nets;
@@ -184,7 +162,7 @@ Held held_by(const Job& job, int64_t pipeline_rank) {
     std::set<size_t> claimed;
     for (const auto* module : net->units()) {
       int64_t lo = -1, hi = -1;
-      Held::Unit unit;
+      FlatShape::Unit unit;
       for (const auto& p : module->named_parameters(/*recurse=*/true)) {
         auto it = entry_of.find(p.value().unsafeGetTensorImpl());
         if (it == entry_of.end() || !claimed.insert(it->second).second) continue;
@@ -221,9 +199,9 @@ Held held_by(const Job& job, int64_t pipeline_rank) {
   return h;
 }
 
-const Held& Job::held(int64_t r) const {
+const FlatShape& Job::held(int64_t r) const {
   auto& h = held_[r];
-  if (!h) h = std::make_shared<const Held>(held_by(*this, r));
+  if (!h) h = std::make_shared<const FlatShape>(held_by(*this, r));
   return *h;
 }
 
@@ -238,6 +216,18 @@ std::vector<Action> step_actions(const Job& job, int64_t pipeline_rank) {
     out.push_back({Action::kBackward, m, 0});
   }
   return out;
+}
+
+RankCost Job::cost_of(int64_t rank) const {
+  const Coord at = coord(rank);
+  DataGroup group;
+  group.ranks = dims.data;
+  group.rank = at.data;
+  group.micro = micro;
+  group.sums_16bit = cuda && cfg.dist.backend != "gloo";
+  for (const Action& a : step_actions(*this, at.pipeline))
+    group.passes.emplace_back(size_t(a.chunk), a.kind == Action::kForward);
+  return mode.cost(cfg, held(at.pipeline), group, rank);
 }
 
 // A chunk's parts, per sample: what backward keeps (a recomputed block only its input), the
@@ -401,54 +391,6 @@ double stage_kernels(const Job& job, int64_t stage) {
   return double(job.micro) * kernels;
 }
 
-// ZeRO-3's gathers over a step, as grad/zero.cpp's Zero3Sync makes them: each use gathers
-// its units unless resident, frees every other but the one gathered ahead, and starts the
-// next unit's gather (forward: the one after; backward: the one before, within a chunk).
-// Returns the bytes this data rank sends and the most it holds gathered at once.
-std::pair<double, double> zero3_gathers(const Job& job, const Held& h, int64_t pipeline_rank,
-                                        int64_t shard, int64_t data_rank) {
-  const int64_t d = job.dims.data;
-  std::set<size_t> resident;
-  size_t ahead = size_t(-1);
-  double sent = 0, held = 0, peak = 0;
-  auto start = [&](size_t u) {
-    if (!resident.insert(u).second) return;
-    const auto& unit = h.units[u];
-    held += unit.bytes;
-    for (size_t i : unit.entries) {  // this rank's part of it, to every other
-      const auto& e = h.entries[i];
-      const int64_t lo = std::max(e.offset, data_rank * shard);
-      const int64_t hi = std::min(e.offset + e.numel, (data_rank + 1) * shard);
-      if (hi > lo) sent += double((hi - lo) * e.gathered) * double(d - 1);
-    }
-  };
-  auto gather = [&](const std::vector<size_t>& units, int step) {
-    for (auto it = resident.begin(); it != resident.end();)
-      if (*it != ahead && std::find(units.begin(), units.end(), *it) == units.end())
-        held -= h.units[*it].bytes, it = resident.erase(it);
-      else
-        ++it;
-    for (size_t u : units) start(u);
-    peak = std::max(peak, held);
-    const size_t top = *std::max_element(units.begin(), units.end());
-    const int64_t next = int64_t(top) + step;
-    ahead = size_t(-1);
-    if (next >= 0 && next < int64_t(h.units.size()) && h.units[size_t(next)].chunk == h.units[top].chunk) {
-      ahead = size_t(next);
-      start(ahead);
-      peak = std::max(peak, held);
-    }
-  };
-  for (const Action& a : step_actions(job, pipeline_rank)) {
-    const auto& uses = h.uses[size_t(a.chunk)];
-    if (a.kind == Action::kForward)
-      for (const auto& use : uses) gather(use, +1);
-    else
-      for (auto it = uses.rbegin(); it != uses.rend(); ++it) gather(*it, -1);
-  }
-  return {sent, peak};
-}
-
 // The dataset each process holds in memory, bytes: images as fp32 with int64 labels, text as
 // int64 tokens, token shards mapped (resident once scanned).
 double bytes_on_disk(const std::string& path) {
@@ -478,20 +420,6 @@ double batch_bytes(const JobConfig& cfg, double rows) {
   double sample = 1;
   for (auto x : kind.sample_shape) sample *= double(x);
   return rows * (kind.tokens ? 2 * 8 * sample : 4 * sample + 8);
-}
-
-int64_t optimizer_slots(const OptimizerConfig& o) {
-  return o.name == "adamw" ? 2 : o.momentum != 0 ? 1 : 0;
-}
-
-// What the data group's gradient sync is figured from (compression.hpp), ZeRO's aside.
-GradShape grad_shape(const Job& job, const Held& h, int64_t numel) {
-  GradShape g;
-  for (const auto& e : h.entries) g.params.push_back({e.shape, e.numel});
-  g.numel = numel;
-  g.ranks = job.dims.data;
-  g.sums_16bit = job.cuda && job.cfg.dist.backend == "nccl";
-  return g;
 }
 
 // Ranks that share one GPU: those beyond the GPUs take turns on them.
@@ -534,211 +462,177 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
   return std::max(device * ranks_per_gpu(job, g), kernels * g.launch_s);
 }
 
-// Rank `rank`'s plan, from the job worked out once for every rank planned.
-RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) {
-  const JobConfig& cfg = job.cfg;
-  const int64_t world = job.world;
-  const auto& p = cfg.parallel;
-  RankPlan out;
-  out.rank = rank;
-  const bool server = rank < job.servers;  // async_ps's servers are the first ranks
-  const int64_t trainer = rank - job.servers;
-  out.coord = server ? Coord{} : job.dims.coord_of(trainer);
-  const Coord at = out.coord;
-  const int64_t d = job.dims.data;
-  const Held& h = job.held(at.pipeline);
-  // FlatParams' buffers: padded to cut into equal shards under ZeRO (or over the servers).
-  const int64_t pad = p.mode == "async_ps" ? (job.servers > 1 ? job.servers * kShardAlign : 1)
-                      : p.zero > 0 && d > 1 ? d * kShardAlign
-                                            : 1;
-  auto padded = [&](int64_t total) { return (total + pad - 1) / pad * pad; };
-  auto shard_of = [&](int64_t total) { return p.zero > 0 && d > 1 ? padded(total) / d : padded(total); };
-  const int64_t numel = padded(h.total);
-  const int64_t shard = shard_of(h.total);
-  const int64_t slots = optimizer_slots(cfg.optimizer);
-  MemoryPlan& m = out.memory;
-  if (!job.cuda) {
-    m.data = data_bytes(cfg);
-    m.runtime = runtime_bytes(workers_forked(job.world)) + kLoaderThreadBytes * double(cfg.data.workers);
-  }
-  const bool fused = has_fused_kernel(job.cuda ? torch::kCUDA : torch::kCPU);
-  // Autograd's gradient of the largest parameter, before it goes into the flat gradient
-  // (ZeRO-2 and 3: into its buckets; ZeRO-3's compute-dtype weights' in that dtype).
-  double largest = 0;
-  for (const auto& e : h.entries)
-    largest = std::max(largest, double(e.numel * (p.zero >= 3 && d > 1 ? e.gathered : 4)));
-  // The unfused update's scratch: a piece (optimizer.hpp's update_piece); the norm's
-  // squares take another while it is computed.
-  auto update_temporaries = [&](int64_t numel) {
-    return fused ? 0.0 : 2 * 4 * double(update_piece(numel));
-  };
-  if (server) {
-    // A server keeps the whole buffer layout and updates its range of it.
-    out.role = "server";
-    out.alike = job.servers;
-    const int64_t range = numel / job.servers;
-    m.params = m.grads = 4 * double(numel);
-    m.optimizer = 4 * double(slots * range);
-    m.buffers = update_temporaries(range);
-    return out;
-  }
-  out.role = job.stages() > 1 ? fmt::format("stage {} of {}", at.pipeline, job.dims.pipeline)
-                              : (job.servers > 0 ? "worker" : "");
-  out.alike = d * job.dims.tensor;
+// The unfused update's scratch over a shard: a piece (optimizer.hpp's update_piece); the
+// norm's squares take another while it is computed.
+double update_temporaries(const Job& job, int64_t shard) {
+  if (shard == 0 || has_fused_kernel(job.cuda ? torch::kCUDA : torch::kCPU)) return 0;
+  return 2 * 4 * double(update_piece(shard));
+}
 
-  // Parameters, gradients, optimizer state: as the summary's parameters_mb, gradient_mb,
-  // optimizer_state_mb count them.
-  const bool async = p.mode == "async_ps";
-  m.params = 4 * double(p.zero >= 3 && d > 1 ? shard : numel);
-  m.grads = 4 * double(p.zero >= 2 && d > 1 ? shard : numel);
-  m.optimizer = async ? 0 : 4 * double(slots * shard);
+// Each of a pipeline rank's chunks' costs, in its chunk order.
+std::vector<ChunkCost> chunk_costs(const Job& job, int64_t pipeline_rank) {
+  std::vector<ChunkCost> out;
+  for (int64_t c = 0; c < job.chunks; ++c) out.push_back(chunk_cost(job, c * job.dims.pipeline + pipeline_rank));
+  return out;
+}
 
-  // Activations: the micro-batches the schedule holds at once, each chunk's.
-  std::vector<ChunkCost> chunk(size_t(job.chunks));
-  for (int64_t c = 0; c < job.chunks; ++c) chunk[size_t(c)] = chunk_cost(job, c * job.dims.pipeline + at.pipeline);
+// The activations a pipeline rank holds at its peak: the micro-batches its schedule holds
+// at once, each chunk's, with backward's gradients in flight and recompute's rebuilt block.
+double activation_bytes(const Job& job, int64_t pipeline_rank, const std::vector<ChunkCost>& chunks) {
   double live = 0, most = 0, recompute_peak = 0;
-  for (const Action& a : step_actions(job, at.pipeline)) {
-    const auto& cc = chunk[size_t(a.chunk)];
+  for (const Action& a : step_actions(job, pipeline_rank)) {
+    const auto& cc = chunks[size_t(a.chunk)];
     if (a.kind == Action::kBackward) most = std::max(most, live + cc.backward_bytes);
     live += (a.kind == Action::kForward ? 1 : -1) * cc.activation_bytes;
     most = std::max(most, live);
     recompute_peak = std::max(recompute_peak, cc.recompute_peak);
   }
-  m.activations = job.rows * (most + recompute_peak);
+  return job.rows * (most + recompute_peak);
+}
 
-  // Buffers: the loader's batches; autograd's gradient of the largest parameter; autocast's
-  // 16-bit copies of the weights it casts (kept for backward); ZeRO's buckets and gathered
-  // units; error feedback's residual; the unfused update's temporaries.
-  m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + largest;
-  if (!(p.zero >= 3 && d > 1))  // ZeRO-3 gathers them in that dtype already
-    for (const auto& e : h.entries)
-      if (e.gathered < 4) m.buffers += double(e.numel * e.gathered);
-  double zero3_sent = 0;
-  if (p.zero >= 2 && d > 1) {
-    m.buffers += double(kZeroInFlight) * p.bucket_mb * kMiB + 4 * double(h.tied);
-    if (job.micro > 1) m.buffers += 4 * double(h.total);  // micro-batches add up whole
-    if (job.micro > 1 && p.zero >= 3)  // and a compute-dtype weight's next one beside its fp32 sum
-      for (const auto& e : h.entries)
-        if (e.gathered < 4) m.buffers += double(e.numel * e.gathered);
-    if (p.zero >= 3) {
-      const auto [sent, peak] = zero3_gathers(job, h, at.pipeline, shard, at.data);
-      zero3_sent = sent;
-      m.buffers += peak;
-    }
-  }
-  const CompressionSpec& compression = compression_spec(p.compression);
-  if (compression.residual) m.buffers += 4 * double(numel);
-  if (!async) m.buffers += update_temporaries(shard);
-
-  // Bytes sent per step: the data group's gradient sync (or local SGD's averages), the
-  // tensor group's all-reduces, the pipeline's activations and gradients, a tied weight's
-  // sum; and the operations they take (each pays the link's latency).
-  double data_bytes = 0, data_ops = 0;
-  const double buckets = std::ceil(4 * double(numel) / (p.bucket_mb * kMiB));
-  if (p.mode == "local_sgd") {
-    const double averaged = double(numel) * (1 + (p.average_optimizer ? double(slots) : 0));
-    data_bytes = ring_all_reduce_share(4 * averaged, d) / double(p.average_every);
-    data_ops = (p.average_optimizer ? double(1 + slots) : 1) / double(p.average_every);
-  } else if (d > 1 && p.zero > 0) {
-    // Each slice reduced to its owner: (D-1)/D of it, and 1/D more off the owner; the tied
-    // weight all-reduced instead (every data rank needs it whole to sum it across stages).
-    double tied_here = 0;
-    for (const auto& [lo, hi] : h.tied_at)
-      tied_here += double(std::max<int64_t>(0, std::min(hi, (at.data + 1) * shard) - std::max(lo, at.data * shard)));
-    const double others = 4 * double(numel - h.tied), owned = 4 * (double(shard) - tied_here);
-    data_bytes = others * double(d - 1) / double(d) + (others - owned) / double(d);
-    data_bytes += ring_all_reduce_share(4 * double(h.tied), d);
-    if (p.zero < 3) data_bytes += 4 * double(shard) * double(d - 1);
-    data_bytes += zero3_sent;
-    double gathers = 0;
-    for (const auto& u : h.units) gathers += double(u.dtypes.size());
-    data_ops = 2 * buckets + (p.zero >= 3 ? 2 * double(job.micro) * gathers : 0);
-  } else if (d > 1) {
-    data_bytes = compression.step_bytes(p, grad_shape(job, h, numel));
-    data_ops = double(compression.ops_per_bucket) * buckets;
-  }
+// Bytes a rank sends a step by group, and the operations they take (each pays the link's
+// latency): the data group's (as the mode declares), the tensor group's all-reduces, the
+// pipeline's activations and gradients, a tied weight's sum across the pipeline.
+struct Traffic {
+  double data = 0, data_ops = 0, tensor = 0, tensor_ops = 0, pipe = 0, pipe_ops = 0, tied = 0;
+  double total() const { return data + tensor + pipe + tied; }
+};
+Traffic traffic(const Job& job, const std::vector<ChunkCost>& chunks, const SyncCost& sync,
+                const FlatShape& h) {
   double reduced = 0, reductions = 0, piped = 0;
-  for (const auto& cc : chunk) {
+  for (const auto& cc : chunks) {
     reduced += cc.reduced;
     reductions += cc.reductions;
     piped += cc.sent_forward + cc.sent_backward;
-    out.flops += cc.flops;
   }
   const double rows_step = job.rows * double(job.micro);
-  const double tensor_bytes = ring_all_reduce_share(4 * reduced * rows_step, job.dims.tensor);
-  const double pipe_bytes = 4 * piped * rows_step;
-  const double tied_bytes = ring_all_reduce_share(4 * double(h.tied), 2);
-  out.flops *= rows_step;
-  if (!async) out.comm_bytes = data_bytes + tensor_bytes + pipe_bytes + tied_bytes;
+  Traffic t;
+  t.data = sync.bytes.value_or(0), t.data_ops = sync.ops;
+  t.tensor = ring_all_reduce_share(4 * reduced * rows_step, job.dims.tensor);
+  t.tensor_ops = double(job.micro) * reductions;
+  t.pipe = 4 * piped * rows_step;
+  t.pipe_ops = double(job.micro * job.chunks) * 2;
+  t.tied = ring_all_reduce_share(4 * double(h.tied), 2);
+  return t;
+}
 
-  // The bubble: this rank's waits in the schedule played out with each stage taking its
-  // FLOPs, or below, where the profile measured the device, the time it computes.
-  if (job.dims.pipeline > 1) out.bubble = played(job, kFlops).bubble(at.pipeline);
+// A step's seconds spent talking: each group's bytes at its link's rate plus a latency per
+// operation, not overlapped with computing.
+double talk_seconds(const Job& job, const Traffic& t, const MachineProfile& profile,
+                    const std::vector<MachineProfile::Link>& all_reduce,
+                    const std::vector<MachineProfile::Link>& send) {
+  double seconds = 0;
+  auto talk = [&](const std::vector<MachineProfile::Link>& list, int64_t ranks, double bytes, double ops) {
+    const auto* l = profile.link(list, ranks);
+    if (bytes > 0 && l) seconds += ops * l->latency_s + bytes / l->bytes_per_s;
+  };
+  talk(all_reduce, job.dims.data, t.data, t.data_ops);
+  talk(all_reduce, job.dims.tensor, t.tensor, t.tensor_ops);
+  talk(send, 2, t.pipe, t.pipe_ops);
+  talk(all_reduce, 2, t.tied, 1);
+  return seconds;
+}
 
-  // The time of a step, where the profile measured the planned device: the chunks' work
-  // as the schedule plays it, the optimizer streaming its shard, each group's bytes at its
-  // link's rate plus a latency per operation, not overlapped with computing.
-  if (profile && !async) {
-    const double passes = cfg.optimizer.name == "adamw" ? 12 : 4;
-    struct Talk {
-      const std::vector<MachineProfile::Link>& all_reduce;
-      const std::vector<MachineProfile::Link>& send;
-    };
-    auto talk_seconds = [&](const Talk& links) {
-      double seconds = 0;
-      auto talk = [&](const std::vector<MachineProfile::Link>& list, int64_t ranks, double bytes, double ops) {
-        const auto* l = profile->link(list, ranks);
-        if (bytes > 0 && l) seconds += ops * l->latency_s + bytes / l->bytes_per_s;
-      };
-      talk(links.all_reduce, d, data_bytes, data_ops);
-      talk(links.all_reduce, job.dims.tensor, tensor_bytes, double(job.micro) * reductions);
-      talk(links.send, 2, pipe_bytes, double(job.micro * job.chunks) * 2);
-      talk(links.all_reduce, 2, tied_bytes, 1);
-      return seconds;
-    };
-    if (!job.cuda && !profile->matmul.empty()) {
-      // The ranks (all planned on this machine) compute at once: the machine runs `busy`
-      // threads (its cores at most), at the rates measured for that many, and the ranks
-      // that fit on them at once (`running`) each get their part. Two one-thread ranks on
-      // two cores each get half of two threads' rate, not a lone thread's (the GPT at d2
-      // took 0.85-0.92x the step of one process on two threads; a lone thread's rate said
-      // 0.58-0.70x). This rank's work, stretched by its bubble at that rate, bounds the
-      // step; so does every rank's work at the machine's rate: where ranks outnumber the
-      // cores, those a stage's bubble idles give their cores to the others (4 ranks on 2
-      // cores, d2 x p2 1F1B at one micro-batch: 211 ms a step, the bubble's stretch said 422).
-      const double threads = double(intra_op_threads(cfg.train.threads, profile->cores, world));
-      const double busy = std::min(double(profile->cores), double(world) * threads);
-      const double running = busy / threads;
-      const bool bf16 = cfg.precision.dtype == "bf16";  // autocast's matmuls
-      const Speed speed{[&](double side, double, bool batched) {
-                          return profile->matmul_flops(side, busy, bf16, batched);
-                        },
-                        profile->memory_bytes(busy), profile->elementwise_values(busy, bf16, false),
-                        profile->elementwise_values(busy, bf16, true)};
-      double machine = 0;  // every rank's work, the machine's alone
-      for (int64_t s = 0; s < job.dims.pipeline; ++s)
-        machine += work_seconds(job, s, speed, shard_of(job.held(s).total), passes) *
-                   double(d * job.dims.tensor);
-      const double mine = step_work_seconds(job, at.pipeline, speed, shard, passes, out.bubble) * running;
-      // And where they outnumber the cores, a rank that waits on another (a pipeline's
-      // receiver, a tensor group's all-reduce) waits for a core back.
-      double waits = 0;
-      if (running < double(world)) {
-        if (job.dims.pipeline > 1) waits += profile->crowded.handoff_s * double(job.micro * job.chunks) * 2;
-        if (job.dims.tensor > 1) waits += profile->crowded.all_reduce_s * double(job.micro) * reductions;
-      }
-      out.step_s = std::max(mine, machine) + waits + talk_seconds({profile->all_reduce, profile->send});
-    } else if (job.cuda && profile->gpu) {
-      // The links of the backend the ranks take: the GPU's where the profile measured
-      // that backend, else Gloo's between processes (its copies through the host aside);
-      // NCCL unmeasured (a profile of one GPU) leaves no estimate.
-      const auto& g = *profile->gpu;
-      const std::string backend = world > 1 ? gpu_backend(job, g) : g.backend;
-      const double work = gpu_step_seconds(job, at, g, shard, double(h.entries.size()), passes, out.bubble);
-      if (backend == g.backend) out.step_s = work + talk_seconds({g.all_reduce, g.send});
-      else if (backend == "gloo") out.step_s = work + talk_seconds({profile->all_reduce, profile->send});
-    }
+// Passes the update makes over its shard at memory speed where the profile has no
+// elementwise rates.
+double update_passes(const OptimizerConfig& o) { return o.name == "adamw" ? 12 : 4; }
+
+// A step's seconds on this machine's CPU (every rank planned on it): the ranks compute at
+// once, the machine runs `busy` threads (its cores at most), at the rates measured for that
+// many, and the ranks that fit on them at once (`running`) each get their part. Two
+// one-thread ranks on two cores each get half of two threads' rate, not a lone thread's
+// (the GPT at d2 took 0.85-0.92x the step of one process on two threads; a lone thread's
+// rate said 0.58-0.70x). This rank's work, stretched by its bubble at that rate, bounds the
+// step; so does every rank's work at the machine's rate: where ranks outnumber the cores,
+// those a stage's bubble idles give their cores to the others (4 ranks on 2 cores, d2 x p2
+// 1F1B at one micro-batch: 211 ms a step, the bubble's stretch said 422).
+double cpu_step_seconds(const Job& job, const Coord& at, int64_t shard, const Traffic& t,
+                        const MachineProfile& profile, double& bubble) {
+  const auto& cfg = job.cfg;
+  const double threads = double(intra_op_threads(cfg.train.threads, profile.cores, job.world));
+  const double busy = std::min(double(profile.cores), double(job.world) * threads);
+  const double running = busy / threads;
+  const bool bf16 = cfg.precision.dtype == "bf16";  // autocast's matmuls
+  const Speed speed{[&](double side, double, bool batched) {
+                      return profile.matmul_flops(side, busy, bf16, batched);
+                    },
+                    profile.memory_bytes(busy), profile.elementwise_values(busy, bf16, false),
+                    profile.elementwise_values(busy, bf16, true)};
+  const double passes = update_passes(cfg.optimizer);
+  double machine = 0;  // every rank's work, the machine's alone
+  for (int64_t s = 0; s < job.dims.pipeline; ++s) {
+    const int64_t stage_shard = job.cost_of(job.rank_at(Coord{0, 0, s})).sync.shard;
+    machine += work_seconds(job, s, speed, stage_shard, passes) * double(job.dims.data * job.dims.tensor);
   }
+  const double mine = step_work_seconds(job, at.pipeline, speed, shard, passes, bubble) * running;
+  // And where they outnumber the cores, a rank that waits on another (a pipeline's
+  // receiver, a tensor group's all-reduce) waits for a core back.
+  double waits = 0;
+  if (running < double(job.world)) {
+    if (job.dims.pipeline > 1) waits += profile.crowded.handoff_s * t.pipe_ops;
+    if (job.dims.tensor > 1) waits += profile.crowded.all_reduce_s * t.tensor_ops;
+  }
+  return std::max(mine, machine) + waits + talk_seconds(job, t, profile, profile.all_reduce, profile.send);
+}
+
+// The time of a step where the profile measured the planned device: the chunks' work as the
+// schedule plays it, the update over its shard, the talk. On a GPU the links of the backend
+// the ranks take: the GPU's where the profile measured that backend, else Gloo's between
+// processes (its copies through the host aside); NCCL unmeasured (a profile of one GPU)
+// leaves no estimate.
+std::optional<double> step_seconds(const Job& job, const Coord& at, int64_t shard, const Traffic& t,
+                                   const MachineProfile& profile, double& bubble) {
+  if (!job.cuda && !profile.matmul.empty()) return cpu_step_seconds(job, at, shard, t, profile, bubble);
+  if (!job.cuda || !profile.gpu) return std::nullopt;
+  const auto& g = *profile.gpu;
+  const std::string backend = job.world > 1 ? gpu_backend(job, g) : g.backend;
+  const double work = gpu_step_seconds(job, at, g, shard, double(job.held(at.pipeline).entries.size()),
+                                       update_passes(job.cfg.optimizer), bubble);
+  if (backend == g.backend) return work + talk_seconds(job, t, profile, g.all_reduce, g.send);
+  if (backend == "gloo") return work + talk_seconds(job, t, profile, profile.all_reduce, profile.send);
+  return std::nullopt;
+}
+
+// Rank `rank`'s plan, from the job worked out once for every rank planned: the model's
+// costs for its chunks, the schedule's, and what its mode declares for its parameters.
+RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) {
+  const JobConfig& cfg = job.cfg;
+  const RankCost cost = job.cost_of(rank);
+  const SyncCost& sync = cost.sync;
+  RankPlan out;
+  out.rank = rank;
+  out.coord = job.coord(rank);
+  const Coord at = out.coord;
+  // Parameters, gradients, optimizer state: as the summary's parameters_mb, gradient_mb,
+  // optimizer_state_mb count them.
+  MemoryPlan& m = out.memory;
+  if (!job.cuda) {
+    m.data = data_bytes(cfg);
+    m.runtime = runtime_bytes(workers_forked(job.world)) + kLoaderThreadBytes * double(cfg.data.workers);
+  }
+  m.params = sync.params;
+  m.grads = sync.grads;
+  m.optimizer = 4 * double(slot_names(cfg.optimizer).size()) * double(sync.shard);
+  m.buffers = update_temporaries(job, sync.shard);
+  if (!cost.trains) {  // a rank apart from the layout (a parameter server)
+    out.role = cost.role;
+    out.trains = false;
+    out.alike = job.apart;
+    return out;
+  }
+  out.role = job.stages() > 1 ? fmt::format("stage {} of {}", at.pipeline, job.dims.pipeline) : cost.role;
+  out.alike = job.dims.data * job.dims.tensor;
+  const std::vector<ChunkCost> chunks = chunk_costs(job, at.pipeline);
+  m.activations = activation_bytes(job, at.pipeline, chunks);
+  // Buffers: the loader's batches, and what the gradient's path holds (the sync's).
+  m.buffers += double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + sync.buffers;
+  for (const auto& cc : chunks) out.flops += cc.flops * job.rows * double(job.micro);
+  const Traffic t = traffic(job, chunks, sync, job.held(at.pipeline));
+  if (sync.bytes) out.comm_bytes = t.total();
+  // The bubble: this rank's waits in the schedule played out with each stage taking its
+  // FLOPs, or, where the profile measured the device, the time it computes.
+  if (job.dims.pipeline > 1) out.bubble = played(job, kFlops).bubble(at.pipeline);
+  if (profile && sync.bytes) out.step_s = step_seconds(job, at, sync.shard, t, *profile, out.bubble);
   return out;
 }
 
@@ -770,14 +664,14 @@ Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile
   plan.world = world;
   plan.device = job.cuda ? "cuda" : "cpu";
   if (job.cuda && profile && profile->gpu) plan.ranks_per_gpu = int64_t(ranks_per_gpu(job, *profile->gpu));
-  if (job.servers > 0) plan.ranks.push_back(rank_plan(job, 0, profile));
+  if (job.apart > 0) plan.ranks.push_back(rank_plan(job, 0, profile));
   for (int64_t s = 0; s < job.dims.pipeline; ++s)
-    plan.ranks.push_back(rank_plan(job, job.servers + job.dims.rank_of({0, 0, s}), profile));
+    plan.ranks.push_back(rank_plan(job, job.rank_at({0, 0, s}), profile));
   bool timed = profile != nullptr;
   double slowest = 0;
   for (const auto& r : plan.ranks) {
     plan.world_memory += r.memory.total() * double(r.alike);
-    if (r.role == "server") continue;
+    if (!r.trains) continue;
     timed = timed && r.step_s.has_value();
     if (r.step_s) slowest = std::max(slowest, *r.step_s);
   }

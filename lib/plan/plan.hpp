@@ -3,7 +3,9 @@
 // counts them), its pipeline bubble and its FLOPs. The model's parameters come from its
 // outline (each rank's share, built on the meta device: the shapes a run builds, no
 // memory); activations, FLOPs and tensor-parallel traffic from the model's cost sheet
-// (models/model.hpp's PartCost); the rest from the layout, the schedule and ZeRO's rules.
+// (models/model.hpp's PartCost); the schedule's from its action list; the flat buffers,
+// optimizer state and the data group's bytes as each rank's mode declares them (ModeSpec::
+// cost: the gradient syncs' own, grad/sync_cost.hpp). It names no mode or strategy.
 // The memory check of `validate` and `run` uses the same estimate.
 #pragma once
 #include <cstdint>
@@ -36,7 +38,8 @@ struct MemoryPlan {
 struct RankPlan {
   int64_t rank = 0;            // the world rank planned (the lowest of those alike)
   Coord coord;
-  std::string role;            // "stage 1 of 2", "server" (async_ps)
+  std::string role;            // "stage 1 of 2", "server" (a parameter server)
+  bool trains = true;          // runs forward and backward (a rank apart from the layout may not)
   int64_t alike = 1;           // ranks with this plan (they differ in data or tensor rank)
   MemoryPlan memory;
   std::optional<double> comm_bytes;  // per step, after any compression warm-up

@@ -21,6 +21,7 @@
 #include "comm/comm.hpp"
 #include "config/config.hpp"
 #include "grad/grad_sync.hpp"
+#include "grad/sync_cost.hpp"
 #include "parallel/dims.hpp"
 #include "parallel/flat_params.hpp"
 #include "parallel/mesh.hpp"
@@ -90,7 +91,16 @@ class Lockstep : public Mode {
   Mesh mesh_;
 };
 
-// What validation and the launcher ask of a mode before any process group exists.
+// What a rank of a mode keeps and sends for its parameters in a step, for the planner
+// (plan/), which adds it to the model's and the schedule's costs and names no mode.
+struct RankCost {
+  SyncCost sync;       // its flat buffers, what it updates, its sync's buffers and bytes
+  bool trains = true;  // runs forward and backward (a rank outside the layout may not)
+  std::string role;    // its part, for the plan's table ("" when every rank is alike)
+};
+
+// What validation, the launcher and the planner ask of a mode before any process group
+// exists.
 struct ModeSpec {
   // The mode's own checks: what it cannot run with, the world it needs (ConfigError).
   std::function<void(const JobConfig&, int64_t world)> validate;
@@ -106,6 +116,15 @@ struct ModeSpec {
   // A rank's part in the job, for the launcher's messages ("" when all are alike).
   std::function<std::string(const JobConfig&, int64_t rank)> role =
       [](const JobConfig&, int64_t) { return std::string(); };
+  // What world rank `rank` keeps and sends for its parameters: `shape` is its pipeline
+  // rank's parameters (the whole model's for a rank outside the layout: those are the
+  // world's first ranks), `group` where it syncs. Default: the lock-step modes', the job's
+  // gradient sync (grad/sync_cost.hpp).
+  std::function<RankCost(const JobConfig&, const FlatShape& shape, const DataGroup& group,
+                         int64_t rank)>
+      cost = [](const JobConfig& cfg, const FlatShape& shape, const DataGroup& group, int64_t) {
+        return RankCost{grad_sync_cost(cfg.parallel, shape, group)};
+      };
   // This rank's mode: collective over `world`, whose groups it creates. `dims`: the
   // layout validate() resolved (of the trainers).
   std::function<std::unique_ptr<Mode>(const JobConfig&, const ParallelDims&,

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "optim/optimizer.hpp"
 #include "run/mode.hpp"
 #include "run/run.hpp"
 #include "util/error.hpp"
@@ -160,6 +161,17 @@ void validate_local_sgd(const JobConfig& c, int64_t /*world*/) {
 ModeSpec local_sgd_spec() {
   ModeSpec s;
   s.validate = validate_local_sgd;
+  // The synchronous start's all-reduce aside, a step sends a share of an average: of the
+  // parameters, and of the optimizer's slots under parallel.average_optimizer.
+  s.cost = [](const JobConfig& cfg, const FlatShape& shape, const DataGroup& group, int64_t) {
+    const auto& p = cfg.parallel;
+    RankCost c{grad_sync_cost(p, shape, group)};
+    const double averaged = 1 + (p.average_optimizer ? double(slot_names(cfg.optimizer).size()) : 0);
+    c.sync.bytes = ring_all_reduce_share(4 * double(c.sync.numel) * averaged, group.ranks) /
+                   double(p.average_every);
+    c.sync.ops = (group.ranks > 1 ? averaged : 0) / double(p.average_every);
+    return c;
+  };
   s.make = [](const JobConfig& cfg, const ParallelDims& dims,
               std::shared_ptr<Comm> world) -> std::unique_ptr<Mode> {
     if (dims.data == 1) return std::make_unique<Lockstep>(cfg, dims, std::move(world));  // sync
