@@ -461,7 +461,11 @@ void measure_rates(MachineProfile& p) {
       {torch::kBFloat16, false, &p.elementwise_bf16.plain_one, &p.elementwise_bf16.plain_all},
       {torch::kBFloat16, true, &p.elementwise_bf16.transcendental_one, &p.elementwise_bf16.transcendental_all}};
   std::map<double*, std::array<double, 3>> elementwise;
-  tune_allocator();  // as a run takes its memory: a freed tensor's reused, not mapped anew
+  // As a run's steps take their memory: a freed tensor's pages reused, not mapped anew
+  // (without keep_cpu_blocks every product's output of 2 MiB or more paid the kernel's
+  // page faults, and the rates came out at a third of a run's).
+  tune_allocator();
+  keep_cpu_blocks();
   use_cpu_matmul("auto");  // the dense layers' product as a run takes it by default
   // Threads pinned as a run pins them (util/affinity.hpp): one thread on its own CPU, or
   // a thread on each, so that the rates are those of the run's placement.

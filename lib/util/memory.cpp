@@ -1,6 +1,7 @@
 #include "util/memory.hpp"
 
 #include <malloc.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -24,19 +25,23 @@ namespace dtrain {
 
 namespace {
 
-// LibTorch's CPU allocator for blocks of 32 MiB and more, which glibc maps afresh at every
-// allocation whatever its threshold (32 MiB is its largest): a freed block is kept, by
-// its size, for the next allocation of that size, as the same tensors come back every
-// step (GPT-2's logits, the tied embedding's gradient: 0.15-0.2 s of a 1.4 s step on
-// 2 cores went to the kernel zeroing their pages). It keeps them once a run's setup is
-// done (keep_cpu_blocks): reading the data and building the model free temporaries that
-// never come back, and kept they raised the MLP's peak RSS from 422 to 458-491 MB. What is
-// kept and in use together stays within the most in use at once since (make_room).
-// Smaller blocks go to LibTorch's own allocator (glibc's heap).
+// LibTorch's CPU allocator for blocks of 2 MiB and more: each has pages of its own (an
+// mmap), and a freed block is kept, by its size, for the next allocation of that size,
+// as the same tensors come back every step (GPT-2's logits, the tied embedding's
+// gradient: 0.15-0.2 s of a 1.4 s step on 2 cores went to the kernel zeroing their pages
+// when glibc mapped them afresh). Pages of their own, not glibc's heap: blocks of 2-32 MiB
+// (a GPT's activations) freed in the heap left holes that the next step's differently
+// sized tensors could not fill, and the heap, which tune_allocator never trims, held them:
+// gpt_text's peak RSS was 405 MB where the allocator's peak was about 330 (now 343),
+// the 253M GPT's 2747 MB (now 2622). It keeps blocks once a run's setup is done
+// (keep_cpu_blocks): reading the data and building the model free temporaries that never
+// come back, and kept they raised the MLP's peak RSS from 422 to 458-491 MB. What is kept
+// and in use together stays within the most in use at once since, plus a little
+// (make_room). Smaller blocks go to LibTorch's own allocator (glibc's heap).
 class BlockCache final : public c10::Allocator {
  public:
-  static constexpr size_t kSmallest = size_t(32) << 20;
-  static constexpr size_t kAlignment = 64;  // LibTorch's own (c10's gAlignment)
+  static constexpr size_t kSmallest = size_t(2) << 20;
+  static constexpr size_t kSlack = size_t(64) << 20;
 
   explicit BlockCache(c10::Allocator* next) : next_(next) {}
 
@@ -50,6 +55,11 @@ class BlockCache final : public c10::Allocator {
   int64_t kept() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return int64_t(kept_bytes_);
+  }
+  // Bytes of its blocks in use (pages of their own: glibc does not count them).
+  int64_t used() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return int64_t(used_bytes_);
   }
 
   // From now on freed blocks are kept (before, they go straight back); what is kept now
@@ -69,9 +79,11 @@ class BlockCache final : public c10::Allocator {
     void* block = reuse(n);  // a step's tensors come back at the same sizes
     if (!block) {
       make_room(n);
-      if (posix_memalign(&block, kAlignment, n) != 0) {
+      block = map_pages(n);
+      if (!block) {
         give_back();  // the kept blocks make room
-        if (posix_memalign(&block, kAlignment, n) != 0) throw std::bad_alloc();
+        block = map_pages(n);
+        if (!block) throw std::bad_alloc();
       }
       std::lock_guard<std::mutex> lock(mutex_);
       in_use(block, n);
@@ -79,6 +91,12 @@ class BlockCache final : public c10::Allocator {
     report(block, int64_t(n));
     return {block, block, &release, c10::Device(c10::kCPU)};
   }
+
+  static void* map_pages(size_t n) {
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  static void unmap_pages(void* block, size_t n) { ::munmap(block, n); }
 
   // `block` of `size` bytes counted in use (the lock held).
   void in_use(void* block, size_t size) const {
@@ -89,13 +107,17 @@ class BlockCache final : public c10::Allocator {
 
   // Before a new block of `size`: kept blocks given back, the largest first, until the
   // blocks held (kept and in use) are no more than the most in use at once since keeping
-  // began, so that the process holds no more than it would without the cache at its peak.
+  // began, so that the process holds little more than it would without the cache at its
+  // peak. A little: a quarter of that peak, at most kSlack. Where a step frees a block
+  // and then needs one of another size at its peak, an exact bound gave the kept one back
+  // and mapped the new one, and the next step the reverse: the CNN mapped three blocks a
+  // step and ran at half its speed.
   void make_room(size_t size) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    const size_t bound = std::max(peak_used_, used_bytes_ + size);
+    const size_t bound = std::max(peak_used_, used_bytes_ + size) + std::min(peak_used_ / 4, kSlack);
     while (!free_.empty() && kept_bytes_ + used_bytes_ + size > bound) {
       auto largest = std::prev(free_.end());
-      std::free(largest->second);
+      unmap_pages(largest->second, largest->first);
       kept_bytes_ -= largest->first;
       free_.erase(largest);
     }
@@ -132,7 +154,7 @@ class BlockCache final : public c10::Allocator {
 
   // Every kept block back to the system (the lock held).
   void free_kept() const {
-    for (const auto& [bytes, block] : free_) std::free(block);
+    for (const auto& [bytes, block] : free_) unmap_pages(block, bytes);
     free_.clear();
     kept_bytes_ = 0;
   }
@@ -149,7 +171,7 @@ class BlockCache final : public c10::Allocator {
         if (c.keeping_) c.free_.emplace(size, block), c.kept_bytes_ += size;
         c.used_bytes_ -= size;
         c.used_.erase(it);
-        if (!c.keeping_) std::free(block);
+        if (!c.keeping_) unmap_pages(block, size);
       }
     }
     if (size > 0) return c.report(block, -int64_t(size));
@@ -195,8 +217,8 @@ int64_t allocated_bytes(const c10::Device& device) {
   (void)device;
 #endif
   const struct mallinfo2 m = mallinfo2();
-  // In use from the arenas, and mmapped blocks less those kept for reuse.
-  return int64_t(m.uordblks + m.hblkhd) - kept_cpu_bytes();
+  // In use from glibc's arenas and its own mmapped chunks, and the cache's blocks in use.
+  return int64_t(m.uordblks + m.hblkhd) + (BlockCache::instance ? BlockCache::instance->used() : 0);
 }
 
 int64_t peak_allocated_bytes(const c10::Device& device) {

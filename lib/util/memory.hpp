@@ -12,9 +12,9 @@
 namespace dtrain {
 
 // Keeps freed memory in the process for reuse: glibc's mmap threshold at 32 MiB (its
-// largest) and trim at 1 GiB, and LibTorch's CPU blocks of 32 MiB or more, which glibc
-// maps whatever its threshold, kept by size for the next of that size once
-// keep_cpu_blocks() is called (memory.cpp).
+// largest) and trim at 1 GiB, and LibTorch's CPU blocks of 2 MiB or more, each mapped
+// on its own and kept by size for the next of that size once keep_cpu_blocks() is
+// called (memory.cpp).
 void tune_allocator();
 
 // From now on tune_allocator's cache keeps the large blocks freed, within the most in use
@@ -26,9 +26,9 @@ void keep_cpu_blocks();
 int64_t kept_cpu_bytes();
 
 // Bytes allocated now: on a GPU, LibTorch's caching allocator's (tensors alive on that
-// device); on the CPU, glibc's heap in use (mallinfo2: every allocation of the process,
-// tensors being nearly all of it during a step). Differences between two readings are what
-// a stretch of code kept.
+// device); on the CPU, glibc's in use (mallinfo2: every allocation of the process) and
+// the large blocks tune_allocator's cache has handed out, tensors being nearly all of it
+// during a step. Differences between two readings are what a stretch of code kept.
 int64_t allocated_bytes(const c10::Device& device);
 
 // The most LibTorch's caching allocator has held allocated at once on a GPU, bytes (what a
