@@ -23,6 +23,25 @@ void Window::add(const StepStats& s) {
   optim_ms += s.optim_ms;
   step_ms += s.step_ms;
   comm_bytes += s.comm_bytes;
+  busy.add(s.rank_busy_ms);
+}
+
+void RankTimes::add(const std::vector<double>& busy_ms) {
+  if (sum.size() < busy_ms.size()) sum.resize(busy_ms.size()), steps.resize(busy_ms.size());
+  for (size_t r = 0; r < busy_ms.size(); ++r)
+    if (busy_ms[r] > 0) sum[r] += busy_ms[r], steps[r] += 1;
+}
+
+void RankTimes::describe(nlohmann::json& out) const {
+  std::vector<std::pair<double, int64_t>> mean;  // (ms, rank)
+  for (size_t r = 0; r < sum.size(); ++r)
+    if (steps[r] > 0) mean.emplace_back(sum[r] / double(steps[r]), int64_t(r));
+  if (mean.size() < 2) return;
+  std::sort(mean.begin(), mean.end());
+  out["slowest_rank"] = mean.back().second;
+  out["slowest_busy_ms"] = mean.back().first;
+  const size_t mid = mean.size() / 2;  // the median of the ranks' means
+  out["median_busy_ms"] = mean.size() % 2 ? mean[mid].first : (mean[mid - 1].first + mean[mid].first) / 2;
 }
 
 namespace {
@@ -47,6 +66,7 @@ void RunLog::record(int64_t n, const StepStats& s, double lr, bool logged,
   if (!s.nonfinite) state_.skipped_in_a_row = 0, state_.last_loss = s.loss;
   stop_ = stop_ || s.stop;
   window_.add(s);
+  busy_.add(s.rank_busy_ms);
   step_ms_.push_back(s.step_ms);
   data_wait_ms_ += s.data_wait_ms;
   state_.bytes_sent += s.comm_bytes;
@@ -209,6 +229,7 @@ nlohmann::json RunLog::train_line(int64_t n, const StepStats& last, double lr) c
   if (facts_.communicates) {
     line["comm_ms"] = phase(w.comm_ms, last.comm_ms);
     line["comm_bytes"] = w.comm_bytes / w.steps;  // per step: local SGD sends every few
+    w.busy.describe(line);
   }
   return line;
 }
@@ -241,6 +262,7 @@ nlohmann::json RunLog::summary(const std::string& status) const {
       {"comm_bytes_per_sample", n ? double(st.bytes_sent) / (double(n) * batch) : 0.0},
       {"time", unix_time()}};
   if (facts_.items_per_sample > 1) s["tokens_per_s"] = steady * double(facts_.items_per_sample);
+  busy_.describe(s);  // over this process's steps
   const std::string metric = task_.metric();
   if (std::isfinite(st.best_metric)) {
     s["best_" + metric] = st.best_metric;

@@ -76,6 +76,23 @@ struct StepStats {
   // pipeline rank's (each the mean over its data and tensor ranks).
   double bubble = 0, activation_mb = 0;
   std::vector<double> stage_bubble, stage_activation_mb;
+  // The time this rank was busy with the step before its gradient sync could finish: its
+  // data wait and its own work, the sync's waits for the others left out (on a GPU the
+  // host's, but at a logged step). Then, once read, every world rank's (0 for one that did
+  // not agree on the step): the slowest names a straggler.
+  double busy_ms = 0;
+  std::vector<double> rank_busy_ms;
+};
+
+// Each world rank's busy time (StepStats::busy_ms) added up over steps, and the slowest
+// rank against the others: who holds the step up, and by how much.
+struct RankTimes {
+  std::vector<double> sum;     // per world rank
+  std::vector<int64_t> steps;  // the steps it agreed on
+  void add(const std::vector<double>& busy_ms);
+  // "slowest_rank", "slowest_busy_ms" and "median_busy_ms" (the ranks' means), where
+  // there are two ranks or more.
+  void describe(nlohmann::json& out) const;
 };
 
 // Sums over one logging window of steps.
@@ -85,6 +102,7 @@ struct Window {
          step_ms = 0;
   int64_t comm_bytes = 0;
   double checkpoint_stall_ms = 0;  // checkpoints' hold-ups since the window began (a total)
+  RankTimes busy;                  // each rank's busy time
   void add(const StepStats& s);
 };
 
@@ -184,6 +202,7 @@ class RunLog {
   RunState state_;
   Window window_;
   std::vector<double> step_ms_;  // this process's steps, for the steady-state rate
+  RankTimes busy_;               // this process's steps, each rank's busy time
   double data_wait_ms_ = 0;
   double stall_ms_ = 0;          // checkpoint_stalled's, over the run
   double rate_ = 0;              // the last line's samples/s, for progress

@@ -63,6 +63,7 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
       f[layout.bubble(stage)] = s.bubble;
       f[layout.activation_mb(stage)] = s.activation_mb;
     }
+    if (layout.ranks > 0) f[layout.busy_ms(parts.mesh.rank())] = s.busy_ms;
     f[layout.local_loss()] = loss;
     return figures;
   }
@@ -79,6 +80,7 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
     f[size_t(layout.bubble(stage))] = torch::full({}, s.bubble, f64);
     f[size_t(layout.activation_mb(stage))] = torch::full({}, s.activation_mb, f64);
   }
+  if (layout.ranks > 0) f[size_t(layout.busy_ms(parts.mesh.rank()))] = torch::full({}, s.busy_ms, f64);
   f[size_t(layout.grad_norm())] = norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64);
   f[Figures::kBadNorms] = norm.defined() ? f[size_t(layout.grad_norm())].isfinite().logical_not().to(f64)
                                          : torch::zeros({}, f64);
@@ -87,7 +89,8 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
 }
 
 Figures figures_of(const Mesh& mesh) {
-  return {mesh.dims().pipeline > 1 ? mesh.dims().pipeline : 0};
+  const int64_t world = mesh.world()->size();
+  return {mesh.dims().pipeline > 1 ? mesh.dims().pipeline : 0, world > 1 ? world : 0};
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -131,6 +134,7 @@ void take_figures(const StepParts& parts, PendingStep& p) {
     p.stats.stage_bubble.push_back(f[layout.bubble(stage)] / (replicas * tensor));
     p.stats.stage_activation_mb.push_back(f[layout.activation_mb(stage)] / (replicas * tensor));
   }
+  for (int64_t r = 0; r < layout.ranks; ++r) p.stats.rank_busy_ms.push_back(f[layout.busy_ms(r)]);
   p.stats.grad_norm = f[layout.grad_norm()];
   p.bad_norm = f[Figures::kBadNorms] > 0;
   p.local_loss = f[layout.local_loss()];
@@ -206,6 +210,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   p.step = n;
   StepStats& s = p.stats;
   s.data_wait_ms = data_wait_ms;
+  const auto started = Clock::now();
   // On a GPU the phases run asynchronously to the host. A logged step waits for the device
   // at the start and at each phase's end, so that its phase times are the GPU's (the run
   // log logs that step's); the other steps never wait there.
@@ -238,6 +243,9 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   parts.sync.finish();  // also sums a tied weight's copies across stages
   settle();
   s.comm_ms = ms_since(t0);
+  // Busy: up to here, less the wait for the others in the sync's finish (the hooks'
+  // reductions run on the backend's threads meanwhile).
+  s.busy_ms = data_wait_ms + ms_since(started) - s.comm_ms;
   const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
   // 4. The figures. The norm is taken when clipping, logging, before an evaluation or a
   //    checkpoint, on every step when non-finite steps are skipped, and under fp16 (its

@@ -31,17 +31,20 @@ namespace dtrain {
 //                  the ranks asked to stop, the ranks whose replica diverged since the last
 //                  meeting (local SGD), the ranks whose gradient norm is not finite, and
 //                  per pipeline rank its bubble and peak activation memory (each rank adds
-//                  its own into its stage's slots)
+//                  its own into its stage's slots), and per world rank its busy time (its
+//                  own slot; 0 for a rank that did not agree on the step)
 //   grad_norm()    the gradient norm; NaN when not taken. The same on every rank that
 //                  syncs gradients; where local SGD's replicas meet, each replica's own, so
 //                  whether a step is skipped goes by the summed count above
 //   local_loss()   this rank's loss (0 where it has none): names a rank that saw a NaN
 struct Figures {
   int64_t stages = 0;
+  int64_t ranks = 0;  // the world's, where it has more than one: each rank's busy time
   static constexpr int64_t kLossSum = 0, kStopVotes = 1, kEndVotes = 2, kBadNorms = 3;
   int64_t bubble(int64_t stage) const { return 4 + stage; }
   int64_t activation_mb(int64_t stage) const { return 4 + stages + stage; }
-  int64_t summed() const { return 4 + 2 * stages; }
+  int64_t busy_ms(int64_t rank) const { return 4 + 2 * stages + rank; }
+  int64_t summed() const { return 4 + 2 * stages + ranks; }
   int64_t grad_norm() const { return summed(); }
   int64_t local_loss() const { return summed() + 1; }
   int64_t count() const { return summed() + 2; }

@@ -116,6 +116,33 @@ TEST_SUITE("data_parallel") {
     auto job = dp_job().write(dir, "dp.yaml");
     check_equivalent(dir, job, " --set parallel.bucket_mb=0.001", {1, 2});
   }
+
+  TEST_CASE("a rank that holds the others up is named in the train lines and the summary") {
+    auto dir = temp_dir("dp-straggler");
+    auto job = dp_job().write(dir, "dp.yaml");
+    // Rank 2 of 3 sleeps 60 ms before each step: its busy time is the sleep and its own
+    // work; the others' leave out their wait for it in the gradient sync.
+    auto r = e2e::dtrain("run " + job + " --nproc 3 --run-dir " + dir + "/run --set data.batch_size=30 --set train.max_steps=12"
+                         " --set train.log_every=4 --set train.debug_slow_rank=2"
+                         " --set train.debug_slow_ms=60" + kQuiet);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    const auto lines = metrics(dir + "/run");
+    const auto train = of_kind(lines, "train");
+    REQUIRE(train.size() == 3);
+    for (const auto& line : train) {
+      CHECK(line["slowest_rank"] == 2);
+      CHECK(line["slowest_busy_ms"].get<double>() >= 60);
+      CHECK(line["median_busy_ms"].get<double>() < line["slowest_busy_ms"].get<double>());
+    }
+    const auto& summary = lines.back();
+    CHECK(summary["slowest_rank"] == 2);
+    CHECK(summary["slowest_busy_ms"].get<double>() >= 60);
+    // One process has no one to name.
+    auto one = e2e::dtrain("run " + job + " --run-dir " + dir + "/one --set train.max_steps=4" + kQuiet);
+    REQUIRE(one.code == 0);
+    CHECK_FALSE(metrics(dir + "/one").back().contains("slowest_rank"));
+  }
 }
 
 TEST_SUITE("failures") {
