@@ -123,7 +123,7 @@ struct ModeSpec {
   std::function<RankCost(const JobConfig&, const FlatShape& shape, const DataGroup& group,
                          int64_t rank)>
       cost = [](const JobConfig& cfg, const FlatShape& shape, const DataGroup& group, int64_t) {
-        return RankCost{grad_sync_cost(cfg.parallel, shape, group)};
+        return RankCost{grad_sync_cost(cfg.parallel, shape, group), true, ""};
       };
   // This rank's mode: collective over `world`, whose groups it creates. `dims`: the
   // layout validate() resolved (of the trainers).

@@ -193,7 +193,7 @@ ModeSpec async_ps_spec() {
   // whole model and updates nothing. Pushes go whenever a worker is ready: no step's bytes.
   s.cost = [](const JobConfig& cfg, const FlatShape& shape, const DataGroup&, int64_t rank) {
     const int64_t servers = cfg.parallel.servers;
-    RankCost c{unsharded_cost(shape, pad_to(servers))};
+    RankCost c{unsharded_cost(shape, pad_to(servers)), true, ""};
     c.sync.bytes.reset();
     c.role = rank < servers ? "server" : "worker";
     c.trains = rank >= servers;

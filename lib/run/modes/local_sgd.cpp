@@ -165,7 +165,7 @@ ModeSpec local_sgd_spec() {
   // parameters, and of the optimizer's slots under parallel.average_optimizer.
   s.cost = [](const JobConfig& cfg, const FlatShape& shape, const DataGroup& group, int64_t) {
     const auto& p = cfg.parallel;
-    RankCost c{grad_sync_cost(p, shape, group)};
+    RankCost c{grad_sync_cost(p, shape, group), true, ""};
     const double averaged = 1 + (p.average_optimizer ? double(slot_names(cfg.optimizer).size()) : 0);
     c.sync.bytes = ring_all_reduce_share(4 * double(c.sync.numel) * averaged, group.ranks) /
                    double(p.average_every);
