@@ -417,6 +417,29 @@ inline Result kill_worker_at(const std::string& args, const std::string& run_dir
   return r;
 }
 
+// A job trained whole (DIR/whole) and in two legs (DIR/legs): the first stops after step
+// `first`, the second resumes with --resume auto and runs to the job's end (`args` go to
+// every run: --nproc, --set). Each run's train losses by step.
+struct WholeAndLegs {
+  std::map<int64_t, double> whole, legs;
+};
+inline WholeAndLegs train_whole_and_in_legs(const std::string& dir, const std::string& job,
+                                            int64_t first, const std::string& args = "") {
+  run_ok("run " + job + " --run-dir " + dir + "/whole" + args);
+  run_ok("run " + job + " --run-dir " + dir + "/legs --set train.max_steps=" + std::to_string(first) + args);
+  run_ok("run " + job + " --run-dir " + dir + "/legs --resume auto" + args);
+  return {train_losses(dir + "/whole"), train_losses(dir + "/legs")};
+}
+// The legs trained `steps` steps, each with the whole run's loss bit for bit.
+inline void check_same_trajectory(const WholeAndLegs& runs, size_t steps) {
+  REQUIRE(runs.whole.size() == steps);
+  REQUIRE(runs.legs.size() == steps);
+  for (const auto& [step, loss] : runs.whole) {
+    INFO("step " << step);
+    CHECK(runs.legs.at(step) == loss);
+  }
+}
+
 // Every step of `ref` has a loss within `rtol` relative in `got`.
 inline void check_losses_close(const std::map<int64_t, double>& ref,
                                const std::map<int64_t, double>& got, double rtol,

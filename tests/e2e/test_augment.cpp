@@ -31,17 +31,9 @@ TEST_SUITE("augment") {
     auto dir = temp_dir("augment");
     const auto job = cnn_job(dir);
     run_ok("run " + job + " --run-dir " + dir + "/one");
-    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/two");
-    check_losses_close(train_losses(dir + "/one"), train_losses(dir + "/two"), 1e-4,
-                       "augmented, 2 ranks against 1");
-    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
-    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
-    const auto two = train_losses(dir + "/two"), legs = train_losses(dir + "/legs");
-    REQUIRE(legs.size() == 20);
-    for (const auto& [step, loss] : two) {
-      INFO("step " << step);
-      CHECK(legs.at(step) == loss);
-    }
+    const auto two = train_whole_and_in_legs(dir, job, 10, " --nproc 2");
+    check_losses_close(train_losses(dir + "/one"), two.whole, 1e-4, "augmented, 2 ranks against 1");
+    check_same_trajectory(two, 20);
     run_ok("run " + job + " --run-dir " + dir + "/plain --set data.augment=[]");
     run_ok("run " + job + " --run-dir " + dir + "/sharp --set optimizer.label_smoothing=0");
     const auto one = train_losses(dir + "/one");

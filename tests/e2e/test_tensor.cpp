@@ -201,19 +201,7 @@ TEST_SUITE("gpt_text") {
   TEST_CASE("a GPT run resumes bit-exactly, mid-epoch, from its checkpoint") {
     auto dir = temp_dir("gpt-resume");
     auto job = gpt_job(dir);
-    auto full = e2e::dtrain("run " + job + " --run-dir " + dir + "/full" + kQuiet);
-    REQUIRE(full.code == 0);
-    auto a = e2e::dtrain("run " + job + " --run-dir " + dir + "/legs --set train.max_steps=15" + kQuiet);
-    REQUIRE(a.code == 0);
-    auto b = e2e::dtrain("run " + job + " --run-dir " + dir + "/legs --resume auto" + kQuiet);
-    INFO(b.err);
-    REQUIRE(b.code == 0);
-    auto x = train_losses(dir + "/full"), y = train_losses(dir + "/legs");
-    REQUIRE(y.size() == 30);
-    for (int64_t s = 1; s <= 30; ++s) {
-      INFO("step " << s);
-      CHECK(x.at(s) == y.at(s));
-    }
+    check_same_trajectory(train_whole_and_in_legs(dir, job, 15), 30);
   }
 
   TEST_CASE("the GPT-2 small shape validates and trains a step on a CPU") {

@@ -99,15 +99,7 @@ TEST_SUITE("tokens") {
     write_llmc(dir + "/data/val_000000.bin", corpus_tokens(60000, 5000));
     const auto job = gpt_job(dir, "dataset: tokens, path: '" + dir + "/data/train_*.bin', "
                                   "eval_path: '" + dir + "/data/val_*.bin'");
-    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/whole");
-    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --set train.max_steps=10");
-    run_ok("run " + job + " --nproc 2 --run-dir " + dir + "/legs --resume auto");
-    const auto whole = train_losses(dir + "/whole"), legs = train_losses(dir + "/legs");
-    REQUIRE(legs.size() == 20);
-    for (const auto& [step, loss] : whole) {
-      INFO("step " << step);
-      CHECK(legs.at(step) == loss);
-    }
+    check_same_trajectory(train_whole_and_in_legs(dir, job, 10, " --nproc 2"), 20);
     // The held-out split is the val shard's whole: 5000 tokens make 156 windows of 32 + 1.
     const auto evals = of_kind(metrics(dir + "/whole"), "eval");
     REQUIRE(evals.size() == 2);
