@@ -14,6 +14,13 @@ NamedTensors ModelParts::buffers() const {
   return out;
 }
 
+std::vector<torch::Tensor> ModelParts::float_buffers() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& [name, b] : buffers())
+    if (b.is_floating_point()) out.push_back(b);
+  return out;
+}
+
 void ModelParts::set_training(bool on) const {
   for (const auto& chunk : chunks) chunk->train(on);
 }

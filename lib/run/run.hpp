@@ -53,6 +53,9 @@ struct ModelParts {
   bool holds_last() const { return chunk_stage.back() == stages - 1; }
   // The buffers this rank holds (BatchNorm's statistics), by their names in the model.
   NamedTensors buffers() const;
+  // Of them the floating-point ones (running statistics, not counts), which no gradient
+  // moves: what the data ranks start from alike and what replicas share.
+  std::vector<torch::Tensor> float_buffers() const;
   void set_training(bool on) const;
 };
 

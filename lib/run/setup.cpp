@@ -237,8 +237,7 @@ std::optional<std::string> open_run(Run& run) {
   if (data.size() > 1) {
     torch::NoGradGuard no_grad;
     if (!run.params->sharded()) data.broadcast(run.params->data(), 0);  // ZeRO-3: each its own
-    for (auto& [name, b] : run.model.buffers())
-      if (b.is_floating_point()) data.broadcast(b, 0);
+    for (auto& b : run.model.float_buffers()) data.broadcast(b, 0);
   }
   root_does(*run.mesh().world(), fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
     // Restored: the checkpoint heads the run's line now; a rollback's later ones (and

@@ -102,9 +102,7 @@ class AsyncPs : public Mode, public Stateful {
   // This rank's role, given the parts of the run it uses.
   RunResult run(Run& run) override {
     const ps::Roles roles{servers_, workers_};
-    std::vector<torch::Tensor> buffers;
-    for (const auto& [name, b] : run.model.buffers())
-      if (b.is_floating_point()) buffers.push_back(b);
+    const auto buffers = run.model.float_buffers();
     if (!server_) {
       ps::WorkerParts worker{roles,         *run.job,        *mesh_,           run.cfg,
                              *run.params,   *run.runner,     *run.sync,        *run.data.train,

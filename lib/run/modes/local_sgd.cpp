@@ -79,8 +79,7 @@ class LocalSgd : public Lockstep, public Stateful {
   void bind(Run& run) override {
     run_ = &run;
     total_steps_ = run.total_steps;
-    for (auto& [name, b] : run.model.buffers())
-      if (b.is_floating_point()) buffers_.push_back(b);
+    buffers_ = run.model.float_buffers();
   }
 
   // Where the replicas meet after local steps: the average of the parameters, the
