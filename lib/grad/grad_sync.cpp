@@ -172,6 +172,15 @@ double buckets_of(const ParallelConfig& cfg, int64_t numel) {
   return std::ceil(4 * double(numel) / (cfg.bucket_mb * kMiB));
 }
 
+GradientPath gradient_path(const FlatShape& shape, bool gathered) {
+  GradientPath path;
+  for (const auto& e : shape.entries) {
+    path.largest = std::max(path.largest, double(e.numel * (gathered ? e.gathered : 4)));
+    if (e.gathered < 4) path.copies += double(e.numel * e.gathered);
+  }
+  return path;
+}
+
 SyncCost unsharded_cost(const FlatShape& shape, int64_t pad_to) {
   FlatOptions opts;
   opts.pad_to = pad_to;
@@ -181,14 +190,8 @@ SyncCost unsharded_cost(const FlatShape& shape, int64_t pad_to) {
   c.shard = sizes.numel;
   c.params = 4 * double(sizes.params);
   c.grads = 4 * double(sizes.grads);
-  // Autograd's gradient of the largest parameter, before it goes into the flat gradient;
-  // autocast's 16-bit copies of the weights it casts, kept for backward.
-  double largest = 0;
-  for (const auto& e : shape.entries) {
-    largest = std::max(largest, 4 * double(e.numel));
-    if (e.gathered < 4) c.buffers += double(e.numel * e.gathered);
-  }
-  c.buffers += largest;
+  const GradientPath path = gradient_path(shape, /*gathered=*/false);
+  c.buffers = path.largest + path.copies;
   c.bytes = 0;
   return c;
 }

@@ -74,6 +74,14 @@ SyncCost grad_sync_cost(const ParallelConfig& cfg, const FlatShape& shape, const
 SyncCost unsharded_cost(const FlatShape& shape, int64_t pad_to = 1);
 // ZeRO's (zero.cpp), at more than one data rank.
 SyncCost zero_sync_cost(const ParallelConfig& cfg, const FlatShape& shape, const DataGroup& group);
+// Autograd's gradient of the largest parameter before it goes into the flat gradient (in
+// the gathered dtype where `gathered`: ZeRO-3's compute-dtype weights), and autocast's
+// 16-bit copies of the weights it casts, bytes: what the gradient's path holds besides
+// the sync's own buffers.
+struct GradientPath {
+  double largest = 0, copies = 0;
+};
+GradientPath gradient_path(const FlatShape& shape, bool gathered);
 // Buckets of parallel.bucket_mb a flat gradient of `numel` fp32 values takes.
 double buckets_of(const ParallelConfig& cfg, int64_t numel);
 

@@ -500,20 +500,15 @@ SyncCost zero_sync_cost(const ParallelConfig& cfg, const FlatShape& h, const Dat
   c.shard = shard;
   c.params = 4 * double(sizes.params);
   c.grads = 4 * double(sizes.grads);
-  // Autograd's gradient of the largest parameter (ZeRO-3's compute-dtype weights' in that
-  // dtype); autocast's 16-bit copies, unless ZeRO-3 gathers the weights in that dtype.
-  double largest = 0, copies = 0;
-  for (const auto& e : h.entries) {
-    largest = std::max(largest, double(e.numel * (gathers ? e.gathered : 4)));
-    if (e.gathered < 4) copies += double(e.numel * e.gathered);
-  }
-  c.buffers = largest + (gathers ? 0 : copies);
+  // Autocast's 16-bit copies, unless ZeRO-3 gathers the weights in that dtype.
+  const GradientPath path = gradient_path(h, gathers);
+  c.buffers = path.largest + (gathers ? 0 : path.copies);
   double gathered_sent = 0;
   if (cfg.zero >= 2) {
     c.buffers += double(kZeroInFlight) * cfg.bucket_mb * kMiB + 4 * double(h.tied);
     if (group.micro > 1) c.buffers += 4 * double(h.total);  // micro-batches add up whole
     // and a compute-dtype weight's next one beside its fp32 sum
-    if (group.micro > 1 && gathers) c.buffers += copies;
+    if (group.micro > 1 && gathers) c.buffers += path.copies;
     if (gathers) {
       const auto [sent, peak] = zero3_gathers(h, group, shard);
       gathered_sent = sent;

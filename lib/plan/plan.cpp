@@ -67,6 +67,7 @@ struct Job {
   int64_t micro = 1;               // micro-batches per step
   double rows = 1;                 // samples per micro-batch on a data rank
   mutable std::map<int64_t, std::shared_ptr<const FlatShape>> held_;  // held(), by pipeline rank
+  mutable std::map<int64_t, RankCost> cost_;  // cost_of(), by world rank
 
   Job(const JobConfig& c, int64_t w, const Devices& devices = Devices::here())
       : cfg(c), mode(mode_spec(c.parallel.mode)), world(w) {
@@ -100,8 +101,10 @@ struct Job {
   // The world rank of the trainer at `at`: the ranks a mode sets apart come first.
   int64_t rank_at(const Coord& at) const { return apart + dims.rank_of(at); }
   Coord coord(int64_t rank) const { return rank < apart ? Coord{} : dims.coord_of(rank - apart); }
-  // What world rank `rank` keeps and sends for its parameters, as its mode declares.
-  RankCost cost_of(int64_t rank) const;
+  // What world rank `rank` keeps and sends for its parameters, as its mode declares:
+  // asked once per rank (a rank's plan and every rank's step time read it; ZeRO-3's plays
+  // the step's gathers).
+  const RankCost& cost_of(int64_t rank) const;
   // Part i's cost sheet in this job's precision: under 16-bit autocast its 16-bit
   // activations, and its casts among the kernels.
   PartCost part(int64_t i) const {
@@ -218,7 +221,8 @@ std::vector<Action> step_actions(const Job& job, int64_t pipeline_rank) {
   return out;
 }
 
-RankCost Job::cost_of(int64_t rank) const {
+const RankCost& Job::cost_of(int64_t rank) const {
+  if (auto it = cost_.find(rank); it != cost_.end()) return it->second;
   const Coord at = coord(rank);
   DataGroup group;
   group.ranks = dims.data;
@@ -227,7 +231,7 @@ RankCost Job::cost_of(int64_t rank) const {
   group.sums_16bit = cuda && cfg.dist.backend != "gloo";
   for (const Action& a : step_actions(*this, at.pipeline))
     group.passes.emplace_back(size_t(a.chunk), a.kind == Action::kForward);
-  return mode.cost(cfg, held(at.pipeline), group, rank);
+  return cost_.emplace(rank, mode.cost(cfg, held(at.pipeline), group, rank)).first->second;
 }
 
 // A chunk's parts, per sample: what backward keeps (a recomputed block only its input), the
@@ -597,7 +601,7 @@ std::optional<double> step_seconds(const Job& job, const Coord& at, int64_t shar
 // costs for its chunks, the schedule's, and what its mode declares for its parameters.
 RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) {
   const JobConfig& cfg = job.cfg;
-  const RankCost cost = job.cost_of(rank);
+  const RankCost& cost = job.cost_of(rank);
   const SyncCost& sync = cost.sync;
   RankPlan out;
   out.rank = rank;
