@@ -13,7 +13,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/checkpoint.hpp"
-#include "checkpoint/hf_gpt2.hpp"
+#include "models/gpt_hf.hpp"
 #include "config/schema.hpp"
 #include "job/validate.hpp"
 #include "plan/plan.hpp"

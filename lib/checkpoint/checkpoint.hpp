@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/safetensors.hpp"
+#include "util/safetensors.hpp"
 #include "checkpoint/timeline.hpp"
 #include "config/config.hpp"
 #include "parallel/flat_params.hpp"

@@ -10,8 +10,8 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
-#include "checkpoint/hf_gpt2.hpp"
-#include "checkpoint/safetensors.hpp"
+#include "models/gpt_hf.hpp"
+#include "util/safetensors.hpp"
 #include "config/schema.hpp"
 #include "run/run.hpp"
 #include "util/error.hpp"

@@ -14,7 +14,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.hpp"
-#include "checkpoint/safetensors.hpp"
+#include "util/safetensors.hpp"
 #include "run.hpp"
 
 namespace e2e::modes_tests {

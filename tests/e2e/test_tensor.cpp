@@ -9,7 +9,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.hpp"
-#include "checkpoint/safetensors.hpp"
+#include "util/safetensors.hpp"
 #include "run.hpp"
 
 namespace e2e::tensor_tests {

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
-#include "checkpoint/safetensors.hpp"
+#include "util/safetensors.hpp"
 #include "config/schema.hpp"
 #include "job/validate.hpp"
 #include "data/dataset.hpp"

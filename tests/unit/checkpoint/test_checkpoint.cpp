@@ -14,7 +14,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.hpp"
-#include "checkpoint/safetensors.hpp"
+#include "util/safetensors.hpp"
 #include "temp_dir.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"

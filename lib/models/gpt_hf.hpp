@@ -7,7 +7,7 @@
 #pragma once
 #include <string>
 
-#include "checkpoint/safetensors.hpp"
+#include "util/safetensors.hpp"
 #include "config/config.hpp"
 
 namespace dtrain {

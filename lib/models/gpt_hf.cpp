@@ -1,4 +1,4 @@
-#include "checkpoint/hf_gpt2.hpp"
+#include "models/gpt_hf.hpp"
 
 #include <cmath>
 #include <filesystem>
