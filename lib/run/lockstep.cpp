@@ -4,10 +4,11 @@
 
 #include "data/loader.hpp"
 #include "grad/zero.hpp"
-#include "run/evaluator.hpp"
+#include "optim/optimizer.hpp"
+#include "pipeline/runner.hpp"
 #include "run/loop.hpp"
 #include "run/mode.hpp"
-#include "run/run.hpp"
+#include "run/step.hpp"
 
 namespace dtrain {
 
@@ -34,14 +35,14 @@ namespace {
 // The loop's body over a run's components.
 class RunBody : public LoopBody {
  public:
-  RunBody(Run& run, Lockstep& mode)
+  RunBody(TrainParts& run, Lockstep& mode)
       : run_(run),
-        loader_(*run.data.train, *run.sampler, run.state().step, run.total_steps,
-                run.cfg.data.workers, run.cfg.data.prefetch, /*pin=*/run.device().is_cuda(),
+        loader_(run.train, run.sampler, run.log.state().step, run.total_steps,
+                run.cfg.data.workers, run.cfg.data.prefetch, /*pin=*/run.device.is_cuda(),
                 Augment{run.cfg.data.augment, run.cfg.data.crop_padding, uint64_t(run.cfg.seed)}),
-        parts_{*run.runner, *run.sync,   *run.params,     *run.optimizer, run.scaler.get(),
-               mode.mesh(), mode,        run.model.tied,  run.cfg,        run.total_steps,
-               run.device()},
+        parts_{run.runner,  run.sync, run.params,     run.optimizer, run.scaler,
+               mode.mesh(), mode,     run.model.tied, run.cfg,       run.total_steps,
+               run.device},
         mode_(mode) {}
 
   PendingStep step(int64_t n, bool logged, bool kept) override {
@@ -50,7 +51,7 @@ class RunBody : public LoopBody {
     return train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());
   }
   StepStats read(PendingStep& p) override {
-    return read_step(parts_, p, apart_diverged(), run_.state().skipped_in_a_row);
+    return read_step(parts_, p, apart_diverged(), run_.log.state().skipped_in_a_row);
   }
   Culprit culprit(int64_t n, const StepStats& s) const override {
     Culprit c;
@@ -61,18 +62,18 @@ class RunBody : public LoopBody {
     if (s.replica_diverged) c.apart = mode_.apart();
     return c;
   }
-  void evaluate(int64_t n) override { evaluate_and_report(run_, n); }
+  void evaluate(int64_t n) override { run_.evaluate(n); }
   void save(int64_t n, bool evaluated, bool background) override {
-    save_checkpoint(run_, n, evaluated, background);
+    run_.save(n, evaluated, background);
   }
-  void poll_save(int64_t /*n*/) override { checkpoint_progress(run_, /*wait=*/false); }
-  void finish_save() override { checkpoint_progress(run_, /*wait=*/true); }
-  RunResult stop(int sig) override { return run_.log->stopped(sig, run_.opts.requeue_job); }
+  void poll_save(int64_t /*n*/) override { run_.save_progress(/*wait=*/false); }
+  void finish_save() override { run_.save_progress(/*wait=*/true); }
+  RunResult stop(int sig) override { return run_.log.stopped(sig, run_.requeue_job); }
 
  private:
-  bool apart_diverged() const { return run_.state().diverged_at > 0; }
+  bool apart_diverged() const { return run_.log.state().diverged_at > 0; }
 
-  Run& run_;
+  TrainParts& run_;
   Loader loader_;
   StepParts parts_;
   const Lockstep& mode_;
@@ -80,12 +81,12 @@ class RunBody : public LoopBody {
 
 }  // namespace
 
-RunResult Lockstep::run(Run& run) {
+RunResult Lockstep::run(TrainParts& run) {
   if (run.finished) return {0, nlohmann::json()};
   RunBody body(run, *this);
   Cadence cadence{run.cfg, run.steps_per_epoch, run.total_steps,
                   [this](int64_t n) { return meets(n); }};
-  return lockstep_loop(body, *run.log, cadence, run.total_steps, run.cfg);
+  return lockstep_loop(body, run.log, cadence, run.total_steps, run.cfg);
 }
 
 }  // namespace dtrain

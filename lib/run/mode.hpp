@@ -29,7 +29,38 @@
 
 namespace dtrain {
 
-struct Run;
+class Dataset;
+class LossScaler;
+class MicroBatchRunner;
+class Optimizer;
+class ShardedSampler;
+struct ModelParts;
+
+// What a mode is given of the built run (run/run.hpp's train_parts): the components a rank
+// trains with, and the run's own services (evaluation, checkpoints) as calls; not the run,
+// its building or what owns the parts.
+struct TrainParts {
+  const JobConfig& cfg;
+  Comm& job;  // every process of the job
+  const ModelParts& model;
+  FlatParams& params;
+  Optimizer& optimizer;
+  GradSync& sync;
+  MicroBatchRunner& runner;
+  LossScaler* scaler;  // fp16 only
+  const Dataset& train;
+  const ShardedSampler& sampler;
+  RunLog& log;
+  int64_t total_steps, steps_per_epoch;
+  bool finished;  // resumed at or past total_steps: nothing to train
+  c10::Device device;
+  std::string requeue_job;  // where a stop puts the job back in the queue ("": not)
+  // Collective over the ranks that hold the run: evaluate after step n and report it; a
+  // checkpoint after step n (run.hpp's save_checkpoint, checkpoint_progress).
+  std::function<void(int64_t n)> evaluate;
+  std::function<void(int64_t n, bool evaluated, bool background)> save;
+  std::function<void(bool wait)> save_progress;
+};
 
 class Mode {
  public:
@@ -49,14 +80,14 @@ class Mode {
   // The layout in the start line and the summary.
   virtual std::string describe() const { return mesh().dims().str(); }
   virtual nlohmann::json layout() const;
-  // Once the run is built: what the mode keeps of it (local SGD the parameters and the
-  // optimizer it averages).
-  virtual void bind(Run& /*run*/) {}
+  // Once the run is built, before it is restored: what the mode keeps of it (local SGD the
+  // parameters and the optimizer it averages).
+  virtual void bind(const TrainParts& /*parts*/) {}
   // The state it carries between steps, saved under its own names (nullptr: none).
   virtual Stateful* state() { return nullptr; }
   // This rank's whole run, once built: steps until the end or a stop. Every rank of the job
   // returns the same exit code.
-  virtual RunResult run(Run& run) = 0;
+  virtual RunResult run(TrainParts& parts) = 0;
 };
 
 // The lock-step family (sync, local SGD): every rank runs the same steps, and the loop
@@ -84,7 +115,7 @@ class Lockstep : public Mode {
   Shard update_shard(const FlatParams& params) const override;
   std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
                                       int64_t total_steps, Tied tied) const override;
-  RunResult run(Run& run) override;
+  RunResult run(TrainParts& parts) override;
 
  protected:
   JobConfig cfg_;

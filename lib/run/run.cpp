@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "config/schema.hpp"
+#include "run/evaluator.hpp"
 #include "util/clock.hpp"
 
 namespace dtrain {
@@ -36,6 +37,30 @@ std::vector<Stateful*> Run::stateful() const {
 nlohmann::json Mode::layout() const {
   const auto& d = mesh().dims();
   return {{"data", d.data}, {"tensor", d.tensor}, {"pipeline", d.pipeline}};
+}
+
+TrainParts train_parts(Run& run) {
+  return {run.cfg,
+          *run.job,
+          run.model,
+          *run.params,
+          *run.optimizer,
+          *run.sync,
+          *run.runner,
+          run.scaler.get(),
+          *run.data.train,
+          *run.sampler,
+          *run.log,
+          run.total_steps,
+          run.steps_per_epoch,
+          run.finished,
+          run.device(),
+          run.opts.requeue_job,
+          [&run](int64_t n) { evaluate_and_report(run, n); },
+          [&run](int64_t n, bool evaluated, bool background) {
+            save_checkpoint(run, n, evaluated, background);
+          },
+          [&run](bool wait) { checkpoint_progress(run, wait); }};
 }
 
 void save_checkpoint(Run& run, int64_t n, bool evaluated, bool background) {

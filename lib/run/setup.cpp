@@ -313,7 +313,7 @@ void build_run(Run& run) {
   build_log(run, mode.holds_run() && run.mesh().world()->rank() == 0);
   run.runner = make_runner(runner_parts(run));
   run.savers = run_savers(run);
-  run.mode->bind(run);
+  run.mode->bind(train_parts(run));
   if (mode.holds_run()) {  // else it gets its state from the ranks that hold the run
     const auto resume_from = open_run(run);
     if (run.finished)

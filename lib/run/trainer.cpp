@@ -19,7 +19,8 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
   run.mode = mode.get();
   build_run(run);
   set_setting_up(false);
-  return mode->run(run);
+  auto parts = train_parts(run);
+  return mode->run(parts);
 }
 
 }  // namespace dtrain

@@ -41,9 +41,9 @@
 #include <torch/torch.h>
 
 #include "grad/zero.hpp"
-#include "run/evaluator.hpp"
+#include "run/mode.hpp"
+#include "run/model_parts.hpp"
 #include "run/modes/async_ps/roles.hpp"
-#include "run/run.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -100,29 +100,29 @@ class AsyncPs : public Mode, public Stateful {
   }
 
   // This rank's role, given the parts of the run it uses.
-  RunResult run(Run& run) override {
+  RunResult run(TrainParts& run) override {
     const ps::Roles roles{servers_, workers_};
     const auto buffers = run.model.float_buffers();
     if (!server_) {
-      ps::WorkerParts worker{roles,         *run.job,        *mesh_,           run.cfg,
-                             *run.params,   *run.runner,     *run.sync,        *run.data.train,
-                             *run.sampler,  run.total_steps, run.device(),     buffers};
+      ps::WorkerParts worker{roles,        run.job,         *mesh_,      run.cfg,
+                             run.params,   run.runner,      run.sync,    run.train,
+                             run.sampler,  run.total_steps, run.device,  buffers};
       return ps::run_worker(worker);
     }
     ps::ServerParts server{roles,
-                           *run.job,
+                           run.job,
                            *mesh_,
                            run.cfg,
-                           *run.params,
-                           *run.optimizer,
+                           run.params,
+                           run.optimizer,
                            buffers,
-                           *run.log,
+                           run.log,
                            run.total_steps,
                            run.steps_per_epoch,
                            run.finished,
-                           run.opts.requeue_job,
-                           [&run](int64_t n) { evaluate_and_report(run, n); },
-                           [&run](int64_t n, bool evaluated) { save_checkpoint(run, n, evaluated); },
+                           run.requeue_job,
+                           run.evaluate,
+                           [&run](int64_t n, bool evaluated) { run.save(n, evaluated, false); },
                            pushes_};
     return ps::run_server(server);
   }

@@ -15,7 +15,7 @@
 
 #include "optim/optimizer.hpp"
 #include "run/mode.hpp"
-#include "run/run.hpp"
+#include "run/model_parts.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -76,8 +76,10 @@ class LocalSgd : public Lockstep, public Stateful {
         make_no_sync(params, micro_batches, tied));
   }
 
-  void bind(Run& run) override {
-    run_ = &run;
+  void bind(const TrainParts& run) override {
+    params_ = &run.params;
+    optimizer_ = &run.optimizer;
+    tied_ = &run.model.tied;
     total_steps_ = run.total_steps;
     buffers_ = run.model.float_buffers();
   }
@@ -88,10 +90,10 @@ class LocalSgd : public Lockstep, public Stateful {
     if (!steps_locally(cfg_.parallel, n) || !meets(n)) return 0;
     auto& data = *mesh_.data();
     torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> all{run_->params->data()};
+    std::vector<torch::Tensor> all{params_->data()};
     for (const auto& b : buffers_) all.push_back(b);
     if (cfg_.parallel.average_optimizer)
-      for (const auto& [name, slot] : run_->optimizer->slots()) all.push_back(slot);
+      for (const auto& [name, slot] : optimizer_->slots()) all.push_back(slot);
     int64_t bytes = 0;
     auto pending = std::make_unique<PendingAll>();
     for (const auto& t : all) {
@@ -106,17 +108,17 @@ class LocalSgd : public Lockstep, public Stateful {
   // Each data replica's own optimizer state, per data rank ("local_" + slot), restored at
   // the same data and pipeline size; else every replica starts from data rank 0's.
   void save(StateWriter& out) const override {
-    if (run_->optimizer->slots().empty()) return;  // plain SGD
+    if (optimizer_->slots().empty()) return;  // plain SGD
     NamedTensors tensors;
     PartsOf parts;
-    for (const auto& [slot, flat] : run_->optimizer->slots())
-      for (auto& named : run_->model.tied.owned(*run_->params, flat, ".local_" + slot,
+    for (const auto& [slot, flat] : optimizer_->slots())
+      for (auto& named : tied_->owned(*params_, flat, ".local_" + slot,
                                                 mesh_.coord().tensor, parts))
         tensors.push_back(std::move(named));
     out.add(StateFile::kReplica, tensors, parts);
   }
   void load(const StateReader& in) override {
-    if (run_->optimizer->slots().empty()) return;
+    if (optimizer_->slots().empty()) return;
     const auto saved = in.saved_layout(), now = in.layout();
     if (saved.data != now.data || saved.pipeline != now.pipeline || !in.has(StateFile::kReplica)) {
       in.warn(fmt::format(
@@ -129,12 +131,14 @@ class LocalSgd : public Lockstep, public Stateful {
       return;
     }
     const SavedTensors tensors = in.tensors(StateFile::kReplica);
-    for (const auto& [slot, flat] : run_->optimizer->slots())
-      run_->model.tied.load(*run_->params, flat, ".local_" + slot, tensors, mesh_.coord().tensor);
+    for (const auto& [slot, flat] : optimizer_->slots())
+      tied_->load(*params_, flat, ".local_" + slot, tensors, mesh_.coord().tensor);
   }
 
  private:
-  Run* run_ = nullptr;
+  FlatParams* params_ = nullptr;
+  Optimizer* optimizer_ = nullptr;
+  const Tied* tied_ = nullptr;
   int64_t total_steps_ = 0;
   std::vector<torch::Tensor> buffers_;
 };
