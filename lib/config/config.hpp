@@ -1,6 +1,7 @@
 // The job spec: typed structs whose member initialisers are the only defaults in dtrain.
 // Each struct's visit() lists its keys once, each with what it means:
 //   v("key", member, "meaning")  or  v("key", member, Choices{...}, "meaning")
+// (or listed("key"), the names a registry holds).
 // Loading, --set overrides, printing, the unknown-key suggestions and the key reference
 // (`dtrain config --reference`, docs/keys.md) are all driven from those lists (schema.hpp).
 #pragma once
@@ -14,6 +15,17 @@ namespace dtrain {
 using Ints = std::vector<int64_t>;
 using Names = std::vector<std::string>;  // a list of names, each one of the key's Choices
 using Choices = std::vector<std::string>;
+
+// The names a registry above config/ holds: model.arch's models (models/registry.cpp),
+// parallel.mode's modes (run/modes/registry.cpp), parallel.compression's reductions
+// (grad/compression.cpp). Each registry lists itself here as the program starts, so the
+// spec checks and documents the registry's own names, in its order: a new model, mode or
+// reduction is its file and its registry line.
+using NamesOf = std::vector<std::string> (*)();
+struct ListedBy {
+  ListedBy(const char* key, NamesOf names);
+};
+Choices listed(const char* key);  // the names listed for `key` (none: any is accepted)
 
 // The longest token window dtrain accepts (data.seq_len, model.seq_len): 16M tokens.
 inline constexpr int64_t kMaxSeqLen = int64_t(1) << 24;
@@ -91,7 +103,7 @@ struct ModelConfig {
   bool init_strict = true;
 
   template <class V> void visit(V&& v) {
-    v("arch", arch, Choices{"mlp", "cnn", "gpt"},
+    v("arch", arch, listed("model.arch"),
       "the network: an MLP or a CNN (classification), a GPT (language model)");
     v("hidden", hidden, "mlp: hidden layer widths");
     v("channels", channels,
@@ -268,7 +280,7 @@ struct ParallelConfig {
       "weights autocast casts are gathered and held in that dtype, fp32 master shards)");
     v("sync_batchnorm", sync_batchnorm, "BatchNorm statistics over the whole global batch");
     v("bucket_mb", bucket_mb, "gradient all-reduce slice size, MiB");
-    v("compression", compression, Choices{"none", "fp16", "bf16", "sign", "topk", "powersgd"},
+    v("compression", compression, listed("parallel.compression"),
       "gradient compression on the data-parallel wire (sign, topk, powersgd: with error "
       "feedback)");
     v("topk_ratio", topk_ratio, "topk: share of each gradient slice's entries sent");
@@ -277,7 +289,7 @@ struct ParallelConfig {
       "steps all-reduced uncompressed before compression starts: a number, or auto (sign: "
       "the run's first quarter; topk: its first fifth; powersgd: its first tenth; fp16, bf16: "
       "none)");
-    v("mode", mode, Choices{"sync", "async_ps", "local_sgd"},
+    v("mode", mode, listed("parallel.mode"),
       "training mode: sync (every step's gradient averaged), async_ps (parameter servers apply "
       "each worker's gradient as it arrives), local_sgd (each data replica steps alone, the "
       "replicas averaged every average_every steps)");

@@ -32,6 +32,11 @@ std::string printable(const std::string& s) {
   return out;
 }
 
+std::map<std::string, NamesOf>& lists() {
+  static std::map<std::string, NamesOf> by_key;
+  return by_key;
+}
+
 struct Collector {
   std::vector<Field>* out;
   std::string prefix;
@@ -246,6 +251,13 @@ struct Emitter {
 };
 
 }  // namespace
+
+ListedBy::ListedBy(const char* key, NamesOf names) { lists()[key] = names; }
+
+Choices listed(const char* key) {
+  auto it = lists().find(key);
+  return it == lists().end() ? Choices{} : it->second();
+}
 
 std::vector<Field> fields_of(JobConfig& cfg) {
   std::vector<Field> fields;

@@ -472,6 +472,15 @@ const CompressionSpec& compression_spec(const std::string& name) {
   throw std::logic_error(fmt::format("parallel.compression: no reduction '{}'", name));
 }
 
+namespace {
+std::vector<std::string> reduction_names() {
+  std::vector<std::string> names;
+  for (const auto& s : compression_specs()) names.push_back(s.name);
+  return names;
+}
+const ListedBy kListed{"parallel.compression", reduction_names};
+}  // namespace
+
 int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps) {
   if (cfg.compression_warmup != "auto") return std::stoll(cfg.compression_warmup);
   const int64_t share = compression_spec(cfg.compression).warmup_share;

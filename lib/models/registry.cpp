@@ -1,6 +1,5 @@
 #include <algorithm>
 #include <cmath>
-#include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -12,19 +11,22 @@
 namespace dtrain {
 namespace {
 
-const std::map<std::string, ModelSpec>& registry() {
-  static const std::map<std::string, ModelSpec> specs{
+// In the order model.arch lists them.
+const std::vector<std::pair<std::string, ModelSpec>>& registry() {
+  static const std::vector<std::pair<std::string, ModelSpec>> specs{
       {"mlp", mlp_spec()},
       {"cnn", cnn_spec()},
       {"gpt", gpt_spec()},
   };
   return specs;
 }
+const ListedBy kListed{"model.arch", model_names};
 
 }  // namespace
 
 const ModelSpec& model_spec(const std::string& arch) {
-  auto it = registry().find(arch);
+  auto it = std::find_if(registry().begin(), registry().end(),
+                         [&](const auto& entry) { return entry.first == arch; });
   fail_if<ConfigError>(it == registry().end(), "model.arch: unknown model '{}' (one of {})", arch,
                        fmt::join(model_names(), " | "));
   return it->second;

@@ -1,5 +1,5 @@
 // The training modes by name (parallel.mode): one line each.
-#include <map>
+#include <algorithm>
 
 #include <fmt/format.h>
 
@@ -14,19 +14,22 @@ ModeSpec async_ps_spec();
 
 namespace {
 
-const std::map<std::string, ModeSpec>& registry() {
-  static const std::map<std::string, ModeSpec> specs{
+// In the order parallel.mode lists them.
+const std::vector<std::pair<std::string, ModeSpec>>& registry() {
+  static const std::vector<std::pair<std::string, ModeSpec>> specs{
       {"sync", sync_spec()},
       {"local_sgd", local_sgd_spec()},
       {"async_ps", async_ps_spec()},
   };
   return specs;
 }
+const ListedBy kListed{"parallel.mode", mode_names};
 
 }  // namespace
 
 const ModeSpec& mode_spec(const std::string& name) {
-  auto it = registry().find(name);
+  auto it = std::find_if(registry().begin(), registry().end(),
+                         [&](const auto& entry) { return entry.first == name; });
   fail_if<ConfigError>(it == registry().end(), "parallel.mode: unknown training mode '{}'", name);
   return it->second;
 }
