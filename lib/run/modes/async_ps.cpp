@@ -1,42 +1,23 @@
 // parallel.mode: async_ps, the asynchronous parameter server (Dean et al. 2012's Downpour;
 // MXNet's kvstore, Marian's asynchronous training), with bounded staleness (stale
-// synchronous parallel, Ho et al. 2013).
+// synchronous parallel, Ho et al. 2013); docs/modes.md says what users see.
 //
-// The job's first parallel.servers ranks are servers; they hold the parameters, each
-// updating one contiguous range of the flat buffer with the job's optimizer, whose state
-// is therefore sharded over them. The other ranks are workers: each pulls the parameters,
-// computes the gradient of its shard of a global batch (as a data-parallel rank would), and
-// pushes it: to every server its range, to server 0 a header (the version the gradient was
-// computed on, its loss and norm, a stop vote). Workers never wait for one another; a
-// server applies each push as it arrives, then answers the worker with the parameters.
-//
-//   versions   every push applied is one version; a "step" is one push per worker (a
-//              global batch's worth of samples), so train.max_steps, epochs and the
-//              evaluation and checkpoint cadence keep their meaning. A push is applied at
-//              the learning rate of its step over the number of workers: W pushes of one
-//              lock-step round move the weights as far as one synchronous step, and with
-//              plain SGD exactly as far (the test's reference).
+// The job's first parallel.servers ranks are servers, each updating one contiguous range
+// of the flat buffer with the job's optimizer (whose state is sharded over them); the
+// others are workers, each pushing its shard of a global batch's gradient and taking the
+// parameters back. Workers never wait for one another.
+//   versions   every push applied is one version; a "step" is one push per worker, applied
+//              at its step's learning rate over the number of workers, so W pushes of one
+//              lock-step round move plain SGD exactly as far as one synchronous step.
 //   staleness  a worker's reply is held while it is more than parallel.staleness pushes
-//              ahead of the slowest worker, so a gradient is never computed on parameters
-//              more than about (staleness + 1) x workers versions old; 0 is lock-step.
-//              The staleness each applied gradient had (versions between the one it was
-//              computed on and the one it was applied to) is reported.
+//              ahead of the slowest worker (0 is lock-step).
 //   order      server 0 sequences: it tells the other servers, in order, which push to
-//              apply, which worker to answer, when to evaluate and checkpoint, so every
-//              server's range is at the same version at each of those: a checkpoint or an
-//              evaluation sees one consistent model.
-//   the run    server 0 is the job's rank 0: it writes metrics.jsonl and the checkpoints
-//              (the servers' parameters and optimizer state, and each worker's pushes: its
-//              data position) and evaluates with the other servers at step boundaries.
+//              apply, whom to answer, when to evaluate and checkpoint, so a checkpoint or
+//              an evaluation sees one consistent model; it holds the run (its files).
 //
-// Every wait is bounded by dist.timeout_s; a worker or server that dies ends the job with
-// exit 4 naming it, and --max-restarts resumes it from the newest checkpoint.
-//
-// Here: the mode (roles, their groups, the flat buffers' ranges, what each role is given
-// of the run) and its checks. async_ps/wire.hpp: the streams, headers and orders;
-// async_ps/worker.cpp: a worker's loop; async_ps/server.cpp: server 0's (the sequencer,
-// which runs the job's cadence through the run log) and the other servers' (which follow
-// server 0's orders).
+// Here: the mode (roles, their groups, the flat buffers' ranges, what each role is given)
+// and its checks. async_ps/wire.hpp: the streams, headers and orders; worker.cpp: a
+// worker's loop; server.cpp: server 0's and the other servers'.
 #include <fmt/format.h>
 #include <torch/torch.h>
 
