@@ -1,7 +1,6 @@
 #include "optim/optimizer.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 #include <fmt/format.h>
@@ -22,7 +21,6 @@ torch::Tensor scalar_named(const NamedTensors& state, const std::string& name) {
   throw CheckpointError(fmt::format("optimizer state has no '{}'", name));
 }
 
-
 // What both optimizers share: the shard's views of the parameters and gradients, the
 // weight-decay groups, named slot buffers, and the lists the fused kernels take.
 class FlatOptimizer : public Optimizer {
@@ -36,65 +34,24 @@ class FlatOptimizer : public Optimizer {
     p_ = params.data_of(shard_);
     g_ = params.grad_of(shard_);
     for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
-    if (has_fused_kernel(p_.device())) {
-      group_for_fused();  // none when the shard holds nothing: then the (empty) unfused update
-      return;             // the groups carry the decay
-    }
-    // The decay group as runs of the shard (no more: under ZeRO the rest is another
-    // rank's), neighbours merged: a mask would take a buffer the size of the shard.
-    if (cfg.weight_decay == 0) return;
-    const int64_t lo = shard_.offset, hi = shard_.offset + shard_.numel;
-    for (const auto& e : params.entries()) {
-      const int64_t from = std::max(lo, e.offset), to = std::min(hi, e.offset + e.numel);
-      if (from >= to || !decays(cfg, e.full_shape)) continue;
-      if (!decayed_.empty() && decayed_.back().second == from - lo)
-        decayed_.back().second = to - lo;
-      else
-        decayed_.emplace_back(from - lo, to - lo);
-    }
+    steps_ = torch::zeros({}, p().options());
+    group_for_fused();
   }
-  bool fused() const override { return !groups_.empty(); }
   Shard shard() const override { return shard_; }
   NamedTensors slots() const override { return slots_; }
   NamedTensors scalars() const override {
-    // The fused step counts on the device (a skipped step does not count): read it here.
-    const int64_t steps = fused() ? int64_t(fused_steps_.item<double>()) : steps_;
+    // The step counts on the device (a skipped step does not count): read it here.
+    const auto steps = int64_t(steps_.item<double>());
     return {{"steps", torch::tensor({steps}, torch::kInt64)}};
   }
   void load_scalars(const NamedTensors& s) override {
-    steps_ = scalar_named(s, "steps").item<int64_t>();
-    if (fused()) fused_steps_.fill_(double(steps_));
+    steps_.fill_(double(scalar_named(s, "steps").item<int64_t>()));
   }
 
  protected:
-  // The unfused update, a piece of the shard at a time (update_piece): elementwise ops, so
-  // the pieces compute what the whole would. `update(at, n, part, scratch)`: `part` cuts
-  // the piece out of a shard-sized buffer; `scratch` is n values for a temporary, one
-  // buffer kept for every step (fresh temporaries of a few MiB each step leave glibc's heap
-  // holding more than they take).
-  template <typename F>
-  void by_piece(F&& update) {
-    if (!scratch_.defined())
-      scratch_ = torch::empty({std::min(update_piece(shard_.numel), shard_.numel)}, p_.options());
-    for_each_piece(shard_.numel, [&](int64_t at, int64_t n) {
-      update(at, n, [at, n](const torch::Tensor& t) { return t.narrow(0, at, n); }, scratch_.narrow(0, 0, n));
-    });
-  }
-  // `apply` on each part of [at, at + n) where weight decay applies, as offsets in it.
-  template <typename F>
-  void decayed_in(int64_t at, int64_t n, F&& apply) const {
-    for (const auto& [from, to] : decayed_) {
-      const int64_t a = std::max(from, at), b = std::min(to, at + n);
-      if (a < b) apply(a - at, b - a);
-    }
-  }
   torch::Tensor& p() { return p_; }
   torch::Tensor& g() { return g_; }
   torch::Tensor& slot(size_t i) { return slots_[i].second; }
-  // The unfused update reads `skip` on the host (on the CPU that costs nothing).
-  static bool skipped(const torch::Tensor& skip) {
-    return skip.defined() && skip.item<float>() != 0;
-  }
 
   // The fused kernels take lists of tensors and one weight decay: each entry's part of the
   // shard, in a group that decays and one that does not.
@@ -104,10 +61,11 @@ class FlatOptimizer : public Optimizer {
     std::vector<torch::Tensor> steps;               // AdamW: the count, once per part
     double weight_decay;
   };
-  // The fused step count: one more, unless `skip` is 1 (on the device, unread).
-  void count_fused(const torch::Tensor& skip) {
-    fused_steps_.add_(1);
-    if (skip.defined()) fused_steps_.sub_(skip);
+  // The step count: one more, unless `skip` is 1 (on the device, unread). A rank whose
+  // ZeRO shard is empty has no groups and still counts, so every rank saves the same.
+  void count(const torch::Tensor& skip) {
+    steps_.add_(1);
+    if (skip.defined()) steps_.sub_(skip);
   }
 
   OptimizerConfig cfg_;
@@ -115,11 +73,8 @@ class FlatOptimizer : public Optimizer {
   Shard shard_;
   torch::Tensor p_, g_;
   NamedTensors slots_;
-  std::vector<std::pair<int64_t, int64_t>> decayed_;  // [from, to) in the shard (unfused)
-  torch::Tensor scratch_;                              // a piece's temporary (unfused)
-  int64_t steps_ = 0;  // updates made (unfused)
-  std::vector<Group> groups_;  // empty: the unfused update
-  torch::Tensor fused_steps_;  // updates made (fused): a float (exact to 2^24) on the device
+  std::vector<Group> groups_;  // none when the shard holds nothing
+  torch::Tensor steps_;        // updates made: a float (exact to 2^24) on the device
 
  private:
   // Each group's parts are runs of the shard, neighbours of a group merged: without weight
@@ -127,7 +82,6 @@ class FlatOptimizer : public Optimizer {
   // so a part per parameter cost an OpenMP region each (the MLP's update 0.33 ms in six
   // parts against 0.08 ms in one, on 2 cores).
   void group_for_fused() {
-    fused_steps_ = torch::zeros({}, p().options());
     std::vector<std::pair<int64_t, int64_t>> runs[2];  // [from, to) in the shard: plain, decayed
     const int64_t lo = shard_.offset, hi = shard_.offset + shard_.numel;
     for (const auto& e : params_.entries()) {
@@ -147,7 +101,7 @@ class FlatOptimizer : public Optimizer {
         auto part = [&](const torch::Tensor& t) { return t.narrow(0, from, to - from); };
         grp.p.push_back(part(p())), grp.g.push_back(part(g()));
         for (size_t i = 0; i < slots_.size(); ++i) grp.slots[i].push_back(part(slot(i)));
-        grp.steps.push_back(fused_steps_);
+        grp.steps.push_back(steps_);
       }
       groups_.push_back(std::move(grp));
     }
@@ -161,34 +115,11 @@ class Sgd : public FlatOptimizer {
   Sgd(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
       : FlatOptimizer(cfg, params, shard, slot_names(cfg)) {}
 
-  void step(double lr, const torch::Tensor& skip) override {
-    torch::NoGradGuard no_grad;
-    if (fused()) return fused_step(lr, skip);
-    if (skipped(skip)) return;
-    by_piece([&](int64_t at, int64_t n, auto part, torch::Tensor scratch) {
-      auto w = part(p());
-      torch::Tensor d = part(g());  // the gradient itself stays as backward left it
-      bool copied = false;
-      auto own = [&] { if (!std::exchange(copied, true)) d = scratch.copy_(d); };
-      decayed_in(at, n, [&](int64_t from, int64_t len) {
-        own();
-        d.narrow(0, from, len).add_(w.narrow(0, from, len), cfg_.weight_decay);
-      });
-      if (cfg_.momentum != 0) {
-        auto buf = part(slot(0));
-        if (steps_ == 0) buf.copy_(d); else buf.mul_(cfg_.momentum).add_(d);
-        if (cfg_.nesterov) own(), d.add_(buf, cfg_.momentum); else d = buf;
-      }
-      w.add_(d, -lr);
-    });
-    ++steps_;
-  }
-
- private:
   // The buffer starts at zero, so m*buf + d is d on the first step: the kernel's
   // is_first_step copy is not needed, and the first step may be a skipped one.
-  void fused_step(double lr, const torch::Tensor& skip) {
-    count_fused(skip);
+  void step(double lr, const torch::Tensor& skip) override {
+    torch::NoGradGuard no_grad;
+    count(skip);
     for (auto& grp : groups_) {
       const auto& buf = cfg_.momentum != 0 ? grp.slots[0] : std::vector<torch::Tensor>{};
       if (skip.defined())
@@ -204,9 +135,8 @@ class Sgd : public FlatOptimizer {
 
 // torch.optim.AdamW: p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
 // p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
-// The same update runs as LibTorch's fused kernel where has_fused_kernel says so
-// (torch.optim's fused=True): one pass over the parameters, gradients and both moments
-// instead of ~10.
+// It runs as LibTorch's fused kernel (torch.optim's fused=True): one pass over the
+// parameters, gradients and both moments instead of ~10.
 class AdamW : public FlatOptimizer {
  public:
   AdamW(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
@@ -214,26 +144,7 @@ class AdamW : public FlatOptimizer {
 
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
-    if (fused()) return fused_step(lr, skip);
-    if (skipped(skip)) return;
-    ++steps_;
-    const double bc1 = 1 - std::pow(cfg_.beta1, steps_);
-    const double bc2 = 1 - std::pow(cfg_.beta2, steps_);
-    by_piece([&](int64_t at, int64_t n, auto part, torch::Tensor denom) {
-      auto w = part(p()), grad = part(g()), m = part(slot(0)), v = part(slot(1));
-      decayed_in(at, n, [&](int64_t from, int64_t len) {
-        w.narrow(0, from, len).mul_(1 - lr * cfg_.weight_decay);
-      });
-      m.mul_(cfg_.beta1).add_(grad, 1 - cfg_.beta1);
-      v.mul_(cfg_.beta2).addcmul_(grad, grad, 1 - cfg_.beta2);
-      torch::sqrt_out(denom, v).div_(std::sqrt(bc2)).add_(cfg_.eps);
-      w.addcdiv_(m, denom, -lr / bc1);
-    });
-  }
-
- private:
-  void fused_step(double lr, const torch::Tensor& skip) {
-    count_fused(skip);  // the kernel reads the count the step makes
+    count(skip);  // the kernel reads the count the step makes
     for (auto& grp : groups_) {
       if (skip.defined())
         at::_fused_adamw_(grp.p, grp.g, grp.slots[0], grp.slots[1], /*max_exp_avg_sqs=*/{},
@@ -254,10 +165,6 @@ std::vector<std::string> slot_names(const OptimizerConfig& cfg) {
   // Without momentum there is no buffer (torch.optim.SGD keeps none either).
   if (cfg.momentum != 0) return {"momentum_buffer"};
   return {};
-}
-
-bool has_fused_kernel(const c10::Device& device) {
-  return device.is_cuda() || device.is_cpu();  // SGD's and AdamW's, on both, since 2.4
 }
 
 bool keeps_shard(const Optimizer& opt, const FlatParams& params) {

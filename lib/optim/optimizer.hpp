@@ -22,11 +22,9 @@ class Optimizer {
   virtual ~Optimizer() = default;
   // One update of the shard of params.data() from params.grad() at learning rate `lr`.
   // `skip`, when given, is a one-element float tensor on the parameters' device: 1 makes
-  // the step no update at all (no moment, decay or count changes). A fused kernel reads it
-  // on the device, so a GPU step need not wait for it; the unfused update reads it here.
+  // the step no update at all (no moment, decay or count changes). LibTorch's fused
+  // kernels read it on the device, so a GPU step need not wait for it.
   virtual void step(double lr, const torch::Tensor& skip = {}) = 0;
-  // Whether the update runs as LibTorch's fused kernel (then `skip` is never read here).
-  virtual bool fused() const = 0;
   // The state: per-parameter slots as flat buffers over the shard ("exp_avg" -> buffer),
   // and scalars ("steps").
   virtual NamedTensors slots() const = 0;
@@ -38,10 +36,10 @@ class Optimizer {
   virtual Shard shard() const = 0;
 };
 
-// The unfused update (and the gradient's norm) go over `numel` elements this many at a
-// time: their temporary (AdamW's denominator, SGD's decayed gradient, the squares) takes a
-// piece, not the shard (under ZeRO-0 the whole model, twice). A multiple of 2^20 elements
-// (4 MiB in fp32), at most 64 pieces: a large shard on a GPU is not a thousand kernels.
+// The gradient's norm goes over `numel` elements this many at a time: its temporary (the
+// squares) takes a piece, not the shard (under ZeRO-0 the whole model). A multiple of 2^20
+// elements (4 MiB in fp32), at most 64 pieces: a large shard on a GPU is not a thousand
+// kernels.
 int64_t update_piece(int64_t numel);
 // fn(at, n) for each piece [at, at + n) of [0, numel), in order.
 template <typename F>
@@ -73,9 +71,6 @@ void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedT
 // The state the optimizer of `cfg` keeps, a flat buffer over its shard each (its slots):
 // the optimizers make them by it and the planner counts them.
 std::vector<std::string> slot_names(const OptimizerConfig& cfg);
-// Whether this LibTorch has the optimizers' fused kernels for parameters on `device` (then
-// the update makes no temporaries the size of the parameters).
-bool has_fused_kernel(const c10::Device& device);
 // The bytes of state this rank keeps (its slots), for the summary.
 int64_t optimizer_state_bytes(const Optimizer& opt);
 

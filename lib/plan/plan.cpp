@@ -459,18 +459,10 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
   double kernels = 0;
   for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, c * job.dims.pipeline + at.pipeline);
   // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
-  // step count) or about one kernel a pass over each piece; the norm's two a piece.
-  const bool fused = has_fused_kernel(torch::kCUDA);
+  // step count); the norm's two a piece.
   const double pieces = std::ceil(double(shard) / double(update_piece(shard)));
-  kernels += double(job.micro) * parameters + (fused ? 4 : passes * pieces) + 2 * pieces;
+  kernels += double(job.micro) * parameters + 4 + 2 * pieces;
   return std::max(device * ranks_per_gpu(job, g), kernels * g.launch_s);
-}
-
-// The unfused update's scratch over a shard: a piece (optimizer.hpp's update_piece); the
-// norm's squares take another while it is computed.
-double update_temporaries(const Job& job, int64_t shard) {
-  if (shard == 0 || has_fused_kernel(job.cuda ? torch::kCUDA : torch::kCPU)) return 0;
-  return 2 * 4 * double(update_piece(shard));
 }
 
 // Each of a pipeline rank's chunks' costs, in its chunk order.
@@ -617,7 +609,6 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   m.params = sync.params;
   m.grads = sync.grads;
   m.optimizer = 4 * double(slot_names(cfg.optimizer).size()) * double(sync.shard);
-  m.buffers = update_temporaries(job, sync.shard);
   if (!cost.trains) {  // a rank apart from the layout (a parameter server)
     out.role = cost.role;
     out.trains = false;
@@ -629,7 +620,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   const std::vector<ChunkCost> chunks = chunk_costs(job, at.pipeline);
   m.activations = activation_bytes(job, at.pipeline, chunks);
   // Buffers: the loader's batches, and what the gradient's path holds (the sync's).
-  m.buffers += double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + sync.buffers;
+  m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + sync.buffers;
   for (const auto& cc : chunks) out.flops += cc.flops * job.rows * double(job.micro);
   const Traffic t = traffic(job, chunks, sync, job.held(at.pipeline));
   if (sync.bytes) out.comm_bytes = t.total();

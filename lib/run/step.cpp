@@ -224,8 +224,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   // The steps that wait for the device by design (see the top; with several ranks, every
   // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
   const bool skip_mode = parts.cfg.train.on_nonfinite == "skip";
-  const bool waits = s.device_timed || parts.scaler || parts.mesh.world()->size() > 1 ||
-                     (skip_mode && !parts.optimizer.fused());
+  const bool waits = s.device_timed || parts.scaler || parts.mesh.world()->size() > 1;
   SyncDebugScope sync_check(parts.device.is_cuda() && !waits ? sync_debug_mode() : "off");
   parts.sync.begin_step(n);
   model_traffic(parts.mesh);  // what went before (an evaluation) is not the step's

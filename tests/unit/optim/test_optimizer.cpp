@@ -450,7 +450,7 @@ TEST_CASE("flat params: a parameter registered twice (tied weights) is one entry
   CHECK(m->emb->weight.data_ptr() == flat.data().data_ptr());
 }
 
-TEST_CASE("optimizer: the unfused update goes a piece at a time: at most 64, of 2^20 values or more") {
+TEST_CASE("optimizer: the gradient's norm goes a piece at a time: at most 64, of 2^20 values or more") {
   constexpr int64_t kMi = int64_t(1) << 20;
   CHECK(update_piece(0) == 1);
   CHECK(update_piece(53) == 53);
@@ -462,8 +462,7 @@ TEST_CASE("optimizer: the unfused update goes a piece at a time: at most 64, of 
 
 TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, and as its halves do") {
   // 1.06M parameters: two pieces, the boundary inside the first weight, and the biases
-  // (spared by weight decay) between runs that decay. Where LibTorch has the fused kernel
-  // this checks that instead.
+  // (spared by weight decay) between runs that decay.
   auto big = [](uint64_t seed) {
     torch::manual_seed(seed);
     return torch::nn::Sequential(torch::nn::Linear(6, 1030), torch::nn::Tanh(),
@@ -494,13 +493,9 @@ TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, an
       set_lr(*ref_opt, kLrs[s] / 10);
       ref_opt->step();
       CHECK(max_param_diff(model, ref) < 1e-6);
-      // The pieces are exact. LibTorch's fused kernel (the CPU's from 2.4) takes each
-      // entry's part as a tensor of its own and rounds a few values' last bit differently
-      // where a cut falls (seen on 2.15): within 1e-6 there.
-      if (opt->fused())
-        CHECK((flat.data() - split.data()).abs().max().item<double>() < 1e-6);
-      else
-        CHECK(torch::equal(flat.data(), split.data()));
+      // LibTorch's fused kernel takes each entry's part as a tensor of its own and rounds
+      // a few values' last bit differently where a cut falls (seen on 2.15): within 1e-6.
+      CHECK((flat.data() - split.data()).abs().max().item<double>() < 1e-6);
     }
     CHECK(max_param_diff(model, big(3)) > 1e-4);
   }
@@ -509,8 +504,7 @@ TEST_CASE("optimizer: a shard of several pieces updates as torch::optim does, an
 TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradient") {
   // What train.on_nonfinite: skip needs from the device: the step that `skip` names leaves
   // weights, moments and the step count as they were, and the run goes on as if that
-  // gradient had never been seen. (Fused kernels read `skip` on the device, the unfused
-  // update on the host; whichever this LibTorch has runs here.)
+  // gradient had never been seen. (The fused kernels read `skip` on the device.)
   const Kind kinds[] = {{"sgd", 0.9, false}, {"sgd", 0.9, true}, {"sgd", 0.0, false}, {"adamw", 0, false}};
   for (const auto& kind : kinds) {
     CAPTURE(kind.name);
@@ -552,6 +546,28 @@ TEST_CASE("optimizer: a skip of 1 makes no update at all, even from a NaN gradie
     CHECK(steps(*skipping) == 2);
     CHECK(steps(*plain) == 2);
     CHECK(fs.data().isfinite().all().item<bool>());
+  }
+}
+
+TEST_CASE("optimizer: over an empty shard it changes nothing and counts steps as the others do") {
+  // A ZeRO rank's shard may hold nothing; its checkpoint's step count must still be the
+  // other ranks'.
+  for (const char* name : {"sgd", "adamw"}) {
+    CAPTURE(name);
+    OptimizerConfig cfg;
+    cfg.name = name;
+    auto model = small_model(1);
+    FlatParams flat(*model);
+    auto opt = make_optimizer(cfg, flat, Shard{flat.numel(), 0});
+    CHECK(opt->slots()[0].second.numel() == 0);
+    const auto before = flat.data().clone();
+    opt->step(0.1);
+    opt->step(0.1, torch::ones({}, torch::kFloat32));  // skipped: not counted
+    opt->step(0.1, torch::zeros({}, torch::kFloat32));
+    CHECK(torch::equal(flat.data(), before));
+    CHECK(opt->scalars().at(0).second.item<int64_t>() == 2);
+    opt->load_scalars({{"steps", torch::tensor({7}, torch::kInt64)}});
+    CHECK(opt->scalars().at(0).second.item<int64_t>() == 7);
   }
 }
 
