@@ -5,20 +5,15 @@
 
 #include <torch/torch.h>
 
+#include "util/hash.hpp"
+
 namespace dtrain {
 namespace {
 
-// SplitMix64: a sample's own stream of draws from (seed, epoch, index).
-struct Draws {
-  uint64_t state;
+// A sample's own stream of draws from (seed, epoch, index).
+struct Draws : SplitMix64 {
   Draws(uint64_t seed, int64_t epoch, int64_t index)
-      : state(seed ^ (uint64_t(epoch) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(index) * 0xD1B54A32D192ED03ull)) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+      : SplitMix64{seed ^ (uint64_t(epoch) * kGoldenGamma) ^ (uint64_t(index) * 0xD1B54A32D192ED03ull)} {}
   double uniform() { return double(next() >> 11) * 0x1.0p-53; }  // [0, 1)
   int64_t between(int64_t lo, int64_t hi) { return lo + int64_t(next() % uint64_t(hi - lo + 1)); }
 };

@@ -5,27 +5,18 @@
 #include <numeric>
 
 #include "util/error.hpp"
+#include "util/hash.hpp"
 
 namespace dtrain {
 
 namespace {
-// splitmix64: a small, well-mixed generator with a fixed, documented output.
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Unbiased integer in [0, bound) by rejection.
-  uint64_t below(uint64_t bound) {
-    const uint64_t limit = UINT64_MAX - UINT64_MAX % bound;
-    uint64_t x;
-    do x = next(); while (x >= limit);
-    return x % bound;
-  }
-};
+// Unbiased integer in [0, bound) by rejection.
+uint64_t below(SplitMix64& rng, uint64_t bound) {
+  const uint64_t limit = UINT64_MAX - UINT64_MAX % bound;
+  uint64_t x;
+  do x = rng.next(); while (x >= limit);
+  return x % bound;
+}
 }  // namespace
 
 ShardedSampler::ShardedSampler(int64_t dataset_size, int64_t global_batch, bool shuffle,
@@ -49,7 +40,7 @@ EpochOrder::EpochOrder(int64_t size, bool shuffle, uint64_t seed, int64_t epoch,
     listed_.resize(size_t(size_));
     std::iota(listed_.begin(), listed_.end(), 0);
     for (int64_t i = size_ - 1; i > 0; --i)  // Fisher-Yates
-      std::swap(listed_[i], listed_[rng.below(static_cast<uint64_t>(i) + 1)]);
+      std::swap(listed_[i], listed_[below(rng, static_cast<uint64_t>(i) + 1)]);
     return;
   }
   for (auto& k : keys_) k = rng.next();
@@ -70,10 +61,7 @@ uint64_t EpochOrder::feistel(uint64_t x) const {
   const uint64_t mask = (uint64_t(1) << half_bits_) - 1;
   uint64_t left = x >> half_bits_, right = x & mask;
   for (uint64_t key : keys_) {
-    uint64_t z = right ^ key;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    const uint64_t next = left ^ ((z ^ (z >> 31)) & mask);
+    const uint64_t next = left ^ (splitmix64_mix(right ^ key) & mask);
     left = right, right = next;
   }
   return (left << half_bits_) | right;

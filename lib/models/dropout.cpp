@@ -21,12 +21,7 @@
 namespace dtrain {
 namespace {
 
-inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+uint64_t mix64(uint64_t x) { return splitmix64_mix(x + kGoldenGamma); }
 
 thread_local DropoutDraw t_draw;
 thread_local bool t_has_draw = false;

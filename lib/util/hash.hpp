@@ -14,13 +14,26 @@ inline uint64_t fnv1a(const std::string& text) {
   return h;
 }
 
-// splitmix64's finaliser: mixes a seed with a name's hash so that nearby seeds give
-// unrelated streams.
-inline uint64_t mix_seed(uint64_t seed, uint64_t hash) {
-  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (hash | 1);
+// splitmix64's finaliser: every output bit depends on every input bit. Data order,
+// augmentations and dropout masks are built on it, so it must never change.
+inline uint64_t splitmix64_mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
+}
+
+constexpr uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;  // splitmix64's increment
+
+// splitmix64: a small generator with a fixed, documented output (std::'s engines and
+// distributions differ between standard libraries).
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() { return splitmix64_mix(state += kGoldenGamma); }
+};
+
+// Mixes a seed with a name's hash so that nearby seeds give unrelated streams.
+inline uint64_t mix_seed(uint64_t seed, uint64_t hash) {
+  return splitmix64_mix(seed + kGoldenGamma * (hash | 1));
 }
 
 }  // namespace dtrain
