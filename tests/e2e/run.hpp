@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -284,6 +285,30 @@ struct Job {
     return path;
   }
 };
+// What most multi-rank checks train: synthetic 8x8 images (2048 to train, 256 to test,
+// 4 classes) in batches of 32, the MLP [64, 32], no train keys beyond the four above,
+// every wait bounded at 30 s. Each test sets what it checks on top.
+inline Job ranks_job(const std::string& name, int64_t seed) {
+  Job j;
+  j.name = name, j.seed = seed;
+  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
+           " classes: 4, batch_size: 32, workers: 1}";
+  j.model = "{arch: mlp, hidden: [64, 32]}";
+  j.train = "";
+  j.dist = "{timeout_s: 30}";
+  return j;
+}
+
+// A 2-layer GPT on the fortunes corpus (setup installs it) in batches of 8 windows of 32
+// tokens, with dropout: small enough for 4 ranks on 2 cores.
+inline Job gpt_text_job(const std::string& name, int64_t seed) {
+  Job j = ranks_job(name, seed);
+  j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
+           " workers: 1}";
+  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+  return j;
+}
+
 inline std::string config(const std::string& name) { return std::string(DTRAIN_CONFIGS) + "/" + name; }
 
 // A shipped job's synchronous run at 2 ranks for STEPS steps (logged every 100): what the
@@ -419,16 +444,22 @@ inline Result kill_worker_at(const std::string& args, const std::string& run_dir
 
 // A job trained whole (DIR/whole) and in two legs (DIR/legs): the first stops after step
 // `first`, the second resumes with --resume auto and runs to the job's end (`args` go to
-// every run: --nproc, --set). Each run's train losses by step.
+// every run: --nproc, --set); `between` looks at the first leg's checkpoint before the
+// second. Each run's train losses by step, and what the resumed leg said.
 struct WholeAndLegs {
   std::map<int64_t, double> whole, legs;
+  std::string resumed_err;
 };
 inline WholeAndLegs train_whole_and_in_legs(const std::string& dir, const std::string& job,
-                                            int64_t first, const std::string& args = "") {
+                                            int64_t first, const std::string& args = "",
+                                            const std::function<void()>& between = {}) {
   run_ok("run " + job + " --run-dir " + dir + "/whole" + args);
   run_ok("run " + job + " --run-dir " + dir + "/legs --set train.max_steps=" + std::to_string(first) + args);
-  run_ok("run " + job + " --run-dir " + dir + "/legs --resume auto" + args);
-  return {train_losses(dir + "/whole"), train_losses(dir + "/legs")};
+  if (between) between();
+  const auto second = dtrain("run " + job + " --run-dir " + dir + "/legs --resume auto" + args + kQuiet);
+  INFO("the resumed leg: " << second.err);
+  REQUIRE(second.code == 0);
+  return {train_losses(dir + "/whole"), train_losses(dir + "/legs"), second.err};
 }
 // The legs trained `steps` steps, each with the whole run's loss bit for bit.
 inline void check_same_trajectory(const WholeAndLegs& runs, size_t steps) {

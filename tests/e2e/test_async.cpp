@@ -23,15 +23,12 @@ const std::string kAsync = " --set parallel.mode=async_ps";
 
 // Synthetic data, the MLP; evaluation every 8 steps.
 std::string job(const std::string& dir, const std::string& optimizer, int64_t batch = 32) {
-  Job j;
-  j.name = "async-check", j.seed = 11;
+  Job j = ranks_job("async-check", 11);
   j.data = fmt::format("{{dataset: synthetic, samples: 2048, test_samples: 256,"
                        " input_shape: [1, 8, 8], classes: 4, batch_size: {}, workers: 1}}", batch);
-  j.model = "{arch: mlp, hidden: [64, 32]}";
   j.optimizer = optimizer;
   j.schedule = "{decay: step, step_size: 10}";
-  j.max_steps = 24, j.eval_every = 8, j.train = "";
-  j.dist = "{timeout_s: 30}";
+  j.max_steps = 24, j.eval_every = 8;
   return j.write(dir);
 }
 

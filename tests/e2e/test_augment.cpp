@@ -10,8 +10,7 @@ namespace e2e::augment_tests {
 namespace {
 
 std::string cnn_job(const std::string& dir) {
-  Job j;
-  j.name = "augment-check", j.seed = 9;
+  Job j = ranks_job("augment-check", 9);
   j.data = "{dataset: synthetic, samples: 1024, test_samples: 128, input_shape: [1, 12, 12],"
            " classes: 4, batch_size: 32, workers: 2, augment: [random_crop, hflip, erase],"
            " crop_padding: 2}";
@@ -20,7 +19,6 @@ std::string cnn_job(const std::string& dir) {
   j.schedule = "{decay: step, step_size: 10}";
   j.max_steps = 20, j.eval_every = 10, j.train = "";
   j.checkpoint = "{every_steps: 10}";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "cnn.yaml");
 }
 

@@ -23,19 +23,14 @@ nlohmann::json run(const std::string& args) {
 
 // Synthetic data, the MLP, SGD with momentum: 2 ranks; a schedule independent of max_steps.
 std::string mlp_job(const std::string& dir) {
-  Job j;
-  j.name = "compression-check", j.seed = 3;
-  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
-           " classes: 4, batch_size: 32, workers: 1}";
-  j.model = "{arch: mlp, hidden: [64, 32]}";
+  Job j = ranks_job("compression-check", 3);
   j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9}";
   j.schedule = "{decay: step, step_size: 20}";
-  j.max_steps = 40, j.eval_every = 20, j.train = "";
+  j.max_steps = 40, j.eval_every = 20;
   j.checkpoint = "{every_steps: 20}";
   // Compressed from the first step (auto would wait a tenth of the run, and the legs of a
   // resume are shorter than the whole).
   j.parallel = "{compression_warmup: 0}";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "mlp.yaml");
 }
 
@@ -134,38 +129,30 @@ TEST_SUITE("compression") {
     const auto job = mlp_job(dir);
     for (const std::string how : {"sign", "topk", "powersgd"}) {
       CAPTURE(how);
-      const std::string sets = " --set parallel.compression=" + how;
-      run("run " + job + " --nproc 2 --run-dir " + dir + "/" + how + "-whole" + sets);
-      const auto legs = dir + "/" + how + "-legs";
-      run("run " + job + " --nproc 2 --run-dir " + legs + " --set train.max_steps=20" + sets);
       // Each data rank's residual in its own file, not zero; PowerSGD's Q of each matrix
       // (the MLP's two hidden weights; the head, 4 x 32, would not shrink 2x).
-      for (int rank : {0, 1}) {
-        dtrain::CheckpointReader reader(legs + "/checkpoints/step-00000020");
-        const std::string kind = "sync.dp" + std::to_string(rank);
-        REQUIRE(reader.has(kind));
-        double total = 0;
-        std::vector<std::string> factors;
-        for (const auto& [name, t] : reader.all(kind)) {
-          total += t.abs().sum().item<double>();
-          if (name.find(".powersgd_q") != std::string::npos) factors.push_back(name);
+      auto kept_apart = [&] {
+        for (int rank : {0, 1}) {
+          dtrain::CheckpointReader reader(dir + "/" + how + "/legs/checkpoints/step-00000020");
+          const std::string kind = "sync.dp" + std::to_string(rank);
+          REQUIRE(reader.has(kind));
+          double total = 0;
+          std::vector<std::string> factors;
+          for (const auto& [name, t] : reader.all(kind)) {
+            total += t.abs().sum().item<double>();
+            if (name.find(".powersgd_q") != std::string::npos) factors.push_back(name);
+          }
+          CHECK(total > 0);
+          CHECK(factors.size() == (how == "powersgd" ? 2u : 0u));
         }
-        CHECK(total > 0);
-        CHECK(factors.size() == (how == "powersgd" ? 2u : 0u));
-      }
-      const auto second = e2e::dtrain("run " + job + " --nproc 2 --run-dir " + legs +
-                                      " --resume auto" + sets + kQuiet);
-      REQUIRE(second.code == 0);
-      CHECK(second.err.find("residuals start from zero") == std::string::npos);
-      const auto whole = train_losses(dir + "/" + how + "-whole"), got = train_losses(legs);
-      REQUIRE(got.size() == 40);
-      for (const auto& [step, loss] : whole) {
-        INFO("step " << step);
-        CHECK(got.at(step) == loss);  // bit for bit: the same ranks, the same residuals
-      }
+      };
+      const auto runs = train_whole_and_in_legs(dir + "/" + how, job, 20,
+                                                " --nproc 2 --set parallel.compression=" + how, kept_apart);
+      CHECK(runs.resumed_err.find("residuals start from zero") == std::string::npos);
+      check_same_trajectory(runs, 40);  // bit for bit: the same ranks, the same residuals
     }
     // At another data size the residuals mean nothing: dropped, and said so.
-    const auto other = e2e::dtrain("run " + job + " --nproc 4 --run-dir " + dir + "/sign-legs"
+    const auto other = e2e::dtrain("run " + job + " --nproc 4 --run-dir " + dir + "/sign/legs"
                                    " --resume auto --set train.max_steps=50"
                                    " --set parallel.compression=sign" + kQuiet);
     INFO(other.err);
@@ -180,10 +167,7 @@ TEST_SUITE("compression") {
     for (const std::string how : {"powersgd"}) {
       CAPTURE(how);
       auto dir = temp_dir("compress-gpt-" + how);
-      Job gpt;
-      gpt.name = "compress-gpt", gpt.seed = 5;
-      gpt.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
-                 " workers: 1}";
+      Job gpt = gpt_text_job("compress-gpt", 5);
       gpt.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32}";
       gpt.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1}";
       gpt.schedule = "{decay: step, step_size: 10}";
@@ -191,33 +175,25 @@ TEST_SUITE("compression") {
       gpt.checkpoint = "{every_steps: 10}";
       gpt.parallel = "{pipeline: 2, tensor: 2, compression: " + how +
                      ", topk_ratio: 0.05, compression_warmup: 0}";
-      gpt.dist = "{timeout_s: 30}";
       const auto job = gpt.write(dir, "gpt.yaml");
       // The head's residual is split by vocabulary over the tensor ranks, like the head.
-      run("run " + job + " --nproc 8 --run-dir " + dir + "/whole");
-      run("run " + job + " --nproc 8 --run-dir " + dir + "/legs --set train.max_steps=10");
-      dtrain::CheckpointReader reader(dir + "/legs/checkpoints/step-00000010");
-      const auto names = reader.names("sync.dp0");
-      auto has = [&](const std::string& name) {
-        return std::find(names.begin(), names.end(), name) != names.end();
+      auto split_like_the_head = [&] {
+        dtrain::CheckpointReader reader(dir + "/legs/checkpoints/step-00000010");
+        const auto names = reader.names("sync.dp0");
+        auto has = [&](const std::string& name) {
+          return std::find(names.begin(), names.end(), name) != names.end();
+        };
+        CHECK(has("wte.weight.residual"));
+        CHECK(has("wte.weight.residual_copy"));
+        if (how == "powersgd") {  // the tied head's Q, each tensor rank's own (split by vocabulary)
+          CHECK(has("wte.weight.powersgd_q.tp1"));
+          CHECK(has("wte.weight.powersgd_q.tp1_copy"));
+        }
       };
-      CHECK(has("wte.weight.residual"));
-      CHECK(has("wte.weight.residual_copy"));
-      if (how == "powersgd") {  // the tied head's Q, each tensor rank's own (split by vocabulary)
-        CHECK(has("wte.weight.powersgd_q.tp1"));
-        CHECK(has("wte.weight.powersgd_q.tp1_copy"));
-      }
-      const auto second = e2e::dtrain("run " + job + " --nproc 8 --run-dir " + dir + "/legs --resume auto" + kQuiet);
-      INFO(second.err);
-      REQUIRE(second.code == 0);
-      CHECK(second.err.find("start from zero") == std::string::npos);
-      CHECK(second.err.find("start afresh") == std::string::npos);
-      const auto whole = train_losses(dir + "/whole"), got = train_losses(dir + "/legs");
-      REQUIRE(got.size() == 20);
-      for (const auto& [step, loss] : whole) {
-        INFO("step " << step);
-        CHECK(got.at(step) == loss);
-      }
+      const auto runs = train_whole_and_in_legs(dir, job, 10, " --nproc 8", split_like_the_head);
+      CHECK(runs.resumed_err.find("start from zero") == std::string::npos);
+      CHECK(runs.resumed_err.find("start afresh") == std::string::npos);
+      check_same_trajectory(runs, 20);
       if (how != "powersgd") continue;
       // At another tensor size the residuals move (split like the parameters), the Q
       // matrices (each rank's own power iteration) start afresh, and say so.

@@ -24,15 +24,13 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string gpt_job(const std::string& dir, const std::string& data) {
-  Job j;
-  j.name = "hostile", j.seed = 1;
+  Job j = ranks_job("hostile", 1);
   j.data = data;
   j.model = "{arch: gpt, layers: 2, heads: 2, dim: 32, seq_len: 32}";
   j.optimizer = "{name: adamw, lr: 0.001}";
   j.schedule = "";
   j.max_steps = 20, j.log_every = 10, j.eval_every = 10, j.train = "";
   j.checkpoint = "{every_steps: 10}";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");
 }
 

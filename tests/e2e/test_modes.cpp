@@ -24,15 +24,10 @@ namespace {
 
 // Synthetic data, the MLP, 2 ranks; a schedule independent of max_steps.
 std::string job(const std::string& dir, const std::string& optimizer) {
-  Job j;
-  j.name = "modes-check", j.seed = 11;
-  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
-           " classes: 4, batch_size: 32, workers: 1}";
-  j.model = "{arch: mlp, hidden: [64, 32]}";
+  Job j = ranks_job("modes-check", 11);
   j.optimizer = optimizer;
   j.schedule = "{decay: step, step_size: 10}";
-  j.max_steps = 24, j.eval_every = 0, j.train = "";
-  j.dist = "{timeout_s: 30}";
+  j.max_steps = 24, j.eval_every = 0;
   return j.write(dir);
 }
 
@@ -191,18 +186,7 @@ TEST_SUITE("modes") {
     // Apart for 4 steps at a time, each replica's AdamW state split over tensor ranks.
     const auto adam = gpt("{name: adamw, lr: 0.003, weight_decay: 0.1}");
     const std::string local = " --set parallel.mode=local_sgd --set parallel.average_every=4";
-    run_ok("run " + adam + " --nproc 8 --run-dir " + dir + "/whole" + local);
-    run_ok("run " + adam + " --nproc 8 --run-dir " + dir + "/legs" + local + " --set train.max_steps=8");
-    const auto second = e2e::dtrain("run " + adam + " --nproc 8 --run-dir " + dir + "/legs"
-                                    " --resume auto" + local + kQuiet);
-    INFO(second.err);
-    REQUIRE(second.code == 0);
-    const auto whole = train_losses(dir + "/whole"), got = train_losses(dir + "/legs");
-    REQUIRE(got.size() == 16);
-    for (const auto& [step, loss] : whole) {
-      INFO("step " << step);
-      CHECK(got.at(step) == loss);
-    }
+    check_same_trajectory(train_whole_and_in_legs(dir, adam, 8, " --nproc 8" + local), 16);
   }
 
   TEST_CASE("local_sgd: a replica's divergence ends the run where the replicas meet, exit 3") {

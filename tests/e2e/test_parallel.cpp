@@ -27,15 +27,10 @@ bool ignores_sigpipe(pid_t pid) {
 
 // Synthetic data, no dropout, one thread per rank: what 1, 2 and 4 ranks must agree on.
 Job dp_job() {
-  Job j;
-  j.name = "dp-check", j.seed = 11;
-  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
-           " classes: 4, batch_size: 32, workers: 1}";
-  j.model = "{arch: mlp, hidden: [64, 32]}";
+  Job j = ranks_job("dp-check", 11);
   j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
   j.schedule = "{warmup_steps: 5, decay: cosine}";
-  j.max_steps = 60, j.eval_every = 30, j.train = "";
-  j.dist = "{timeout_s: 30}";
+  j.max_steps = 60, j.eval_every = 30;
   return j;
 }
 

@@ -18,30 +18,24 @@ namespace {
 
 // An MLP of 4 parts (3 hidden layers and the classifier), 4 micro-batches a step.
 std::string mlp_job(const std::string& dir) {
-  Job j;
-  j.name = "pp-mlp", j.seed = 11;
-  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
-           " classes: 4, batch_size: 32, workers: 1}";
+  Job j = ranks_job("pp-mlp", 11);
   j.model = "{arch: mlp, hidden: [32, 32, 16], dropout: 0.1}";
   j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001, grad_clip: 0.5}";
   j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
   j.max_steps = 30, j.eval_every = 15, j.train = "grad_accum: 4";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "mlp.yaml");
 }
 
 // A 4-layer GPT (6 parts: embeddings, 4 blocks, head) on synthetic tokens: its tied
 // embedding and head end up on the first and the last stage.
 std::string gpt_job(const std::string& dir) {
-  Job j;
-  j.name = "pp-gpt", j.seed = 5;
+  Job j = ranks_job("pp-gpt", 5);
   j.data = "{dataset: synthetic_tokens, samples: 512, test_samples: 32, batch_size: 8, workers: 1}";
   j.model = "{arch: gpt, layers: 4, heads: 2, dim: 32, vocab: 64, seq_len: 16, dropout: 0.1}";
   j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}";
   j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
   j.max_steps = 30, j.eval_every = 15, j.train = "grad_accum: 4";
   j.checkpoint = "{every_steps: 10}";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");
 }
 

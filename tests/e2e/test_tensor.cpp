@@ -17,32 +17,22 @@ namespace e2e::tensor_tests {
 namespace {
 
 std::string mlp_job(const std::string& dir) {
-  Job j;
-  j.name = "tp-mlp", j.seed = 11;
-  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
-           " classes: 4, batch_size: 32, workers: 1}";
+  Job j = ranks_job("tp-mlp", 11);
   j.model = "{arch: mlp, hidden: [64, 32, 16], dropout: 0.1}";
   j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001, grad_clip: 0.5}";
   j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
-  j.max_steps = 30, j.eval_every = 15, j.train = "";
-  j.dist = "{timeout_s: 30}";
+  j.max_steps = 30, j.eval_every = 15;
   return j.write(dir, "mlp.yaml");
 }
 
-// A 2-layer GPT on the fortunes corpus (setup installs it), small enough for 4 ranks on
-// 2 cores; AdamW, clipping and weight decay groups all in play. An evaluation reads 256 of
-// the held-out windows (all of them, ~3800, took most of a short run).
+// AdamW, clipping and weight decay groups all in play. An evaluation reads 256 of the
+// held-out windows (all of them, ~3800, took most of a short run).
 std::string gpt_job(const std::string& dir) {
-  Job j;
-  j.name = "tp-gpt", j.seed = 5;
-  j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
-           " workers: 1}";
-  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+  Job j = gpt_text_job("tp-gpt", 5);
   j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1, grad_clip: 1.0}";
   j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
   j.max_steps = 30, j.eval_every = 15, j.train = "eval_batch_size: 256, eval_samples: 256";
   j.checkpoint = "{every_steps: 15}";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");
 }
 

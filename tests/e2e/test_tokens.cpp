@@ -44,15 +44,13 @@ void write_llmc(const std::string& path, const std::vector<uint16_t>& tokens,
 }
 
 std::string gpt_job(const std::string& dir, const std::string& data) {
-  Job j;
-  j.name = "tokens-check", j.seed = 5;
+  Job j = ranks_job("tokens-check", 5);
   j.data = "{" + data + ", batch_size: 8, seq_len: 32, workers: 1}";
   j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, vocab: 256}";
   j.optimizer = "{name: adamw, lr: 0.003, weight_decay: 0.1}";
   j.schedule = "{decay: step, step_size: 10}";
   j.max_steps = 20, j.eval_every = 10, j.train = "";
   j.checkpoint = "{every_steps: 10}";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");
 }
 

@@ -20,16 +20,11 @@ const char* kSgd = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
 // Synthetic data, the MLP, AdamW with clipping and decay groups, a step schedule (independent
 // of max_steps, so that a run cut in legs follows the whole run's learning rates).
 Job zero_job() {
-  Job j;
-  j.name = "zero-check", j.seed = 7;
-  j.data = "{dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8],"
-           " classes: 4, batch_size: 32, workers: 1}";
-  j.model = "{arch: mlp, hidden: [64, 32]}";
+  Job j = ranks_job("zero-check", 7);
   j.optimizer = kAdamW;
   j.schedule = "{warmup_steps: 5, decay: step, step_size: 20}";
-  j.max_steps = 40, j.eval_every = 20, j.train = "";
+  j.max_steps = 40, j.eval_every = 20;
   j.checkpoint = "{every_steps: 20}";
-  j.dist = "{timeout_s: 30}";
   return j;
 }
 
@@ -43,15 +38,10 @@ Job cnn_job() {
 }
 
 std::string gpt_job(const std::string& dir) {
-  Job j;
-  j.name = "zero-gpt", j.seed = 5;
-  j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 8, seq_len: 32,"
-           " workers: 1}";
-  j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+  Job j = gpt_text_job("zero-gpt", 5);
   j.optimizer = kAdamW;
   j.schedule = "{warmup_steps: 5, decay: cosine}";
   j.max_steps = 20, j.eval_every = 20, j.train = "eval_samples: 256";
-  j.dist = "{timeout_s: 30}";
   return j.write(dir, "gpt.yaml");
 }
 
