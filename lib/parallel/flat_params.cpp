@@ -221,8 +221,8 @@ std::optional<size_t> FlatParams::unit_of(const torch::nn::Module& module) const
 
 namespace {
 // Pages of their own for a unit on the CPU, returned to the system when it is released:
-// from glibc's heap (below its 32 MiB mmap threshold, util/memory.cpp) a freed unit would
-// stay in the process's memory, which is what ZeRO-3 frees it for.
+// from LibTorch's allocator a freed unit would stay in the process (glibc's heap below
+// 2 MiB, the block cache above: util/memory.cpp), which is what ZeRO-3 frees it for.
 void* map_bytes(size_t bytes) {
   void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (at == MAP_FAILED) throw std::bad_alloc();
