@@ -19,6 +19,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include "comm/comm.hpp"
@@ -169,41 +170,33 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
     // A fixed number of each (every rank must make the same calls), each timed alone, and
     // the first quartile kept. Back to back, with the cores otherwise idle, a fifth to over
     // half of the small all-reduces here waited out a 4 ms tick for the idle core to wake
-    // (PyTorch 1.13's own between two processes alike), where the rest took 0.1-0.3 ms,
+    // (so did PyTorch 1.13's, timed between two processes), where the rest took 0.1-0.3 ms,
     // as a run's buckets do while the cores compute (a mean said 1.2-1.8 ms; the middle
     // one flipped between 0.26 and 2.5 ms from one profile to the next).
-    auto quartile = [](std::vector<double> v) {
+    auto quartile = [&](int k, bool warm_up, auto op) {
+      auto t = torch::ones({k == 0 ? small : large}, on);
+      if (warm_up) op(t);
+      comm->barrier();
+      std::vector<double> v;
+      for (int i = 0; i < (k == 0 ? 200 : 11); ++i) {
+        const auto start = Clock::now();
+        op(t);
+        settle(t);
+        v.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      }
       std::nth_element(v.begin(), v.begin() + std::ptrdiff_t(v.size() / 4), v.end());
       return v[v.size() / 4];
     };
     for (int k = 0; k < 2; ++k) {
-      auto t = torch::ones({k == 0 ? small : large}, on);
-      const int reps = k == 0 ? 200 : 11;
-      comm->all_reduce(t);  // warm-up
-      comm->barrier();
-      std::vector<double> took;
-      for (int i = 0; i < reps; ++i) {
-        const auto start = Clock::now();
-        comm->all_reduce(t);
-        settle(t);
-        took.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      }
-      if (r == 0) times[size_t(k)] = quartile(took);
+      const double took = quartile(k, /*warm_up=*/true, [&](torch::Tensor& t) { comm->all_reduce(t); });
+      if (r == 0) times[size_t(k)] = took;
     }
-    for (int k = 0; k < 2; ++k) {
-      auto t = torch::ones({k == 0 ? small : large}, on);
-      comm->barrier();
-      // Rank 0 sends to 1 and back, a fixed number of times (both must agree on it).
-      const int reps = k == 0 ? 200 : 11;
-      std::vector<double> took;
-      for (int i = 0; i < reps; ++i) {
-        const auto start = Clock::now();
+    for (int k = 0; k < 2; ++k) {  // rank 0 sends to 1 and back: half of it one way
+      const double took = quartile(k, /*warm_up=*/false, [&](torch::Tensor& t) {
         if (r == 0) comm->send(t, 1), comm->recv(t, 1);
         if (r == 1) comm->recv(t, 0), comm->send(t, 0);
-        settle(t);
-        took.push_back(std::chrono::duration<double>(Clock::now() - start).count() / 2);
-      }
-      if (r == 0) times[size_t(2 + k)] = quartile(took);
+      });
+      if (r == 0) times[size_t(2 + k)] = took / 2;
     }
     comm->barrier();
   });
@@ -312,19 +305,17 @@ MachineProfile::Gpu measure_gpu(int64_t max_ranks) {
                 {"bf16", torch::kBFloat16, false}, {"fp16", torch::kFloat16, false}};
   for (const auto& d : dtypes) {
     context.setAllowTF32CuBLAS(d.tf32);
-    for (int64_t n : {64, 256, 1024, 4096})
-      for (double work : {0x1p22, 0x1p26, 0x1p30, 0x1p34}) {
-        const auto r = gpu_matmul_rate(n, work, d.dtype, false, kBudget);
-        auto& list = g.matmul[d.name];
-        // A clamped shape repeats a point: kept once.
-        if (list.empty() || list.back().size != r.size || list.back().work != r.work) list.push_back(r);
-      }
-    for (int64_t n : {32, 64, 128})
-      for (double work : {0x1p24, 0x1p28, 0x1p32}) {
-        const auto r = gpu_matmul_rate(n, work, d.dtype, true, kBudget);
-        auto& list = g.bmm[d.name];
-        if (list.empty() || list.back().size != r.size || list.back().work != r.work) list.push_back(r);
-      }
+    auto rates = [&](std::vector<MachineProfile::Gpu::Rate>& list, bool batched,
+                     std::initializer_list<int64_t> sizes, std::initializer_list<double> works) {
+      for (int64_t n : sizes)
+        for (double work : works) {
+          const auto r = gpu_matmul_rate(n, work, d.dtype, batched, kBudget);
+          // A clamped shape repeats a point: kept once.
+          if (list.empty() || list.back().size != r.size || list.back().work != r.work) list.push_back(r);
+        }
+    };
+    rates(g.matmul[d.name], /*batched=*/false, {64, 256, 1024, 4096}, {0x1p22, 0x1p26, 0x1p30, 0x1p34});
+    rates(g.bmm[d.name], /*batched=*/true, {32, 64, 128}, {0x1p24, 0x1p28, 0x1p32});
   }
   context.setAllowTF32CuBLAS(tf32_before);
   {
@@ -360,6 +351,18 @@ double at_threads(double one, double all, double threads, int64_t cores) {
   const double t = std::clamp(threads, 1.0, double(cores));
   return cores > 1 ? one + (all - one) * (t - 1) / double(cores - 1) : one;
 }
+
+// The y of `points` (x, y), ascending in x, at `x`: interpolated in log(x), held at the ends.
+double log_interp(const std::vector<std::pair<double, double>>& points, double x) {
+  if (x <= points.front().first) return points.front().second;
+  for (size_t i = 1; i < points.size(); ++i)
+    if (x <= points[i].first) {
+      const auto& [x0, y0] = points[i - 1];
+      const double w = std::log(x / x0) / std::log(points[i].first / x0);
+      return y0 * (1 - w) + points[i].second * w;
+    }
+  return points.back().second;
+}
 }  // namespace
 
 double MachineProfile::matmul_flops(double size, double threads, bool bf16, bool batched) const {
@@ -367,14 +370,11 @@ double MachineProfile::matmul_flops(double size, double threads, bool bf16, bool
   const auto& small = bf16 && !bmm_bf16.empty() ? bmm_bf16 : bmm;
   const auto& matmul = batched && !small.empty() ? small : plain;
   if (matmul.empty()) return 0;
-  auto rate = [&](const Matmul& m) { return at_threads(m.one, m.all, threads, cores); };
-  if (size <= matmul.front().size) return rate(matmul.front()) * size / matmul.front().size;
-  for (size_t i = 1; i < matmul.size(); ++i)
-    if (size <= matmul[i].size) {
-      const double w = std::log(size / matmul[i - 1].size) / std::log(matmul[i].size / matmul[i - 1].size);
-      return rate(matmul[i - 1]) * (1 - w) + rate(matmul[i]) * w;
-    }
-  return rate(matmul.back());
+  std::vector<std::pair<double, double>> rates;  // by size
+  for (const auto& m : matmul) rates.emplace_back(m.size, at_threads(m.one, m.all, threads, cores));
+  // Below the smallest size measured, in proportion to the size (not held).
+  if (size <= rates.front().first) return rates.front().second * size / rates.front().first;
+  return log_interp(rates, size);
 }
 
 double MachineProfile::Gpu::matmul_flops(double size, double work, const std::string& dtype,
@@ -384,30 +384,14 @@ double MachineProfile::Gpu::matmul_flops(double size, double work, const std::st
   if (it == table.end()) it = table.find("fp32");
   if (it == table.end() || it->second.empty()) return 0;
   const auto& rates = it->second;  // by size, then by work
-  // Within one size: in log(work), held at the ends.
-  auto at_size = [&](size_t lo, size_t hi) {
-    if (work <= rates[lo].work) return rates[lo].flops;
-    for (size_t i = lo + 1; i < hi; ++i)
-      if (work <= rates[i].work) {
-        const double w = std::log(work / rates[i - 1].work) / std::log(rates[i].work / rates[i - 1].work);
-        return rates[i - 1].flops * (1 - w) + rates[i].flops * w;
-      }
-    return rates[hi - 1].flops;
-  };
-  std::vector<std::pair<double, double>> sizes;  // each size's rate at `work`
-  for (size_t lo = 0; lo < rates.size();) {
-    size_t hi = lo;
-    while (hi < rates.size() && rates[hi].size == rates[lo].size) ++hi;
-    sizes.emplace_back(rates[lo].size, at_size(lo, hi));
-    lo = hi;
+  std::vector<std::pair<double, double>> sizes, works;  // each size's rate at `work`; one size's
+  for (size_t lo = 0; lo < rates.size(); lo += works.size()) {
+    works.clear();
+    for (size_t i = lo; i < rates.size() && rates[i].size == rates[lo].size; ++i)
+      works.emplace_back(rates[i].work, rates[i].flops);
+    sizes.emplace_back(rates[lo].size, log_interp(works, work));
   }
-  if (size <= sizes.front().first) return sizes.front().second;
-  for (size_t i = 1; i < sizes.size(); ++i)
-    if (size <= sizes[i].first) {
-      const double w = std::log(size / sizes[i - 1].first) / std::log(sizes[i].first / sizes[i - 1].first);
-      return sizes[i - 1].second * (1 - w) + sizes[i].second * w;
-    }
-  return sizes.back().second;
+  return log_interp(sizes, size);
 }
 
 double MachineProfile::memory_bytes(double threads) const {
@@ -539,57 +523,39 @@ std::string default_profile_path() {
   return std::string(home && *home ? home : "/tmp") + "/.cache/dtrain/machine.json";
 }
 
+// The parts whose members are named as their keys; every key required on reading.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MachineProfile::Link, ranks, latency_s, bytes_per_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MachineProfile::Crowded, ranks, handoff_s, all_reduce_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MachineProfile::Gpu::Rate, size, work, flops)
+
 namespace {
-nlohmann::json links_json(const std::vector<MachineProfile::Link>& links) {
-  nlohmann::json out = nlohmann::json::array();
-  for (const auto& l : links) out.push_back({{"ranks", l.ranks}, {"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}});
-  return out;
-}
-std::vector<MachineProfile::Link> links_of(const nlohmann::json& j) {
-  std::vector<MachineProfile::Link> out;
-  for (const auto& l : j) out.push_back({l.at("ranks"), l.at("latency_s"), l.at("bytes_per_s")});
-  return out;
-}
 nlohmann::json gpu_json(const MachineProfile::Gpu& g) {
-  auto rates = [](const std::map<std::string, std::vector<MachineProfile::Gpu::Rate>>& by) {
-    nlohmann::json out = nlohmann::json::object();
-    for (const auto& [dtype, list] : by) {
-      auto& into = out[dtype] = nlohmann::json::array();
-      for (const auto& r : list) into.push_back({{"size", r.size}, {"work", r.work}, {"flops", r.flops}});
-    }
-    return out;
-  };
   return {{"name", g.name},
           {"count", g.count},
           {"memory_bytes", g.memory},
-          {"matmul", rates(g.matmul)},
-          {"bmm", rates(g.bmm)},
+          {"matmul", g.matmul},
+          {"bmm", g.bmm},
           {"memory_bytes_per_s", g.memory_bytes_per_s},
           {"launch_s", g.launch_s},
           {"backend", g.backend},
-          {"all_reduce", links_json(g.all_reduce)},
-          {"send", links_json(g.send)}};
+          {"all_reduce", g.all_reduce},
+          {"send", g.send}};
 }
 MachineProfile::Gpu gpu_of(const nlohmann::json& j) {
   MachineProfile::Gpu g;
   g.name = j.at("name");
   g.count = j.at("count");
   g.memory = j.at("memory_bytes");
-  auto rates = [](const nlohmann::json& by, std::map<std::string, std::vector<MachineProfile::Gpu::Rate>>& into) {
-    for (const auto& [dtype, list] : by.items())
-      for (const auto& r : list) into[dtype].push_back({r.at("size"), r.at("work"), r.at("flops")});
-  };
-  rates(j.at("matmul"), g.matmul);
-  rates(j.at("bmm"), g.bmm);
+  j.at("matmul").get_to(g.matmul);
+  j.at("bmm").get_to(g.bmm);
   g.memory_bytes_per_s = j.at("memory_bytes_per_s");
   g.launch_s = j.at("launch_s");
   g.backend = j.at("backend");
-  g.all_reduce = links_of(j.at("all_reduce"));
-  g.send = links_of(j.at("send"));
+  j.at("all_reduce").get_to(g.all_reduce);
+  j.at("send").get_to(g.send);
   if (g.matmul.count("fp32") == 0 || g.memory_bytes_per_s <= 0) throw std::runtime_error("no GPU measurements");
   return g;
 }
-}  // namespace
 
 nlohmann::json profile_json(const MachineProfile& p) {
   auto rates = [](const std::vector<MachineProfile::Matmul>& list) {
@@ -611,12 +577,12 @@ nlohmann::json profile_json(const MachineProfile& p) {
           {"memory_all_threads_bytes_per_s", p.memory_all},
           {"elementwise_fp32", elementwise(p.elementwise)},
           {"elementwise_bf16", elementwise(p.elementwise_bf16)},
-          {"gloo_all_reduce", links_json(p.all_reduce)},
-          {"gloo_send", links_json(p.send)},
-          {"crowded", {{"ranks", p.crowded.ranks}, {"handoff_s", p.crowded.handoff_s},
-                       {"all_reduce_s", p.crowded.all_reduce_s}}},
+          {"gloo_all_reduce", p.all_reduce},
+          {"gloo_send", p.send},
+          {"crowded", p.crowded},
           {"gpu", p.gpu ? gpu_json(*p.gpu) : nlohmann::json(nullptr)}};
 }
+}  // namespace
 
 MachineProfile measure_in_child(int64_t max_ranks, std::chrono::seconds timeout) {
   namespace fs = std::filesystem;
@@ -702,10 +668,9 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     };
     elementwise("elementwise_fp32", p.elementwise);
     elementwise("elementwise_bf16", p.elementwise_bf16);
-    p.all_reduce = links_of(j.at("gloo_all_reduce"));
-    p.send = links_of(j.at("gloo_send"));
-    const auto& crowded = j.at("crowded");
-    p.crowded = {crowded.at("ranks"), crowded.at("handoff_s"), crowded.at("all_reduce_s")};
+    j.at("gloo_all_reduce").get_to(p.all_reduce);
+    j.at("gloo_send").get_to(p.send);
+    j.at("crowded").get_to(p.crowded);
     // Measured where a GPU was visible (absent from profiles written before GPUs were).
     if (j.contains("gpu") && !j.at("gpu").is_null()) p.gpu = gpu_of(j.at("gpu"));
     if (p.matmul.empty() || p.memory_one <= 0 || p.elementwise.plain_one <= 0 || p.elementwise.transcendental_one <= 0)

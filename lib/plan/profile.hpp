@@ -11,8 +11,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 namespace dtrain {
 
 struct MachineProfile {
@@ -108,6 +106,5 @@ void save_profile(const MachineProfile& p, const std::string& path);
 // nullopt where there is no file, or one of the first version's; RunDirError naming the
 // file where it does not parse.
 std::optional<MachineProfile> load_profile(const std::string& path);
-nlohmann::json profile_json(const MachineProfile& p);
 
 }  // namespace dtrain

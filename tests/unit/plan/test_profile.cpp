@@ -4,7 +4,11 @@
 
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
 #include "plan/profile.hpp"
+#include "temp_dir.hpp"
+#include "util/error.hpp"
 
 using dtrain::MachineProfile;
 
@@ -31,4 +35,60 @@ TEST_CASE("profile: a GPU's matmul rate between its measured sizes and works") {
   CHECK(g.matmul_flops(64, 1e6, "fp32", true) == doctest::Approx(5e11));
   // Nothing measured: no rate.
   CHECK(MachineProfile::Gpu{}.matmul_flops(64, 1e6, "fp32", false) == 0);
+}
+
+TEST_CASE("profile: saved and read back alike; a missing field does not read") {
+  dtrain::test::TempDir dir("dtrain-profile");
+  MachineProfile p;
+  p.host = "h", p.build = "b", p.cores = 2;
+  p.matmul = {{32, 1e9, 2e9}, {64, 3e9, 5e9}};
+  p.bmm_bf16 = {{16, 1e8, 2e8}};
+  p.memory_one = 1e10, p.memory_all = 2e10;
+  p.elementwise = {1, 2, 3, 4};
+  p.elementwise_bf16 = {5, 6, 7, 8};
+  p.all_reduce = {{2, 1e-4, 1e9}, {4, 2e-4, 5e8}};
+  p.send = {{2, 5e-5, 2e9}};
+  p.crowded = {4, 1e-3, 2e-3};
+  MachineProfile::Gpu g;
+  g.name = "gpu", g.count = 2, g.memory = 8e10;
+  g.matmul["fp32"] = {{64, 1e6, 1e12}, {64, 1e8, 4e12}};
+  g.bmm["bf16"] = {{32, 1e6, 5e11}};
+  g.memory_bytes_per_s = 2e12, g.launch_s = 5e-6, g.backend = "nccl";
+  g.all_reduce = {{2, 1e-5, 1e11}};
+  p.gpu = g;
+  const std::string path = dir / "machine.json";
+  dtrain::save_profile(p, path);
+  const auto back = dtrain::load_profile(path);
+  REQUIRE(back);
+  CHECK(back->cores == 2);
+  CHECK(back->matmul.size() == 2);
+  CHECK(back->matmul[1].all == 5e9);
+  CHECK(back->bmm_bf16[0].size == 16);
+  CHECK(back->elementwise_bf16.transcendental_all == 8);
+  CHECK(back->all_reduce[1].ranks == 4);
+  CHECK(back->all_reduce[1].latency_s == 2e-4);
+  CHECK(back->send[0].bytes_per_s == 2e9);
+  CHECK(back->crowded.ranks == 4);
+  CHECK(back->crowded.all_reduce_s == 2e-3);
+  REQUIRE(back->gpu);
+  CHECK(back->gpu->matmul.at("fp32")[1].flops == 4e12);
+  CHECK(back->gpu->bmm.at("bf16")[0].work == 1e6);
+  CHECK(back->gpu->all_reduce[0].bytes_per_s == 1e11);
+  CHECK(back->gpu->send.empty());
+  // Saved again, the same bytes.
+  dtrain::save_profile(*back, dir / "again.json");
+  CHECK(dtrain::test::read_bytes(dir / "again.json") == dtrain::test::read_bytes(path));
+
+  // A field left out: the profile does not read, naming the file.
+  auto j = nlohmann::json::parse(dtrain::test::read_bytes(path));
+  j["crowded"].erase("handoff_s");
+  dtrain::test::write_bytes(path, j.dump());
+  CHECK_THROWS_AS(dtrain::load_profile(path), dtrain::RunDirError);
+  j = nlohmann::json::parse(dtrain::test::read_bytes(dir / "again.json"));
+  j["gpu"]["all_reduce"][0].erase("ranks");
+  dtrain::test::write_bytes(path, j.dump());
+  CHECK_THROWS_WITH_AS(dtrain::load_profile(path), doctest::Contains("'ranks' not found"), dtrain::RunDirError);
+  j["gpu"] = nullptr;  // no GPU measured
+  dtrain::test::write_bytes(path, j.dump());
+  CHECK_FALSE(dtrain::load_profile(path)->gpu);
 }
