@@ -2,11 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -51,6 +49,11 @@ std::string kind_of(const std::string& file) {
   return "";
 }
 
+// Where step's checkpoint is written before the rename that makes it one.
+std::string temp_in(const std::string& checkpoints, int64_t step) {
+  return (fs::path(checkpoints) / (".tmp-" + checkpoint_name(step))).string();
+}
+
 }  // namespace
 
 CheckpointStore::CheckpointStore(std::string run_dir, const CheckpointConfig& cfg)
@@ -64,29 +67,13 @@ void CheckpointStore::discard_partial() {
     if (e.path().filename().string().rfind(".tmp-", 0) == 0) remove_tree(e.path().string());
 }
 
-std::string CheckpointStore::save(const CheckpointState& state, int64_t step, int64_t epoch,
-                                  const nlohmann::json& layout,
-                                  const std::optional<Metric>& metric) {
-  try {
-    begin(step);
-    write_part(temp_folder(fs::path(dir_).parent_path().string(), step), "", state.model,
-               state.optimizer);
-  } catch (const std::exception& e) {
-    abort(step);
-    throw CheckpointError(fmt::format("cannot write the checkpoint of step {} in '{}': {}", step,
-                                      dir_, first_line(e.what())));
-  }
-  return commit(state, step, epoch, layout, metric);
-}
-
 std::string CheckpointStore::temp_folder(const std::string& run_dir, int64_t step) {
-  return (fs::path(run_dir) / "checkpoints" / (".tmp-" + checkpoint_name(step))).string();
+  return temp_in((fs::path(run_dir) / "checkpoints").string(), step);
 }
 
 void CheckpointStore::begin(int64_t step) {
-  const auto tmp = fs::path(dir_) / (".tmp-" + checkpoint_name(step));
-  remove_tree(tmp.string());
-  fs::create_directories(tmp);
+  remove_tree(temp_in(dir_, step));
+  fs::create_directories(temp_in(dir_, step));
 }
 
 namespace {
@@ -181,16 +168,9 @@ void CheckpointStore::write_shard(const std::string& temp, const std::string& ki
       state, file_metadata("dtrain-" + kind, state, parts, ranges));
 }
 
-void CheckpointStore::write_sync_state(const std::string& temp, int64_t data_rank,
-                                       const std::string& part, const NamedTensors& state,
-                                       const PartsOf& parts) {
-  write_safetensors((fs::path(temp) / fmt::format("sync.dp{}{}.safetensors", data_rank, part)).string(),
-                    state, file_metadata("dtrain-sync", state, parts));
-}
-
 void CheckpointStore::abort(int64_t step) {
   try {  // never leave a partial folder filling the disk
-    remove_tree((fs::path(dir_) / (".tmp-" + checkpoint_name(step))).string());
+    remove_tree(temp_in(dir_, step));
   } catch (const std::exception&) {  // the first error is the one to report
   }
 }
@@ -199,7 +179,7 @@ std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, 
                                     const nlohmann::json& layout,
                                     const std::optional<Metric>& metric) {
   const std::string name = checkpoint_name(step);
-  const fs::path tmp = fs::path(dir_) / (".tmp-" + name), final_path = fs::path(dir_) / name;
+  const fs::path tmp = temp_in(dir_, step), final_path = fs::path(dir_) / name;
   nlohmann::json scored;  // the manifest's metric, which `best` compares
   if (metric)
     scored = {{"name", metric->name}, {"value", metric->value},

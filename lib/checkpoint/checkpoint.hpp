@@ -42,15 +42,8 @@ class CheckpointStore {
   // Creates RUN_DIR/checkpoints; touches nothing in it.
   CheckpointStore(std::string run_dir, const CheckpointConfig& cfg);
 
-  // Writes the checkpoint for `step`, points `latest` (and `best` when `metric` beats it)
-  // at it, and prunes the line beyond checkpoint.keep_last (timeline.hpp). Returns the folder. On any failure
-  // (a full disk) the temporary folder is removed, earlier checkpoints are untouched, and
-  // CheckpointError says what could not be written.
-  std::string save(const CheckpointState& state, int64_t step, int64_t epoch,
-                   const nlohmann::json& layout, const std::optional<Metric>& metric);
-
-  // The same in three steps for several writers. The temporary folder of step's checkpoint
-  // (every rank can name it); begin() makes it afresh.
+  // A checkpoint in three steps, for several writers. The temporary folder of step's
+  // checkpoint (every rank can name it); begin() makes it afresh.
   static std::string temp_folder(const std::string& run_dir, int64_t step);
   void begin(int64_t step);
   // One writer's tensors into the temporary folder: model`part`.safetensors and
@@ -66,16 +59,16 @@ class CheckpointStore {
   // parameters (ZeRO-3; "model") as `KIND.dpD<part>.safetensors`: pieces of tensors whose
   // places `ranges` gives (the file's metadata says them too), and the rest whole (the
   // optimizer's scalars, the model's buffers); loading merges every data rank's shard.
+  // Kind "sync" is a data rank's training-strategy state (gradient compression's
+  // residuals), which the data ranks do not hold alike: no ranges, and nothing to merge.
   static void write_shard(const std::string& temp, const std::string& kind, int64_t data_rank,
                           const std::string& part, const NamedTensors& state,
                           const PartsOf& parts, const RangesOf& ranges);
-  // A data rank's training-strategy state (gradient compression's residuals) as
-  // `sync.dpD<part>.safetensors`: per data rank, unlike the model and optimizer, which
-  // the data ranks hold alike.
-  static void write_sync_state(const std::string& temp, int64_t data_rank, const std::string& part,
-                               const NamedTensors& state, const PartsOf& parts);
   // Once every part is written: trainer.json, config.yaml and the manifest of every file,
-  // then the rename, `latest`, `best` and pruning, as save(). Returns the folder.
+  // then the rename; points `latest` (and `best` when `metric` beats it) at it and prunes
+  // the line beyond checkpoint.keep_last (timeline.hpp). Returns the folder. On a failure
+  // (a full disk) the temporary folder is removed, earlier checkpoints are untouched, and
+  // CheckpointError says what could not be written.
   std::string commit(const CheckpointState& state, int64_t step, int64_t epoch,
                      const nlohmann::json& layout, const std::optional<Metric>& metric);
   // Removes what a failed save left of step's temporary folder.

@@ -2,7 +2,6 @@
 
 #include <filesystem>
 #include <iostream>
-#include <map>
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -155,7 +154,7 @@ class PartWriter : public StateWriter {
   // This rank's files into the temporary folder `temp` (`part`: its ".ppN.tpT" suffix).
   void write(const std::string& temp, const std::string& part, int64_t data_rank) const {
     if (!replica.empty())
-      CheckpointStore::write_sync_state(temp, data_rank, part, replica, replica_parts);
+      CheckpointStore::write_shard(temp, "sync", data_rank, part, replica, replica_parts, {});
     for (const auto* shard : {&model_shard, &optimizer_shard})
       if (shard->used)
         CheckpointStore::write_shard(temp, shard == &model_shard ? "model" : "optimizer",
