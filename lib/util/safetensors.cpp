@@ -1,7 +1,6 @@
 #include "util/safetensors.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -31,29 +30,6 @@ torch::ScalarType dtype_of(const std::string& name, const std::string& path) {
   for (const auto& [n, type] : dtypes())
     if (n == name) return type;
   throw CheckpointError(fmt::format("{}: unsupported dtype '{}'", path, name));
-}
-
-// The little-endian header length in a file's first 8 bytes.
-uint64_t header_length(const char* first8) {
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(first8[i]);
-  return n;
-}
-
-// Parses the header; returns it and the offset where tensor data begins.
-std::pair<nlohmann::json, size_t> parse_header(const std::string& bytes, const std::string& path) {
-  if (bytes.size() < 8) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
-  const uint64_t n = header_length(bytes.data());
-  if (n > bytes.size() - 8)
-    throw CheckpointError(fmt::format("{}: header length {} past the end of the file", path, n));
-  try {
-    auto header = nlohmann::json::parse(bytes.substr(8, n));
-    if (!header.is_object())
-      throw CheckpointError(fmt::format("{}: safetensors header is not a JSON object", path));
-    return {std::move(header), 8 + n};
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError(fmt::format("{}: unreadable safetensors header ({})", path, e.what()));
-  }
 }
 
 }  // namespace
@@ -87,29 +63,28 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
 
 namespace {
 
-// The header's length prefix and JSON, read from an open file.
+// The header's length prefix and JSON, read from an open file; `base`: where the data begins.
 nlohmann::json read_header(std::ifstream& in, const std::string& path, size_t& base) {
   char len[8];
   if (!in.read(len, 8)) throw CheckpointError(fmt::format("{}: too short for safetensors", path));
-  const uint64_t n = header_length(len);
+  uint64_t n = 0;  // little-endian
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(len[i]);
   if (n > (uint64_t(1) << 30)) throw CheckpointError(fmt::format("{}: corrupt header", path));
-  std::string head(8 + n, '\0');
-  std::memcpy(head.data(), len, 8);
-  if (!in.read(head.data() + 8, static_cast<std::streamsize>(n)))
+  std::string head(n, '\0');
+  if (!in.read(head.data(), static_cast<std::streamsize>(n)))
     throw CheckpointError(fmt::format("{}: truncated header", path));
-  auto [header, at] = parse_header(head, path);
-  base = at;
-  return header;
+  base = 8 + n;
+  try {
+    auto header = nlohmann::json::parse(head);
+    if (!header.is_object())
+      throw CheckpointError(fmt::format("{}: safetensors header is not a JSON object", path));
+    return header;
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: unreadable safetensors header ({})", path, e.what()));
+  }
 }
 
 }  // namespace
-
-nlohmann::json read_safetensors_header(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError(fmt::format("cannot read '{}'", path));
-  size_t base = 0;
-  return read_header(in, path, base);
-}
 
 SafetensorsIndex index_safetensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);

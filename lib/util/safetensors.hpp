@@ -24,8 +24,6 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Throws CheckpointError naming the file on anything malformed.
 SafetensorsFile read_safetensors(const std::string& path);
-// Only the JSON header (for inspect): names, dtypes, shapes, metadata.
-nlohmann::json read_safetensors_header(const std::string& path);
 
 // Where each tensor of a file lies, checked against the file's size (every byte accounted
 // for, as read_safetensors checks), so that single tensors can be read without the rest.
