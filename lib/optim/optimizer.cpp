@@ -1,6 +1,7 @@
 #include "optim/optimizer.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -63,9 +64,12 @@ class FlatOptimizer : public Optimizer {
   };
   // The step count: one more, unless `skip` is 1 (on the device, unread). A rank whose
   // ZeRO shard is empty has no groups and still counts, so every rank saves the same.
-  void count(const torch::Tensor& skip) {
+  // Returns `skip` as the kernels' found_inf.
+  std::optional<torch::Tensor> count(const torch::Tensor& skip) {
     steps_.add_(1);
-    if (skip.defined()) steps_.sub_(skip);
+    if (!skip.defined()) return std::nullopt;
+    steps_.sub_(skip);
+    return skip;
   }
 
   OptimizerConfig cfg_;
@@ -119,16 +123,12 @@ class Sgd : public FlatOptimizer {
   // is_first_step copy is not needed, and the first step may be a skipped one.
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
-    count(skip);
+    const auto found_inf = count(skip);
     for (auto& grp : groups_) {
       const auto& buf = cfg_.momentum != 0 ? grp.slots[0] : std::vector<torch::Tensor>{};
-      if (skip.defined())
-        at::_fused_sgd_(grp.p, grp.g, buf, grp.weight_decay, cfg_.momentum, lr, /*dampening=*/0,
-                        cfg_.nesterov, /*maximize=*/false, /*is_first_step=*/false,
-                        /*grad_scale=*/{}, /*found_inf=*/skip);
-      else
-        at::_fused_sgd_(grp.p, grp.g, buf, grp.weight_decay, cfg_.momentum, lr, 0, cfg_.nesterov,
-                        false, false);
+      at::_fused_sgd_(grp.p, grp.g, buf, grp.weight_decay, cfg_.momentum, lr, /*dampening=*/0,
+                      cfg_.nesterov, /*maximize=*/false, /*is_first_step=*/false,
+                      /*grad_scale=*/std::nullopt, found_inf);
     }
   }
 };
@@ -144,17 +144,12 @@ class AdamW : public FlatOptimizer {
 
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
-    count(skip);  // the kernel reads the count the step makes
-    for (auto& grp : groups_) {
-      if (skip.defined())
-        at::_fused_adamw_(grp.p, grp.g, grp.slots[0], grp.slots[1], /*max_exp_avg_sqs=*/{},
-                          grp.steps, lr, cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps,
-                          /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/{},
-                          /*found_inf=*/skip);
-      else
-        at::_fused_adamw_(grp.p, grp.g, grp.slots[0], grp.slots[1], {}, grp.steps, lr,
-                          cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps, false, false);
-    }
+    const auto found_inf = count(skip);  // the kernel reads the count the step makes
+    for (auto& grp : groups_)
+      at::_fused_adamw_(grp.p, grp.g, grp.slots[0], grp.slots[1], /*max_exp_avg_sqs=*/{},
+                        grp.steps, lr, cfg_.beta1, cfg_.beta2, grp.weight_decay, cfg_.eps,
+                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                        found_inf);
   }
 };
 
