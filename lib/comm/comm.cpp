@@ -66,7 +66,6 @@ class CommThreadPriority {
 class DonePending : public Pending {
  public:
   void wait() override {}
-  bool done() override { return true; }
 };
 
 class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
@@ -88,9 +87,6 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
     return std::make_unique<DonePending>();
   }
   bool can_sum(torch::ScalarType) const override { return true; }
-  void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp) override {
-    out.view(-1).copy_(in.reshape(-1));
-  }
   void barrier() override {}
   std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops) override {
     if (!ops.empty()) throw std::logic_error("send/recv in a group of one process");
@@ -168,8 +164,8 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     return guard("reduce", [&] { return pending("reduce", pg_->reduce(ts, o), ts, 1.0, st.back); });
   }
   std::unique_ptr<Pending> broadcast_async(torch::Tensor t, int64_t root) override {
-    // A broadcast moves bits, so bf16 goes as fp16, its values untouched: Gloo in LibTorch
-    // 1.13 has neither bf16 nor int16.
+    // A broadcast moves bits, so bf16 goes as fp16, its values untouched, whether or not
+    // this Gloo knows bf16.
     if (t.scalar_type() == torch::kBFloat16) t = t.view(torch::kHalf);
     const Staged st = staged(t);
     std::vector<torch::Tensor> ts{st.dev};
@@ -212,16 +208,6 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
                      st.back.defined() ? st.back.view(-1) : st.back);
     });
   }
-  void reduce_scatter(torch::Tensor out, const torch::Tensor& in, ReduceOp op) override {
-    // Reduce everything, keep this rank's chunk, as Gloo's own reduce-scatter does (2.6 and
-    // later; 1.13 had none): twice the traffic of a true reduce-scatter, the same result.
-    const int64_t n = out.numel();
-    TORCH_CHECK(in.numel() == n * size_, "reduce_scatter: input holds ", in.numel(),
-                " elements, expected ", n * size_);
-    auto whole = in.reshape(-1).clone();
-    all_reduce(whole, op);
-    out.view(-1).copy_(whole.narrow(0, rank_ * n, n));
-  }
   void barrier() override {
     // A barrier is an all-reduce of one number: the same timeout path as everything else.
     std::vector<torch::Tensor> ts{staged(torch::zeros({1})).dev};
@@ -260,7 +246,6 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
                 std::vector<torch::Tensor> keep, double divide, torch::Tensor back)
         : comm_(comm), op_(op), work_(std::move(work)), keep_(std::move(keep)),
           divide_(divide), back_(std::move(back)) {}
-    bool done() override { return work_->isCompleted(); }
     void wait() override {
       bool done = false;
       try {
@@ -420,7 +405,6 @@ class ShapeComm : public Comm {
     return none();
   }
   bool can_sum(torch::ScalarType) const override { return true; }
-  void reduce_scatter(torch::Tensor, const torch::Tensor&, ReduceOp) override { none(); }
   void barrier() override { none(); }
   std::unique_ptr<Pending> exchange_async(std::vector<P2POp>) override { return none(); }
   std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>&) override {

@@ -25,8 +25,6 @@ class Pending {
  public:
   virtual ~Pending() = default;
   virtual void wait() = 0;
-  // Whether it has finished (or failed; wait() then says how), without waiting.
-  virtual bool done() = 0;
 };
 
 // Several operations as one.
@@ -35,11 +33,6 @@ class PendingAll : public Pending {
   std::vector<std::unique_ptr<Pending>> parts;
   void wait() override {
     for (auto& p : parts) p->wait();
-  }
-  bool done() override {
-    for (auto& p : parts)
-      if (!p->done()) return false;
-    return true;
   }
 };
 
@@ -53,7 +46,6 @@ class PendingThen : public Pending {
     op_->wait();
     if (then_) std::exchange(then_, nullptr)();
   }
-  bool done() override { return op_->done(); }
 
  private:
   std::unique_ptr<Pending> op_;
@@ -102,12 +94,9 @@ class Comm {
   virtual std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) = 0;
   // Whether the backend sums this type natively, at full speed: NCCL every float type;
   // Gloo fp32 and fp64 only (it adds 16-bit floats element by element through fp32: an
-  // fp16 all-reduce of the MLP's gradient ran 3x slower, on LibTorch 1.13, than gathering
-  // the fp16 values and summing them here).
+  // fp16 all-reduce of the MLP's gradient ran 3x slower, when measured, than gathering the
+  // fp16 values and summing them here).
   virtual bool can_sum(torch::ScalarType type) const = 0;
-  // `in` holds size() equal chunks; `out` (one chunk) gets chunk rank() reduced over ranks.
-  virtual void reduce_scatter(torch::Tensor out, const torch::Tensor& in,
-                              ReduceOp op = ReduceOp::kSum) = 0;
   virtual void barrier() = 0;
   // Sends and receives posted together and completed together, so two peers that each send
   // to and receive from the other cannot deadlock on the order they post them in.

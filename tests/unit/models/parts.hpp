@@ -71,7 +71,6 @@ class SilentComm : public Comm {
   }
   std::unique_ptr<Pending> all_gather_async(torch::Tensor, const torch::Tensor&) override { return done(); }
   bool can_sum(torch::ScalarType) const override { return true; }
-  void reduce_scatter(torch::Tensor, const torch::Tensor&, ReduceOp) override {}
   void barrier() override {}
   std::unique_ptr<Pending> exchange_async(std::vector<P2POp>) override { return done(); }
   std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>&) override {
@@ -81,7 +80,6 @@ class SilentComm : public Comm {
  private:
   struct Done : Pending {
     void wait() override {}
-    bool done() override { return true; }
   };
   static std::unique_ptr<Pending> done() { return std::make_unique<Done>(); }
   int64_t rank_, size_;
