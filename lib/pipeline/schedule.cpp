@@ -119,16 +119,4 @@ double ScheduleRun::bubble(int64_t rank) const {
   return e > 0 ? 1 - busy[size_t(rank)] / e : 0;
 }
 
-std::string schedule_str(const std::vector<Action>& actions) {
-  const bool chunked = std::any_of(actions.begin(), actions.end(),
-                                   [](const Action& a) { return a.chunk > 0; });
-  std::string s;
-  for (const auto& a : actions) {
-    if (!s.empty()) s += ' ';
-    s += fmt::format("{}{}", a.kind == Action::kForward ? 'F' : 'B', a.micro);
-    if (chunked) s += fmt::format(".{}", a.chunk);
-  }
-  return s;
-}
-
 }  // namespace dtrain

@@ -53,8 +53,4 @@ struct ScheduleRun {
 ScheduleRun play_schedule(const std::string& name, int64_t ranks, int64_t micro, int64_t chunks,
                           const std::vector<double>& forward, const std::vector<double>& backward);
 
-// "F0 F1 B0 ..." (with chunks, "F0.0 F1.0 F0.1 ..."): a schedule as the papers' tables
-// write it.
-std::string schedule_str(const std::vector<Action>& actions);
-
 }  // namespace dtrain

@@ -11,6 +11,8 @@
 #include <numeric>
 #include <ostream>
 
+#include <fmt/format.h>
+
 #include "parallel/stages.hpp"
 #include "pipeline/schedule.hpp"
 
@@ -26,9 +28,20 @@ using namespace dtrain;
 
 namespace {
 
+// "F0 F1 B0 ..." (with chunks, "F0.0 F1.0 F0.1 ..."): a rank's schedule as the papers'
+// tables write it.
 std::string table(const std::string& name, int64_t rank, int64_t ranks, int64_t micro,
                   int64_t chunks = 1) {
-  return schedule_str(pipeline_schedule(name, rank, ranks, micro, chunks));
+  const auto actions = pipeline_schedule(name, rank, ranks, micro, chunks);
+  const bool chunked = std::any_of(actions.begin(), actions.end(),
+                                   [](const Action& a) { return a.chunk > 0; });
+  std::string s;
+  for (const auto& a : actions) {
+    if (!s.empty()) s += ' ';
+    s += fmt::format("{}{}", a.kind == Action::kForward ? 'F' : 'B', a.micro);
+    if (chunked) s += fmt::format(".{}", a.chunk);
+  }
+  return s;
 }
 
 struct Simulated {
