@@ -9,7 +9,6 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/tcp_store.hpp"
-#include "util/compat.hpp"
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif

@@ -8,10 +8,10 @@
 #include <cpuid.h>
 #endif
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
-#include "util/compat.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
@@ -82,7 +82,7 @@ bool takes(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& 
   return g_onednn.load(std::memory_order_relaxed) && x.device().is_cpu() && w.device().is_cpu() &&
          x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
          (!b.defined() || b.scalar_type() == torch::kFloat32) && x.numel() > 0 && x.dim() >= 1 &&
-         !compat::autocast_enabled(c10::DeviceType::CPU);
+         !at::autocast::is_autocast_enabled(c10::DeviceType::CPU);
 }
 
 }  // namespace

@@ -39,8 +39,8 @@ struct Recompute : torch::autograd::Function<Recompute> {
     const auto type = x.device().type();
     ctx->saved_data["run"] = run;
     ctx->saved_data["module"] = module;
-    ctx->saved_data["autocast"] = compat::autocast_enabled(type);
-    ctx->saved_data["autocast_dtype"] = int64_t(compat::autocast_dtype(type));
+    ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(type);
+    ctx->saved_data["autocast_dtype"] = int64_t(at::autocast::get_autocast_dtype(type));
     ctx->saved_data["rng"] = states(generators(x.device()));
     const DropoutDraw* d = current_dropout_draw();
     if (d && d->positions.defined()) {  // what the masks hash, for the rerun
@@ -61,8 +61,8 @@ struct Recompute : torch::autograd::Function<Recompute> {
     const auto now = states(gens);  // the draws made since go on from here afterwards
     set_states(gens, ctx->saved_data["rng"].toTensorVector());
     const bool autocast = ctx->saved_data["autocast"].toBool();
-    const bool was = compat::autocast_enabled(type);
-    const auto was_dtype = compat::autocast_dtype(type);
+    const bool was = at::autocast::is_autocast_enabled(type);
+    const auto was_dtype = at::autocast::get_autocast_dtype(type);
     compat::set_autocast(type, autocast, static_cast<c10::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
     torch::Tensor y;
     {

@@ -14,18 +14,10 @@
 #error "dtrain needs LibTorch 2.6 or later (Debian 12's 1.13 is retired): scripts/setup.sh builds on the pinned 2.15"
 #endif
 
-// Autocast on or off for a device type, in a dtype; and whether it is on, in which dtype
-// (what a recomputation in backward must run under again). The device-generic functions
-// (2.4 on); the per-device ones they replaced are deprecated.
+// Autocast on or off for a device type, in a dtype (the dtype is set only when it goes on).
 namespace dtrain::compat {
 inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype) {
   if (on) at::autocast::set_autocast_dtype(device, dtype);
   at::autocast::set_autocast_enabled(device, on);
-}
-inline bool autocast_enabled(c10::DeviceType device) {
-  return at::autocast::is_autocast_enabled(device);
-}
-inline c10::ScalarType autocast_dtype(c10::DeviceType device) {
-  return at::autocast::get_autocast_dtype(device);
 }
 }  // namespace dtrain::compat
