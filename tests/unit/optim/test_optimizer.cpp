@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -160,67 +161,52 @@ TEST_CASE("flat params: parameters are views of data(), gradients land in grad()
   CHECK(torch::allclose(flat.grad(), want, 1e-6, 1e-7));
 }
 
-TEST_CASE("optimizer: sgd with momentum and weight decay matches torch::optim::SGD") {
-  OptimizerConfig cfg;
-  cfg.name = "sgd";
-  cfg.momentum = 0.9;
-  cfg.weight_decay = 0.01;
-  cfg.decay_1d = true;  // torch::optim decays every parameter
-  auto model = small_model(1);
-  auto ref = clone_of(model);
-  FlatParams flat(*model);
-  auto opt = make_optimizer(cfg, flat);
-  torch::optim::SGD ref_opt(ref->parameters(),
-                            torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
-  check_against_reference(ref_opt, model, ref, flat, *opt);
-}
-
-TEST_CASE("optimizer: sgd nesterov matches torch::optim::SGD") {
-  OptimizerConfig cfg;
-  cfg.name = "sgd";
-  cfg.momentum = 0.9;
-  cfg.nesterov = true;
-  cfg.weight_decay = 0.01;
-  cfg.decay_1d = true;  // torch::optim decays every parameter
-  auto model = small_model(1);
-  auto ref = clone_of(model);
-  FlatParams flat(*model);
-  auto opt = make_optimizer(cfg, flat);
-  torch::optim::SGD ref_opt(
-      ref->parameters(),
-      torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01));
-  check_against_reference(ref_opt, model, ref, flat, *opt);
-}
-
-TEST_CASE("optimizer: plain sgd (no momentum) matches torch::optim::SGD") {
-  OptimizerConfig cfg;
-  cfg.name = "sgd";
-  cfg.momentum = 0;
-  auto model = small_model(1);
-  auto ref = clone_of(model);
-  FlatParams flat(*model);
-  auto opt = make_optimizer(cfg, flat);
-  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
-  check_against_reference(ref_opt, model, ref, flat, *opt);
-}
-
-TEST_CASE("optimizer: adamw with weight decay matches torch::optim::AdamW") {
-  OptimizerConfig cfg;
-  cfg.name = "adamw";
-  cfg.weight_decay = 0.01;
-  cfg.decay_1d = true;
-  cfg.beta1 = 0.9;
-  cfg.beta2 = 0.999;
-  cfg.eps = 1e-8;
-  auto model = small_model(1);
-  auto ref = clone_of(model);
-  FlatParams flat(*model);
-  auto opt = make_optimizer(cfg, flat);
-  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(0.1)
-                                                     .betas({0.9, 0.999})
-                                                     .eps(1e-8)
-                                                     .weight_decay(0.01));
-  check_against_reference(ref_opt, model, ref, flat, *opt);
+// Each update rule against torch::optim's own, step by step (decay_1d: torch::optim decays
+// every parameter).
+TEST_CASE("optimizer: sgd (plain, momentum, nesterov) and adamw match torch::optim") {
+  struct Rule {
+    const char* what;
+    std::function<void(OptimizerConfig&)> set;
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)> ref;
+  };
+  using torch::optim::SGDOptions;
+  const std::vector<Rule> rules{
+      {"sgd, momentum and weight decay",
+       [](OptimizerConfig& c) { c.name = "sgd", c.momentum = 0.9, c.weight_decay = 0.01, c.decay_1d = true; },
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::SGD>(p, SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+       }},
+      {"sgd nesterov",
+       [](OptimizerConfig& c) {
+         c.name = "sgd", c.momentum = 0.9, c.nesterov = true, c.weight_decay = 0.01, c.decay_1d = true;
+       },
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::SGD>(
+             p, SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01));
+       }},
+      {"plain sgd (no momentum)", [](OptimizerConfig& c) { c.name = "sgd", c.momentum = 0; },
+       [](std::vector<torch::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, SGDOptions(0.1)); }},
+      {"adamw with weight decay",
+       [](OptimizerConfig& c) {
+         c.name = "adamw", c.weight_decay = 0.01, c.decay_1d = true, c.beta1 = 0.9, c.beta2 = 0.999,
+         c.eps = 1e-8;
+       },
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::AdamW>(
+             p, torch::optim::AdamWOptions(0.1).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01));
+       }},
+  };
+  for (const auto& rule : rules) {
+    CAPTURE(rule.what);
+    OptimizerConfig cfg;
+    rule.set(cfg);
+    auto model = small_model(1);
+    auto ref = clone_of(model);
+    FlatParams flat(*model);
+    auto opt = make_optimizer(cfg, flat);
+    auto ref_opt = rule.ref(ref->parameters());
+    check_against_reference(*ref_opt, model, ref, flat, *opt);
+  }
 }
 
 TEST_CASE("optimizer: saved state restored into a fresh optimizer continues identically") {
