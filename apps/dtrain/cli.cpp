@@ -31,6 +31,7 @@
 #include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/process.hpp"
 #include "util/shape.hpp"
 #include "verify/verify.hpp"
 
@@ -133,10 +134,7 @@ std::vector<std::string> worker_args(int argc, char** argv) {
 // A worker that the supervisor forked without exec (SupervisorOptions::start_here): the
 // command line a worker would have been started with, run in this process.
 int start_worker_here(std::vector<std::string> args) {
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  return dtrain_main(int(args.size()), argv.data());
+  return dtrain_main(int(args.size()), argv_of(args).data());
 }
 
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,

@@ -26,6 +26,7 @@
 #include "launch/device.hpp"
 #include "launch/world.hpp"
 #include "util/error.hpp"
+#include "util/process.hpp"
 
 namespace dtrain {
 namespace {
@@ -206,13 +207,7 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
         ::prctl(PR_SET_NAME, fmt::format("dtrain rank {}", r).c_str());
         std::exit(o.start_here(args));
       }
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execv(o.executable.c_str(), argv.data());
-      std::fprintf(stderr, "dtrain: error: cannot start %s: %s\n", o.executable.c_str(),
-                   std::strerror(errno));
-      ::_exit(kExitFailure);
+      exec_or_die(o.executable, args);
     }
     ::close(out[1]);
     ::close(err[1]);

@@ -4,23 +4,38 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "util/error.hpp"
+
 extern char** environ;
 
 namespace dtrain {
 
+std::vector<char*> argv_of(std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  return argv;
+}
+
+void exec_or_die(const std::string& path, std::vector<std::string>& args) {
+  ::execv(path.c_str(), argv_of(args).data());
+  std::fprintf(stderr, "dtrain: error: cannot start %s: %s\n", path.c_str(), std::strerror(errno));
+  ::_exit(kExitFailure);
+}
+
 ChildResult run_child(const std::vector<std::string>& args, std::chrono::seconds timeout,
                       const std::string& log) {
   std::vector<std::string> copy = args;
-  std::vector<char*> argv;
-  for (auto& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
+  const auto argv = argv_of(copy);
   posix_spawn_file_actions_t files;
   ::posix_spawn_file_actions_init(&files);
   if (!log.empty()) {

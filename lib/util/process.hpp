@@ -1,5 +1,6 @@
 // A child program run to completion within a time limit: `scontrol requeue` for a SLURM
-// preemption, a child dtrain that measures the machine for parallel.auto.
+// preemption, a child dtrain that measures the machine for parallel.auto. And the end of
+// a forked child: the exec of its command.
 #pragma once
 #include <chrono>
 #include <string>
@@ -21,5 +22,12 @@ struct ChildResult {
 // then.
 ChildResult run_child(const std::vector<std::string>& args, std::chrono::seconds timeout,
                       const std::string& log = "");
+
+// `args` as main's argv: pointers into them, then a null.
+std::vector<char*> argv_of(std::vector<std::string>& args);
+
+// A forked child's exec of `path` with `args` (args[0] first); where that fails, a line
+// "dtrain: error: cannot start PATH: why" on stderr and exit kExitFailure.
+[[noreturn]] void exec_or_die(const std::string& path, std::vector<std::string>& args);
 
 }  // namespace dtrain

@@ -31,6 +31,7 @@
 #include "run/mode.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/process.hpp"
 
 namespace dtrain {
 
@@ -218,13 +219,7 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
       // Whatever escapes ends the child as it would the binary, never unwinding into verify.
       std::exit([&]() noexcept { return o.start_here(args); }());
     }
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(o.executable.c_str(), argv.data());
-    std::fprintf(stderr, "dtrain: error: cannot start %s: %s\n", o.executable.c_str(),
-                 std::strerror(errno));
-    ::_exit(kExitFailure);
+    exec_or_die(o.executable, args);
   }
   int status = 0;
   bool forwarded = false;
