@@ -21,16 +21,16 @@
 #include "util/files.hpp"
 
 namespace dtrain {
+namespace {
 
+namespace fs = std::filesystem;
+
+// The keys a candidate sets: the layout parallel.auto chooses.
 const std::set<std::string> kLayoutKeys{
     "parallel.data",   "parallel.tensor",         "parallel.pipeline",
     "parallel.stages", "parallel.balance",        "parallel.schedule",
     "parallel.virtual_stages", "parallel.zero",   "train.grad_accum",
     "train.recompute"};
-
-namespace {
-
-namespace fs = std::filesystem;
 
 double largest_rank(const Plan& p) {
   double most = 0;
@@ -167,6 +167,27 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const 
                                 "with {} as set", world, fmt::join(held_keys(cfg), ", ")));
 }
 
+// parallel.auto: the job with all_layouts' first layout. Throws ConfigError where none
+// validates (the job's own layout's reason, with the keys held).
+Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
+                        double memory_bytes) {
+  auto all = all_layouts(cfg, world, profile, memory_bytes);
+  if (all.empty()) no_layout(cfg, world);
+  return std::move(all.front());
+}
+
+// `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose),
+// but for those the job sets itself: a key set for the resume is honoured.
+JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
+  JobConfig c = cfg, from = earlier;
+  auto to_fields = fields_of(c), from_fields = fields_of(from);  // the same keys, in order
+  for (size_t i = 0; i < to_fields.size(); ++i)
+    if (kLayoutKeys.count(to_fields[i].key) && !cfg.given.count(to_fields[i].key))
+      std::visit([&](auto* to) { *to = *std::get<decltype(to)>(from_fields[i].value); }, to_fields[i].value);
+  c.given.insert(kLayoutKeys.begin(), kLayoutKeys.end());
+  return c;
+}
+
 }  // namespace
 
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
@@ -184,29 +205,12 @@ std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const Ma
   return out;
 }
 
-Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                        double memory_bytes) {
-  auto all = all_layouts(cfg, world, profile, memory_bytes);
-  if (all.empty()) no_layout(cfg, world);
-  return std::move(all.front());
-}
-
 double gpu_limit(const MachineProfile* profile) {
   return profile && profile->gpu ? 0.9 * profile->gpu->memory : 0;
 }
 
 void check_some_layout(const JobConfig& cfg, int64_t world) {
   if (valid_layouts(cfg, world).empty()) no_layout(cfg, world);
-}
-
-JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
-  JobConfig c = cfg, from = earlier;
-  auto to_fields = fields_of(c), from_fields = fields_of(from);  // the same keys, in order
-  for (size_t i = 0; i < to_fields.size(); ++i)
-    if (kLayoutKeys.count(to_fields[i].key) && !cfg.given.count(to_fields[i].key))
-      std::visit([&](auto* to) { *to = *std::get<decltype(to)>(from_fields[i].value); }, to_fields[i].value);
-  c.given.insert(kLayoutKeys.begin(), kLayoutKeys.end());
-  return c;
 }
 
 MachineProfile profile_for_auto(int64_t local, bool gpu) {

@@ -3,7 +3,6 @@
 // it validates each candidate (validate.hpp, which uses the plan's memory estimate).
 #pragma once
 #include <cstdint>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -25,9 +24,6 @@ struct Candidate {
   bool fits = true;    // its memory within the limit
 };
 
-// The keys a candidate sets: the layout parallel.auto chooses.
-extern const std::set<std::string> kLayoutKeys;
-
 // Every candidate that validates for `world` processes among `devices`, those that fit
 // first, each part fastest first (without a time estimate: least bubble, bytes sent, work,
 // micro-batches, memory). `memory_bytes`: what the machine has for all of them on a CPU
@@ -37,18 +33,9 @@ extern const std::set<std::string> kLayoutKeys;
 std::vector<Candidate> all_layouts(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
                                    double memory_bytes, const Devices& devices = Devices::here());
 
-// parallel.auto: the job with all_layouts' first layout. Throws ConfigError where none
-// validates (the job's own layout's reason, with the keys held).
-Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                        double memory_bytes);
-
-// Throws choose_layout's ConfigError where no layout of `world` processes validates (an
+// Throws parallel.auto's ConfigError where no layout of `world` processes validates (an
 // elastic auto job's check at each size, with nothing planned).
 void check_some_layout(const JobConfig& cfg, int64_t world);
-
-// `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose),
-// but for those the job sets itself: a key set for the resume is honoured.
-JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier);
 
 // What parallel.auto's choice ranks by: the stored machine profile (plan/profile.hpp), else
 // this machine measured for up to `local` local ranks and stored for the next start (also

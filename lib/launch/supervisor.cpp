@@ -240,38 +240,7 @@ void stop_all(std::vector<Worker>& ws, std::chrono::seconds grace) {
   pump(ws, 0);
 }
 
-}  // namespace
-
-void as_if_exec() {
-  for (int sig = 1; sig < NSIG; ++sig) {  // exec resets handlers, keeps what is ignored
-    struct sigaction now {};
-    if (sig != SIGKILL && sig != SIGSTOP && ::sigaction(sig, nullptr, &now) == 0 &&
-        now.sa_handler != SIG_IGN && now.sa_handler != SIG_DFL)
-      ::signal(sig, SIG_DFL);
-  }
-  std::vector<int> fds;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (const dirent* e = ::readdir(d)) {
-      const int fd = std::atoi(e->d_name);
-      if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC)) fds.push_back(fd);
-    }
-    ::closedir(d);
-  }
-  for (int fd : fds) ::close(fd);
-}
-
-size_t threads_here() {
-  size_t n = 0;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end; it.increment(ec)) ++n;
-  return n;
-}
-
-bool workers_forked(int64_t world) {
-  if (g_forked_worker) return true;
-  return world > 1 && detect_launcher(process_env()) == "single" && !cuda_linked() && threads_here() == 1;
-}
-
+// A TCP port on 127.0.0.1 that was free a moment ago.
 int free_local_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -328,6 +297,38 @@ AttemptEnd attempt_end(const SupervisorOptions& o, const std::vector<Worker>& ws
     return {kExitPeerFailed, what};
   }
   return {std::nullopt, what};
+}
+
+}  // namespace
+
+void as_if_exec() {
+  for (int sig = 1; sig < NSIG; ++sig) {  // exec resets handlers, keeps what is ignored
+    struct sigaction now {};
+    if (sig != SIGKILL && sig != SIGSTOP && ::sigaction(sig, nullptr, &now) == 0 &&
+        now.sa_handler != SIG_IGN && now.sa_handler != SIG_DFL)
+      ::signal(sig, SIG_DFL);
+  }
+  std::vector<int> fds;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (const dirent* e = ::readdir(d)) {
+      const int fd = std::atoi(e->d_name);
+      if (fd > STDERR_FILENO && fd != ::dirfd(d) && (::fcntl(fd, F_GETFD) & FD_CLOEXEC)) fds.push_back(fd);
+    }
+    ::closedir(d);
+  }
+  for (int fd : fds) ::close(fd);
+}
+
+size_t threads_here() {
+  size_t n = 0;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end; it.increment(ec)) ++n;
+  return n;
+}
+
+bool workers_forked(int64_t world) {
+  if (g_forked_worker) return true;
+  return world > 1 && detect_launcher(process_env()) == "single" && !cuda_linked() && threads_here() == 1;
 }
 
 int supervise(const SupervisorOptions& o) {

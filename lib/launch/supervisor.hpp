@@ -53,7 +53,4 @@ size_t threads_here();
 // library pages LibTorch's start-up touched.
 bool workers_forked(int64_t world);
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
-int free_local_port();
-
 }  // namespace dtrain

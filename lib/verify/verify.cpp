@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -34,7 +35,20 @@
 #include "util/process.hpp"
 
 namespace dtrain {
+namespace {
 
+// One layout of `--layouts`: "d2", "t2", "p2", "d2xt2xp2", with "z1".."z3" for ZeRO, e.g.
+// "d2xz1"; "1" is one process.
+struct Layout {
+  int64_t data = 1, tensor = 1, pipeline = 1, zero = 0;
+  std::string text;
+
+  int64_t processes() const { return data * tensor * pipeline; }
+  // In messages: "layout d2xt2", or "one process".
+  std::string name() const { return text == "1" ? "one process" : "layout " + text; }
+};
+
+// Throws ConfigError naming the layout that does not parse.
 Layout parse_layout(const std::string& text) {
   Layout l;
   l.text = text;
@@ -78,8 +92,6 @@ std::vector<Layout> parse_layouts(const std::string& list) {
   return out;
 }
 
-namespace {
-
 // The --set assignments that make `job` this layout: its sizes and ZeRO stage replace the
 // job's; a stage list written for another pipeline goes back to the balanced split.
 std::vector<std::string> layout_sets(const Layout& l, const JobConfig& job) {
@@ -109,32 +121,29 @@ std::vector<std::string> run_sets(const VerifyOptions& o, int64_t steps, int64_t
 // The job as the reference runs it, without what differs between runs that train the same
 // model (the run folder, the layout's own keys): what --save records and --against compares.
 std::map<std::string, std::string> job_keys(const std::string& yaml_text) {
+  // What tells runs apart without changing what they compute: names and places, threads,
+  // the layout (verify's own), checkpoints, logs and the rendezvous.
+  static const std::set<std::string> kApart{
+      "name", "run_dir", "data.path", "data.workers", "data.prefetch", "train.threads",
+      "train.pin_threads", "train.memory_check", "parallel.data", "parallel.tensor",
+      "parallel.pipeline", "parallel.zero", "parallel.stages", "parallel.auto"};
+  auto apart = [](const std::string& k) {
+    return kApart.count(k) || k.rfind("checkpoint.", 0) == 0 || k.rfind("logging.", 0) == 0 ||
+           k.rfind("dist.", 0) == 0;
+  };
   std::map<std::string, std::string> keys;
   std::function<void(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& n,
                                                                         const std::string& at) {
     if (n.IsMap()) {
       for (const auto& kv : n)
         walk(kv.second, at.empty() ? kv.first.as<std::string>() : at + "." + kv.first.as<std::string>());
-    } else {
+    } else if (!apart(at)) {
       YAML::Emitter e;
       e << YAML::Flow << n;
       keys[at] = e.c_str();
     }
   };
   walk(YAML::Load(yaml_text), "");
-  // What tells runs apart without changing what they compute: names and places, threads,
-  // the layout (verify's own), checkpoints, logs and the rendezvous.
-  for (auto it = keys.begin(); it != keys.end();) {
-    const auto& k = it->first;
-    const bool skip = k == "name" || k == "run_dir" || k == "data.path" || k == "data.workers" ||
-                      k == "data.prefetch" || k == "train.threads" || k == "train.pin_threads" ||
-                      k == "train.memory_check" || k == "parallel.data" || k == "parallel.tensor" ||
-                      k == "parallel.pipeline" || k == "parallel.zero" || k == "parallel.stages" ||
-                      k == "parallel.auto" ||
-                      k.rfind("checkpoint.", 0) == 0 || k.rfind("logging.", 0) == 0 ||
-                      k.rfind("dist.", 0) == 0;
-    it = skip ? keys.erase(it) : std::next(it);
-  }
   return keys;
 }
 
@@ -273,9 +282,7 @@ struct Reference {
 Reference read_reference(const std::string& path) {
   std::ifstream in(path);
   fail_if<ConfigError>(!in, "verify --against: cannot read '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  const auto j = nlohmann::json::parse(in, nullptr, false);
   auto text = [&](const char* k) {
     return j.is_object() && j.contains(k) && j[k].is_string() ? j[k].get<std::string>() : "";
   };
@@ -337,10 +344,6 @@ struct WorkDir {
     }
   }
 };
-
-}  // namespace
-
-namespace {
 
 // The options against one another and the launcher: ConfigError where they cannot run.
 void check_options(const VerifyOptions& o) {

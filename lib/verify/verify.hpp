@@ -12,21 +12,6 @@
 
 namespace dtrain {
 
-// One layout of `--layouts`: "d2", "t2", "p2", "d2xt2xp2", with "z1".."z3" for ZeRO, e.g.
-// "d2xz1"; "1" is one process.
-struct Layout {
-  int64_t data = 1, tensor = 1, pipeline = 1, zero = 0;
-  std::string text;
-
-  int64_t processes() const { return data * tensor * pipeline; }
-  // In messages: "layout d2xt2", or "one process".
-  std::string name() const { return text == "1" ? "one process" : "layout " + text; }
-};
-
-// Throws ConfigError naming the layout that does not parse.
-Layout parse_layout(const std::string& text);
-std::vector<Layout> parse_layouts(const std::string& comma_separated);
-
 struct VerifyOptions {
   std::string job_path;
   std::vector<std::string> sets;  // the user's --set, applied to every run
