@@ -70,11 +70,12 @@ Job settle(const JobConfig& cfg, int64_t world_size, int64_t local, bool say,
   return job;
 }
 
-Job load(const JobArgs& a, const std::string& run_dir, int64_t world_size, int64_t local, bool say) {
+// The job spec with its --set overrides, resolved (`run_dir`, where given, over its own).
+JobConfig read_job(const JobArgs& a, const std::string& run_dir = "") {
   JobConfig cfg = load_job(a.path, a.sets);
   if (!run_dir.empty()) cfg.run_dir = run_dir;
   resolve(cfg);
-  return settle(cfg, world_size, local, say);
+  return cfg;
 }
 
 // An elastic job's check at each world size: under parallel.auto, that some layout
@@ -84,12 +85,15 @@ WorldCheck elastic_check(const JobConfig& cfg) {
   return check_some_layout;
 }
 
-// The world size validate and config check against: --nproc, else the launcher's
-// (a job step under sbatch --ntasks 8, torchrun, mpirun), else one process.
-int64_t world_for_check(int64_t nproc) {
-  if (nproc > 1) return nproc;
+// The world size validate, config and plan check against, and its processes on this
+// machine: --nproc (all local), else the launcher's (a job step under sbatch --ntasks 8,
+// torchrun, mpirun), else one process.
+std::pair<int64_t, int64_t> world_for_check(int64_t nproc) {
+  if (nproc > 1) return {nproc, nproc};
   auto env = process_env();
-  return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).world;
+  if (detect_launcher(env) == "single") return {1, 1};
+  const auto world = discover_world(env, 0);
+  return {world.world, std::min(world.world, world.local_world)};
 }
 
 // "MIN:MAX" or "N" (torchrun's --nnodes and PET_NNODES): the range of nodes.
@@ -106,14 +110,6 @@ std::pair<int64_t, int64_t> node_range(const std::string& text, const std::strin
   fail_if<ConfigError>(lo < 1 || hi < lo || hi > 4096, "{}: expected MIN:MAX nodes, e.g. 1:4 "
                        "(got '{}')", what, text);
   return {lo, hi};
-}
-
-// The processes of that world on this machine: all of --nproc, else the launcher's local
-// count, else one.
-int64_t local_for_check(int64_t nproc) {
-  if (nproc > 1) return nproc;
-  auto env = process_env();
-  return detect_launcher(env) == "single" ? 1 : discover_world(env, 0).local_world;
 }
 
 // The worker command line: ours without the supervisor's own options.
@@ -142,7 +138,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   auto env = process_env();
   if (nproc > 1 && detect_launcher(env) == "single") {
     // A bad spec fails here, once, not in every worker (rank 0 says parallel.auto's choice).
-    const auto checked = load(job, run_dir, nproc, nproc, false);
+    const auto checked = settle(read_job(job, run_dir), nproc, nproc, false);
     check_machine(checked.cfg, nproc, nproc);
     const JobConfig cfg = checked.cfg;
     const auto& mode = mode_spec(cfg.parallel.mode);
@@ -151,9 +147,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
                       workers_forked(nproc) ? start_worker_here : nullptr});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
-  JobConfig cfg = load_job(job.path, job.sets);
-  if (!run_dir.empty()) cfg.run_dir = run_dir;
-  resolve(cfg);
+  JobConfig cfg = read_job(job, run_dir);
   auto world = discover_world(env, cfg.dist.port);
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
   const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
@@ -189,17 +183,22 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   return run_training(cfg, dims, opts, world, comm).exit_code;
 }
 
+// A list of tensors under `title`: their count and values, then each one's shape and dtype.
+void print_tensors(const char* title, const NamedTensors& ts) {
+  int64_t total = 0;
+  for (const auto& [n, t] : ts) total += t.numel();
+  std::cout << fmt::format("{} ({} tensors, {} values):\n", title, ts.size(), total);
+  for (const auto& [n, t] : ts)
+    std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t), c10::toString(t.scalar_type()));
+}
+
 // A Hugging Face GPT-2 folder: its shape and its tensors as dtrain names them (init_from).
 int inspect_hf(const std::string& folder) {
   const auto hf = read_hf_gpt2(folder);
-  int64_t total = 0;
-  for (const auto& [n, t] : hf.weights) total += t.numel();
   std::cout << fmt::format("hugging face gpt2 {}\n  layers {}  heads {}  dim {}  positions {}  "
-                           "vocab {}\nmodel ({} tensors, {} values):\n", folder, hf.model.layers,
-                           hf.model.heads, hf.model.dim, hf.model.seq_len, hf.model.vocab,
-                           hf.weights.size(), total);
-  for (const auto& [n, t] : hf.weights)
-    std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t), c10::toString(t.scalar_type()));
+                           "vocab {}\n", folder, hf.model.layers, hf.model.heads, hf.model.dim,
+                           hf.model.seq_len, hf.model.vocab);
+  print_tensors("model", hf.weights);
   return 0;
 }
 
@@ -214,14 +213,6 @@ int inspect(const std::string& path) {
   if (manifest.contains("metric"))
     std::cout << fmt::format("  {} {}\n", manifest["metric"]["name"].get<std::string>(),
                              manifest["metric"]["value"].get<double>());
-  auto print_tensors = [](const char* title, const NamedTensors& ts) {
-    int64_t total = 0;
-    for (const auto& [n, t] : ts) total += t.numel();
-    std::cout << fmt::format("{} ({} tensors, {} values):\n", title, ts.size(), total);
-    for (const auto& [n, t] : ts)
-      std::cout << fmt::format("  {:<40} {:<18} {}\n", n, shape_str(t),
-                               c10::toString(t.scalar_type()));
-  };
   print_tensors("model", state.model);
   print_tensors("optimizer", state.optimizer);
   auto trainer = state.trainer;
@@ -412,13 +403,11 @@ struct Cli {
 int validate_job(const Cli& cli) {
   if (!cli.nnodes.empty()) {
     const auto [lo, hi] = node_range(cli.nnodes, "--nnodes");
-    JobConfig cfg = load_job(cli.job.path, cli.job.sets);
-    resolve(cfg);
+    const JobConfig cfg = read_job(cli.job);
     validate_elastic(cfg, lo, hi, cli.check_nproc, elastic_check(cfg));
   }
-  const int64_t world = world_for_check(cli.check_nproc);
-  const int64_t local = std::min(world, local_for_check(cli.check_nproc));
-  auto checked = load(cli.job, "", world, local, true);
+  const auto [world, local] = world_for_check(cli.check_nproc);
+  auto checked = settle(read_job(cli.job), world, local, true);
   check_machine(checked.cfg, world, local);
   check_model_fits_data(checked.cfg, load_data(checked.cfg.data, static_cast<uint64_t>(checked.cfg.seed)));
   const DevicePlan plan = plan_device(checked.cfg, 0, 1, mode_spec(checked.cfg.parallel.mode).any_source);
@@ -451,9 +440,8 @@ int plan_command(const Cli& cli) {
     std::cerr << "wrote " << profile_path << "\n";
     if (cli.job.path.empty()) return 0;
   }
-  const int64_t world = world_for_check(cli.check_nproc);
-  JobConfig cfg = load_job(cli.job.path, cli.job.sets);
-  resolve(cfg);
+  const int64_t world = world_for_check(cli.check_nproc).first;
+  JobConfig cfg = read_job(cli.job);
   // --device cuda: the job as a GPU machine would take it (the profile's GPUs, else one a
   // rank; its dtrain built with CUDA and NCCL), whatever this machine has.
   const bool elsewhere = cli.plan_device_name == "cuda";
@@ -505,11 +493,7 @@ int run_cli(int argc, char** argv) {
   Cli cli;
   try {
     cli.app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return cli.app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return cli.app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
+  } catch (const CLI::Success& e) {  // --help, --help-all, --version: printed by exit
     return cli.app.exit(e);
   } catch (const CLI::ParseError& e) {
     throw ConfigError(e.what());
@@ -524,8 +508,8 @@ int run_cli(int argc, char** argv) {
       return 0;
     }
     fail_if<ConfigError>(cli.job.path.empty(), "config: JOB is required (or --reference)");
-    const int64_t world = world_for_check(cli.check_nproc);
-    std::cout << to_yaml(load(cli.job, "", world, std::min(world, local_for_check(cli.check_nproc)), true).cfg);
+    const auto [world, local] = world_for_check(cli.check_nproc);
+    std::cout << to_yaml(settle(read_job(cli.job), world, local, true).cfg);
     return 0;
   }
   if (*cli.verify) {
