@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "util/error.hpp"
+#include "util/files.hpp"
 #include "util/strings.hpp"
 
 namespace dtrain {
@@ -24,18 +25,6 @@ const std::string kPrefix = "transformer.";
 bool is_conv1d_weight(const std::string& name) {
   return ends_with(name, ".c_attn.weight") || ends_with(name, ".c_proj.weight") ||
          ends_with(name, ".c_fc.weight");
-}
-
-// Writes `text` to `path` through a temporary name renamed into place.
-void write_text(const std::string& path, const std::string& text) {
-  const std::string temp = path + ".tmp-export";
-  {
-    std::ofstream f(temp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    fail_if<RunDirError>(!f, "cannot write '{}'", temp);
-  }
-  fs::rename(temp, path);
 }
 
 json read_config(const std::string& folder) {
@@ -146,9 +135,9 @@ void write_hf_gpt2(const std::string& out, const NamedTensors& weights, const Mo
   try {
     write_safetensors(weights_path + ".tmp-export", hf, {{"format", "pt"}});  // transformers wants "pt"
     fs::rename(weights_path + ".tmp-export", weights_path);
-    write_text(config_path, config.dump(2) + "\n");
+    write_file_atomic(config_path, config.dump(2) + "\n");  // its temporary removed if it fails
   } catch (const std::exception& e) {
-    for (const auto& path : {weights_path, config_path}) fs::remove(path + ".tmp-export", ec);
+    fs::remove(weights_path + ".tmp-export", ec);
     if (made) fs::remove(out, ec);  // only if empty
     throw RunDirError(fmt::format("export: cannot write '{}': {}", out, first_line(e.what())));
   }
