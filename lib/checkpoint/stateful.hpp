@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "parallel/dims.hpp"
@@ -64,6 +65,19 @@ class StateReader {
   virtual ParallelDims layout() const = 0;
   // A line for the user (rank 0 prints it): what could not be taken over, and why.
   virtual void warn(const std::string& line) const = 0;
+  // Whether this data rank's kReplica state can be taken over: the checkpoint holds it and
+  // was written at this data and pipeline size. If not, warns "`what` (why)".
+  bool replica_fits(const std::string& what) const {
+    const auto saved = saved_layout(), now = layout();
+    if (!has(StateFile::kReplica))
+      warn(what + " (the checkpoint holds none)");
+    else if (saved.data != now.data || saved.pipeline != now.pipeline)
+      warn(fmt::format("{} (the checkpoint was written at data size {} x pipeline {}, this run "
+                       "has {} x {})", what, saved.data, saved.pipeline, now.data, now.pipeline));
+    else
+      return true;
+    return false;
+  }
 };
 
 class Stateful {

@@ -106,23 +106,16 @@ void BucketedSync::load(const StateReader& in) {
   const auto state = reduction_->state();
   const auto factors = reduction_->factors();
   if (state.empty() && factors.empty()) return;
-  const auto saved = in.saved_layout(), now = in.layout();
-  if (saved.data != now.data || saved.pipeline != now.pipeline || !in.has(StateFile::kReplica)) {
-    in.warn(fmt::format(
-        "warning: parallel.compression: the residuals start from zero{} ({})",
-        factors.empty() ? "" : " and PowerSGD's Q matrices afresh",
-        !in.has(StateFile::kReplica)
-            ? "the checkpoint holds none"
-            : fmt::format("the checkpoint was written at data size {} x pipeline {}, this run "
-                          "has {} x {}", saved.data, saved.pipeline, now.data, now.pipeline)));
+  if (!in.replica_fits(fmt::format("warning: parallel.compression: the residuals start from zero{}",
+                                   factors.empty() ? "" : " and PowerSGD's Q matrices afresh")))
     return;
-  }
   const SavedTensors tensors = in.tensors(StateFile::kReplica);
   for (const auto& [name, flat] : state) tied_.load(params_, flat, "." + name, tensors, tensor_rank_);
   torch::NoGradGuard no_grad;
   if (factors.empty()) return;
   // Each Q is the power iteration's own state on its rank's matrix: another split, another
   // matrix. Another rank (powersgd_rank) has them shaped otherwise.
+  const auto saved = in.saved_layout(), now = in.layout();
   std::string why = saved.tensor != now.tensor
                         ? fmt::format("the checkpoint was written at tensor size {}, this run "
                                       "has {}", saved.tensor, now.tensor)

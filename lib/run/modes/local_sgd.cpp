@@ -119,17 +119,9 @@ class LocalSgd : public Lockstep, public Stateful {
   }
   void load(const StateReader& in) override {
     if (optimizer_->slots().empty()) return;
-    const auto saved = in.saved_layout(), now = in.layout();
-    if (saved.data != now.data || saved.pipeline != now.pipeline || !in.has(StateFile::kReplica)) {
-      in.warn(fmt::format(
-          "warning: parallel.mode: local_sgd: each data replica's optimizer state starts from "
-          "data rank 0's ({})",
-          !in.has(StateFile::kReplica)
-              ? "the checkpoint holds none"
-              : fmt::format("the checkpoint was written at data size {} x pipeline {}, this run "
-                            "has {} x {}", saved.data, saved.pipeline, now.data, now.pipeline)));
+    if (!in.replica_fits("warning: parallel.mode: local_sgd: each data replica's optimizer "
+                         "state starts from data rank 0's"))
       return;
-    }
     const SavedTensors tensors = in.tensors(StateFile::kReplica);
     for (const auto& [slot, flat] : optimizer_->slots())
       tied_->load(*params_, flat, ".local_" + slot, tensors, mesh_.coord().tensor);
