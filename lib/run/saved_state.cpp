@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <iterator>
 #include <map>
 #include <set>
 
@@ -37,6 +36,12 @@ torch::Tensor from_hex(const std::string& s) {
   auto nibble = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
   for (size_t i = 0; i + 1 < s.size(); i += 2) p[i / 2] = uint8_t(nibble(s[i]) << 4 | nibble(s[i + 1]));
   return t;
+}
+
+// The first few names of a list, for a message.
+std::string first_few(const std::vector<std::string>& v) {
+  std::vector<std::string> head(v.begin(), v.begin() + long(std::min<size_t>(v.size(), 4)));
+  return fmt::format("{}{}", fmt::join(head, ", "), v.size() > 4 ? ", ..." : "");
 }
 
 void set_generator_state(at::Generator gen, const torch::Tensor& state) {
@@ -109,19 +114,13 @@ void check_same_model(const JobConfig& cfg, const std::vector<std::string>& mode
   std::set<std::string> names(model_names.begin(), model_names.end()), theirs_names;
   for (const auto& name : saved.names(StateFile::kModel)) theirs_names.insert(name);
   std::vector<std::string> extra, missing;
-  std::set_difference(theirs_names.begin(), theirs_names.end(), names.begin(), names.end(),
-                      std::back_inserter(extra));
-  std::set_difference(names.begin(), names.end(), theirs_names.begin(), theirs_names.end(),
-                      std::back_inserter(missing));
-  auto some = [](const std::vector<std::string>& v) {
-    std::vector<std::string> head(v.begin(), v.begin() + long(std::min<size_t>(v.size(), 4)));
-    return fmt::format("{}{}", fmt::join(head, ", "), v.size() > 4 ? ", ..." : "");
-  };
+  for (const auto& name : theirs_names) if (!names.count(name)) extra.push_back(name);
+  for (const auto& name : names) if (!theirs_names.count(name)) missing.push_back(name);
   fail_if<CheckpointError>(!extra.empty(), "{}: the checkpoint holds {} tensor(s) this job's "
                            "model does not have ({}); resuming needs the same model", folder,
-                           extra.size(), some(extra));
+                           extra.size(), first_few(extra));
   fail_if<CheckpointError>(!missing.empty(), "{}: the checkpoint lacks {} tensor(s) of this "
-                           "job's model ({})", folder, missing.size(), some(missing));
+                           "job's model ({})", folder, missing.size(), first_few(missing));
 }
 
 // `tensors` less the entries of a tied weight's copy (and their optimizer slots): the
@@ -325,10 +324,6 @@ void init_from(Run& run) {
     if (fits(name, b.sizes().vec())) b.copy_(by_name.at(name));
     else if (by_name.count(name)) skipped.push_back(name + " (another shape)");
   }
-  auto some = [](const std::vector<std::string>& v) {
-    std::vector<std::string> head(v.begin(), v.begin() + long(std::min<size_t>(v.size(), 4)));
-    return fmt::format("{}{}", fmt::join(head, ", "), v.size() > 4 ? ", ..." : "");
-  };
   const std::string what = fmt::format("initialise the model from '{}'", from);
   if (run.cfg.model.init_strict) {
     // A shape that differs shows only on the rank holding that tensor: all stop together.
@@ -338,16 +333,16 @@ void init_from(Run& run) {
           fail_if<CheckpointError>(!skipped.empty(), "model.init_from: '{}' lacks {} tensor(s) "
                                    "of the model or holds them at another shape ({}); set "
                                    "model.init_strict: false to load what matches", from,
-                                   skipped.size(), some(skipped));
+                                   skipped.size(), first_few(skipped));
           fail_if<CheckpointError>(!unused.empty(), "model.init_from: '{}' holds {} tensor(s) "
                                    "the model does not have ({}); set model.init_strict: false "
-                                   "to leave them", from, unused.size(), some(unused));
+                                   "to leave them", from, unused.size(), first_few(unused));
         },
         [] {});
   } else if (!skipped.empty() || !unused.empty()) {
     run.say(fmt::format("warning: model.init_from: {} tensor(s) left as initialised ({}); {} in "
-                      "'{}' not used ({})", skipped.size(), some(skipped), unused.size(), from,
-                      some(unused)));
+                      "'{}' not used ({})", skipped.size(), first_few(skipped), unused.size(), from,
+                      first_few(unused)));
   }
 }
 
