@@ -242,10 +242,9 @@ struct ShardScan {
 
 ShardScan scan_range(const TokenShard& s, int64_t from, int64_t to, int64_t vocab) {
   ShardScan out;
-  const auto* p = s.file->data() + s.offset;
   for (int64_t i = from; i < to; ++i) {
-    uint16_t v;
-    std::memcpy(&v, p + 2 * i, 2);
+    int64_t v;
+    s.read(i, 1, &v);
     if (v >= vocab && out.bad_at < 0) out.bad_at = i, out.bad_id = v;
     out.max_id = std::max<int64_t>(out.max_id, v);
     out.sum += v;
@@ -408,15 +407,16 @@ DataSplits load_tokens(const DataConfig& cfg, const ReadTogether& together) {
                        "of {} with one in {} held out", cfg.path, int64_t(train_print[0]), seq + 1,
                        every);
   } else {
-    s.train = std::make_shared<TokenShards>(train_shards, WindowSplit{}, seq, cfg.vocab, train_print,
-                                            "data.path");
-    fail_if<DataError>(s.train->size() == 0, "data.path: '{}' holds {} tokens, too few for one "
-                       "window of {}", cfg.path, int64_t(train_print[0]), seq + 1);
-    const auto eval_print = print_of(train_shards.size(), every.size());
-    s.test = std::make_shared<TokenShards>(eval_shards, WindowSplit{}, seq, cfg.vocab, eval_print,
-                                           "data.eval_path");
-    fail_if<DataError>(s.test->size() == 0, "data.eval_path: '{}' holds {} tokens, too few for "
-                       "one window of {}", cfg.eval_path, int64_t(eval_print[0]), seq + 1);
+    auto whole = [&](const std::vector<TokenShard>& shards, const std::vector<double>& print,
+                     const char* key, const std::string& path) {
+      auto split = std::make_shared<TokenShards>(shards, WindowSplit{}, seq, cfg.vocab, print, key);
+      fail_if<DataError>(split->size() == 0, "{}: '{}' holds {} tokens, too few for one window "
+                         "of {}", key, path, int64_t(print[0]), seq + 1);
+      return split;
+    };
+    s.train = whole(train_shards, train_print, "data.path", cfg.path);
+    s.test = whole(eval_shards, print_of(train_shards.size(), every.size()), "data.eval_path",
+                   cfg.eval_path);
   }
   s.sample_shape = {seq};
   s.vocab = cfg.vocab;
