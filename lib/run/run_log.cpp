@@ -272,7 +272,7 @@ nlohmann::json RunLog::summary(const std::string& status) const {
     s["final_" + metric] = st.last_eval->metric;
     s["final_eval_loss"] = st.last_eval->loss;
   }
-  if (facts_.summary) facts_.summary(s);
+  for (const auto& more : more_summary_) more(s);
   if (cfg_.parallel.auto_layout) {  // what parallel.auto chose, besides the mesh's sizes
     const auto& p = cfg_.parallel;
     auto& layout = s["layout"];
@@ -280,7 +280,6 @@ nlohmann::json RunLog::summary(const std::string& status) const {
     layout["virtual_stages"] = p.virtual_stages, layout["grad_accum"] = cfg_.train.grad_accum;
     layout["recompute"] = cfg_.train.recompute, layout["chosen_by"] = "parallel.auto";
   }
-  for (const auto& more : more_summary_) more(s);
   return s;
 }
 

@@ -4,7 +4,7 @@
 // the best metric, and how a run ends: completed (the "done" line), stopped by a signal,
 // diverged or failed, each with its summary line. Every key of every kind of line is
 // written here and nowhere else (the contract: docs/contract.md, "metrics.jsonl"); a mode
-// adds its own fields through `extra` and RunFacts::summary.
+// adds its own fields through `extra` and extend_summary.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -112,9 +112,6 @@ struct RunFacts {
   int64_t items_per_sample = 1;  // a window's tokens, or 1 (tokens/s)
   bool communicates = false;     // more than one rank: comm_ms and comm_bytes
   bool loss_scaled = false;      // fp16: loss_scale and overflow_steps
-  // The summary's fields that are the run's (world size, layout, device, memory, the loss
-  // scale), added when a summary is made.
-  std::function<void(nlohmann::json&)> summary;
 };
 
 // Where a non-finite loss or gradient came from, in the messages.
@@ -181,7 +178,8 @@ class RunLog {
   // caller rethrows).
   void failed(const std::string& reason);
   nlohmann::json summary(const std::string& status) const;
-  // More of the summary's fields, from what a mode counts as it runs.
+  // More of the summary's fields: the run's (world size, layout, device, memory), what a
+  // mode counts as it runs.
   void extend_summary(std::function<void(nlohmann::json&)> more);
 
   // A line for the user, on rank 0.

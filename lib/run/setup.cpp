@@ -195,7 +195,10 @@ void build_log(Run& run, bool root) {
   facts.items_per_sample = run.model.task().items_per_sample(run.data.sample_shape);
   facts.communicates = run.job->size() > 1;
   facts.loss_scaled = run.scaler != nullptr;
-  facts.summary = [&run](nlohmann::json& s) {
+  run.progress = std::make_unique<Progress>(root ? run.cfg.logging.progress : "off", run.total_steps);
+  run.log = std::make_unique<RunLog>(run.cfg, run.model.task(), std::move(facts), root,
+                                     run.progress.get());
+  run.log->extend_summary([&run](nlohmann::json& s) {
     s["world_size"] = run.job->size();
     s["layout"] = run.mode->layout();
     s["device"] = run.device().str();
@@ -211,10 +214,7 @@ void build_log(Run& run, bool root) {
       s["loss_scale"] = run.scaler->scale();
       s["overflow_steps"] = run.scaler->overflows();
     }
-  };
-  run.progress = std::make_unique<Progress>(root ? run.cfg.logging.progress : "off", run.total_steps);
-  run.log = std::make_unique<RunLog>(run.cfg, run.model.task(), std::move(facts), root,
-                                     run.progress.get());
+  });
 }
 
 // Collective over the ranks that hold the run: the run directory claimed, the resume (or

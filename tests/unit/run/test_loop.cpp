@@ -93,13 +93,13 @@ struct Logged {
       : progress("off", total), metrics(dir + "/metrics.jsonl", std::nullopt),
         log(cfg, classification_task(), facts(total), /*root=*/true, &progress) {
     log.attach(&metrics);
+    log.extend_summary([](nlohmann::json& s) { s["world_size"] = 2; });
   }
   static RunFacts facts(int64_t total) {
     RunFacts f;
     f.steps_per_epoch = 100;
     f.total_steps = total;
     f.communicates = true;
-    f.summary = [](nlohmann::json& s) { s["world_size"] = 2; };
     return f;
   }
   Progress progress;
