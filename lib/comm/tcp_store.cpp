@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -128,20 +127,13 @@ bool connect_within(int fd, const sockaddr* addr, socklen_t len, std::chrono::mi
   return ok;
 }
 
-// The address and port of a socket's end, as text (for comparing the two ends).
-std::string endpoint(const sockaddr_storage& a) {
+// A socket address as numeric text: its host, with `with_port` "host/port" (to compare a
+// socket's two ends).
+std::string address_str(const sockaddr* a, bool with_port = false) {
   char host[NI_MAXHOST] = {}, port[NI_MAXSERV] = {};
-  const socklen_t len = a.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
-  ::getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, port, sizeof port,
-                NI_NUMERICHOST | NI_NUMERICSERV);
-  return std::string(host) + "/" + port;
-}
-
-std::string address_str(const sockaddr* a) {
-  char host[NI_MAXHOST] = {};
   ::getnameinfo(a, a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in), host,
-                sizeof host, nullptr, 0, NI_NUMERICHOST);
-  return host;
+                sizeof host, port, sizeof port, NI_NUMERICHOST | NI_NUMERICSERV);
+  return with_port ? std::string(host) + "/" + port : std::string(host);
 }
 
 // The first address `host` resolves to for listening (the one a server binds first).
@@ -155,11 +147,11 @@ std::string first_address(const std::string& host, int port) {
 
 bool connected_to_itself(int fd) {
   sockaddr_storage self{}, peer{};
+  auto *s = reinterpret_cast<sockaddr*>(&self), *p = reinterpret_cast<sockaddr*>(&peer);
   socklen_t a = sizeof self, b = sizeof peer;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &a) != 0 ||
-      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &b) != 0)
-    return false;
-  return self.ss_family == peer.ss_family && endpoint(self) == endpoint(peer);
+  if (::getsockname(fd, s, &a) != 0 || ::getpeername(fd, p, &b) != 0) return false;
+  return self.ss_family == peer.ss_family &&
+         address_str(s, /*with_port=*/true) == address_str(p, /*with_port=*/true);
 }
 
 // Rank 0's side: one thread, poll() over the listening socket and every client; each
