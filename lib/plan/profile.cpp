@@ -457,26 +457,24 @@ void measure_rates(MachineProfile& p) {
     torch::set_num_threads(int(n));
     pin_compute_threads(n, 0, p.cores / n);
   };
+  // `rate` on one thread, then on all (the same where there is one core).
+  auto one_and_all = [&](const std::function<double()>& rate, double& one, double& all) {
+    use_threads(1);
+    one = rate();
+    use_threads(p.cores);
+    all = p.cores > 1 ? rate() : one;
+  };
   for (size_t sweep = 0; sweep < 3; ++sweep) {
     for (const auto& table : tables)
       for (int64_t n : table.sizes) {
         const auto key = std::pair{static_cast<const void*>(table.into), n};
-        use_threads(1);
-        one[key][sweep] = matmul_rate(n, table.dtype, table.batched, kBudget);
-        use_threads(p.cores);
-        all[key][sweep] = p.cores > 1 ? matmul_rate(n, table.dtype, table.batched, kBudget) : one[key][sweep];
+        one_and_all([&] { return matmul_rate(n, table.dtype, table.batched, kBudget); },
+                    one[key][sweep], all[key][sweep]);
       }
-    use_threads(1);
-    memory_one[sweep] = memory_rate(kBudget);
-    use_threads(p.cores);
-    memory_all[sweep] = p.cores > 1 ? memory_rate(kBudget) : memory_one[sweep];
-    for (const auto& k : kernels) {
-      use_threads(1);
-      elementwise[k.one][sweep] = elementwise_rate(k.dtype, k.transcendental, kBudget);
-      use_threads(p.cores);
-      elementwise[k.all][sweep] =
-          p.cores > 1 ? elementwise_rate(k.dtype, k.transcendental, kBudget) : elementwise[k.one][sweep];
-    }
+    one_and_all([&] { return memory_rate(kBudget); }, memory_one[sweep], memory_all[sweep]);
+    for (const auto& k : kernels)
+      one_and_all([&] { return elementwise_rate(k.dtype, k.transcendental, kBudget); },
+                  elementwise[k.one][sweep], elementwise[k.all][sweep]);
   }
   auto fastest = [](const std::array<double, 3>& v) { return *std::max_element(v.begin(), v.end()); };
   for (const auto& [into, rates] : elementwise) *into = fastest(rates);
