@@ -21,6 +21,8 @@
 #include "job/layouts.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
+#include "comm/tcp_store.hpp"
+#include "comm/watch.hpp"
 #include "launch/device.hpp"
 #include "launch/error_file.hpp"
 #include "launch/requeue.hpp"
@@ -127,6 +129,22 @@ std::vector<std::string> worker_args(int argc, char** argv) {
   return out;
 }
 
+// The --nproc supervisor's store for one attempt's workers (SupervisorOptions::host_store):
+// it outlives any rank, and the supervisor reads their heartbeats through it to print the
+// job's picture when a wait passes dist.hang_report_s.
+std::function<void()> host_store(int port, int64_t nproc, const DistConfig& dist) {
+  TcpStore::Options so;
+  so.host = "127.0.0.1", so.port = port, so.server = true;
+  so.timeout = std::chrono::seconds(dist.timeout_s);
+  auto store = c10::make_intrusive<TcpStore>(so);
+  const auto after = hang_report_after(dist);
+  if (after.count() <= 0) return [store] {};
+  auto watch = std::make_shared<JobWatch>(store, nproc, after, [](const std::string& picture) {
+    std::cerr << picture << std::endl;
+  });
+  return [store, watch] { watch->tick(); };
+}
+
 // A worker that the supervisor forked without exec (SupervisorOptions::start_here): the
 // command line a worker would have been started with, run in this process.
 int start_worker_here(std::vector<std::string> args) {
@@ -144,7 +162,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     const auto& mode = mode_spec(cfg.parallel.mode);
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
                       [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); },
-                      workers_forked(nproc) ? start_worker_here : nullptr});
+                      workers_forked(nproc) ? start_worker_here : nullptr,
+                      [nproc, dist = cfg.dist](int port) { return host_store(port, nproc, dist); }});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
@@ -157,10 +176,13 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   const auto connect = [&]() -> std::shared_ptr<Comm> {
     if (world.world == 1) return make_local_comm();
     const DevicePlan plan = device();
-    CommOptions opts{plan.backend, std::chrono::seconds(cfg.dist.timeout_s),
-                     cfg.dist.gloo_threads, cfg.dist.store_bind == "all", plan.device};
+    CommOptions opts;
+    opts.backend = plan.backend, opts.timeout = std::chrono::seconds(cfg.dist.timeout_s);
+    opts.gloo_threads = cfg.dist.gloo_threads, opts.store_everywhere = cfg.dist.store_bind == "all";
+    opts.device = plan.device;
     const int64_t cpus = usable_cpus();
     opts.comm_first = world.local_world * intra_op_threads(cfg.train.threads, cpus, world.local_world) <= cpus;
+    opts.hang_after = hang_report_after(cfg.dist);
     return make_c10d_comm(world, opts);
   };
   std::shared_ptr<Comm> comm;

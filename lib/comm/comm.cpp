@@ -9,15 +9,18 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/tcp_store.hpp"
+#include "comm/watch.hpp"
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 #include <algorithm>
 #include <cctype>
+#include <iostream>
 #include <map>
 #include <cstdlib>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <thread>
 
@@ -122,24 +125,44 @@ struct GroupContext {
   CommOptions opts;
   int64_t world_rank;
   bool loopback;  // every rank on this machine
+  std::shared_ptr<Watch> watch;  // none without dist.hang_report_s
 };
 
+// The group of world ranks `members` (this rank at `rank` among them), under `name`.
 std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const std::string& name,
-                                 int64_t rank, int64_t size);
+                                 int64_t rank, std::vector<int64_t> members);
+
+std::vector<int64_t> world_ranks(int64_t world) {
+  std::vector<int64_t> ranks(size_t(world), 0);
+  std::iota(ranks.begin(), ranks.end(), int64_t(0));
+  return ranks;
+}
+
+// The watch over a rank's waits (dist.hang_report_s) through `store`: a connection of its
+// own, whose short timeout lets it say that the store's host is silent.
+std::shared_ptr<Watch> make_watch(c10::intrusive_ptr<c10d::Store> store, int64_t rank,
+                                  const CommOptions& opts) {
+  if (opts.hang_after.count() <= 0 || !store) return nullptr;
+  auto say = opts.say_hang ? opts.say_hang : [](const std::string& line) { std::cerr << line << std::endl; };
+  return std::make_shared<Watch>(std::move(store), rank, opts.hang_after, std::move(say));
+}
 
 // Holds a Gloo or NCCL process group (c10d's ProcessGroupGloo/NCCL, each a Backend).
 template <class PG>
 class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> {
  public:
   C10dComm(c10::intrusive_ptr<PG> pg, std::shared_ptr<GroupContext> ctx, std::string name,
-           int64_t rank, int64_t size)
+           int64_t rank, std::vector<int64_t> members)
       : pg_(std::move(pg)), ctx_(std::move(ctx)), name_(std::move(name)), rank_(rank),
-        size_(size) {
+        size_(int64_t(members.size())), members_(std::move(members)) {
     if (ctx_->opts.backend == "nccl") stage_ = ctx_->opts.device;
   }
 
   int64_t rank() const override { return rank_; }
   int64_t size() const override { return size_; }
+  void note_step(int64_t n) override {
+    if (ctx_->watch) ctx_->watch->step(n);
+  }
   static int64_t bytes(const torch::Tensor& t) { return t.numel() * int64_t(t.element_size()); }
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override {
@@ -222,7 +245,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
         if (send) count_sent(bytes(op.tensor));
         auto work = send ? pg_->send(ts, int(op.peer), op.tag) : pg_->recv(ts, int(op.peer), op.tag);
         all->parts.push_back(pending(send ? "send" : "recv", work, ts, 1.0,
-                                     send ? torch::Tensor() : st.back));
+                                     send ? torch::Tensor() : st.back, op.peer));
       }
       return std::unique_ptr<Pending>(std::move(all));
     });
@@ -235,17 +258,18 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
                                          ctx_->world_rank, name));
     if (int64_t(members.size()) == size_ && name_ == "world") return this->shared_from_this();
     if (members.size() == 1) return make_local_comm();
-    return make_group(ctx_, name, me - members.begin(), int64_t(members.size()));
+    return make_group(ctx_, name, me - members.begin(), members);
   }
 
  private:
   class WorkPending : public Pending {
    public:
     WorkPending(const C10dComm* comm, const char* op, c10::intrusive_ptr<c10d::Work> work,
-                std::vector<torch::Tensor> keep, double divide, torch::Tensor back)
+                std::vector<torch::Tensor> keep, double divide, torch::Tensor back, WaitedOp what)
         : comm_(comm), op_(op), work_(std::move(work)), keep_(std::move(keep)),
-          divide_(divide), back_(std::move(back)) {}
+          divide_(divide), back_(std::move(back)), what_(std::move(what)) {}
     void wait() override {
+      Watch::Waiting watched(comm_->ctx_->watch.get(), what_);
       bool done = false;
       try {
         done = work_->wait(
@@ -266,14 +290,22 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     std::vector<torch::Tensor> keep_;  // the buffers must outlive the operation
     double divide_;
     torch::Tensor back_;
+    WaitedOp what_;  // for the watch
   };
 
 
+  // An operation just posted; `peer`: a transfer's group rank (-1: a collective, which
+  // takes the next number of the group's posted count).
   std::unique_ptr<Pending> pending(const char* op, c10::intrusive_ptr<c10d::Work> w,
                                    std::vector<torch::Tensor> keep, double divide = 1.0,
-                                   torch::Tensor back = {}) const {
+                                   torch::Tensor back = {}, int64_t peer = -1) const {
+    WaitedOp what;
+    if (auto* watch = ctx_->watch.get()) {
+      what = {op, name_, members_, peer < 0 ? watch->post(name_) : 0,
+              keep.empty() ? 0 : bytes(keep[0]), peer < 0 ? -1 : members_.at(size_t(peer))};
+    }
     return std::make_unique<WorkPending>(this, op, std::move(w), std::move(keep), divide,
-                                         std::move(back));
+                                         std::move(back), std::move(what));
   }
 
   // The tensor the backend operates on, and the one its result is copied back to: for
@@ -341,11 +373,13 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   std::optional<c10::Device> stage_;
   std::string name_;
   int64_t rank_, size_;
+  std::vector<int64_t> members_;  // the group's world ranks
 };
 
 // A process group over `size` ranks that rendezvous under `name` in the job's store.
 std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const std::string& name,
-                                 int64_t rank, int64_t size) {
+                                 int64_t rank, std::vector<int64_t> members) {
+  const int64_t size = int64_t(members.size());
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(ctx->opts.timeout);
   c10::intrusive_ptr<c10d::Store> store = ctx->store;
   if (name != "world") store = c10::make_intrusive<c10d::PrefixStore>(name + "/", ctx->store);
@@ -361,7 +395,7 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, int(rank), int(size), o);
-      return std::make_shared<C10dComm<c10d::ProcessGroupNCCL>>(pg, ctx, name, rank, size);
+      return std::make_shared<C10dComm<c10d::ProcessGroupNCCL>>(pg, ctx, name, rank, std::move(members));
 #else
       throw ConfigError("dist.backend: this LibTorch was built without NCCL");
 #endif
@@ -374,7 +408,7 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
                              ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                              : c10d::ProcessGroupGloo::createDefaultDevice());
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, int(rank), int(size), o);
-    return std::make_shared<C10dComm<c10d::ProcessGroupGloo>>(pg, ctx, name, rank, size);
+    return std::make_shared<C10dComm<c10d::ProcessGroupGloo>>(pg, ctx, name, rank, std::move(members));
   } catch (const Error&) {
     throw;
   } catch (...) {
@@ -424,7 +458,9 @@ std::shared_ptr<Comm> make_shape_comm(int64_t rank, int64_t size) {
 }
 
 std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Store> store, watch_store;
+  // The watch's connection answers within a few seconds or not at all (its host is silent).
+  const std::chrono::milliseconds watch_timeout(2000);
   try {
     const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
     if (world.agent_store) {
@@ -445,17 +481,27 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
       const std::string slot = fmt::format("dtrain/attempt_{}/world_{}", world.restart_count,
                                            world.world);
       const int64_t arrival = agent->add(slot + "/arrivals", 1);  // from 1
-      store = c10::make_intrusive<c10d::PrefixStore>(
-          fmt::format("{}/round_{}", slot, (arrival - 1) / world.world), agent);
+      const std::string round = fmt::format("{}/round_{}", slot, (arrival - 1) / world.world);
+      store = c10::make_intrusive<c10d::PrefixStore>(round, agent);
+      if (opts.hang_after.count() > 0) {
+        so.timeout = watch_timeout;
+        watch_store = c10::make_intrusive<c10d::PrefixStore>(
+            round, c10::make_intrusive<c10d::TCPStore>(world.master_addr, so));
+      }
     } else {
       TcpStore::Options so;
       so.host = world.master_addr;
       so.port = static_cast<int>(world.master_port);
-      so.server = world.rank == 0;
+      so.server = world.rank == 0 && !world.store_hosted;
       so.listen_everywhere = opts.store_everywhere;
       so.other_machines = world.local_world < world.world;
       so.timeout = timeout;
-      store = c10::make_intrusive<TcpStore>(so);
+      auto ours = c10::make_intrusive<TcpStore>(so);
+      store = ours;
+      if (opts.hang_after.count() > 0) {
+        so.server = false, so.port = ours->port(), so.timeout = watch_timeout;
+        watch_store = c10::make_intrusive<TcpStore>(so);
+      }
     }
   } catch (...) {
     throw DistError(fmt::format("rank {}: rendezvous at {}:{} failed ({}): {}", world.rank,
@@ -466,8 +512,9 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
   }
   const bool loopback =
       world.master_addr == "localhost" || world.master_addr.rfind("127.", 0) == 0;
-  auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, world.rank, loopback});
-  return make_group(ctx, "world", world.rank, world.world);
+  auto ctx = std::make_shared<GroupContext>(GroupContext{
+      store, opts, world.rank, loopback, make_watch(watch_store, world.rank, opts)});
+  return make_group(ctx, "world", world.rank, world_ranks(world.world));
 }
 
 std::shared_ptr<Comm> make_in_process_comm(const std::string& rendezvous, int64_t rank,
@@ -483,8 +530,8 @@ std::shared_ptr<Comm> make_in_process_comm(const std::string& rendezvous, int64_
   }
   // NCCL: a group even of one, so a test on one GPU runs NCCL's code path.
   if (size == 1 && opts.backend != "nccl") return make_local_comm();
-  auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, rank, true});
-  return make_group(ctx, "world", rank, size);
+  auto ctx = std::make_shared<GroupContext>(GroupContext{store, opts, rank, true, make_watch(store, rank, opts)});
+  return make_group(ctx, "world", rank, world_ranks(size));
 }
 
 }  // namespace dtrain

@@ -108,6 +108,9 @@ class Comm {
     exchange_async({{P2POp::kRecv, std::move(t), src, tag}})->wait();
   }
 
+  // The step this rank is in, for the heartbeat that names hangs (comm/watch.hpp).
+  virtual void note_step(int64_t /*n*/) {}
+
   // The group of the world ranks `members` (in that order; this process among them), named
   // `name` (unique per group in the job: it prefixes the group's rendezvous keys). Only the
   // members call it. A group of one needs no process group and gets a local Comm; a group
@@ -146,6 +149,10 @@ struct CommOptions {
   // Gloo's threads run at a higher priority than compute: right where every compute thread
   // of the machine's ranks has a core, wrong where they outnumber the cores (comm.cpp).
   bool comm_first = true;
+  // dist.hang_report_s: a wait this long is named (comm/watch.hpp; 0: never), in lines
+  // given to `say_hang` (stderr when unset).
+  std::chrono::milliseconds hang_after{0};
+  std::function<void(const std::string&)> say_hang;
 };
 
 // Rendezvous through a store at world.master_addr:master_port (rank 0 hosts dtrain's

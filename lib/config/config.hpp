@@ -327,6 +327,7 @@ struct PrecisionConfig {
 struct DistConfig {
   std::string backend = "auto";
   int64_t timeout_s = 120;
+  int64_t hang_report_s = 30;
   int64_t port = 0;
   int64_t gloo_threads = 2;
   bool requeue = true;
@@ -336,6 +337,9 @@ struct DistConfig {
     v("backend", backend, Choices{"auto", "gloo", "nccl"},
       "c10d backend: auto = NCCL for CUDA tensors, Gloo otherwise");
     v("timeout_s", timeout_s, "bound on every collective and wait for a peer, seconds");
+    v("hang_report_s", hang_report_s,
+      "a collective waiting this long (or half of timeout_s, if shorter) is named: the ranks "
+      "that have not posted it and how long each has been silent; 0 = never");
     v("port", port,
       "rendezvous port: 0 = MASTER_PORT, else 29500 (SLURM: one derived from the job id)");
     v("gloo_threads", gloo_threads, "collectives Gloo runs at once per process");

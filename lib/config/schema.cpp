@@ -601,6 +601,8 @@ void check_runtime(const JobConfig& c) {
   // c10d keeps timeouts in milliseconds; 30 days is far past any real wait.
   need(c.dist.timeout_s >= 1 && c.dist.timeout_s <= 30 * 86400, "dist.timeout_s",
        "between 1 and 2592000 (30 days)", c.dist.timeout_s);
+  need(c.dist.hang_report_s >= 0 && c.dist.hang_report_s <= 30 * 86400, "dist.hang_report_s",
+       "between 0 (never) and 2592000 (30 days)", c.dist.hang_report_s);
   need(c.dist.port >= 0 && c.dist.port <= 65535, "dist.port", "between 0 (automatic) and 65535",
        c.dist.port);
   need(c.dist.gloo_threads >= 1 && c.dist.gloo_threads <= 64, "dist.gloo_threads",

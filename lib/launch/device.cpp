@@ -165,4 +165,10 @@ const std::string& sync_debug_mode() {
   return mode;
 }
 
+std::chrono::milliseconds hang_report_after(const DistConfig& dist) {
+  if (dist.hang_report_s <= 0) return std::chrono::milliseconds(0);
+  return std::min<std::chrono::milliseconds>(std::chrono::seconds(dist.hang_report_s),
+                                             std::chrono::milliseconds(dist.timeout_s * 500));
+}
+
 }  // namespace dtrain

@@ -2,6 +2,7 @@
 // the launcher's local rank and the GPUs this process sees. The pure choices take what
 // they depend on as arguments (tested on any machine); plan_device asks LibTorch.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -51,6 +52,11 @@ struct DevicePlan {
 };
 DevicePlan plan_device(const JobConfig& cfg, int64_t local_rank, int64_t local_world,
                        const std::string& any_source = "", const Devices& devices = Devices::here());
+
+// How long a wait runs before it is named (comm/watch.hpp): dist.hang_report_s, or half
+// of dist.timeout_s where that is shorter, so that the report comes before the timeout
+// ends the job; 0: never.
+std::chrono::milliseconds hang_report_after(const DistConfig& dist);
 
 int64_t visible_gpus();
 bool nccl_built();  // this build of dtrain has LibTorch's NCCL process group

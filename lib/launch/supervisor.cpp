@@ -200,6 +200,7 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
       set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
       set("MASTER_ADDR", "127.0.0.1");
       set("MASTER_PORT", std::to_string(port));
+      if (o.host_store) set("DTRAIN_STORE_HOSTED", "1");
       if (o.start_here) {
         as_if_exec();
         g_forked_worker = true;
@@ -338,7 +339,9 @@ int supervise(const SupervisorOptions& o) {
   for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &sa, nullptr);
 
   for (int64_t attempt = 0;; ++attempt) {
-    auto ws = spawn(o, free_local_port(), /*resume_auto=*/attempt > 0);
+    const int port = free_local_port();
+    auto ws = spawn(o, port, /*resume_auto=*/attempt > 0);
+    std::function<void()> watch = o.host_store ? o.host_store(port) : nullptr;
     std::optional<size_t> first_failure;
     std::vector<char> running(ws.size(), 0);  // state letters of the ranks alive at the failure
     int forwarded = 0;
@@ -346,6 +349,7 @@ int supervise(const SupervisorOptions& o) {
     while (!all_done(ws)) {
       pump(ws, 100);
       reap(ws);
+      if (watch) watch();
       if (g_forward && !forwarded) {
         forwarded = g_forward;  // preemption: every worker checkpoints and exits
         signal_all(ws, forwarded);
@@ -377,6 +381,7 @@ int supervise(const SupervisorOptions& o) {
         break;
       }
     }
+    watch = nullptr;  // the store too: the next attempt forks from one thread
     while (true) {  // drain what is left in the pipes
       bool open = false;
       for (auto& w : ws) open |= w.out >= 0 || w.err >= 0;

@@ -29,6 +29,11 @@ struct SupervisorOptions {
   // OpenMP region: GNU OpenMP's pool does not survive a fork) and has not started CUDA:
   // dtrain sets it where its LibTorch has no CUDA.
   std::function<int(std::vector<std::string> args)> start_here;
+  // Where set, the supervisor hosts the job's store: called with each attempt's port once
+  // its workers are started (a fork copies only the calling thread, and the store runs
+  // one), it returns what to call every 100 ms while they run (reading their heartbeats);
+  // that is dropped, the store with it, before another attempt starts.
+  std::function<std::function<void()>(int port)> host_store;
 };
 
 // Returns the job's exit code.

@@ -143,7 +143,8 @@ void clear_launcher_env() {
     for (const char* v : {l.rank, l.size, l.local_rank, l.local_size})
       if (v) ::unsetenv(v);
   for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "PET_NNODES"})
+                        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "PET_NNODES",
+                        "DTRAIN_STORE_HOSTED"})
     ::unsetenv(v);
 }
 
@@ -169,6 +170,7 @@ WorldInfo discover_world(const Env& env, int64_t config_port,
       w.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
       w.restart_count = int_var(env, "TORCHELASTIC_RESTART_COUNT").value_or(0);
       w.run_id = env("TORCHELASTIC_RUN_ID").value_or("");
+      w.store_hosted = env("DTRAIN_STORE_HOSTED").value_or("") == "1";
     }
     if (w.launcher == "slurm") {
       // SLURM_*_TASKS_PER_NODE may read "2(x3)": the leading count is this node's.

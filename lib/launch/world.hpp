@@ -20,6 +20,9 @@ struct WorldInfo {
   // torchrun: its agent already hosts a store at master_addr:master_port and says so
   // (TORCHELASTIC_USE_AGENT_STORE=True); every rank, rank 0 too, joins it as a client.
   bool agent_store = false;
+  // dtrain's --nproc supervisor hosts the store (DTRAIN_STORE_HOSTED=1), which then
+  // outlives any rank and lets it read every rank's heartbeat; rank 0 joins as a client.
+  bool store_hosted = false;
   // torchrun's TORCHELASTIC_RESTART_COUNT: > 0 when the agent restarted the workers, who
   // then resume from the run's newest valid checkpoint.
   int64_t restart_count = 0;

@@ -46,6 +46,7 @@ class RunBody : public LoopBody {
         mode_(mode) {}
 
   PendingStep step(int64_t n, bool logged, bool kept) override {
+    mode_.mesh().world()->note_step(n);
     double wait_ms = 0;
     Batch batch = loader_.next(&wait_ms);
     return train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());

@@ -224,6 +224,12 @@ TEST_SUITE("failures") {
     CHECK(code == 4);
     CHECK(err.find("[rank 0] dtrain: error: rank 0:") != std::string::npos);
     CHECK(err.find("no answer within dist.timeout_s = 5 s") != std::string::npos);
+    // Named while it happened: half the timeout (dist.hang_report_s is longer) into the wait.
+    CHECK(err.find("[rank 0] dtrain: rank 0: ") != std::string::npos);
+    CHECK(err.find("of the world group") != std::string::npos);
+    CHECK(err.find("rank 1: silent for ") != std::string::npos);
+    // And the supervisor, which hosts the store, drew the whole job.
+    CHECK(err.find("dtrain: the job now (from each rank's heartbeat):\n  rank 0: at step ") != std::string::npos);
     // The supervisor blames the rank that stalled, not the one that noticed.
     CHECK(err.find("dtrain: error: rank 1 was stopped (SIGSTOP or a debugger) and rank 0 gave up "
                    "waiting for it") != std::string::npos);

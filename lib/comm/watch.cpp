@@ -1,0 +1,223 @@
+#include "comm/watch.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "util/units.hpp"
+
+namespace dtrain {
+namespace {
+
+using json = nlohmann::json;
+
+std::string what_it_waits_in(const json& beat, double now_s) {
+  if (!beat.contains("waits") || beat["waits"].empty()) return "in no collective";
+  const auto& w = beat["waits"][0];
+  const double for_s = now_s - w.value("since", now_s);
+  if (w.value("peer", int64_t(-1)) >= 0)
+    return fmt::format("in {} with rank {} for {:.0f} s", w.value("op", ""), w["peer"].get<int64_t>(), for_s);
+  return fmt::format("in {} #{} of the {} group for {:.0f} s", w.value("op", ""),
+                     w.value("number", int64_t(0)), w.value("group", ""), for_s);
+}
+
+// How a rank of the job stands, from its heartbeat.
+std::string standing(int64_t rank, const std::map<int64_t, json>& beats, double now_s,
+                     double silent_after_s) {
+  auto it = beats.find(rank);
+  if (it == beats.end()) return fmt::format("rank {}: no heartbeat", rank);
+  const json& b = it->second;
+  const double age = now_s - b.value("at", 0.0);
+  const int64_t step = b.value("step", int64_t(-1));
+  const std::string at = step >= 0 ? fmt::format("at step {}, ", step) : "";
+  if (age > silent_after_s)
+    return fmt::format("rank {}: silent for {:.0f} s (last {}{})", rank, age, at,
+                       what_it_waits_in(b, b.value("at", 0.0)));
+  return fmt::format("rank {}: {}{}", rank, at, what_it_waits_in(b, now_s));
+}
+
+}  // namespace
+
+std::string heartbeat_key(int64_t rank) { return fmt::format("dtrain/heartbeat/{}", rank); }
+
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::chrono::milliseconds beat_period(std::chrono::milliseconds after) {
+  return std::clamp<std::chrono::milliseconds>(after / 3, std::chrono::milliseconds(100),
+                                               std::chrono::seconds(1));
+}
+
+double silent_after_s(std::chrono::milliseconds after) {
+  return 2.5 * std::chrono::duration<double>(beat_period(after)).count();
+}
+
+std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
+                          const std::map<int64_t, json>& beats, double now_s, double silent_s,
+                          bool store_silent) {
+  const std::string what =
+      wait.peer >= 0 ? fmt::format("{} with rank {}", wait.op, wait.peer)
+                     : fmt::format("{} #{} of the {} group", wait.op, wait.number, wait.group);
+  const std::string size = wait.bytes >= kMiB ? fmt::format("{:.1f} MiB", double(wait.bytes) / kMiB)
+                                               : fmt::format("{:.1f} KiB", double(wait.bytes) / 1024);
+  std::string line = fmt::format("dtrain: rank {}: {} ({}) has waited {:.0f} s", rank, what, size, waited_s);
+  if (store_silent)
+    return line + ": the store does not answer, so its host (rank 0, or the launcher) is silent";
+  if (wait.peer >= 0) return line + "; " + standing(wait.peer, beats, now_s, silent_s);
+  // The members that have not posted it, and those that have but fell silent inside it.
+  std::vector<std::string> missing, silent;
+  for (int64_t m : wait.members) {
+    if (m == rank) continue;
+    auto it = beats.find(m);
+    const int64_t posted = it == beats.end() ? 0
+                           : it->second.contains("posted") ? it->second["posted"].value(wait.group, int64_t(0))
+                                                           : 0;
+    if (posted < wait.number)
+      missing.push_back(standing(m, beats, now_s, silent_s));
+    else if (now_s - it->second.value("at", 0.0) > silent_s)
+      silent.push_back(standing(m, beats, now_s, silent_s));
+  }
+  auto list = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (size_t i = 0; i < v.size(); ++i) out += (i ? "; " : "") + v[i];
+    return out;
+  };
+  const size_t others = wait.members.size() - 1;
+  if (!missing.empty()) line += fmt::format("; not posted by {} of {}: {}", missing.size(), others, list(missing));
+  if (!silent.empty()) line += fmt::format("; posted, then silent: {}", list(silent));
+  if (missing.empty() && silent.empty())
+    line += "; every member has posted it and is alive (the transfer itself is slow)";
+  return line;
+}
+
+std::string job_picture(const std::map<int64_t, json>& beats, int64_t world, double now_s,
+                        double silent_s) {
+  std::string out = "dtrain: the job now (from each rank's heartbeat):";
+  for (int64_t r = 0; r < world; ++r) out += "\n  " + standing(r, beats, now_s, silent_s);
+  return out;
+}
+
+std::map<int64_t, json> read_heartbeats(c10d::Store& store, const std::vector<int64_t>& ranks) {
+  std::map<int64_t, json> beats;
+  for (int64_t r : ranks) {
+    const std::string key = heartbeat_key(r);
+    if (!store.check({key})) continue;
+    const auto bytes = store.get(key);
+    auto parsed = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+    if (!parsed.is_discarded()) beats[r] = std::move(parsed);
+  }
+  return beats;
+}
+
+Watch::Watch(c10::intrusive_ptr<c10d::Store> store, int64_t rank, std::chrono::milliseconds after,
+             std::function<void(const std::string&)> say)
+    : store_(std::move(store)), rank_(rank), after_(after),
+      every_(beat_period(after)),
+      say_(std::move(say)), thread_([this] { loop(); }) {}
+
+Watch::~Watch() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+int64_t Watch::post(const std::string& group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ++posted_[group];
+}
+
+void Watch::step(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  step_ = n;
+}
+
+Watch::Waiting::Waiting(Watch* watch, WaitedOp op) : watch_(watch) {
+  if (!watch_) return;
+  std::lock_guard<std::mutex> lock(watch_->mu_);
+  id_ = ++watch_->next_id_;
+  watch_->active_[id_] = Active{std::move(op), std::chrono::steady_clock::now(), wall_seconds()};
+}
+
+Watch::Waiting::~Waiting() {
+  if (!watch_) return;
+  std::lock_guard<std::mutex> lock(watch_->mu_);
+  watch_->active_.erase(id_);
+}
+
+json Watch::beat() const {
+  json waits = json::array();
+  for (const auto& [id, a] : active_)
+    waits.push_back({{"op", a.op.op}, {"group", a.op.group}, {"number", a.op.number},
+                     {"peer", a.op.peer}, {"since", a.since_wall}});
+  return {{"at", wall_seconds()}, {"step", step_}, {"posted", posted_}, {"waits", waits}};
+}
+
+void Watch::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    const std::string value = beat().dump();
+    lock.unlock();
+    try {
+      store_->set(heartbeat_key(rank_), std::vector<uint8_t>(value.begin(), value.end()));
+    } catch (...) {  // the store's host is gone or stopped: check() says so
+    }
+    check();
+    lock.lock();
+    wake_.wait_for(lock, every_, [this] { return stop_; });
+  }
+}
+
+// Each wait past the threshold, said once.
+void Watch::check() {
+  std::vector<std::pair<WaitedOp, double>> due;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& [id, a] : active_)
+      if (!a.said && now - a.since >= after_) {
+        a.said = true;
+        due.emplace_back(a.op, std::chrono::duration<double>(now - a.since).count());
+      }
+  }
+  for (const auto& [op, waited] : due) {
+    std::map<int64_t, json> beats;
+    bool silent = false;
+    try {
+      beats = read_heartbeats(*store_, op.peer >= 0 ? std::vector<int64_t>{op.peer} : op.members);
+    } catch (...) {
+      silent = true;
+    }
+    say_(describe_hang(rank_, op, waited, beats, wall_seconds(), silent_after_s(after_), silent));
+  }
+}
+
+JobWatch::JobWatch(c10::intrusive_ptr<c10d::Store> store, int64_t world,
+                   std::chrono::milliseconds after, std::function<void(const std::string&)> say)
+    : store_(std::move(store)), world_(world), after_(after), say_(std::move(say)) {}
+
+void JobWatch::tick() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_read_) return;
+  next_read_ = now + beat_period(after_);
+  std::vector<int64_t> ranks(size_t(world_), 0);
+  for (int64_t r = 0; r < world_; ++r) ranks[size_t(r)] = r;
+  std::map<int64_t, json> beats;
+  try {
+    beats = read_heartbeats(*store_, ranks);
+  } catch (...) {
+    return;  // the store is this process's own: nothing to say of the ranks
+  }
+  const double now_s = wall_seconds(), after_s = std::chrono::duration<double>(after_).count();
+  bool hung = false;
+  for (const auto& [rank, beat] : beats)
+    if (beat.contains("waits"))
+      for (const auto& w : beat["waits"]) hung |= now_s - w.value("since", now_s) >= after_s;
+  if (hung && !said_) say_(job_picture(beats, world_, now_s, silent_after_s(after_)));
+  said_ = hung;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,137 @@
+// Hangs named while they happen (dist.hang_report_s): a rank whose collective has waited
+// past the threshold says, once, which ranks of the group have not posted it and how long
+// each has been silent, well before dist.timeout_s ends the job.
+//
+// Every rank posts a heartbeat to the job's store each second (each third of the
+// threshold where that is shorter, so that a live rank's is never stale when a wait is
+// judged): the time, its step, how many collectives it has posted in each of its groups,
+// and the ones it waits in. A collective's number in its group is its place in that count
+// (every member posts the group's collectives in the same order), so a member whose count
+// is below it has not reached it yet; a member whose heartbeat stopped is silent (dead,
+// stopped, its machine gone). The watch reads the store through a connection of its own
+// with a short timeout: a store that does not answer is said too (its host is silent).
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace dtrain {
+
+// The store key of world rank `rank`'s heartbeat.
+std::string heartbeat_key(int64_t rank);
+
+// A collective (or a transfer with `peer`) a rank waits in.
+struct WaitedOp {
+  std::string op, group;         // all_reduce, ...; the group's name ("world", "data", ...)
+  std::vector<int64_t> members;  // the group's world ranks, in group order
+  int64_t number = 0;            // its place in the group's posted count (0: a transfer)
+  int64_t bytes = 0;
+  int64_t peer = -1;             // a transfer's other world rank
+};
+
+// How often a rank beats for a threshold of `after`, and how old a heartbeat is when its
+// rank is called silent (two and a half beats: a stopped rank's is at least the threshold
+// old when a wait is judged, a live one's at most a beat and the store's latency).
+std::chrono::milliseconds beat_period(std::chrono::milliseconds after);
+double silent_after_s(std::chrono::milliseconds after);
+
+// What one line says of a hang, from this rank's wait and its group's heartbeats (a rank
+// without one: none read; `store_silent`: the store did not answer). Pure, for tests.
+std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
+                          const std::map<int64_t, nlohmann::json>& beats, double now_s,
+                          double silent_after_s, bool store_silent);
+
+// The job's picture: one line per rank of a world of `world`, from the heartbeats the
+// store holds (the supervisor prints it).
+std::string job_picture(const std::map<int64_t, nlohmann::json>& beats, int64_t world,
+                        double now_s, double silent_after_s);
+
+// Every rank's heartbeat the store holds (a rank without one is left out); throws when the
+// store does not answer.
+std::map<int64_t, nlohmann::json> read_heartbeats(c10d::Store& store,
+                                                  const std::vector<int64_t>& ranks);
+
+// Wall-clock seconds: heartbeats compare times across processes.
+double wall_seconds();
+
+class Watch {
+ public:
+  // `store`: the watch's own connection (a short timeout); `after`: the threshold; `say`:
+  // where its lines go.
+  Watch(c10::intrusive_ptr<c10d::Store> store, int64_t rank, std::chrono::milliseconds after,
+        std::function<void(const std::string&)> say);
+  ~Watch();
+  Watch(const Watch&) = delete;
+  Watch& operator=(const Watch&) = delete;
+
+  // The next collective's number in `group` (from 1): called as it is posted.
+  int64_t post(const std::string& group);
+  // The step this rank is in, for its heartbeat.
+  void step(int64_t n);
+
+  // A wait, registered while it lasts.
+  class Waiting {
+   public:
+    Waiting(Watch* watch, WaitedOp op);
+    ~Waiting();
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+
+   private:
+    Watch* watch_;
+    int64_t id_ = 0;
+  };
+
+ private:
+  struct Active {
+    WaitedOp op;
+    std::chrono::steady_clock::time_point since;
+    double since_wall = 0;
+    bool said = false;
+  };
+  void loop();
+  nlohmann::json beat() const;  // under mu_
+  void check();
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int64_t rank_;
+  std::chrono::milliseconds after_, every_;
+  std::function<void(const std::string&)> say_;
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  int64_t step_ = -1, next_id_ = 0;
+  std::map<std::string, int64_t> posted_;
+  std::map<int64_t, Active> active_;
+  std::thread thread_;
+};
+
+// The whole job's view, where the store outlives the ranks (dtrain's --nproc supervisor):
+// each tick reads every rank's heartbeat; when a rank has waited in a collective past the
+// threshold, the job's picture is said, once until no rank has.
+class JobWatch {
+ public:
+  JobWatch(c10::intrusive_ptr<c10d::Store> store, int64_t world, std::chrono::milliseconds after,
+           std::function<void(const std::string&)> say);
+  void tick();  // as often as it likes: it reads once a beat period
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int64_t world_;
+  std::chrono::milliseconds after_;
+  std::function<void(const std::string&)> say_;
+  std::chrono::steady_clock::time_point next_read_{};
+  bool said_ = false;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,85 @@
+// Hangs named while they happen (comm/watch.hpp): the line a waiting rank writes, from its
+// group's heartbeats, and the watch itself over ranks as threads.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <mutex>
+#include <thread>
+
+#include <torch/torch.h>
+
+#include "comm/watch.hpp"
+#include "ranks.hpp"
+
+namespace unit_comm_watch {
+using namespace dtrain;
+using json = nlohmann::json;
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST_SUITE("watch") {
+  TEST_CASE("watch: the line names the members that have not posted the collective, silent or not") {
+    const double now = 1000;
+    WaitedOp wait{"all_reduce", "data", {0, 1, 2, 3}, 41, 3 * 1024 * 1024, -1};
+    std::map<int64_t, json> beats{
+        {1, {{"at", now - 0.5}, {"step", 12}, {"posted", {{"data", 41}}}, {"waits", json::array()}}},
+        {2, {{"at", now - 0.2}, {"step", 11}, {"posted", {{"data", 38}}}, {"waits", json::array()}}},
+        {3, {{"at", now - 31}, {"step", 12}, {"posted", {{"data", 40}}},
+             {"waits", json::array({json{{"op", "recv"}, {"peer", 2}, {"since", now - 40}}})}}}};
+    const auto line = describe_hang(0, wait, 30, beats, now, 2.5, false);
+    CAPTURE(line);
+    CHECK(has(line, "rank 0: all_reduce #41 of the data group (3.0 MiB) has waited 30 s"));
+    CHECK(has(line, "not posted by 2 of 3"));
+    CHECK(has(line, "rank 2: at step 11, in no collective"));
+    CHECK(has(line, "rank 3: silent for 31 s (last at step 12, in recv with rank 2 for 9 s)"));
+    CHECK(!has(line, "rank 1:"));  // it has posted #41
+
+    beats.erase(2);
+    CHECK(has(describe_hang(0, wait, 30, beats, now, 2.5, false), "rank 2: no heartbeat"));
+    beats[2] = beats[1];
+    beats[3]["posted"]["data"] = 41;  // posted, then stopped inside it
+    CHECK(has(describe_hang(0, wait, 30, beats, now, 2.5, false), "; posted, then silent: rank 3: silent for 31 s"));
+    beats[3] = beats[1];
+    CHECK(has(describe_hang(0, wait, 30, beats, now, 2.5, false), "every member has posted it and is alive"));
+    CHECK(has(describe_hang(0, wait, 30, {}, now, 2.5, true), "the store does not answer"));
+    const WaitedOp transfer{"recv", "pipeline", {0, 1}, 0, 1024, 1};
+    CHECK(has(describe_hang(0, transfer, 30, beats, now, 2.5, false), "recv with rank 1 (1.0 KiB) has waited 30 s; rank 1: at step 12"));
+  }
+
+  TEST_CASE("watch: the job's picture has a line per rank") {
+    const json wait = {{"op", "all_reduce"}, {"group", "world"}, {"number", 7}, {"peer", -1}, {"since", 90}};
+    std::map<int64_t, json> beats;
+    beats[0] = {{"at", 99.5}, {"step", 3}, {"posted", json::object()}, {"waits", json::array({wait})}};
+    const auto picture = job_picture(beats, 2, 100, 2.5);
+    CAPTURE(picture);
+    CHECK(has(picture, "rank 0: at step 3, in all_reduce #7 of the world group for 10 s"));
+    CHECK(has(picture, "rank 1: no heartbeat"));
+  }
+
+  TEST_CASE("watch: ranks waiting past the threshold name the rank that has not arrived, once") {
+    std::mutex mu;
+    std::vector<std::string> lines;
+    auto opts = test::quick();
+    opts.hang_after = std::chrono::milliseconds(600);  // heartbeats every 200 ms
+    opts.say_hang = [&](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mu);
+      lines.push_back(line);
+    };
+    test::run_ranks_as_threads(3, [&](std::shared_ptr<Comm> comm) {
+      comm->note_step(7);
+      // Rank 2 is late (alive, its heartbeat going) past the threshold and a beat or two.
+      if (comm->rank() == 2) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      auto t = torch::ones({4});
+      comm->all_reduce(t);
+      CHECK(t[0].item<float>() == 3);
+    }, opts);
+    REQUIRE(lines.size() == 2);  // ranks 0 and 1, once each
+    for (const auto& line : lines) {
+      CAPTURE(line);
+      CHECK(has(line, "all_reduce #1 of the world group"));
+      CHECK(has(line, "not posted by 1 of 2: rank 2: at step 7, in no collective"));
+    }
+  }
+}
+
+}  // namespace unit_comm_watch
