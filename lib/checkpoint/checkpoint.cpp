@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -13,25 +12,20 @@
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/shape.hpp"
+#include "util/strings.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
 
 namespace {
 
-bool starts_ends(const std::string& s, const std::string& head, const std::string& tail) {
-  return s.size() >= head.size() + tail.size() && s.rfind(head, 0) == 0 &&
-         s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 // The kind of tensors a checkpoint file holds, from its name: "model.pp1.tp0.safetensors"
 // holds "model", "sync.dp1.safetensors" "sync.dp1", a ZeRO shard "optimizer.dp1.safetensors"
 // "optimizer" (every data rank's shard makes up the one state; "model.dp1" under ZeRO-3
-// "model"); "" for files that hold no
-// tensors.
+// "model"); "" for files that hold no tensors.
 std::string kind_of(const std::string& file) {
   const std::string ext = ".safetensors";
-  if (!starts_ends(file, "", ext)) return "";
+  if (!ends_with(file, ext)) return "";
   std::string stem = file.substr(0, file.size() - ext.size());
   for (const char* axis : {".tp", ".pp"}) {  // the part's suffixes, last first
     const auto at = stem.rfind(axis);

@@ -90,7 +90,6 @@ class Checkpointer {
   bool in_flight() const { return flight_ != nullptr; }
   // Every rank reads the checkpoint in `folder` and each component takes its part.
   void restore(const std::string& folder, const std::vector<Stateful*>& parts);
-  const std::string& run_dir() const { return opts_.run_dir; }
 
  private:
   int64_t claim_and_choose();

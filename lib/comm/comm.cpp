@@ -22,7 +22,6 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
-#include <thread>
 
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -418,13 +417,6 @@ std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const
   }
 }
 
-}  // namespace
-
-std::shared_ptr<Comm> make_local_comm() { return std::make_shared<LocalComm>(); }
-
-namespace {
-// A group that only tells its rank and size: what a rank's share of the model is built with
-// where no group exists (dtrain plan's outlines). It never communicates.
 class ShapeComm : public Comm {
  public:
   ShapeComm(int64_t rank, int64_t size) : rank_(rank), size_(size) {}
@@ -451,7 +443,10 @@ class ShapeComm : public Comm {
   }
   int64_t rank_, size_;
 };
+
 }  // namespace
+
+std::shared_ptr<Comm> make_local_comm() { return std::make_shared<LocalComm>(); }
 
 std::shared_ptr<Comm> make_shape_comm(int64_t rank, int64_t size) {
   return std::make_shared<ShapeComm>(rank, size);

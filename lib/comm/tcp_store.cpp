@@ -154,8 +154,7 @@ bool connected_to_itself(int fd) {
          address_str(s, /*with_port=*/true) == address_str(p, /*with_port=*/true);
 }
 
-// Rank 0's side: one thread, poll() over the listening socket and every client; each
-// complete request is answered at once.
+// Rank 0's side: one thread, poll() over the listening socket and every client.
 class StoreServer {
  public:
   // `remote_note`, when given, is printed once, when the first client connects from

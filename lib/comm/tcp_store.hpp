@@ -1,9 +1,8 @@
-// The rendezvous store the ranks of a job meet through (a c10d::Store, so Gloo and NCCL
-// use it as they would c10d's TCPStore). dtrain hosts its own because c10d's TCPStore
-// server listens on every interface with no address to choose (2.15 can take a socket bound
-// beforehand, masterListenFd; LibTorch >= 2.4 also wants a libuv that distribution builds
-// lack): this one
-// listens on the address MASTER_ADDR resolves to, unless the job asks for all of them.
+// The rendezvous store the ranks of a job meet through (a c10d::Store, so Gloo and NCCL use it
+// as they would c10d's TCPStore). dtrain hosts its own because c10d's TCPStore server listens
+// on every interface with no address to choose (2.15 can take a socket bound beforehand,
+// masterListenFd; LibTorch >= 2.4 also wants a libuv that distribution builds lack): this
+// one listens on the address MASTER_ADDR resolves to, unless the job asks for all of them.
 //
 // Rank 0 runs the server on a thread; every rank, rank 0 included, is a client over one
 // TCP connection. Each request is answered at once, so blocking reads (get, wait) poll

@@ -6,8 +6,6 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <sstream>
-#include <stdexcept>
 
 #include <fmt/format.h>
 

@@ -1,16 +1,12 @@
 // The LibTorch lines dtrain builds against: the pinned one (scripts/libtorch.sh, 2.15) and,
-// as the oldest, a distribution's own (Debian 13's 2.6). What differs between them is
-// asked here, never of version numbers elsewhere.
+// as the oldest, a distribution's own (Debian 13's 2.6), refused below that. Both have
+// every call dtrain makes; should one differ again, it is asked here, never of version
+// numbers elsewhere.
 #pragma once
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
-// Whether the LibTorch being built against is at least major.minor.
-#define DTRAIN_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||         \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
-
-#if !DTRAIN_TORCH_AT_LEAST(2, 6)
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 6)
 #error "dtrain needs LibTorch 2.6 or later (Debian 12's 1.13 is retired): scripts/setup.sh builds on the pinned 2.15"
 #endif
 

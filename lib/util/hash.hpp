@@ -1,6 +1,7 @@
-// Stable hashes of names: the same on every machine, build and run (std::hash is not), so
-// values derived from a name (a dropout site, a parameter's initial weights, PowerSGD's
-// first Q) agree across ranks and resumes.
+// Stable hashes of names and the splitmix64 generator: the same on every machine, build and
+// run (std::hash and std::'s engines are not), so values derived from a name or a seed (a
+// dropout site, a parameter's initial weights, PowerSGD's first Q, data order) agree across
+// ranks and resumes.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -24,8 +25,7 @@ inline uint64_t splitmix64_mix(uint64_t z) {
 
 constexpr uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;  // splitmix64's increment
 
-// splitmix64: a small generator with a fixed, documented output (std::'s engines and
-// distributions differ between standard libraries).
+// splitmix64: a small generator with a fixed, documented output.
 struct SplitMix64 {
   uint64_t state;
   uint64_t next() { return splitmix64_mix(state += kGoldenGamma); }

@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -15,7 +14,6 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
-
 
 #ifdef DTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
