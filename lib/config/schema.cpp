@@ -55,22 +55,10 @@ struct Collector {
   }
 };
 
-struct SectionLister {
-  std::vector<std::string>* out;
-  template <class T>
-  void operator()(const char*, T&, const char*) {}
-  template <class T>
-  void operator()(const char*, T&, const Choices&, const char*) {}
-  template <class S>
-  void section(const char* key, S&) { out->push_back(key); }
-};
-
-std::vector<std::string> section_names() {
-  JobConfig probe;
-  std::vector<std::string> names;
-  SectionLister lister{&names};
-  probe.visit(lister);
-  return names;
+// Whether top-level `key` is a section: some field's key is under it.
+bool is_section(const std::vector<Field>& fields, const std::string& key) {
+  return std::any_of(fields.begin(), fields.end(),
+                     [&](const Field& f) { return f.key.rfind(key + ".", 0) == 0; });
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
@@ -132,6 +120,17 @@ Field* find_field(std::vector<Field>& fields, const std::string& key) {
   return nullptr;
 }
 
+// What a key of type T takes, as its errors say.
+template <class T>
+const char* expected_value() {
+  if constexpr (std::is_same_v<T, bool>) return "true or false";
+  else if constexpr (std::is_same_v<T, int64_t>) return "an integer";
+  else if constexpr (std::is_same_v<T, double>) return "a number";
+  else if constexpr (std::is_same_v<T, Ints>) return "a list of integers such as [512, 256]";
+  else if constexpr (std::is_same_v<T, Names>) return "a list of names such as [random_crop, hflip]";
+  else return "a string";
+}
+
 // Sets one field from a YAML node; `at` says where the value came from.
 void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
   auto bad = [&](const char* expected) {
@@ -141,39 +140,24 @@ void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
     return ConfigError(fmt::format("{}: {}: expected {}, got {}", at, f.key, expected, got));
   };
   if (!node.IsDefined() || node.IsNull()) throw bad("a value");
-  try {
-    std::visit(
-        [&](auto* p) {
-          using T = std::remove_pointer_t<decltype(p)>;
-          if constexpr (std::is_same_v<T, Ints>) {
-            if (!node.IsSequence()) throw bad("a list of integers such as [512, 256]");
-            Ints v;
-            for (const auto& item : node) v.push_back(item.as<int64_t>());
-            *p = v;
-          } else if constexpr (std::is_same_v<T, Names>) {
-            if (!node.IsSequence()) throw bad("a list of names such as [random_crop, hflip]");
-            Names v;
-            for (const auto& item : node) v.push_back(item.as<std::string>());
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        try {
+          if constexpr (std::is_same_v<T, Ints> || std::is_same_v<T, Names>) {
+            if (!node.IsSequence()) throw bad(expected_value<T>());
+            T v;
+            for (const auto& item : node) v.push_back(item.as<typename T::value_type>());
             *p = v;
           } else {
             if (!node.IsScalar()) throw bad("a single value");
             *p = node.as<T>();
           }
-        },
-        f.value);
-  } catch (const YAML::BadConversion&) {
-    std::visit(
-        [&](auto* p) {
-          using T = std::remove_pointer_t<decltype(p)>;
-          if constexpr (std::is_same_v<T, bool>) throw bad("true or false");
-          if constexpr (std::is_same_v<T, int64_t>) throw bad("an integer");
-          if constexpr (std::is_same_v<T, double>) throw bad("a number");
-          if constexpr (std::is_same_v<T, Ints>) throw bad("a list of integers such as [512, 256]");
-          if constexpr (std::is_same_v<T, Names>) throw bad("a list of names such as [random_crop, hflip]");
-          throw bad("a string");
-        },
-        f.value);
-  }
+        } catch (const YAML::BadConversion&) {
+          throw bad(expected_value<T>());
+        }
+      },
+      f.value);
   if (!f.choices.empty()) {
     const Names values = std::holds_alternative<Names*>(f.value) ? *std::get<Names*>(f.value)
                                                                  : Names{*std::get<std::string*>(f.value)};
@@ -185,19 +169,18 @@ void set_field(const Field& f, const YAML::Node& node, const std::string& at) {
 }
 
 void load_map(std::vector<Field>& fields, const YAML::Node& map, const std::string& prefix,
-              const std::string& origin, const std::vector<std::string>& sections,
-              std::set<std::string>& given) {
+              const std::string& origin, std::set<std::string>& given) {
   std::set<std::string> seen;
   for (auto it = map.begin(); it != map.end(); ++it) {
     const std::string key = prefix + it->first.as<std::string>();
     const std::string at = where(it->first.Mark(), origin);
     // yaml-cpp keeps both copies of a repeated key; one of them would be silently ignored.
     if (!seen.insert(key).second) throw ConfigError(fmt::format("{}: duplicate key '{}'", at, key));
-    if (prefix.empty() && std::find(sections.begin(), sections.end(), key) != sections.end()) {
+    if (prefix.empty() && is_section(fields, key)) {
       if (it->second.IsNull()) continue;
       if (!it->second.IsMap())
         throw ConfigError(fmt::format("{}: '{}' must be a mapping of keys", at, key));
-      load_map(fields, it->second, key + ".", origin, sections, given);
+      load_map(fields, it->second, key + ".", origin, given);
       continue;
     }
     Field* f = find_field(fields, key);
@@ -214,7 +197,7 @@ JobConfig from_node(const YAML::Node& root, const std::string& origin,
   if (root.IsDefined() && !root.IsNull()) {
     if (!root.IsMap())
       throw ConfigError(fmt::format("{}: a job spec must be a mapping of keys", origin));
-    load_map(fields, root, "", origin, section_names(), cfg.given);
+    load_map(fields, root, "", origin, cfg.given);
   }
   for (const auto& o : overrides) apply_override(cfg, o);
   return cfg;
@@ -414,8 +397,8 @@ std::string value_text(const Field& f) {
       [](auto* p) -> std::string {
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
-        else if constexpr (std::is_same_v<T, Ints>) return fmt::format("[{}]", fmt::join(*p, ", "));
-        else if constexpr (std::is_same_v<T, Names>) return fmt::format("[{}]", fmt::join(*p, ", "));
+        else if constexpr (std::is_same_v<T, Ints> || std::is_same_v<T, Names>)
+          return fmt::format("[{}]", fmt::join(*p, ", "));
         else if constexpr (std::is_same_v<T, std::string>) return p->empty() ? "\"\"" : *p;
         else return fmt::format("{}", *p);
       },
@@ -465,7 +448,6 @@ void resolve(JobConfig& cfg) {
   if (cfg.data.vocab == 0) cfg.data.vocab = cfg.model.vocab;
 }
 
-
 namespace {
 
 // One range check: the key, the valid range, the value found.
@@ -481,7 +463,9 @@ bool whole_number(const std::string& s) {
          std::all_of(s.begin(), s.end(), [](unsigned char ch) { return std::isdigit(ch); });
 }
 
-void check_name(const JobConfig& c) {
+}  // namespace
+
+void check_ranges(const JobConfig& c) {
   // The name becomes a folder (runs/NAME) and a file-name part: nothing that walks out of
   // it, hides it or breaks a shell.
   const bool safe_name =
@@ -492,9 +476,7 @@ void check_name(const JobConfig& c) {
   need(safe_name, "name", "1 to 128 letters, digits, '.', '_' or '-', not starting with '.'",
        fmt::format("'{}'", printable(c.name)));
   need(c.seed >= 0, "seed", ">= 0", c.seed);
-}
 
-void check_data(const JobConfig& c) {
   const auto& d = c.data;
   need(d.batch_size >= 1, "data.batch_size", ">= 1", d.batch_size);
   need(d.workers >= 0 && d.workers <= 64, "data.workers", "between 0 and 64", d.workers);
@@ -522,9 +504,7 @@ void check_data(const JobConfig& c) {
   need(d.crop_padding >= 0, "data.crop_padding", ">= 0", d.crop_padding);
   // The model's own keys are the model's to check (models/*.cpp): keys of other archs
   // are not validated against it.
-}
 
-void check_optimizer(const JobConfig& c) {
   const auto& o = c.optimizer;
   need(finite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
   need(o.momentum >= 0 && o.momentum < 1, "optimizer.momentum", "in [0, 1)", o.momentum);
@@ -544,9 +524,7 @@ void check_optimizer(const JobConfig& c) {
        s.min_lr);
   need(s.step_size >= 1, "schedule.step_size", ">= 1", s.step_size);
   need(s.gamma > 0 && s.gamma <= 1, "schedule.gamma", "in (0, 1]", s.gamma);
-}
 
-void check_train(const JobConfig& c) {
   const auto& t = c.train;
   need(t.epochs >= 1, "train.epochs", ">= 1", t.epochs);
   need(t.max_steps >= 0, "train.max_steps", ">= 0 (0 = run train.epochs)", t.max_steps);
@@ -559,9 +537,7 @@ void check_train(const JobConfig& c) {
   need(t.max_skipped >= 1, "train.max_skipped", ">= 1", t.max_skipped);
   need(t.debug_slow_rank >= -1, "train.debug_slow_rank", ">= -1 (-1 = none)", t.debug_slow_rank);
   need(t.debug_slow_ms >= 0, "train.debug_slow_ms", ">= 0", t.debug_slow_ms);
-}
 
-void check_parallel(const JobConfig& c) {
   const auto& p = c.parallel;
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
   need(p.tensor >= 1, "parallel.tensor", ">= 1", p.tensor);
@@ -583,9 +559,7 @@ void check_parallel(const JobConfig& c) {
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
   need(p.local_after >= 0, "parallel.local_after", ">= 0", p.local_after);
-}
 
-void check_runtime(const JobConfig& c) {
   const auto& pr = c.precision;
   if (pr.loss_scale != "dynamic") {
     double v = 0;
@@ -612,18 +586,6 @@ void check_runtime(const JobConfig& c) {
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
   need(c.checkpoint.debug_write_delay_ms >= 0, "checkpoint.debug_write_delay_ms", ">= 0",
        c.checkpoint.debug_write_delay_ms);
-}
-
-}  // namespace
-
-// Range checks, section by section: each line names its key and the valid range.
-void check_ranges(const JobConfig& c) {
-  check_name(c);
-  check_data(c);
-  check_optimizer(c);
-  check_train(c);
-  check_parallel(c);
-  check_runtime(c);
 }
 
 }  // namespace dtrain
