@@ -29,6 +29,7 @@
 #include "util/affinity.hpp"
 #include "util/error.hpp"
 #include "util/memory.hpp"
+#include "util/shape.hpp"
 
 namespace dtrain {
 namespace {
@@ -53,6 +54,19 @@ double runtime_bytes(bool forked) {
   return own.first + (forked ? kForkedLibraryBytes : own.second) + 5 * kMiB;
 }
 
+// Tensor rank `tensor_rank`'s share of the model over `tensor` ranks, shapes only: built
+// for the data's shape, with the model's vocabulary whatever the data's.
+ModelContext outline_context(const JobConfig& cfg, int64_t tensor_rank, int64_t tensor) {
+  const auto kind = data_kind(cfg.data);
+  ModelContext c;
+  c.sample_shape = kind.sample_shape;
+  c.classes = kind.classes;
+  c.vocab = cfg.model.vocab;
+  c.options = torch::TensorOptions().device(torch::kMeta);
+  if (tensor > 1) c.tensor = make_shape_comm(tensor_rank, tensor);
+  return c;
+}
+
 // What the planner knows of the job for its world.
 struct Job {
   const JobConfig& cfg;
@@ -60,7 +74,6 @@ struct Job {
   ParallelDims dims;
   int64_t world = 1, apart = 0;  // ranks a mode sets apart from the layout (the first ones)
   bool cuda = false;
-  ModelContext mc;                 // the data's shape, as the model is built from it
   std::vector<PartCost> costs;     // each part's, at dims.tensor
   std::vector<PartRange> split;    // each global stage's parts
   int64_t chunks = 1;              // stages per pipeline rank (interleaved: virtual_stages)
@@ -76,9 +89,6 @@ struct Job {
     apart = world - trainers;
     cuda = plans_gpu(cfg, devices);
     const auto kind = data_kind(cfg.data);
-    mc.sample_shape = kind.sample_shape;
-    mc.classes = kind.classes;
-    mc.vocab = cfg.model.vocab;  // the outline's shapes are the model's, whatever the data
     const auto& spec = model_spec(cfg.model.arch);
     SizeContext sc{kind.sample_shape, kind.classes, dims.tensor, cuda};
     costs = spec.costs(cfg.model, sc);
@@ -87,14 +97,11 @@ struct Job {
     micro = cfg.train.grad_accum;
     rows = double(cfg.data.batch_size) / double(dims.data * micro);
   }
-  // A tensor rank's share of the model, shapes only.
-  ModelContext outline_context(int64_t tensor_rank) const {
-    ModelContext c = mc;
-    c.options = torch::TensorOptions().device(torch::kMeta);
-    c.tensor = dims.tensor > 1 ? make_shape_comm(tensor_rank, dims.tensor) : make_local_comm();
-    return c;
-  }
   int64_t stages() const { return dims.pipeline * chunks; }
+  // The global stage of pipeline rank `rank`'s chunk `c`.
+  int64_t stage(int64_t c, int64_t rank) const { return c * dims.pipeline + rank; }
+  // Whether part `p` is a block that backward recomputes.
+  bool recomputed(const PartCost& p) const { return cfg.train.recompute == "blocks" && p.block; }
   // The parameters pipeline rank `r` holds (held_by, below): each rank's plan and the time
   // of every rank's work read them, built once (an outline of the rank's chunks).
   const FlatShape& held(int64_t r) const;
@@ -128,8 +135,8 @@ FlatShape held_by(const Job& job, int64_t pipeline_rank) {
   std::vector<std::string> tied_names;
   std::vector<NetworkPtr> nets;
   for (int64_t c = 0; c < job.chunks; ++c) {
-    const int64_t stage = c * job.dims.pipeline + pipeline_rank;
-    ModelContext ctx = job.outline_context(0);
+    const int64_t stage = job.stage(c, pipeline_rank);
+    ModelContext ctx = outline_context(job.cfg, 0, job.dims.tensor);
     ctx.first_part = job.split[size_t(stage)].first;
     ctx.last_part = job.split[size_t(stage)].last;
     h.first = h.first || stage == 0;
@@ -243,7 +250,6 @@ struct ChunkCost {
   double sent_forward = 0, sent_backward = 0;  // to the next stage, to the previous one
 };
 ChunkCost chunk_cost(const Job& job, int64_t stage) {
-  const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
   ChunkCost c;
   // Last part first, as backward runs them, each freeing what it kept: a part's gradients
@@ -252,7 +258,7 @@ ChunkCost chunk_cost(const Job& job, int64_t stage) {
   for (int64_t i = r.last - 1; i >= r.first; --i) {
     const PartCost p = job.part(i);
     const double input = i > 0 ? job.costs[size_t(i - 1)].output : 0;
-    const bool again = recompute && p.block;
+    const bool again = job.recomputed(p);
     // Recomputed, a block keeps its input; backward rebuilds one block's activations at a
     // time and takes its gradients through them. On the CPU the process then holds about
     // three copies of each block's input and two of one block's activations (measured with
@@ -303,13 +309,12 @@ struct Work {
 // the profile has none its activations at memory speed, written in forward, read and
 // written in backward. A recomputed block runs forward again in backward.
 Work compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
-  const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
   const double rows_step = job.rows * double(job.micro);
   Work w;
   for (int64_t i = r.first; i < r.last; ++i) {
     const PartCost p = job.part(i);
-    const double back = recompute && p.block ? 3 : 2;  // backward's passes, forward's one
+    const double back = job.recomputed(p) ? 3 : 2;  // backward's passes, forward's one
     auto add = [&](double forward_seconds) {  // a pass's work, forward and backward
       w.forward += forward_seconds, w.backward += back * forward_seconds;
     };
@@ -334,7 +339,7 @@ Work compute_seconds(const Job& job, int64_t stage, const Speed& speed) {
       };
       const double forward = of(p.values) * rows_step;
       w.forward += forward;
-      w.backward += (recompute && p.block ? forward : 0) + of(p.values_back) * rows_step;
+      w.backward += (job.recomputed(p) ? forward : 0) + of(p.values_back) * rows_step;
     } else {
       add(p.activation_bytes * rows_step / speed.memory);
     }
@@ -366,7 +371,7 @@ double work_seconds(const Job& job, int64_t pipeline_rank, const Speed& speed, i
                     double passes, const ScheduleRun* played = nullptr) {
   double compute = 0;
   for (int64_t c = 0; c < job.chunks; ++c)
-    compute += compute_seconds(job, c * job.dims.pipeline + pipeline_rank, speed).total();
+    compute += compute_seconds(job, job.stage(c, pipeline_rank), speed).total();
   if (played) compute = played->makespan();
   if (speed.plain > 0) return compute + update_values(job.cfg.optimizer) * double(shard) / speed.plain;
   return compute + passes * 4 * double(shard) / speed.memory;
@@ -385,12 +390,11 @@ double step_work_seconds(const Job& job, int64_t pipeline_rank, const Speed& spe
 // The kernels a stage's host launches in a step for its parts: each part's forward,
 // backward twice that (a recomputed block's forward again).
 double stage_kernels(const Job& job, int64_t stage) {
-  const bool recompute = job.cfg.train.recompute == "blocks";
   const PartRange r = job.split[size_t(stage)];
   double kernels = 0;
   for (int64_t i = r.first; i < r.last; ++i) {
     const PartCost p = job.part(i);
-    kernels += p.kernels * (recompute && p.block ? 4 : 3);
+    kernels += p.kernels * (job.recomputed(p) ? 4 : 3);
   }
   return double(job.micro) * kernels;
 }
@@ -410,8 +414,7 @@ double bytes_on_disk(const std::string& path) {
 double data_bytes(const JobConfig& cfg) {
   const auto& d = cfg.data;
   const auto kind = data_kind(d);
-  double sample = 1;
-  for (auto x : kind.sample_shape) sample *= double(x);
+  const double sample = double(shape_numel(kind.sample_shape));
   if (d.dataset == "fashion_mnist" || d.dataset == "mnist") return 70000 * (4 * sample + 8);
   if (d.dataset == "synthetic") return double(d.samples + d.test_samples) * (4 * sample + 8);
   if (d.dataset == "synthetic_tokens") return double(d.samples + d.test_samples) * sample * 8;
@@ -421,8 +424,7 @@ double data_bytes(const JobConfig& cfg) {
 // One step's batch on a data rank, as the loader holds it.
 double batch_bytes(const JobConfig& cfg, double rows) {
   const auto kind = data_kind(cfg.data);
-  double sample = 1;
-  for (auto x : kind.sample_shape) sample *= double(x);
+  const double sample = double(shape_numel(kind.sample_shape));
   return rows * (kind.tokens ? 2 * 8 * sample : 4 * sample + 8);
 }
 
@@ -457,7 +459,7 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
                     g.memory_bytes_per_s};
   const double device = step_work_seconds(job, at.pipeline, speed, shard, passes, bubble);
   double kernels = 0;
-  for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, c * job.dims.pipeline + at.pipeline);
+  for (int64_t c = 0; c < job.chunks; ++c) kernels += stage_kernels(job, job.stage(c, at.pipeline));
   // Each micro-batch's gradients into the flat buffer; the update, a fused kernel (and its
   // step count); the norm's two a piece.
   const double pieces = std::ceil(double(shard) / double(update_piece(shard)));
@@ -468,7 +470,7 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
 // Each of a pipeline rank's chunks' costs, in its chunk order.
 std::vector<ChunkCost> chunk_costs(const Job& job, int64_t pipeline_rank) {
   std::vector<ChunkCost> out;
-  for (int64_t c = 0; c < job.chunks; ++c) out.push_back(chunk_cost(job, c * job.dims.pipeline + pipeline_rank));
+  for (int64_t c = 0; c < job.chunks; ++c) out.push_back(chunk_cost(job, job.stage(c, pipeline_rank)));
   return out;
 }
 
@@ -634,13 +636,7 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
 }  // namespace
 
 std::vector<PartRange> planned_split(const JobConfig& cfg, int64_t stages, int64_t tensor) {
-  const auto kind = data_kind(cfg.data);
-  ModelContext whole;  // tensor rank 0's outline of the whole model, shapes only
-  whole.sample_shape = kind.sample_shape;
-  whole.classes = kind.classes;
-  whole.vocab = cfg.model.vocab;
-  whole.options = torch::TensorOptions().device(torch::kMeta);
-  if (tensor > 1) whole.tensor = make_shape_comm(0, tensor);
+  const ModelContext whole = outline_context(cfg, 0, tensor);
   return stage_split(cfg, *model_spec(cfg.model.arch).build(cfg.model, whole), whole, stages);
 }
 
@@ -707,10 +703,8 @@ std::string plan_table(const JobConfig& cfg, const Plan& plan) {
 }
 
 nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan) {
-  auto mb = [](const std::optional<double>& bytes) -> nlohmann::json {
-    if (!bytes) return nullptr;
-    return *bytes / kMiB;
-  };
+  auto or_null = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+  auto mb = [&](const std::optional<double>& bytes) { return or_null(bytes ? *bytes / kMiB : bytes); };
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& r : plan.ranks) {
     const auto& m = r.memory;
@@ -722,10 +716,10 @@ nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan) {
                                     {"optimizer", mb(m.optimizer)}, {"activations", mb(m.activations)},
                                     {"buffers", mb(m.buffers)}, {"data", mb(m.data)},
                                     {"runtime", mb(m.runtime)}, {"total", mb(m.total())}}},
-                     {"comm_bytes", r.comm_bytes ? nlohmann::json(*r.comm_bytes) : nlohmann::json(nullptr)},
+                     {"comm_bytes", or_null(r.comm_bytes)},
                      {"bubble", r.bubble},
                      {"flops", r.flops},
-                     {"step_s", r.step_s ? nlohmann::json(*r.step_s) : nlohmann::json(nullptr)}});
+                     {"step_s", or_null(r.step_s)}});
   }
   const auto& p = cfg.parallel;
   return {{"layout", {{"data", plan.dims.data}, {"tensor", plan.dims.tensor},
@@ -735,8 +729,8 @@ nlohmann::json plan_json(const JobConfig& cfg, const Plan& plan) {
           {"world", plan.world},
           {"device", plan.device},
           {"ranks", ranks},
-          {"step_s", plan.step_s ? nlohmann::json(*plan.step_s) : nlohmann::json(nullptr)},
-          {"samples_per_s", plan.samples_per_s ? nlohmann::json(*plan.samples_per_s) : nlohmann::json(nullptr)}};
+          {"step_s", or_null(plan.step_s)},
+          {"samples_per_s", or_null(plan.samples_per_s)}};
 }
 
 }  // namespace dtrain
