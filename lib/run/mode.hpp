@@ -167,8 +167,10 @@ struct ModeSpec {
 const ModeSpec& mode_spec(const std::string& name);
 std::vector<std::string> mode_names();  // the registry's, for the config's choices
 
-// A mode that cannot run with `what` (when `bad`): ConfigError naming both and why.
-void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,
-                      const std::string& why);
+// A mode's refusals: refuse(bad, what, why) is a ConfigError naming the mode, `what` and why.
+struct ModeRefusal {
+  std::string mode;
+  void operator()(bool bad, const std::string& what, const std::string& why) const;
+};
 
 }  // namespace dtrain

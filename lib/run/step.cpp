@@ -164,9 +164,8 @@ torch::Tensor unscaled_norm(const StepParts& parts, double scale) {
   return scale != 1.0 ? norm / scale : norm;
 }
 
-// Step 5: clipping and the optimizer's update. Under fp16 the figures are read at once
-// (whether to update, and the loss scale, decide the next step); under train.on_nonfinite:
-// skip the update is gated on the device. Returns the skip flag (undefined when none).
+// Step 5: clipping and the optimizer's update, fp16's and skip's as the top says. Returns
+// the skip flag (undefined when none).
 torch::Tensor update(StepParts& parts, PendingStep& p, const torch::Tensor& figures,
                      const torch::Tensor& norm, double scale) {
   StepStats& s = p.stats;
@@ -191,8 +190,6 @@ torch::Tensor update(StepParts& parts, PendingStep& p, const torch::Tensor& figu
     }
     return skip;
   }
-  // skip: the update waits on the global loss and every agreeing rank's norm being
-  // finite, on the device.
   if (parts.cfg.train.on_nonfinite == "skip")
     skip = figures.select(0, Figures::kLossSum).isfinite().logical_not()
                .logical_or(figures.select(0, Figures::kBadNorms) > 0)
@@ -211,9 +208,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   StepStats& s = p.stats;
   s.data_wait_ms = data_wait_ms;
   const auto started = Clock::now();
-  // On a GPU the phases run asynchronously to the host. A logged step waits for the device
-  // at the start and at each phase's end, so that its phase times are the GPU's (the run
-  // log logs that step's); the other steps never wait there.
+  // A logged step on a GPU waits at its start and each phase's end (see the top).
   s.device_timed = logged && parts.device.is_cuda();
   auto settle = [&] {
     if (s.device_timed) torch::cuda::synchronize();
@@ -248,9 +243,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   const auto t_opt = Clock::now();  // the optimizer's phase: norm, figures, clip, update
   // 4. The figures. The norm is taken when clipping, logging, before an evaluation or a
   //    checkpoint, on every step when non-finite steps are skipped, and under fp16 (its
-  //    overflow check); otherwise a non-finite gradient shows in the next step's loss. It
-  //    is the norm over every shard, the same on every rank after the sync, of the gradient
-  //    with fp16's scale divided out.
+  //    overflow check); otherwise a non-finite gradient shows in the next step's loss.
   p.norm_taken = logged || kept || parts.cfg.optimizer.grad_clip > 0 || skip_mode || parts.scaler;
   const torch::Tensor norm = p.norm_taken ? unscaled_norm(parts, scale) : torch::Tensor();
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked

@@ -1,19 +1,6 @@
-// parallel.mode: async_ps, the asynchronous parameter server (Dean et al. 2012's Downpour;
-// MXNet's kvstore, Marian's asynchronous training), with bounded staleness (stale
-// synchronous parallel, Ho et al. 2013); docs/modes.md says what users see.
-//
-// The job's first parallel.servers ranks are servers, each updating one contiguous range
-// of the flat buffer with the job's optimizer (whose state is sharded over them); the
-// others are workers, each pushing its shard of a global batch's gradient and taking the
-// parameters back. Workers never wait for one another.
-//   versions   every push applied is one version; a "step" is one push per worker, applied
-//              at its step's learning rate over the number of workers, so W pushes of one
-//              lock-step round move plain SGD exactly as far as one synchronous step.
-//   staleness  a worker's reply is held while it is more than parallel.staleness pushes
-//              ahead of the slowest worker (0 is lock-step).
-//   order      server 0 sequences: it tells the other servers, in order, which push to
-//              apply, whom to answer, when to evaluate and checkpoint, so a checkpoint or
-//              an evaluation sees one consistent model; it holds the run (its files).
+// parallel.mode: async_ps, the asynchronous parameter server with bounded staleness;
+// docs/modes.md says what users see: servers, workers, versions, staleness and server 0's
+// ordering.
 //
 // Here: the mode (roles, their groups, the flat buffers' ranges, what each role is given)
 // and its checks. async_ps/wire.hpp: the streams, headers and orders; worker.cpp: a
@@ -136,9 +123,7 @@ void validate_async_ps(const JobConfig& c, int64_t world_size) {
                        "parallel.servers: {} server(s) leave no worker in a world of {} "
                        "process(es); async_ps needs at least parallel.servers + 1 (e.g. "
                        "--nproc {})", p.servers, world_size, p.servers + 1);
-  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
-    refuse_with_mode("async_ps", bad, what, why);
-  };
+  const ModeRefusal refuse{"async_ps"};
   refuse(p.tensor > 1 || p.pipeline > 1,
          fmt::format("parallel.tensor {} x parallel.pipeline {}", p.tensor, p.pipeline),
          "each worker computes the whole model's gradient");

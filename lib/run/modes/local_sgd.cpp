@@ -1,15 +1,6 @@
-// parallel.mode: local_sgd. Local SGD (Stich 2019; post-local SGD, Lin et al. 2020, as
-// PyTorch's PostLocalSGD): each data replica steps on its own gradient (its shard of the
-// global batch); every parallel.average_every steps the replicas average their parameters,
-// floating-point buffers and, under parallel.average_optimizer, optimizer state, and meet.
-// The first parallel.local_after steps are synchronous. Gloo's ring all-reduce leaves the
-// same bits on every rank, so after an average the replicas are equal, not just close.
-//
-// Where the ranks meet, and only there, the step's figures are agreed over the world, a stop
-// is acted on, and the model is evaluated and checkpointed: every replica then holds the
-// same parameters, so a checkpoint resumes exactly. Between meetings a replica agrees on its
-// figures with its own tensor and pipeline ranks only, so a slow replica holds up the others
-// only where they meet.
+// parallel.mode: local_sgd, local SGD with a synchronous start (docs/modes.md). Gloo's
+// ring all-reduce leaves the same bits on every rank, so after an average the replicas are
+// equal, not just close: where they meet, a checkpoint resumes exactly.
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -138,9 +129,7 @@ class LocalSgd : public Lockstep, public Stateful {
 // What needs every data replica at every step.
 void validate_local_sgd(const JobConfig& c, int64_t /*world*/) {
   const auto& p = c.parallel;
-  auto refuse = [](bool bad, const std::string& what, const std::string& why) {
-    refuse_with_mode("local_sgd", bad, what, why);
-  };
+  const ModeRefusal refuse{"local_sgd"};
   refuse(p.zero > 0, fmt::format("parallel.zero {}", p.zero),
          "each data replica steps on its own whole optimizer state");
   refuse(p.compression != "none", "parallel.compression " + p.compression,

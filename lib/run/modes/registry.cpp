@@ -40,8 +40,7 @@ std::vector<std::string> mode_names() {
   return names;
 }
 
-void refuse_with_mode(const std::string& mode, bool bad, const std::string& what,
-                      const std::string& why) {
+void ModeRefusal::operator()(bool bad, const std::string& what, const std::string& why) const {
   fail_if<ConfigError>(bad, "parallel.mode: {} with {} is not supported: {}; choose one", mode,
                        what, why);
 }
