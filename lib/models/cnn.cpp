@@ -149,7 +149,6 @@ ModelSpec cnn_spec() {
   s.validate = validate_cnn;
   s.build = build_cnn;
   s.parts = cnn_parts;
-  s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };
   s.costs = cnn_costs;
   s.format = torch::MemoryFormat::ChannelsLast;
   s.fits = cnn_fits;

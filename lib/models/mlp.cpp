@@ -93,7 +93,6 @@ ModelSpec mlp_spec() {
   s.fits = mlp_fits;
   s.build = build_mlp;
   s.parts = mlp_parts;
-  s.init = [](const ModelConfig&) -> InitRule { return torch_default_init; };
   s.costs = mlp_costs;
   return s;
 }

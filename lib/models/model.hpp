@@ -183,8 +183,9 @@ struct ModelSpec {
   std::function<NetworkPtr(const ModelConfig&, const ModelContext&)> build;
   // How many parts (Network::part_params) the network has: what a pipeline splits.
   std::function<int64_t(const ModelConfig&)> parts;
-  // How each parameter starts, by name (models/init.hpp).
-  std::function<InitRule(const ModelConfig&)> init;
+  // How each parameter starts, by name (models/init.hpp); by default as torch.nn's.
+  std::function<InitRule(const ModelConfig&)> init =
+      [](const ModelConfig&) -> InitRule { return torch_default_init; };
   // Its parts' costs (PartCost), for the memory check and `dtrain plan`.
   std::function<std::vector<PartCost>(const ModelConfig&, const SizeContext&)> costs;
   // The memory format the model's kernels run fastest on: ChannelsLast for convolutional
