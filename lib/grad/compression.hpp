@@ -9,7 +9,9 @@
 //                eight to a byte, with one fp32 scale per block, all-gathered
 //   topk         the largest parallel.topk_ratio of each parameter's part of a slice by
 //                magnitude, as (index, value) pairs, all-gathered
-// sign and topk keep error feedback: what a rank's compressed slice left out (its residual,
+//   powersgd     each matrix as a rank-parallel.powersgd_rank product (PowerSgd, in
+//                compression.cpp), the rest as it is
+// sign, topk and powersgd keep error feedback: what a rank's compressed slice left out (its residual,
 // a buffer laid out like the flat gradient) is added to that slice's next gradient, so it
 // is delayed, never lost (Seide et al. 2014; Karimireddy et al., EF-SGD, 2019). The
 // residual is the strategy's state: saved with checkpoints, dropped on a skipped step.
@@ -65,14 +67,10 @@ const CompressionSpec& compression_spec(const std::string& name);
 const std::vector<CompressionSpec>& compression_specs();
 
 // The steps all-reduced uncompressed first: parallel.compression_warmup, or under `auto`
-// a share of a run of `total_steps`, rounded up. The start of training is the most
-// sensitive to an approximate gradient (PyTorch's start_powerSGD_iter, Deep Gradient
-// Compression's warm-up epochs, 1-bit Adam's freeze_step say the same). sign, the
-// coarsest, gets a quarter (the Fashion-MNIST MLP's epoch at 2 ranks: 1.4 points short of
-// uncompressed with none, 0.9 with a tenth, 0.3 with a quarter); topk a fifth (that epoch
-// with a tenth: 0.76-1.04 points short over three seeds; with a fifth 0.68-0.76);
-// powersgd a tenth (the CNN's first 400 steps: 1.2 points short with none, 0.8 with a
-// tenth); fp16 and bf16 none, their rounding costs nothing measurable.
+// the spec's warmup_share of a run of `total_steps`, rounded up. The start of training is
+// the most sensitive to an approximate gradient (PyTorch's start_powerSGD_iter, Deep
+// Gradient Compression's warm-up epochs, 1-bit Adam's freeze_step say the same); each
+// share's measured cost is in docs/data-parallel.md.
 int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps);
 
 }  // namespace dtrain

@@ -43,9 +43,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Seconds per call of `fn`, over at least `budget` seconds after warming up for 30 ms:
-// after a spell on one thread (or idle) the other cores come back slowly. Two threads' rate
-// on this 2-core VM was 150 GFLOP/s timed after one warm-up call and 215-230 after 20 ms
-// or more of calls, which is what a training step's back-to-back products see.
+// after a spell on one thread (or idle) the other cores come back slowly, and a step's
+// back-to-back products see them warm (docs/plan.md has the figures).
 template <class Fn>
 double seconds_per(Fn fn, double budget = 0.2) {
   const auto warm = Clock::now();
@@ -168,11 +167,8 @@ std::pair<MachineProfile::Link, MachineProfile::Link> measure_links(
     auto comm = make_in_process_comm(rendezvous, r, n, mine);
     const auto on = torch::TensorOptions().device(here);
     // A fixed number of each (every rank must make the same calls), each timed alone, and
-    // the first quartile kept. Back to back, with the cores otherwise idle, a fifth to over
-    // half of the small all-reduces here waited out a 4 ms tick for the idle core to wake
-    // (so did PyTorch 1.13's, timed between two processes), where the rest took 0.1-0.3 ms,
-    // as a run's buckets do while the cores compute (a mean said 1.2-1.8 ms; the middle
-    // one flipped between 0.26 and 2.5 ms from one profile to the next).
+    // the first quartile kept: back to back on idle cores, many small ones wait for a core
+    // to wake, which a run's buckets do not (docs/plan.md has the figures).
     auto quartile = [&](int k, bool warm_up, auto op) {
       auto t = torch::ones({k == 0 ? small : large}, on);
       if (warm_up) op(t);
