@@ -26,16 +26,15 @@ torch::Tensor scalar_named(const NamedTensors& state, const std::string& name) {
 // weight-decay groups, named slot buffers, and the lists the fused kernels take.
 class FlatOptimizer : public Optimizer {
  public:
-  FlatOptimizer(const OptimizerConfig& cfg, FlatParams& params, Shard shard,
-                std::vector<std::string> slot_names)
+  FlatOptimizer(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
       : cfg_(cfg), params_(params) {
     const int64_t total = params.numel();
     shard_ = {shard.offset, shard.numel < 0 ? total - shard.offset : shard.numel};
     // Views of the shard: the buffers never move, so they are taken once.
     p_ = params.data_of(shard_);
     g_ = params.grad_of(shard_);
-    for (auto& s : slot_names) slots_.emplace_back(s, torch::zeros_like(p()));
-    steps_ = torch::zeros({}, p().options());
+    for (auto& s : slot_names(cfg)) slots_.emplace_back(s, torch::zeros_like(p_));
+    steps_ = torch::zeros({}, p_.options());
     group_for_fused();
   }
   Shard shard() const override { return shard_; }
@@ -50,10 +49,6 @@ class FlatOptimizer : public Optimizer {
   }
 
  protected:
-  torch::Tensor& p() { return p_; }
-  torch::Tensor& g() { return g_; }
-  torch::Tensor& slot(size_t i) { return slots_[i].second; }
-
   // The fused kernels take lists of tensors and one weight decay: each entry's part of the
   // shard, in a group that decays and one that does not.
   struct Group {
@@ -103,8 +98,8 @@ class FlatOptimizer : public Optimizer {
                 decayed ? cfg_.weight_decay : 0.0};
       for (const auto& [from, to] : runs[decayed]) {
         auto part = [&](const torch::Tensor& t) { return t.narrow(0, from, to - from); };
-        grp.p.push_back(part(p())), grp.g.push_back(part(g()));
-        for (size_t i = 0; i < slots_.size(); ++i) grp.slots[i].push_back(part(slot(i)));
+        grp.p.push_back(part(p_)), grp.g.push_back(part(g_));
+        for (size_t i = 0; i < slots_.size(); ++i) grp.slots[i].push_back(part(slots_[i].second));
         grp.steps.push_back(steps_);
       }
       groups_.push_back(std::move(grp));
@@ -116,8 +111,7 @@ class FlatOptimizer : public Optimizer {
 // d = nesterov ? d + m*buf : buf; p -= lr*d.
 class Sgd : public FlatOptimizer {
  public:
-  Sgd(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard, slot_names(cfg)) {}
+  using FlatOptimizer::FlatOptimizer;
 
   // The buffer starts at zero, so m*buf + d is d on the first step: the kernel's
   // is_first_step copy is not needed, and the first step may be a skipped one.
@@ -139,8 +133,7 @@ class Sgd : public FlatOptimizer {
 // parameters, gradients and both moments instead of ~10.
 class AdamW : public FlatOptimizer {
  public:
-  AdamW(const OptimizerConfig& cfg, FlatParams& params, Shard shard)
-      : FlatOptimizer(cfg, params, shard, slot_names(cfg)) {}
+  using FlatOptimizer::FlatOptimizer;
 
   void step(double lr, const torch::Tensor& skip) override {
     torch::NoGradGuard no_grad;
