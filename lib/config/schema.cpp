@@ -465,7 +465,10 @@ bool whole_number(const std::string& s) {
 
 }  // namespace
 
-void check_ranges(const JobConfig& c) {
+namespace {
+
+// The job's name and seed, and data.*.
+void check_data(const JobConfig& c) {
   // The name becomes a folder (runs/NAME) and a file-name part: nothing that walks out of
   // it, hides it or breaks a shell.
   const bool safe_name =
@@ -504,7 +507,10 @@ void check_ranges(const JobConfig& c) {
   need(d.crop_padding >= 0, "data.crop_padding", ">= 0", d.crop_padding);
   // The model's own keys are the model's to check (models/*.cpp): keys of other archs
   // are not validated against it.
+}
 
+// optimizer.*, schedule.*, train.*.
+void check_training(const JobConfig& c) {
   const auto& o = c.optimizer;
   need(finite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
   need(o.momentum >= 0 && o.momentum < 1, "optimizer.momentum", "in [0, 1)", o.momentum);
@@ -537,7 +543,10 @@ void check_ranges(const JobConfig& c) {
   need(t.max_skipped >= 1, "train.max_skipped", ">= 1", t.max_skipped);
   need(t.debug_slow_rank >= -1, "train.debug_slow_rank", ">= -1 (-1 = none)", t.debug_slow_rank);
   need(t.debug_slow_ms >= 0, "train.debug_slow_ms", ">= 0", t.debug_slow_ms);
+}
 
+// parallel.*, precision.*, dist.*, checkpoint.*.
+void check_layout_and_run(const JobConfig& c) {
   const auto& p = c.parallel;
   need(p.data >= 0, "parallel.data", ">= 0 (0 = the rest of the world)", p.data);
   need(p.tensor >= 1, "parallel.tensor", ">= 1", p.tensor);
@@ -586,6 +595,14 @@ void check_ranges(const JobConfig& c) {
   need(c.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", c.checkpoint.keep_last);
   need(c.checkpoint.debug_write_delay_ms >= 0, "checkpoint.debug_write_delay_ms", ">= 0",
        c.checkpoint.debug_write_delay_ms);
+}
+
+}  // namespace
+
+void check_ranges(const JobConfig& c) {
+  check_data(c);
+  check_training(c);
+  check_layout_and_run(c);
 }
 
 }  // namespace dtrain
