@@ -59,8 +59,9 @@ std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
   const std::string what =
       wait.peer >= 0 ? fmt::format("{} with rank {}", wait.op, wait.peer)
                      : fmt::format("{} #{} of the {} group", wait.op, wait.number, wait.group);
-  const std::string size = wait.bytes >= kMiB ? fmt::format("{:.1f} MiB", double(wait.bytes) / kMiB)
-                                               : fmt::format("{:.1f} KiB", double(wait.bytes) / 1024);
+  const std::string size = wait.bytes >= kMiB   ? fmt::format("{:.1f} MiB", double(wait.bytes) / kMiB)
+                           : wait.bytes >= 1024 ? fmt::format("{:.1f} KiB", double(wait.bytes) / 1024)
+                                                : fmt::format("{} B", wait.bytes);
   std::string line = fmt::format("dtrain: rank {}: {} ({}) has waited {:.0f} s", rank, what, size, waited_s);
   if (store_silent)
     return line + ": the store does not answer, so its host (rank 0, or the launcher) is silent";

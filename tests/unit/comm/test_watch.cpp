@@ -43,6 +43,8 @@ TEST_SUITE("watch") {
     CHECK(has(describe_hang(0, wait, 30, beats, now, 2.5, false), "every member has posted it and is alive"));
     CHECK(has(describe_hang(0, wait, 30, {}, now, 2.5, true), "the store does not answer"));
     const WaitedOp transfer{"recv", "pipeline", {0, 1}, 0, 1024, 1};
+    CHECK(has(describe_hang(0, WaitedOp{"barrier", "world", {0, 1}, 3, 4, -1}, 30, beats, now, 2.5, false),
+              "barrier #3 of the world group (4 B) has waited 30 s"));
     CHECK(has(describe_hang(0, transfer, 30, beats, now, 2.5, false), "recv with rank 1 (1.0 KiB) has waited 30 s; rank 1: at step 12"));
   }
 
