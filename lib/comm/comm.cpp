@@ -153,7 +153,8 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   C10dComm(c10::intrusive_ptr<PG> pg, std::shared_ptr<GroupContext> ctx, std::string name,
            int64_t rank, std::vector<int64_t> members)
       : pg_(std::move(pg)), ctx_(std::move(ctx)), name_(std::move(name)), rank_(rank),
-        size_(int64_t(members.size())), members_(std::move(members)) {
+        size_(int64_t(members.size())),
+        members_(std::make_shared<const std::vector<int64_t>>(std::move(members))) {
     if (ctx_->opts.backend == "nccl") stage_ = ctx_->opts.device;
   }
 
@@ -301,7 +302,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     WaitedOp what;
     if (auto* watch = ctx_->watch.get()) {
       what = {op, name_, members_, peer < 0 ? watch->post(name_) : 0,
-              keep.empty() ? 0 : bytes(keep[0]), peer < 0 ? -1 : members_.at(size_t(peer))};
+              keep.empty() ? 0 : bytes(keep[0]), peer < 0 ? -1 : members_->at(size_t(peer))};
     }
     return std::make_unique<WorkPending>(this, op, std::move(w), std::move(keep), divide,
                                          std::move(back), std::move(what));
@@ -372,7 +373,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   std::optional<c10::Device> stage_;
   std::string name_;
   int64_t rank_, size_;
-  std::vector<int64_t> members_;  // the group's world ranks
+  std::shared_ptr<const std::vector<int64_t>> members_;  // the group's world ranks
 };
 
 // A process group over `size` ranks that rendezvous under `name` in the job's store.

@@ -1,6 +1,7 @@
 #include "comm/watch.hpp"
 
 #include <algorithm>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -68,7 +69,7 @@ std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
   if (wait.peer >= 0) return line + "; " + standing(wait.peer, beats, now_s, silent_s);
   // The members that have not posted it, and those that have but fell silent inside it.
   std::vector<std::string> missing, silent;
-  for (int64_t m : wait.members) {
+  for (int64_t m : *wait.members) {
     if (m == rank) continue;
     auto it = beats.find(m);
     const int64_t posted = it == beats.end() ? 0
@@ -84,7 +85,7 @@ std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
     for (size_t i = 0; i < v.size(); ++i) out += (i ? "; " : "") + v[i];
     return out;
   };
-  const size_t others = wait.members.size() - 1;
+  const size_t others = wait.members->size() - 1;
   if (!missing.empty()) line += fmt::format("; not posted by {} of {}: {}", missing.size(), others, list(missing));
   if (!silent.empty()) line += fmt::format("; posted, then silent: {}", list(silent));
   if (missing.empty() && silent.empty())
@@ -188,7 +189,7 @@ void Watch::check() {
     std::map<int64_t, json> beats;
     bool silent = false;
     try {
-      beats = read_heartbeats(*store_, op.peer >= 0 ? std::vector<int64_t>{op.peer} : op.members);
+      beats = read_heartbeats(*store_, op.peer >= 0 ? std::vector<int64_t>{op.peer} : *op.members);
     } catch (...) {
       silent = true;
     }
@@ -198,17 +199,18 @@ void Watch::check() {
 
 JobWatch::JobWatch(c10::intrusive_ptr<c10d::Store> store, int64_t world,
                    std::chrono::milliseconds after, std::function<void(const std::string&)> say)
-    : store_(std::move(store)), world_(world), after_(after), say_(std::move(say)) {}
+    : store_(std::move(store)), world_(world), ranks_(size_t(world), 0), after_(after),
+      say_(std::move(say)) {
+  std::iota(ranks_.begin(), ranks_.end(), int64_t(0));
+}
 
 void JobWatch::tick() {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_read_) return;
   next_read_ = now + beat_period(after_);
-  std::vector<int64_t> ranks(size_t(world_), 0);
-  for (int64_t r = 0; r < world_; ++r) ranks[size_t(r)] = r;
   std::map<int64_t, json> beats;
   try {
-    beats = read_heartbeats(*store_, ranks);
+    beats = read_heartbeats(*store_, ranks_);
   } catch (...) {
     return;  // the store is this process's own: nothing to say of the ranks
   }

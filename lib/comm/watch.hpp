@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -33,7 +34,9 @@ std::string heartbeat_key(int64_t rank);
 // A collective (or a transfer with `peer`) a rank waits in.
 struct WaitedOp {
   std::string op, group;         // all_reduce, ...; the group's name ("world", "data", ...)
-  std::vector<int64_t> members;  // the group's world ranks, in group order
+  // The group's world ranks, in group order: the group's own list, shared (every
+  // collective posted carries one, and copying it each time would allocate).
+  std::shared_ptr<const std::vector<int64_t>> members;
   int64_t number = 0;            // its place in the group's posted count (0: a transfer)
   int64_t bytes = 0;
   int64_t peer = -1;             // a transfer's other world rank
@@ -128,6 +131,7 @@ class JobWatch {
  private:
   c10::intrusive_ptr<c10d::Store> store_;
   int64_t world_;
+  std::vector<int64_t> ranks_;  // 0 .. world - 1
   std::chrono::milliseconds after_;
   std::function<void(const std::string&)> say_;
   std::chrono::steady_clock::time_point next_read_{};

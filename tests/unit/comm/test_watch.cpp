@@ -15,12 +15,16 @@ namespace unit_comm_watch {
 using namespace dtrain;
 using json = nlohmann::json;
 
+std::shared_ptr<const std::vector<int64_t>> ranks(std::vector<int64_t> r) {
+  return std::make_shared<const std::vector<int64_t>>(std::move(r));
+}
+
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 TEST_SUITE("watch") {
   TEST_CASE("watch: the line names the members that have not posted the collective, silent or not") {
     const double now = 1000;
-    WaitedOp wait{"all_reduce", "data", {0, 1, 2, 3}, 41, 3 * 1024 * 1024, -1};
+    WaitedOp wait{"all_reduce", "data", ranks({0, 1, 2, 3}), 41, 3 * 1024 * 1024, -1};
     std::map<int64_t, json> beats{
         {1, {{"at", now - 0.5}, {"step", 12}, {"posted", {{"data", 41}}}, {"waits", json::array()}}},
         {2, {{"at", now - 0.2}, {"step", 11}, {"posted", {{"data", 38}}}, {"waits", json::array()}}},
@@ -42,8 +46,8 @@ TEST_SUITE("watch") {
     beats[3] = beats[1];
     CHECK(has(describe_hang(0, wait, 30, beats, now, 2.5, false), "every member has posted it and is alive"));
     CHECK(has(describe_hang(0, wait, 30, {}, now, 2.5, true), "the store does not answer"));
-    const WaitedOp transfer{"recv", "pipeline", {0, 1}, 0, 1024, 1};
-    CHECK(has(describe_hang(0, WaitedOp{"barrier", "world", {0, 1}, 3, 4, -1}, 30, beats, now, 2.5, false),
+    const WaitedOp transfer{"recv", "pipeline", ranks({0, 1}), 0, 1024, 1};
+    CHECK(has(describe_hang(0, WaitedOp{"barrier", "world", ranks({0, 1}), 3, 4, -1}, 30, beats, now, 2.5, false),
               "barrier #3 of the world group (4 B) has waited 30 s"));
     CHECK(has(describe_hang(0, transfer, 30, beats, now, 2.5, false), "recv with rank 1 (1.0 KiB) has waited 30 s; rank 1: at step 12"));
   }
