@@ -44,9 +44,32 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// This process's folder under the system temp dir, removed with everything in it as the
+// process ends: a run of the suite writes gigabytes (ZeRO's peak test alone 1.3 GB) and must
+// not leave them behind. Only by the process that made it: a forked command (below) ends
+// with std::exit, which runs the same destructor. DTRAIN_KEEP_TEST_DIRS=1 keeps it, to look
+// at a failed test's files.
+inline const std::filesystem::path& process_dir() {
+  struct Owned {
+    std::filesystem::path path;
+    pid_t owner;
+    ~Owned() {
+      if (::getpid() == owner && !std::getenv("DTRAIN_KEEP_TEST_DIRS"))
+        std::system(("rm -rf '" + path.string() + "'").c_str());
+    }
+  };
+  static const Owned dir{[] {
+                           auto d = std::filesystem::temp_directory_path() /
+                                    ("dtrain-e2e-" + std::to_string(::getpid()));
+                           std::filesystem::create_directories(d);
+                           return d;
+                         }(),
+                         ::getpid()};
+  return dir.path;
+}
+
 inline std::string temp_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() /
-             ("dtrain-e2e-" + name + "-" + std::to_string(::getpid()));
+  auto dir = process_dir() / name;
   // rm, not std::filesystem::remove_all (see util/files.hpp remove_tree).
   std::system(("rm -rf '" + dir.string() + "'").c_str());
   std::filesystem::create_directories(dir);
@@ -151,8 +174,7 @@ inline const char* kExec = "timeout 500";
 // "timeout --preserve-status -s TERM 2" (and so runs the binary itself).
 inline Result dtrain(const std::string& args, const std::string& prefix = "") {
   static int n = 0;
-  auto base = std::filesystem::temp_directory_path() /
-              ("dtrain-e2e-io-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
+  auto base = process_dir() / ("io-" + std::to_string(n++));
   Result r;
   if (auto words = forkable(args, prefix)) {
     r.code = run_in_fork(*words, base.string() + ".out", base.string() + ".err", std::chrono::seconds(500));
@@ -337,8 +359,7 @@ struct Background {
 inline Background start_dtrain(const std::string& args) {
   static int n = 0;
   Background b;
-  auto base = std::filesystem::temp_directory_path() /
-              ("dtrain-e2e-bg-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
+  auto base = process_dir() / ("bg-" + std::to_string(n++));
   b.out = base.string() + ".out";
   b.err = base.string() + ".err";
   b.pid = ::fork();

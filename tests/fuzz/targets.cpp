@@ -21,14 +21,23 @@ namespace dtrain::fuzz {
 namespace fs = std::filesystem;
 namespace {
 
-// A scratch folder for this process: the readers take paths.
+// A scratch folder for this process, the readers taking paths; removed as the process ends.
 const fs::path& scratch() {
-  static const fs::path dir = [] {
+  struct Owned {
+    fs::path path;
+    ~Owned() {
+      try {
+        dtrain::remove_tree(path.string());
+      } catch (const std::exception&) {  // a destructor must not throw
+      }
+    }
+  };
+  static const Owned dir{[] {
     auto d = fs::temp_directory_path() / ("dtrain-fuzz-" + std::to_string(::getpid()));
     fs::create_directories(d);
     return d;
-  }();
-  return dir;
+  }()};
+  return dir.path;
 }
 
 std::string write_input(const std::string& name, const uint8_t* data, size_t size) {
