@@ -111,8 +111,7 @@ class Pipeline : public MicroBatchRunner {
     s.bubble = step_ms > 0 ? wait_ms_ / step_ms : 0;
     s.activation_mb = double(memory_peak - memory_base) / kMiB;
     if (!held_.empty()) throw std::logic_error("pipeline: micro-batches left without backward");
-    if (holds_last()) return losses;
-    return {};
+    return holds_last() ? losses : std::vector<torch::Tensor>{};
   }
 
   torch::Tensor infer(const torch::Tensor& batch_x) override {

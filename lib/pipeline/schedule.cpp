@@ -20,27 +20,32 @@ Action interleaved_action(Action::Kind kind, int64_t k, int64_t ranks, int64_t c
   return {kind, micro, chunk};
 }
 
+// 1F1B's shape over `total` actions of each kind: `warmup` forwards, then a forward and a
+// backward in turn, then the backwards left; `action(kind, k)` is the k-th of its kind.
+template <class MakeAction>
+std::vector<Action> one_f_one_b(int64_t total, int64_t warmup, MakeAction action) {
+  std::vector<Action> out;
+  int64_t f = 0, b = 0;
+  while (f < warmup) out.push_back(action(Action::kForward, f++));
+  while (f < total) {
+    out.push_back(action(Action::kForward, f++));
+    out.push_back(action(Action::kBackward, b++));
+  }
+  while (b < total) out.push_back(action(Action::kBackward, b++));
+  return out;
+}
+
 }  // namespace
 
 std::vector<Action> pipeline_schedule(const std::string& name, int64_t rank, int64_t ranks,
                                       int64_t micro, int64_t chunks) {
-  std::vector<Action> out;
-  if (name == "gpipe") {
-    for (int64_t m = 0; m < micro; ++m) out.push_back({Action::kForward, m});
-    for (int64_t m = micro - 1; m >= 0; --m) out.push_back({Action::kBackward, m});
-    return out;
-  }
-  if (name == "1f1b") {
-    const int64_t warmup = std::min(ranks - rank - 1, micro);
-    int64_t f = 0, b = 0;
-    while (f < warmup) out.push_back({Action::kForward, f++});
-    while (f < micro) {
-      out.push_back({Action::kForward, f++});
-      out.push_back({Action::kBackward, b++});
-    }
-    while (b < micro) out.push_back({Action::kBackward, b++});
-    return out;
-  }
+  if (name == "gpipe")  // all forwards first: the backwards run from the last micro-batch
+    return one_f_one_b(micro, micro, [&](Action::Kind kind, int64_t m) {
+      return Action{kind, kind == Action::kForward ? m : micro - 1 - m};
+    });
+  if (name == "1f1b")
+    return one_f_one_b(micro, std::min(ranks - rank - 1, micro),
+                       [](Action::Kind kind, int64_t m) { return Action{kind, m}; });
   if (name == "interleaved_1f1b") {
     if (micro % ranks != 0)
       throw std::logic_error(fmt::format("interleaved_1f1b: {} micro-batches over {} ranks",
@@ -50,14 +55,9 @@ std::vector<Action> pipeline_schedule(const std::string& name, int64_t rank, int
     // with as many micro-batches as ranks, every forward comes first.
     const int64_t warmup =
         micro == ranks ? total : std::min(total, (ranks - rank - 1) * 2 + (chunks - 1) * ranks);
-    int64_t f = 0, b = 0;
-    while (f < warmup) out.push_back(interleaved_action(Action::kForward, f++, ranks, chunks));
-    while (f < total) {
-      out.push_back(interleaved_action(Action::kForward, f++, ranks, chunks));
-      out.push_back(interleaved_action(Action::kBackward, b++, ranks, chunks));
-    }
-    while (b < total) out.push_back(interleaved_action(Action::kBackward, b++, ranks, chunks));
-    return out;
+    return one_f_one_b(total, warmup, [&](Action::Kind kind, int64_t k) {
+      return interleaved_action(kind, k, ranks, chunks);
+    });
   }
   throw std::logic_error("unknown pipeline schedule '" + name + "'");
 }
