@@ -108,8 +108,5 @@ DataSplits load_text(const DataConfig& cfg);
 DataSplits load_tokens(const DataConfig& cfg, const ReadTogether& together);
 // dataset: synthetic_tokens, uniform random tokens (benchmarks).
 DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed);
-// The bytes of a file, or of every text file in a folder (sorted by name; symbolic links,
-// hidden files and files holding a NUL byte, i.e. binary ones, left out), as int64 tokens.
-torch::Tensor read_text_bytes(const std::string& path);
 
 }  // namespace dtrain

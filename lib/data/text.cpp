@@ -55,12 +55,8 @@ std::vector<int64_t> window_starts(int64_t begin, int64_t end, int64_t seq) {
   return starts;
 }
 
-torch::Tensor as_tensor(const std::vector<int64_t>& v) {
-  return torch::tensor(v, torch::kInt64);
-}
-
-}  // namespace
-
+// The bytes of a file, or of every text file in a folder (sorted by name; symbolic links,
+// hidden files and files holding a NUL byte, i.e. binary ones, left out), as int64 tokens.
 torch::Tensor read_text_bytes(const std::string& path) {
   std::error_code ec;
   std::string text;
@@ -96,6 +92,8 @@ torch::Tensor read_text_bytes(const std::string& path) {
   return t;
 }
 
+}  // namespace
+
 DataSplits load_text(const DataConfig& cfg) {
   auto stream = read_text_bytes(cfg.path);
   const int64_t seq = cfg.seq_len;
@@ -107,8 +105,8 @@ DataSplits load_text(const DataConfig& cfg) {
   fail_if<DataError>(test.empty(), "data.path: '{}' holds {} bytes, too few for windows of {} "
                      "with one in {} held out", cfg.path, stream.size(0), seq + 1, every);
   DataSplits s;
-  s.train = std::make_shared<TokenWindows>(stream, as_tensor(train), seq);
-  s.test = std::make_shared<TokenWindows>(stream, as_tensor(test), seq);
+  s.train = std::make_shared<TokenWindows>(stream, torch::tensor(train, torch::kInt64), seq);
+  s.test = std::make_shared<TokenWindows>(stream, torch::tensor(test, torch::kInt64), seq);
   s.sample_shape = {seq};
   s.vocab = 256;
   return s;
@@ -119,8 +117,8 @@ DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed) {
   const int64_t seq = cfg.seq_len;
   auto make = [&](int64_t windows) {
     auto stream = at::randint(cfg.vocab, {windows * seq + 1}, gen, torch::kInt64);
-    return std::make_shared<TokenWindows>(stream, as_tensor(window_starts(0, windows * seq + 1, seq)),
-                                          seq);
+    const auto starts = torch::tensor(window_starts(0, windows * seq + 1, seq), torch::kInt64);
+    return std::make_shared<TokenWindows>(stream, starts, seq);
   };
   DataSplits s;
   s.train = make(cfg.samples);
