@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -46,14 +47,11 @@ struct Worker {
 
 void emit(int rank, std::string& buf, const char* data, size_t n, std::ostream& os, bool flush_all) {
   buf.append(data, n);
+  if (flush_all && !buf.empty()) buf += '\n';  // the last line, cut short
   size_t pos;
   while ((pos = buf.find('\n')) != std::string::npos) {
     os << "[rank " << rank << "] " << buf.substr(0, pos) << "\n";
     buf.erase(0, pos + 1);
-  }
-  if (flush_all && !buf.empty()) {
-    os << "[rank " << rank << "] " << buf << "\n";
-    buf.clear();
   }
   os.flush();
 }
@@ -98,9 +96,7 @@ void reap(std::vector<Worker>& ws) {
 }
 
 bool all_done(const std::vector<Worker>& ws) {
-  for (const auto& w : ws)
-    if (!w.status) return false;
-  return true;
+  return std::all_of(ws.begin(), ws.end(), [](const Worker& w) { return w.status.has_value(); });
 }
 
 bool failed(const Worker& w) {
@@ -285,19 +281,14 @@ AttemptEnd attempt_end(const SupervisorOptions& o, const std::vector<Worker>& ws
   const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
   // A bad job spec or unreadable data fails the same way on every attempt: no restart,
   // and the worker's own exit code (its message says why).
-  if (code == kExitBadSpec || code == kExitBadData) {
-    std::cerr << "dtrain: error: " << what << "; the other ranks were stopped\n";
-    return {code, what};
-  }
-  if (attempt >= o.max_restarts) {
-    std::cerr << "dtrain: error: " << what << "; the other ranks were stopped"
-              << (o.max_restarts > 0 ? fmt::format("; no restarts left (--max-restarts {} used)",
-                                                   o.max_restarts)
-                                     : std::string())
-              << "\n";
-    return {kExitPeerFailed, what};
-  }
-  return {std::nullopt, what};
+  const bool repeats = code == kExitBadSpec || code == kExitBadData;
+  if (!repeats && attempt < o.max_restarts) return {std::nullopt, what};
+  std::cerr << "dtrain: error: " << what << "; the other ranks were stopped"
+            << (!repeats && o.max_restarts > 0
+                    ? fmt::format("; no restarts left (--max-restarts {} used)", o.max_restarts)
+                    : std::string())
+            << "\n";
+  return {repeats ? code : kExitPeerFailed, what};
 }
 
 }  // namespace
@@ -382,12 +373,9 @@ int supervise(const SupervisorOptions& o) {
       }
     }
     watch = nullptr;  // the store too: the next attempt forks from one thread
-    while (true) {  // drain what is left in the pipes
-      bool open = false;
-      for (auto& w : ws) open |= w.out >= 0 || w.err >= 0;
-      if (!open) break;
+    // Drain what is left in the pipes.
+    while (std::any_of(ws.begin(), ws.end(), [](const Worker& w) { return w.out >= 0 || w.err >= 0; }))
       pump(ws, 50);
-    }
     const auto end = attempt_end(o, ws, forwarded, first_failure, running, attempt);
     if (end.exit) return *end.exit;
     std::cerr << fmt::format("dtrain: {}; restarting all {} workers from the latest checkpoint "

@@ -60,6 +60,25 @@ std::vector<std::string> split_top(const std::string& s) {
   return parts;
 }
 
+// Where each launcher puts the rank, the world size and the local layout, in the order
+// they are looked for. SLURM's node list is handled on its own.
+struct LauncherVars {
+  const char *name, *rank, *size, *local_rank, *local_size;
+};
+const LauncherVars kLaunchers[] = {
+    {"env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+    {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+};
+
+const LauncherVars* find_launcher(const Env& env) {
+  for (const auto& l : kLaunchers)
+    if (env(l.rank) && env(l.size)) return &l;
+  return nullptr;
+}
+
 }  // namespace
 
 std::vector<std::string> expand_hostlist(const std::string& list) {
@@ -111,32 +130,8 @@ std::string first_slurm_host(const std::string& nodelist) {
       if (!host.empty()) return host;
     }
   }
-  auto hosts = expand_hostlist(nodelist);
-  return hosts.front();
+  return expand_hostlist(nodelist).front();
 }
-
-namespace {
-
-// Where each launcher puts the rank, the world size and the local layout, in the order
-// they are looked for. SLURM's node list is handled on its own.
-struct LauncherVars {
-  const char *name, *rank, *size, *local_rank, *local_size;
-};
-const LauncherVars kLaunchers[] = {
-    {"env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
-    {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    {"pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
-};
-
-const LauncherVars* find_launcher(const Env& env) {
-  for (const auto& l : kLaunchers)
-    if (env(l.rank) && env(l.size)) return &l;
-  return nullptr;
-}
-
-}  // namespace
 
 void clear_launcher_env() {
   for (const auto& l : kLaunchers)
