@@ -167,15 +167,6 @@ std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const 
                                 "with {} as set", world, fmt::join(held_keys(cfg), ", ")));
 }
 
-// parallel.auto: the job with all_layouts' first layout. Throws ConfigError where none
-// validates (the job's own layout's reason, with the keys held).
-Candidate choose_layout(const JobConfig& cfg, int64_t world, const MachineProfile* profile,
-                        double memory_bytes) {
-  auto all = all_layouts(cfg, world, profile, memory_bytes);
-  if (all.empty()) no_layout(cfg, world);
-  return std::move(all.front());
-}
-
 // `cfg` with `earlier`'s layout keys, held as set (a resume keeps the layout its run chose),
 // but for those the job sets itself: a key set for the resume is honoured.
 JobConfig with_layout_of(const JobConfig& cfg, const JobConfig& earlier) {
@@ -235,7 +226,10 @@ AutoChoice auto_layout(const JobConfig& cfg, int64_t world, int64_t local, bool 
   if (resuming && fs::is_regular_file(earlier_yaml, ec)) {
     try {
       const JobConfig earlier = parse_job(read_file(earlier_yaml.string()), earlier_yaml.string());
-      auto kept = choose_layout(with_layout_of(cfg, earlier), world, nullptr, 0);
+      const JobConfig held = with_layout_of(cfg, earlier);
+      auto all = all_layouts(held, world, nullptr, 0);
+      if (all.empty()) no_layout(held, world);
+      auto& kept = all.front();
       const auto set_now = held_keys(cfg);  // the job's own keys win over the record
       return {std::move(kept.cfg),
               fmt::format("parallel.auto: {} (as {} records{})", kept.layout, earlier_yaml.string(),

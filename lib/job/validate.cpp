@@ -121,11 +121,7 @@ void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes
 }
 
 void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
-  ModelContext mc;
-  mc.sample_shape = data.sample_shape;
-  mc.classes = data.classes;
-  mc.vocab = data.vocab;
-  model_spec(cfg.model.arch).fits(cfg.model, mc);
+  model_spec(cfg.model.arch).fits(cfg.model, ModelContext{data.sample_shape, data.classes, data.vocab});
 }
 
 ParallelDims validate(const JobConfig& cfg, int64_t world_size, const Devices& devices) {
@@ -178,6 +174,5 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size, const Devices& d
   }
   return layout;
 }
-
 
 }  // namespace dtrain
