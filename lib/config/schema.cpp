@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
 
@@ -352,9 +353,7 @@ JobConfig load_job(const std::string& path, const std::vector<std::string>& over
   const auto bytes = std::filesystem::file_size(path, ec);
   fail_if<ConfigError>(!ec && bytes > kMaxJobBytes, "job file '{}' is {} bytes; a job spec is "
                        "at most {} bytes", path, bytes, kMaxJobBytes);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  const std::string text(std::istreambuf_iterator<char>(in), {});
   YAML::Node root;
   int documents = 0;
   try {
@@ -462,10 +461,6 @@ bool whole_number(const std::string& s) {
   return !s.empty() && s.size() <= 18 &&
          std::all_of(s.begin(), s.end(), [](unsigned char ch) { return std::isdigit(ch); });
 }
-
-}  // namespace
-
-namespace {
 
 // The job's name and seed, and data.*.
 void check_data(const JobConfig& c) {

@@ -94,7 +94,6 @@ class BlockCache final : public c10::Allocator {
     void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? nullptr : p;
   }
-  static void unmap_pages(void* block, size_t n) { ::munmap(block, n); }
 
   // `block` of `size` bytes counted in use (the lock held).
   void in_use(void* block, size_t size) const {
@@ -115,7 +114,7 @@ class BlockCache final : public c10::Allocator {
     const size_t bound = std::max(peak_used_, used_bytes_ + size) + std::min(peak_used_ / 4, kSlack);
     while (!free_.empty() && kept_bytes_ + used_bytes_ + size > bound) {
       auto largest = std::prev(free_.end());
-      unmap_pages(largest->second, largest->first);
+      ::munmap(largest->second, largest->first);
       kept_bytes_ -= largest->first;
       free_.erase(largest);
     }
@@ -152,7 +151,7 @@ class BlockCache final : public c10::Allocator {
 
   // Every kept block back to the system (the lock held).
   void free_kept() const {
-    for (const auto& [bytes, block] : free_) unmap_pages(block, bytes);
+    for (const auto& [bytes, block] : free_) ::munmap(block, bytes);
     free_.clear();
     kept_bytes_ = 0;
   }
@@ -169,7 +168,7 @@ class BlockCache final : public c10::Allocator {
         if (c.keeping_) c.free_.emplace(size, block), c.kept_bytes_ += size;
         c.used_bytes_ -= size;
         c.used_.erase(it);
-        if (!c.keeping_) unmap_pages(block, size);
+        if (!c.keeping_) ::munmap(block, size);
       }
     }
     if (size > 0) return c.report(block, -int64_t(size));
