@@ -1,0 +1,155 @@
+#include "comm/quorum.hpp"
+
+#include <algorithm>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const char* kJoins = "ft/joins";  // a count: every request adds one
+
+std::string quorum_key(int64_t id) { return fmt::format("ft/quorum/{}", id); }
+std::string join_key(int64_t replica) { return fmt::format("ft/join/{}", replica); }
+std::string vote_key(int64_t quorum, int64_t step, int64_t member) {
+  return fmt::format("ft/vote/{}/{}/{}", quorum, step, member);
+}
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+const char* kVoteNames[] = {"ok", "ok+join", "failed", "dead"};
+Vote vote_named(const std::string& s) {
+  for (int v = 0; v < 4; ++v)
+    if (s == kVoteNames[v]) return Vote(v);
+  throw DistError(fmt::format("fault tolerance: a vote reads '{}' in the store", s));
+}
+
+Quorum from_record(int64_t id, const json& j) {
+  return Quorum{id, j.at("step").get<int64_t>(), j.at("members").get<std::vector<int64_t>>(),
+                j.at("joining").get<std::vector<int64_t>>(), j.at("source").get<int64_t>()};
+}
+
+}  // namespace
+
+bool Quorum::has(int64_t replica) const { return index_of(replica) >= 0; }
+
+int64_t Quorum::index_of(int64_t replica) const {
+  auto it = std::find(members.begin(), members.end(), replica);
+  return it == members.end() ? -1 : int64_t(it - members.begin());
+}
+
+ReplicaAgreement::ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
+                                   std::function<bool(int64_t)> live,
+                                   std::chrono::milliseconds timeout,
+                                   std::chrono::milliseconds poll)
+    : store_(store), replica_(replica), replicas_(replicas), live_(std::move(live)),
+      timeout_(timeout), poll_(poll) {}
+
+Quorum ReplicaAgreement::first(int64_t replicas, int64_t step) {
+  Quorum q;
+  q.step = step;
+  for (int64_t r = 0; r < replicas; ++r) q.members.push_back(r);
+  return q;
+}
+
+bool ReplicaAgreement::stored(const std::string& key) { return store_.check({key}); }
+
+std::string ReplicaAgreement::get(const std::string& key) {
+  const auto until = Clock::now() + timeout_;
+  while (!stored(key)) {
+    if (Clock::now() > until)
+      throw DistError(fmt::format("fault tolerance: replica {}: no '{}' in the store after {} s",
+                                  replica_, key, timeout_.count() / 1000.0));
+    std::this_thread::sleep_for(poll_);
+  }
+  return text(store_.get(key));
+}
+
+// The request first, then the count: a proposer reads the count before the requests, so a
+// request it counted is one it sees. Quorums stored before the request cannot hold it.
+void ReplicaAgreement::ask_to_join() {
+  join_after_ = 0;
+  while (stored(quorum_key(join_after_ + 1))) ++join_after_;
+  store_.set(join_key(replica_), bytes("1"));
+  store_.add(kJoins, 1);
+}
+
+Quorum ReplicaAgreement::admitted() {
+  for (int64_t id = join_after_ + 1;; ++id) {
+    const auto record = json::parse(get(quorum_key(id)));
+    auto out = from_record(id, record);
+    if (std::find(out.joining.begin(), out.joining.end(), replica_) == out.joining.end())
+      continue;
+    joins_seen_ = record.at("joins").get<int64_t>();
+    store_.deleteKey(join_key(replica_));
+    return out;
+  }
+}
+
+Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
+  const bool joins = ok && store_.add(kJoins, 0) > joins_seen_;
+  const Vote mine = !ok ? Vote::kFailed : joins ? Vote::kOkJoin : Vote::kOk;
+  store_.compareSet(vote_key(q.id, step, replica_), {}, bytes(kVoteNames[int(mine)]));
+  last_votes_.clear();
+  Decision d{true, false};
+  for (int64_t m : q.members) {
+    last_votes_.push_back(vote_of(q, step, m));
+    d.commit = d.commit && (last_votes_.back() == Vote::kOk || last_votes_.back() == Vote::kOkJoin);
+    d.reform = d.reform || last_votes_.back() != Vote::kOk;
+  }
+  // A vote two steps back is read by nobody now (every member has read it before voting on
+  // the step after it): the store keeps a few keys per member, however long the run.
+  if (step >= 2) store_.deleteKey(vote_key(q.id, step - 2, replica_));
+  return d;
+}
+
+// Its stored vote, else kDead written for it once it has gone silent: compareSet makes the
+// first of its own vote and ours the one everybody reads.
+Vote ReplicaAgreement::vote_of(const Quorum& q, int64_t step, int64_t member) {
+  const auto key = vote_key(q.id, step, member);
+  const auto until = Clock::now() + timeout_;
+  while (!stored(key)) {
+    if (!live_(member)) return vote_named(text(store_.compareSet(key, {}, bytes("dead"))));
+    if (Clock::now() > until)
+      throw DistError(fmt::format(
+          "fault tolerance: replica {} is alive but has not voted on step {} in {} s", member,
+          step, timeout_.count() / 1000.0));
+    std::this_thread::sleep_for(poll_);
+  }
+  return vote_named(text(store_.get(key)));
+}
+
+Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
+  json p;
+  p["step"] = step;
+  p["joins"] = store_.add(kJoins, 0);  // before the requests: see ask_to_join
+  std::vector<int64_t> members, joining;
+  for (size_t i = 0; i < q.members.size(); ++i)
+    if (i < last_votes_.size() && last_votes_[i] != Vote::kDead && live_(q.members[i]))
+      members.push_back(q.members[i]);
+  for (int64_t r = 0; r < replicas_; ++r)
+    if (stored(join_key(r)) && live_(r)) joining.push_back(r);
+  // The proposer is a member with state (it voted), so there is a source.
+  const auto with_state = std::find_if(members.begin(), members.end(), [&](int64_t m) {
+    return std::find(joining.begin(), joining.end(), m) == joining.end();
+  });
+  p["source"] = joining.empty() || with_state == members.end() ? -1 : *with_state;
+  for (int64_t r : joining)
+    if (std::find(members.begin(), members.end(), r) == members.end()) members.push_back(r);
+  std::sort(members.begin(), members.end());
+  p["members"] = members;
+  p["joining"] = joining;
+  const auto won = json::parse(text(store_.compareSet(quorum_key(q.id + 1), {}, bytes(p.dump()))));
+  joins_seen_ = won.at("joins").get<int64_t>();
+  return from_record(q.id + 1, won);
+}
+
+}  // namespace dtrain

@@ -1,0 +1,78 @@
+// What the data-parallel replicas of a fault-tolerant job agree on, through the job's store
+// (hosted by the supervisor or the launcher, so it outlives any rank): which replicas train
+// from which step (a quorum), and whether every member finished a step's reduction (the
+// vote before the update, as TorchFT's should_commit). Each agreement is one store key that
+// the first compareSet decides, so every reader sees the same answer however proposers
+// race. A member that neither votes nor beats its heartbeat is voted "dead" for, by
+// whoever sees it first; one "dead" or "failed" vote and every member discards the step,
+// which the next quorum then trains again on the same global batch.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace dtrain {
+
+struct Quorum {
+  int64_t id = 0;                // its process group's name: ft/q<id>
+  int64_t step = 0;              // the first step it trains
+  std::vector<int64_t> members;  // replica indices, ascending
+  std::vector<int64_t> joining;  // members without state: they take `source`'s
+  int64_t source = -1;           // the lowest member with state (-1: nobody joins)
+  bool has(int64_t replica) const;
+  int64_t index_of(int64_t replica) const;  // its place among the members (-1: not one)
+};
+
+// A member's word on a step: it finished the reduction (and whether it saw a replica ask to
+// join), its reduction failed, or it was silent and voted for.
+enum class Vote { kOk, kOkJoin, kFailed, kDead };
+
+// What every member concludes from the same votes: apply the step's update, and whether to
+// form a new quorum before the next step (a vote that was not kOk).
+struct Decision {
+  bool commit = false, reform = false;
+};
+
+class ReplicaAgreement {
+ public:
+  // `replicas`: the most replicas the job can have (the join requests looked for).
+  // `live(r)`: whether replica r's heartbeat is fresh. `timeout`: how long a quorum or a
+  // live member's vote may take before DistError.
+  ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
+                   std::function<bool(int64_t)> live, std::chrono::milliseconds timeout,
+                   std::chrono::milliseconds poll = std::chrono::milliseconds(5));
+
+  // The quorum every replica starts in: all `replicas`, from `step` (nothing stored).
+  static Quorum first(int64_t replicas, int64_t step);
+
+  // This replica (restarted, or one more) asks to be in the next quorum; admitted() waits
+  // for the first quorum that takes it.
+  void ask_to_join();
+  Quorum admitted();
+
+  // This replica's vote on `step` under `q`, then everyone's, and what they decide.
+  Decision vote(const Quorum& q, int64_t step, bool ok);
+  // The quorum after `q` from `step`, formed when a vote said so: the members whose vote
+  // was not kDead and whose heartbeat is fresh, and every replica asking to join. Each
+  // member proposes one; the first stored is everyone's.
+  Quorum next(const Quorum& q, int64_t step);
+
+ private:
+  Vote vote_of(const Quorum& q, int64_t step, int64_t member);
+  std::string get(const std::string& key);  // waits for it up to the timeout
+  bool stored(const std::string& key);
+
+  c10d::Store& store_;
+  int64_t replica_, replicas_;
+  std::function<bool(int64_t)> live_;
+  std::chrono::milliseconds timeout_, poll_;
+  std::vector<Vote> last_votes_;  // the members' votes on the last step voted
+  int64_t joins_seen_ = 0;        // the join requests counted when the quorum formed
+  int64_t join_after_ = 0;        // a joiner: the newest quorum stored when it asked
+};
+
+}  // namespace dtrain

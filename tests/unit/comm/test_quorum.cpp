@@ -1,0 +1,145 @@
+// The replicas' agreement (comm/quorum.hpp) over an in-memory store, the replicas as
+// threads: every member decides the same from the same votes, a silent member is voted
+// dead, and a replica that asks to join is admitted by the next quorum and no stale one.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <atomic>
+#include <future>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "comm/quorum.hpp"
+#include "util/error.hpp"
+
+namespace unit_comm_quorum {
+using namespace dtrain;
+using namespace std::chrono_literals;
+
+struct Replicas {
+  c10::intrusive_ptr<c10d::HashStore> store = c10::make_intrusive<c10d::HashStore>();
+  std::array<std::atomic<bool>, 4> alive{true, true, true, true};
+  ReplicaAgreement agreement(int64_t r, std::chrono::milliseconds timeout = 10s) {
+    return ReplicaAgreement(*store, r, 4, [this](int64_t m) { return alive[m].load(); },
+                            timeout, 1ms);
+  }
+};
+
+bool operator==(const Decision& a, const Decision& b) {
+  return a.commit == b.commit && a.reform == b.reform;
+}
+
+// Each of `who` votes on `step` under `q` at once; their decisions, in order.
+std::vector<Decision> vote_all(Replicas& r, const Quorum& q, int64_t step,
+                               const std::vector<int64_t>& who, int64_t failing = -1) {
+  std::vector<std::future<Decision>> votes;
+  for (int64_t m : who)
+    votes.push_back(std::async(std::launch::async, [&, m] {
+      return r.agreement(m).vote(q, step, m != failing);
+    }));
+  std::vector<Decision> out;
+  for (auto& v : votes) out.push_back(v.get());
+  return out;
+}
+
+TEST_SUITE("quorum") {
+  TEST_CASE("quorum: all ok commits; one failed reduction and every member discards the step") {
+    Replicas r;
+    const auto q = ReplicaAgreement::first(3, 5);
+    CHECK(q.members == std::vector<int64_t>{0, 1, 2});
+    for (auto d : vote_all(r, q, 5, {0, 1, 2})) CHECK(d == Decision{true, false});
+    for (auto d : vote_all(r, q, 6, {0, 1, 2}, /*failing=*/1)) CHECK(d == Decision{false, true});
+  }
+
+  TEST_CASE("quorum: a silent member is voted dead by whoever sees it first, and left out") {
+    Replicas r;
+    const auto q = ReplicaAgreement::first(3, 0);
+    r.alive[2] = false;  // it never votes
+    auto a0 = r.agreement(0), a1 = r.agreement(1);
+    auto d1 = std::async(std::launch::async, [&] { return a1.vote(q, 0, true); });
+    CHECK(a0.vote(q, 0, true) == Decision{false, true});
+    CHECK(d1.get() == Decision{false, true});
+    // Its late vote cannot change what was decided: the first word on its key stands.
+    r.alive[2] = true;
+    CHECK(r.agreement(2).vote(q, 0, true) == Decision{false, true});
+    r.alive[2] = false;
+    auto n1 = std::async(std::launch::async, [&] { return a1.next(q, 0); });
+    const auto n0 = a0.next(q, 0);
+    CHECK(n0.id == 1);
+    CHECK(n0.step == 0);  // the step is trained again
+    CHECK(n0.members == std::vector<int64_t>{0, 1});
+    CHECK(n0.joining.empty());
+    CHECK(n1.get().members == n0.members);
+  }
+
+  TEST_CASE("quorum: a replica that asks to join is admitted at the next boundary, with a source") {
+    Replicas r;
+    auto a0 = r.agreement(0), a1 = r.agreement(1), a2 = r.agreement(2);
+    auto q = ReplicaAgreement::first(3, 0);
+    r.alive[2] = false;
+    std::thread t([&] { a1.vote(q, 0, true); });
+    a0.vote(q, 0, true);
+    t.join();
+    auto n1 = std::async(std::launch::async, [&, q] { return a1.next(q, 0); });
+    q = a0.next(q, 0);
+    n1.get();
+    CHECK(q.members == std::vector<int64_t>{0, 1});
+
+    r.alive[2] = true;  // restarted
+    a2.ask_to_join();
+    auto admitted = std::async(std::launch::async, [&] { return a2.admitted(); });
+    // Both members see the request in their votes: the step stands, a new quorum forms.
+    std::thread t2([&] { a1.vote(q, 1, true); });
+    CHECK(a0.vote(q, 1, true) == Decision{true, true});
+    t2.join();
+    auto m1 = std::async(std::launch::async, [&] { return a1.next(q, 2); });
+    const auto joined = a0.next(q, 2);
+    CHECK(m1.get().id == joined.id);
+    CHECK(joined.members == std::vector<int64_t>{0, 1, 2});
+    CHECK(joined.joining == std::vector<int64_t>{2});
+    CHECK(joined.source == 0);
+    CHECK(joined.step == 2);
+    const auto seen = admitted.get();
+    CHECK(seen.id == joined.id);
+    CHECK(seen.members == joined.members);
+
+    // Nobody asks now: the next votes keep the quorum.
+    std::thread t3([&] { a1.vote(joined, 2, true); });
+    std::thread t4([&] { a2.vote(joined, 2, true); });
+    CHECK(a0.vote(joined, 2, true) == Decision{true, false});
+    t3.join();
+    t4.join();
+
+    // Restarted once more: the quorum that admitted it before is not the one it waits for.
+    a2.ask_to_join();
+    auto again = std::async(std::launch::async, [&] { return a2.admitted(); });
+    CHECK(again.wait_for(50ms) == std::future_status::timeout);
+    r.alive[2] = false;  // its old self stopped before voting on step 3
+    std::thread t5([&] { a1.vote(joined, 3, true); });
+    CHECK(a0.vote(joined, 3, true) == Decision{false, true});
+    t5.join();
+    r.alive[2] = true;
+    auto m2 = std::async(std::launch::async, [&] { return a1.next(joined, 3); });
+    const auto later = a0.next(joined, 3);
+    m2.get();
+    CHECK(later.id == joined.id + 1);
+    CHECK(later.joining == std::vector<int64_t>{2});
+    CHECK(again.get().id == later.id);
+  }
+
+  TEST_CASE("quorum: a live member that never votes ends the wait with an error naming it") {
+    Replicas r;
+    const auto q = ReplicaAgreement::first(2, 7);
+    auto a0 = r.agreement(0, 100ms);
+    try {
+      a0.vote(q, 7, true);
+      FAIL("no error");
+    } catch (const DistError& e) {
+      CHECK(std::string(e.what()).find("replica 1 is alive but has not voted on step 7") !=
+            std::string::npos);
+    }
+  }
+}
+
+}  // namespace unit_comm_quorum
