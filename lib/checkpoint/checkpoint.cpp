@@ -1,7 +1,6 @@
 #include "checkpoint/checkpoint.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -9,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "logging/metrics.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/shape.hpp"
@@ -183,9 +183,7 @@ std::string CheckpointStore::commit(const CheckpointState& state, int64_t step, 
     write_file_synced((tmp / "config.yaml").string(), state.config_yaml);
     nlohmann::json manifest{{"format", "dtrain-checkpoint"}, {"version", kCheckpointVersion},
                             {"step", step}, {"epoch", epoch}, {"layout", layout},
-                            {"created_unix", std::chrono::duration<double>(
-                                                 std::chrono::system_clock::now().time_since_epoch())
-                                                 .count()}};
+                            {"created_unix", unix_time()}};
     if (metric) manifest["metric"] = scored;
     if (!state.run_id.empty()) manifest["run_id"] = state.run_id;
     // Every file the writers left, each part included: the manifest is the completion
@@ -376,10 +374,6 @@ nlohmann::json CheckpointReader::trainer() const {
 
 std::string CheckpointReader::config_yaml() const {
   return read_file((fs::path(folder_) / "config.yaml").string());
-}
-
-std::vector<std::string> CheckpointReader::names(const std::string& kind) const {
-  return kinds_.at(kind).order;
 }
 
 torch::Tensor CheckpointReader::read_part(const Stored& st, int64_t rank) const {

@@ -111,7 +111,7 @@ class CheckpointReader {
   // name, in the order the parts list them; and the tensors, read as a rank needs them
   // (valid while the reader lives).
   bool has(const std::string& kind) const { return kinds_.count(kind) > 0; }
-  std::vector<std::string> names(const std::string& kind) const;
+  std::vector<std::string> names(const std::string& kind) const { return kinds_.at(kind).order; }
   SavedTensors tensors(const std::string& kind) const;
   // Every tensor of `kind` whole.
   NamedTensors all(const std::string& kind) const;

@@ -66,9 +66,6 @@ void every_rank_does(Comm& group, const std::string& what, const std::function<v
                                                                 rank, what, rank));
 }
 
-Checkpointer::Checkpointer(Options opts, std::shared_ptr<Comm> group)
-    : opts_(std::move(opts)), group_(std::move(group)) {}
-
 // Rank 0's part of open(): claim the folder, then choose the checkpoint. Returns the step
 // to resume (-1: start fresh); throws dtrain::Error when the job must not go on.
 int64_t Checkpointer::claim_and_choose() {
@@ -116,6 +113,11 @@ std::optional<std::string> Checkpointer::open() {
 }
 
 namespace {
+
+// The manifest's "layout", which PartReader reads back.
+nlohmann::json layout_of(const ParallelDims& dims) {
+  return {{"data", dims.data}, {"tensor", dims.tensor}, {"pipeline", dims.pipeline}};
+}
 
 // A rank's files' suffix: ".ppN" for its stage, ".tpT" for its tensor rank.
 std::string part_suffix(const ParallelDims& dims, const Coord& at) {
@@ -259,7 +261,7 @@ void Checkpointer::save(int64_t step, int64_t epoch, const std::optional<Metric>
     every_rank_does(*group_, what, [&] { out.write(temp, part, at.data); },
                     [&] { store_->abort(step); });
     root_does(*group_, what, [&] {
-      const auto folder = commit(state, step, epoch, metric);
+      const auto folder = store_->commit(state, step, epoch, layout_of(opts_.layout), metric);
       if (opts_.say) opts_.say(fmt::format("checkpoint {}", folder));
       return int64_t(0);
     });
@@ -292,13 +294,6 @@ void Checkpointer::launch(Flight& f, std::function<void()> work) {
   });
 }
 
-std::string Checkpointer::commit(const CheckpointState& state, int64_t step, int64_t epoch,
-                                 const std::optional<Metric>& metric) {
-  const auto& dims = opts_.layout;
-  const nlohmann::json layout{{"data", dims.data}, {"tensor", dims.tensor}, {"pipeline", dims.pipeline}};
-  return store_->commit(state, step, epoch, layout, metric);
-}
-
 // The flight's agreement, one round: [some rank still busy, the highest failure's exit
 // code, a rank that failed] over the group. Writing: every rank's thread; committing: rank
 // 0's. All ranks see the same outcome, so they change phase (or throw) together.
@@ -326,15 +321,13 @@ void Checkpointer::advance(bool wait) {
   }
   if (!f.committing) {  // every part is written: rank 0 commits, in the background too
     f.committing = true;
-    if (root) launch(f, [this, &f] { f.folder = commit(f.state, f.step, f.epoch, f.metric); });
+    if (root) launch(f, [this, &f] {
+      f.folder = store_->commit(f.state, f.step, f.epoch, layout_of(opts_.layout), f.metric);
+    });
     return;
   }
   if (root && opts_.say) opts_.say(fmt::format("checkpoint {}", f.folder));
   flight_.reset();
-}
-
-void Checkpointer::finish() {
-  while (flight_) advance(/*wait=*/true);
 }
 
 void Checkpointer::restore(const std::string& folder, const std::vector<Stateful*>& parts) {

@@ -61,7 +61,8 @@ class Checkpointer {
     std::function<void(const std::string&)> say;
   };
   // `group`: the ranks that hold the run; its rank 0 writes.
-  Checkpointer(Options opts, std::shared_ptr<Comm> group);
+  Checkpointer(Options opts, std::shared_ptr<Comm> group)
+      : opts_(std::move(opts)), group_(std::move(group)) {}
 
   // Collective. Rank 0 creates and locks the run directory and decides which checkpoint
   // (if any) the job resumes from; the others follow, or fail together with rank 0's exit
@@ -86,7 +87,9 @@ class Checkpointer {
   // not be written stops every rank, as a synchronous save does.
   void poll() { advance(/*wait=*/false); }
   // Collective: waits for the save in flight, if any, and commits it.
-  void finish();
+  void finish() {
+    while (flight_) advance(/*wait=*/true);
+  }
   bool in_flight() const { return flight_ != nullptr; }
   // Every rank reads the checkpoint in `folder` and each component takes its part.
   void restore(const std::string& folder, const std::vector<Stateful*>& parts);
@@ -95,8 +98,6 @@ class Checkpointer {
   int64_t claim_and_choose();
   // One round of the in-flight save's agreement (wait: this rank's thread joined first).
   void advance(bool wait);
-  std::string commit(const CheckpointState& state, int64_t step, int64_t epoch,
-                     const std::optional<Metric>& metric);
 
   // A save whose files a background thread writes (rank 0's then commits).
   struct Flight {

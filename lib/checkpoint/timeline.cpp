@@ -1,13 +1,13 @@
 #include "checkpoint/timeline.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 
 #include <fmt/format.h>
 
 #include "checkpoint/checkpoint.hpp"
+#include "logging/metrics.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 
@@ -62,8 +62,6 @@ std::optional<std::string> follow_pointer(const std::string& pointer) {
   fail_if<CheckpointError>(!ok, "'{}' does not name a checkpoint folder", pointer);
   return (fs::path(pointer).parent_path() / named).string();
 }
-
-Timeline::Timeline(std::string dir) : dir_(std::move(dir)) {}
 
 std::vector<std::string> Timeline::line() const {
   std::vector<std::string> names;
@@ -194,8 +192,7 @@ std::optional<Branch> Timeline::continue_from(const std::string& folder) {
       {"set_aside", aside},
       {"latest_was", head ? nlohmann::json(pointer_to(*head)) : nlohmann::json(nullptr)},
       {"best_was", best ? nlohmann::json(pointer_to(*best)) : nlohmann::json(nullptr)},
-      {"created_unix",
-       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
+      {"created_unix", unix_time()}};
   write_file_synced((kept / "branch.json").string(), record.dump(1) + "\n");
   fsync_dir(abandoned.string());
   point("latest", folder);  // first: from here on a resume takes the new branch

@@ -59,7 +59,7 @@ struct Branch {
 
 class Timeline {
  public:
-  explicit Timeline(std::string dir);  // RUN_DIR/checkpoints
+  explicit Timeline(std::string dir) : dir_(std::move(dir)) {}  // RUN_DIR/checkpoints
 
   // The line's folder names, oldest first (zero-padded names sort by step).
   std::vector<std::string> line() const;
@@ -77,7 +77,6 @@ class Timeline {
   // the head, or from the newest folder of a line without a head). Throws what the file
   // system throws.
   std::optional<Branch> continue_from(const std::string& folder);
-  const std::string& dir() const { return dir_; }
 
  private:
   std::string pointer_to(const std::string& folder) const;
