@@ -33,7 +33,9 @@ struct ModelParts {
   // Of them the floating-point ones (running statistics, not counts), which no gradient
   // moves: what the data ranks start from alike and what replicas share.
   std::vector<torch::Tensor> float_buffers() const;
-  void set_training(bool on) const;
+  void set_training(bool on) const {
+    for (const auto& chunk : chunks) chunk->train(on);
+  }
 };
 
 }  // namespace dtrain

@@ -22,10 +22,6 @@ std::vector<torch::Tensor> ModelParts::float_buffers() const {
   return out;
 }
 
-void ModelParts::set_training(bool on) const {
-  for (const auto& chunk : chunks) chunk->train(on);
-}
-
 std::vector<Stateful*> Run::stateful() const {
   std::vector<Stateful*> out;
   for (const auto& s : savers) out.push_back(s.get());
@@ -40,22 +36,9 @@ nlohmann::json Mode::layout() const {
 }
 
 TrainParts train_parts(Run& run) {
-  return {run.cfg,
-          *run.job,
-          run.model,
-          *run.params,
-          *run.optimizer,
-          *run.sync,
-          *run.runner,
-          run.scaler.get(),
-          *run.data.train,
-          *run.sampler,
-          *run.log,
-          run.total_steps,
-          run.steps_per_epoch,
-          run.finished,
-          run.device(),
-          run.opts.requeue_job,
+  return {run.cfg, *run.job, run.model, *run.params, *run.optimizer, *run.sync, *run.runner,
+          run.scaler.get(), *run.data.train, *run.sampler, *run.log, run.total_steps,
+          run.steps_per_epoch, run.finished, run.device(), run.opts.requeue_job,
           [&run](int64_t n) { evaluate_and_report(run, n); },
           [&run](int64_t n, bool evaluated, bool background) {
             save_checkpoint(run, n, evaluated, background);

@@ -59,7 +59,6 @@ struct Run {
   const c10::Device& device() const { return opts.device; }
   RunState& state() { return log->state(); }
   const RunState& state() const { return log->state(); }
-  bool root() const { return log->root(); }
   void say(const std::string& line) const { log->say(line); }
   // Every Stateful component of the run, the mode's included.
   std::vector<Stateful*> stateful() const;

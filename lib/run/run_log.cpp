@@ -57,10 +57,6 @@ RunLog::RunLog(const JobConfig& cfg, const Task& task, RunFacts facts, bool root
                Progress* progress)
     : cfg_(cfg), task_(task), facts_(std::move(facts)), root_(root), progress_(progress) {}
 
-void RunLog::say(const std::string& line) const {
-  if (root_) progress_->print(line);
-}
-
 void RunLog::record(int64_t n, const StepStats& s, double lr, bool logged,
                     const nlohmann::json& extra) {
   if (!s.nonfinite) state_.skipped_in_a_row = 0, state_.last_loss = s.loss;
@@ -281,10 +277,6 @@ nlohmann::json RunLog::summary(const std::string& status) const {
     layout["recompute"] = cfg_.train.recompute, layout["chosen_by"] = "parallel.auto";
   }
   return s;
-}
-
-void RunLog::extend_summary(std::function<void(nlohmann::json&)> more) {
-  more_summary_.push_back(std::move(more));
 }
 
 }  // namespace dtrain

@@ -141,7 +141,6 @@ class RunLog {
 
   RunState& state() { return state_; }
   const RunState& state() const { return state_; }
-  const RunFacts& facts() const { return facts_; }
 
   // A step's figures, read (every rank, every step, in order): the window, the line when
   // `logged` (with `extra` fields), progress, and the loss it ends at. A step whose
@@ -180,10 +179,14 @@ class RunLog {
   nlohmann::json summary(const std::string& status) const;
   // More of the summary's fields: the run's (world size, layout, device, memory), what a
   // mode counts as it runs.
-  void extend_summary(std::function<void(nlohmann::json&)> more);
+  void extend_summary(std::function<void(nlohmann::json&)> more) {
+    more_summary_.push_back(std::move(more));
+  }
 
   // A line for the user, on rank 0.
-  void say(const std::string& line) const;
+  void say(const std::string& line) const {
+    if (root_) progress_->print(line);
+  }
   bool root() const { return root_; }
 
  private:

@@ -6,7 +6,6 @@
 #include <string>
 
 #include <c10/core/Device.h>
-#include <nlohmann/json.hpp>
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
@@ -24,7 +23,6 @@ struct RunOptions {
   // Where this rank computes (plan_device's choice for it).
   c10::Device device = c10::Device(c10::kCPU);
 };
-
 
 // `cfg` must be resolved and validated for world.world processes (`dims` is what
 // validate() returned); `comm` spans them all (make_local_comm() for one). Throws
