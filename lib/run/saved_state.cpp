@@ -14,7 +14,6 @@
 #include "config/schema.hpp"
 #include "run/run.hpp"
 #include "util/error.hpp"
-#include "util/files.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;

@@ -7,7 +7,6 @@
 #include "optim/optimizer.hpp"
 #include "run/mode.hpp"
 #include "run/model_parts.hpp"
-#include "util/error.hpp"
 
 namespace dtrain {
 namespace {
