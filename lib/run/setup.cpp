@@ -20,6 +20,7 @@
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/memory.hpp"
+#include "util/shape.hpp"
 #include "util/units.hpp"
 
 namespace dtrain {
@@ -267,9 +268,7 @@ std::string start_line(const Run& run, const std::string& process,
   int64_t local = 0, full = 0;
   for (const auto& e : run.params->entries()) {
     local += e.numel;
-    int64_t n = 1;
-    for (auto s : e.full_shape) n *= s;
-    full += n;
+    full += shape_numel(e.full_shape);
   }
   return fmt::format(
       "dtrain {}: job '{}', {} ({} parameters{}), {} ({} train / {} test), batch {}, {} steps "
@@ -293,10 +292,8 @@ void build_run(Run& run) {
                         (fs::path(cfg.run_dir) / "token-scan.json").string()};
   if (run.job->size() > 1)
     together.all_gather = [&run](const std::vector<double>& mine) {
-      std::vector<double> all;
-      for (const auto& t : run.job->all_gather(torch::tensor(mine, torch::kFloat64)))
-        all.insert(all.end(), t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
-      return all;
+      const auto all = torch::cat(run.job->all_gather(torch::tensor(mine, torch::kFloat64)));
+      return std::vector<double>(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
     };
   run.data = load_data(cfg.data, static_cast<uint64_t>(cfg.seed), together);
   run.data.test = evenly_spaced(run.data.test, cfg.train.eval_samples);
