@@ -77,19 +77,9 @@ class AsyncPs : public Mode, public Stateful {
                              run.sampler,  run.total_steps, run.device,  buffers};
       return ps::run_worker(worker);
     }
-    ps::ServerParts server{roles,
-                           run.job,
-                           *mesh_,
-                           run.cfg,
-                           run.params,
-                           run.optimizer,
-                           buffers,
-                           run.log,
-                           run.total_steps,
-                           run.steps_per_epoch,
-                           run.finished,
-                           run.requeue_job,
-                           run.evaluate,
+    ps::ServerParts server{roles, run.job, *mesh_, run.cfg, run.params, run.optimizer, buffers,
+                           run.log, run.total_steps, run.steps_per_epoch, run.finished,
+                           run.requeue_job, run.evaluate,
                            [&run](int64_t n, bool evaluated) { run.save(n, evaluated, false); },
                            pushes_};
     return ps::run_server(server);

@@ -36,8 +36,6 @@ constexpr size_t kOrdersInFlight = 64;
 class Arrivals {
  public:
   explicit Arrivals(size_t workers) : threads_(workers) {}
-  Arrivals(const Arrivals&) = delete;
-  Arrivals& operator=(const Arrivals&) = delete;
   ~Arrivals() {  // a failed run leaves waits behind: each ends by dist.timeout_s at worst
     for (auto& t : threads_)
       if (t.joinable()) t.join();
@@ -113,9 +111,7 @@ class ServerRange {
     unpack(flat, buffers_);
   }
   // Server 0: a worker's buffers, with the push it applied.
-  void take_buffers(const torch::Tensor& flat) {
-    if (!buffers_.empty()) unpack(flat, buffers_);
-  }
+  void take_buffers(const torch::Tensor& flat) { unpack(flat, buffers_); }
   int64_t buffer_numel() const { return buffer_numel_; }
   // This range's parameters as they are now (a reply's, which must not change in flight).
   torch::Tensor snapshot() const { return range_of(parts_.params.data(), mine_).clone(); }
@@ -142,10 +138,8 @@ RunResult run_follower(ServerParts& parts) {
   std::vector<std::unique_ptr<Pending>> pushes(size_t(parts.roles.workers)), replies(size_t(parts.roles.workers));
   for (auto& g : grads) g = range.new_grad();
   while (true) {
-    {
-      auto p = job.exchange_async({{P2POp::kRecv, order, 0, kOrderTag}});
-      wait_for(*p, "async_ps server 0 (rank 0)", parts.job.rank());
-    }
+    wait_for(*job.exchange_async({{P2POp::kRecv, order, 0, kOrderTag}}),
+             "async_ps server 0 (rank 0)", job.rank());
     const auto o = order.accessor<double, 1>();
     const auto kind = int64_t(o[Order::kKind]), w = int64_t(o[Order::kWorker]);
     const auto arg = int64_t(o[Order::kArg]);
@@ -174,8 +168,7 @@ RunResult run_follower(ServerParts& parts) {
   }
 }
 
-// Server 0: applies the pushes in the order they arrive, sequences the other servers, holds
-// the replies of workers too far ahead, and runs the job's cadence at every step's end.
+// Server 0, the sequencer (the top says what it does).
 class Sequencer {
  public:
   explicit Sequencer(ServerParts& parts)
@@ -190,7 +183,7 @@ class Sequencer {
     push_bytes_ = padded * elt + PushHeader::kSize * 8 + range_.buffer_numel() * 4;
     reply_bytes_ = padded * elt + ReplyHeader::kSize * 8;
     order_bytes_ = (parts.roles.servers - 1) * Order::kSize * 8;
-    log().extend_summary([this](nlohmann::json& s) { add_to_summary(s); });
+    parts_.log.extend_summary([this](nlohmann::json& s) { add_to_summary(s); });
   }
 
   RunResult run() {
@@ -219,7 +212,7 @@ class Sequencer {
     } catch (const DivergedError&) {
       throw;  // its summary is written
     } catch (const Error& e) {
-      log().failed(first_line(e.what()));
+      parts_.log.failed(first_line(e.what()));
       throw;
     }
   }
@@ -265,7 +258,6 @@ class Sequencer {
       orders_.push_back(job.exchange_async(
           {{P2POp::kSend, f64({double(kind), double(w), double(arg), norm}), s, kOrderTag}}));
     bytes_ += order_bytes_;
-    // A follower takes its orders one by one; more than a few in flight means it is behind.
     while (orders_.size() > kOrdersInFlight) {
       wait_for(*orders_.front(), "an async_ps server", parts_.job.rank());
       orders_.pop_front();
@@ -340,9 +332,9 @@ class Sequencer {
     culprit.who = parts_.roles.worker_name(int64_t(w));
     culprit.rank = peer(w);
     culprit.unit = "pushes";
-    if (auto end_of_run = log().nonfinite(step, culprit, /*meets=*/true)) {
+    if (auto end_of_run = parts_.log.nonfinite(step, culprit, /*meets=*/true)) {
       end(kExitBadData);
-      log().diverge(*end_of_run);
+      parts_.log.diverge(*end_of_run);
     }
   }
 
@@ -367,7 +359,7 @@ class Sequencer {
     const auto& cfg = parts_.cfg;
     const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, n, parts_.total_steps);
     const bool log_now = cadence_.should_log(n);
-    log().record(n, s, lr, log_now, log_now ? window_fields() : nlohmann::json::object());
+    parts_.log.record(n, s, lr, log_now, log_now ? window_fields() : nlohmann::json::object());
     const bool eval_now = cadence_.should_eval(n), save_now = cadence_.should_save(n);
     const int sig = stop_signal() ? stop_signal() : stop_votes_ ? SIGTERM : 0;
     const auto paused = Clock::now();
@@ -380,11 +372,11 @@ class Sequencer {
     mark_ += Clock::now() - paused;  // evaluations and checkpoints are not a step's time
     if (sig) {
       end(exit_code_for_signal(sig));
-      return log().stopped(sig, parts_.requeue_job);
+      return parts_.log.stopped(sig, parts_.requeue_job);
     }
     if (!cadence_.last(n)) return std::nullopt;
     end(0);
-    return log().completed(fmt::format(" ({} pushes)", version_));
+    return parts_.log.completed(fmt::format(" ({} pushes)", version_));
   }
 
   // The train line's own fields: the staleness of the pushes applied since the last line
@@ -443,7 +435,6 @@ class Sequencer {
     for (const auto& wk : workers_) pushes.push_back(wk.pushes);
     s["worker_pushes"] = pushes;
   }
-  RunLog& log() { return parts_.log; }
 
   ServerParts& parts_;
   ServerRange range_;

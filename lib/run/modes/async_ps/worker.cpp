@@ -22,8 +22,7 @@ RunResult run_worker(WorkerParts& w) {
     return ops;
   };
   auto exchange = [&](std::vector<P2POp> ops) {
-    auto p = w.job.exchange_async(std::move(ops));
-    wait_for(*p, "the servers", w.job.rank());
+    wait_for(*w.job.exchange_async(std::move(ops)), "the servers", w.job.rank());
   };
   exchange(pull());
   auto r = reply.accessor<double, 1>();
