@@ -71,18 +71,12 @@ void MetricsLog::write(const nlohmann::json& line) {
 }
 
 void MetricsLog::append(const std::string& text) {
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::pwrite(fd_, text.data() + done, text.size() - done, size_ + off_t(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : ENOSPC;
-      failed_ = true;
-      if (::ftruncate(fd_, size_) != 0) {  // nothing more to do: the line stays cut
-      }
-      throw RunDirError(fmt::format("cannot write '{}': {}", path_, std::strerror(err)));
+  if (!write_all(fd_, text.data(), text.size(), size_)) {
+    const int err = errno;
+    failed_ = true;
+    if (::ftruncate(fd_, size_) != 0) {  // nothing more to do: the line stays cut
     }
-    done += size_t(n);
+    throw RunDirError(fmt::format("cannot write '{}': {}", path_, std::strerror(err)));
   }
   size_ += off_t(text.size());
 }

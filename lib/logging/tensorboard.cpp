@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "util/error.hpp"
+#include "util/files.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -145,15 +146,8 @@ void EventWriter::write(const nlohmann::json& line) {
 }
 
 void EventWriter::append(const std::string& record) {
-  size_t done = 0;
-  while (done < record.size()) {
-    const ssize_t n = ::write(fd_, record.data() + done, record.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0)
-      throw RunDirError(fmt::format("cannot write '{}': {}", path_,
-                                    std::strerror(n < 0 ? errno : ENOSPC)));
-    done += size_t(n);
-  }
+  if (!write_all(fd_, record.data(), record.size()))
+    throw RunDirError(fmt::format("cannot write '{}': {}", path_, std::strerror(errno)));
 }
 
 }  // namespace dtrain

@@ -28,22 +28,29 @@ void write_file_synced(const std::string& path, const std::string& data) {
   write_file_synced(path, std::vector<ByteSpan>{{data.data(), data.size()}});
 }
 
+bool write_all(int fd, const void* data, size_t size, int64_t at) {
+  for (size_t done = 0; done < size;) {
+    const char* from = static_cast<const char*>(data) + done;
+    const ssize_t n = at < 0 ? ::write(fd, from, size - done)
+                             : ::pwrite(fd, from, size - done, off_t(at) + off_t(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = ENOSPC;
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
 void write_file_synced(const std::string& path, const std::vector<ByteSpan>& pieces) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw sys_error("create", path);
-  for (const auto& [data, size] : pieces) {
-    size_t done = 0;
-    while (done < size) {
-      ssize_t n = ::write(fd, static_cast<const char*>(data) + done, size - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {  // 0: nothing written, a full disk by another name
-        if (n == 0) errno = ENOSPC;
-        ::close(fd);
-        throw sys_error("write", path);
-      }
-      done += static_cast<size_t>(n);
+  for (const auto& [data, size] : pieces)
+    if (!write_all(fd, data, size)) {
+      ::close(fd);
+      throw sys_error("write", path);
     }
-  }
   if (::fsync(fd) != 0) {
     ::close(fd);
     throw sys_error("fsync", path);

@@ -14,6 +14,10 @@ void write_file_synced(const std::string& path, const std::string& data);
 // tensors straight from where they are).
 using ByteSpan = std::pair<const void*, size_t>;
 void write_file_synced(const std::string& path, const std::vector<ByteSpan>& pieces);
+// Writes all `size` bytes at `data` to `fd`, at offset `at` (pwrite) or, for at < 0, where
+// the file position is, going on after a signal interrupts; false with errno set where it
+// cannot (ENOSPC for a write of nothing, a full disk by another name).
+bool write_all(int fd, const void* data, size_t size, int64_t at = -1);
 // Writes to a temporary name beside `path`, fsyncs, then renames over `path`.
 void write_file_atomic(const std::string& path, const std::string& data);
 // fsyncs a directory, making renames and creations inside it durable.
