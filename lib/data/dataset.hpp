@@ -39,7 +39,6 @@ class Dataset {
 
 // A whole labelled split held in memory, decoded and normalised once; a batch is a gather.
 struct TensorDataset : Dataset {
-  TensorDataset() = default;
   TensorDataset(torch::Tensor x, torch::Tensor y) : x(std::move(x)), y(std::move(y)) {}
   int64_t size() const override { return y.defined() ? y.size(0) : 0; }
   Batch gather(const torch::Tensor& indices) const override {

@@ -136,12 +136,8 @@ DataSplits synthetic(const DataConfig& cfg, uint64_t seed) {
     full.insert(full.end(), shape.begin(), shape.end());
     return std::make_shared<TensorDataset>(x.view(full).contiguous(), y);
   };
-  DataSplits s;
-  s.train = make(cfg.samples);
-  s.test = make(cfg.test_samples);
-  s.sample_shape = shape;
-  s.classes = cfg.classes;
-  return s;
+  // A braced list evaluates in order: the train split draws from the generator first.
+  return {make(cfg.samples), make(cfg.test_samples), shape, cfg.classes};
 }
 
 }  // namespace

@@ -104,12 +104,9 @@ DataSplits load_text(const DataConfig& cfg) {
     (int64_t(i) % every == every - 1 ? test : train).push_back(all[i]);
   fail_if<DataError>(test.empty(), "data.path: '{}' holds {} bytes, too few for windows of {} "
                      "with one in {} held out", cfg.path, stream.size(0), seq + 1, every);
-  DataSplits s;
-  s.train = std::make_shared<TokenWindows>(stream, torch::tensor(train, torch::kInt64), seq);
-  s.test = std::make_shared<TokenWindows>(stream, torch::tensor(test, torch::kInt64), seq);
-  s.sample_shape = {seq};
-  s.vocab = 256;
-  return s;
+  return {std::make_shared<TokenWindows>(stream, torch::tensor(train, torch::kInt64), seq),
+          std::make_shared<TokenWindows>(stream, torch::tensor(test, torch::kInt64), seq), {seq},
+          /*classes=*/0, /*vocab=*/256};
 }
 
 DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed) {
@@ -120,12 +117,8 @@ DataSplits synthetic_tokens(const DataConfig& cfg, uint64_t seed) {
     const auto starts = torch::tensor(window_starts(0, windows * seq + 1, seq), torch::kInt64);
     return std::make_shared<TokenWindows>(stream, starts, seq);
   };
-  DataSplits s;
-  s.train = make(cfg.samples);
-  s.test = make(cfg.test_samples);
-  s.sample_shape = {seq};
-  s.vocab = cfg.vocab;
-  return s;
+  // A braced list evaluates in order: the train split draws from the generator first.
+  return {make(cfg.samples), make(cfg.test_samples), {seq}, /*classes=*/0, cfg.vocab};
 }
 
 }  // namespace dtrain

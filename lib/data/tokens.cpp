@@ -269,13 +269,9 @@ std::map<std::string, ShardScan> read_record(const std::string& path) {
   try {  // a record that cannot be read is no record: the shards are scanned again
     const auto j = nlohmann::json::parse(read_file(path));
     if (j.value("format", "") != "dtrain-token-scan" || j.value("version", 0) != 1) return out;
-    for (const auto& e : j.at("shards")) {
-      ShardScan sc;
-      sc.sum = e.at("sum").get<double>();
-      sc.weighted = e.at("weighted").get<double>();
-      sc.max_id = e.at("max_id").get<int64_t>();
-      out[e.at("key").get<std::string>()] = sc;
-    }
+    for (const auto& e : j.at("shards"))
+      out[e.at("key").get<std::string>()] = ShardScan{
+          e.at("sum").get<double>(), e.at("weighted").get<double>(), e.at("max_id").get<int64_t>()};
   } catch (const std::exception&) {
     out.clear();
   }
