@@ -11,7 +11,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -108,13 +107,12 @@ std::vector<std::string> layout_sets(const Layout& l, const JobConfig& job) {
 // (a capped one) and one checkpoint at the end, nothing else written.
 std::vector<std::string> run_sets(const VerifyOptions& o, int64_t steps, int64_t eval_samples) {
   std::vector<std::string> s = o.sets;
-  for (auto x : {fmt::format("train.max_steps={}", steps), std::string("train.log_every=1"),
-                 fmt::format("train.eval_every={}", steps),
-                 fmt::format("train.eval_samples={}", eval_samples),
-                 fmt::format("checkpoint.every_steps={}", steps),
-                 std::string("logging.progress=off"), std::string("logging.tensorboard=false"),
-                 std::string("parallel.auto=false")})  // the layouts are verify's to set
-    s.push_back(x);
+  s.insert(s.end(), {fmt::format("train.max_steps={}", steps), "train.log_every=1",
+                     fmt::format("train.eval_every={}", steps),
+                     fmt::format("train.eval_samples={}", eval_samples),
+                     fmt::format("checkpoint.every_steps={}", steps), "logging.progress=off",
+                     "logging.tensorboard=false",
+                     "parallel.auto=false"});  // the layouts are verify's to set
   return s;
 }
 
@@ -251,11 +249,9 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
   std::ifstream metrics(dir + "/run/metrics.jsonl");
   for (std::string line; std::getline(metrics, line);) {
     const auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_object() || !j.contains("kind")) continue;
-    if (j["kind"] == "train" && j.contains("loss") && j["loss"].is_number())
-      r.losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
-    if (j["kind"] == "eval" && j.contains("loss") && j["loss"].is_number())
-      r.eval_loss = j["loss"].get<double>();
+    if (!j.is_object() || !j.contains("kind") || !j.contains("loss") || !j["loss"].is_number()) continue;
+    if (j["kind"] == "train") r.losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    if (j["kind"] == "eval") r.eval_loss = j["loss"].get<double>();
   }
   return r;
 }
