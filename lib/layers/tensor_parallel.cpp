@@ -47,14 +47,12 @@ int64_t parts_dividing(const std::shared_ptr<Comm>& tensor, int64_t n, const cha
 }  // namespace
 
 torch::Tensor copy_to_tensor_region(const torch::Tensor& x, const std::shared_ptr<Comm>& tensor) {
-  if (tensor->size() == 1) return x;
-  return CopyToRegion::apply(x, tensor.get());
+  return tensor->size() == 1 ? x : CopyToRegion::apply(x, tensor.get());
 }
 
 torch::Tensor reduce_from_tensor_region(const torch::Tensor& x,
                                         const std::shared_ptr<Comm>& tensor) {
-  if (tensor->size() == 1) return x;
-  return ReduceFromRegion::apply(x, tensor.get());
+  return tensor->size() == 1 ? x : ReduceFromRegion::apply(x, tensor.get());
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ParallelLinearOptions& opts,

@@ -173,12 +173,11 @@ NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int
 
 void load_optimizer_state(Optimizer& opt, const FlatParams& params, const SavedTensors& saved,
                           int64_t tensor_rank) {
-  for (auto& [slot, part] : opt.slots()) {
+  for (auto& [slot, part] : opt.slots())
     if (keeps_shard(opt, params))
       params.scatter_range(part, opt.shard(), "." + slot, saved, tensor_rank);
     else
       params.scatter_full(part, "." + slot, saved, tensor_rank);
-  }
   NamedTensors scalars;  // the ones this optimizer keeps, at the shapes it keeps them
   for (const auto& [name, t] : opt.scalars()) scalars.emplace_back(name, saved.at(name, t.sizes().vec()));
   opt.load_scalars(scalars);

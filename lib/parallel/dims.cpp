@@ -11,10 +11,7 @@ ParallelDims ParallelDims::resolve(const ParallelConfig& p, int64_t world) {
   fail_if<ConfigError>(world % (p.tensor * p.pipeline) != 0,
                        "parallel.tensor ({}) x parallel.pipeline ({}) does not divide the world "
                        "size {}", p.tensor, p.pipeline, world);
-  ParallelDims d;
-  d.tensor = p.tensor;
-  d.pipeline = p.pipeline;
-  d.data = p.data > 0 ? p.data : world / (p.tensor * p.pipeline);
+  const ParallelDims d{p.data > 0 ? p.data : world / (p.tensor * p.pipeline), p.tensor, p.pipeline};
   fail_if<ConfigError>(d.world() != world,
                        "parallel.data ({}) x parallel.tensor ({}) x parallel.pipeline ({}) = {} "
                        "but {} processes are running", d.data, d.tensor, d.pipeline, d.world(),

@@ -214,9 +214,8 @@ void FlatParams::make_units(const std::vector<torch::nn::Module*>& modules, cons
 }
 
 std::optional<size_t> FlatParams::unit_of(const torch::nn::Module& module) const {
-  auto it = unit_at_.find(&module);
-  if (it == unit_at_.end()) return std::nullopt;
-  return it->second;
+  const auto it = unit_at_.find(&module);
+  return it == unit_at_.end() ? std::nullopt : std::optional<size_t>(it->second);
 }
 
 namespace {
@@ -361,11 +360,10 @@ torch::Tensor FlatParams::data_of(const Shard& part) const {
 }
 
 Shard FlatParams::shard(int64_t ranks, int64_t rank) const {
-  const int64_t total = numel_;
-  if (total % ranks != 0)
+  if (numel_ % ranks != 0)
     throw std::logic_error(fmt::format("a flat buffer of {} cannot be cut in {} equal shards",
-                                       total, ranks));
-  return {rank * (total / ranks), total / ranks};
+                                       numel_, ranks));
+  return {rank * (numel_ / ranks), numel_ / ranks};
 }
 
 torch::Tensor FlatParams::view(const torch::Tensor& flat, size_t i) const {
@@ -395,12 +393,9 @@ NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suf
   NamedTensors out;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
-    if (e.placement.is_split()) {
-      parts[e.name + suffix] = PartOf{e.placement, tensor_rank};
-      out.emplace_back(e.name + suffix, view(flat, i));
-    } else if (tensor_rank == 0) {
-      out.emplace_back(e.name + suffix, view(flat, i));
-    }
+    if (!e.placement.is_split() && tensor_rank != 0) continue;
+    if (e.placement.is_split()) parts[e.name + suffix] = PartOf{e.placement, tensor_rank};
+    out.emplace_back(e.name + suffix, view(flat, i));
   }
   return out;
 }
