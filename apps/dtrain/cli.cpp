@@ -54,15 +54,14 @@ void add_job_args(CLI::App* cmd, JobArgs& a, bool required = true) {
       ->allow_extra_args(false);
 }
 
-// A job resolved and validated for `world_size` processes (`local` of them on this
-// machine) among `devices`, with the layout it resolves to: parallel.auto's choice, said on
-// stderr where `say`.
 struct Job {
   JobConfig cfg;
   ParallelDims dims;
 };
 
-// A resolved job spec taken to its layout and validated.
+// A resolved job spec taken to its layout and validated for `world_size` processes
+// (`local` of them on this machine) among `devices`: parallel.auto's choice, said on stderr
+// where `say`.
 Job settle(const JobConfig& cfg, int64_t world_size, int64_t local, bool say,
            const Devices& devices = Devices::here()) {
   auto choice = auto_layout(cfg, world_size, local, false);
@@ -83,8 +82,7 @@ JobConfig read_job(const JobArgs& a, const std::string& run_dir = "") {
 // An elastic job's check at each world size: under parallel.auto, that some layout
 // validates (the one auto_layout would take at that size).
 WorldCheck elastic_check(const JobConfig& cfg) {
-  if (!cfg.parallel.auto_layout) return nullptr;
-  return check_some_layout;
+  return cfg.parallel.auto_layout ? WorldCheck(check_some_layout) : nullptr;
 }
 
 // The world size validate, config and plan check against, and its processes on this

@@ -454,7 +454,6 @@ template <class T>
 void need(bool ok, const std::string& key, const std::string& rule, const T& value) {
   if (!ok) throw ConfigError(fmt::format("{}: must be {} (got {})", key, rule, value));
 }
-bool finite(double x) { return std::isfinite(x); }
 
 // "0", "300": digits only, small enough for an int64 step count.
 bool whole_number(const std::string& s) {
@@ -507,15 +506,15 @@ void check_data(const JobConfig& c) {
 // optimizer.*, schedule.*, train.*.
 void check_training(const JobConfig& c) {
   const auto& o = c.optimizer;
-  need(finite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
+  need(std::isfinite(o.lr) && o.lr > 0, "optimizer.lr", "> 0", o.lr);
   need(o.momentum >= 0 && o.momentum < 1, "optimizer.momentum", "in [0, 1)", o.momentum);
   need(!o.nesterov || o.momentum > 0, "optimizer.nesterov", "false when momentum is 0", "true");
-  need(finite(o.weight_decay) && o.weight_decay >= 0, "optimizer.weight_decay", ">= 0",
+  need(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "optimizer.weight_decay", ">= 0",
        o.weight_decay);
   need(o.beta1 >= 0 && o.beta1 < 1, "optimizer.beta1", "in [0, 1)", o.beta1);
   need(o.beta2 >= 0 && o.beta2 < 1, "optimizer.beta2", "in [0, 1)", o.beta2);
-  need(finite(o.eps) && o.eps > 0, "optimizer.eps", "> 0", o.eps);
-  need(finite(o.grad_clip) && o.grad_clip >= 0, "optimizer.grad_clip", ">= 0 (0 = off)",
+  need(std::isfinite(o.eps) && o.eps > 0, "optimizer.eps", "> 0", o.eps);
+  need(std::isfinite(o.grad_clip) && o.grad_clip >= 0, "optimizer.grad_clip", ">= 0 (0 = off)",
        o.grad_clip);
   need(o.label_smoothing >= 0 && o.label_smoothing < 1, "optimizer.label_smoothing", "in [0, 1)",
        o.label_smoothing);
@@ -553,7 +552,7 @@ void check_layout_and_run(const JobConfig& c) {
        "parallel.stages", "a list of positive part counts, one per stage",
        fmt::format("{}", p.stages));
   need(p.zero >= 0 && p.zero <= 3, "parallel.zero", "0, 1, 2 or 3", p.zero);
-  need(finite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
+  need(std::isfinite(p.bucket_mb) && p.bucket_mb > 0, "parallel.bucket_mb", "> 0", p.bucket_mb);
   need(p.topk_ratio > 0 && p.topk_ratio <= 1, "parallel.topk_ratio", "in (0, 1]", p.topk_ratio);
   need(p.powersgd_rank >= 1, "parallel.powersgd_rank", ">= 1", p.powersgd_rank);
   need(p.compression_warmup == "auto" || whole_number(p.compression_warmup),
@@ -573,7 +572,7 @@ void check_layout_and_run(const JobConfig& c) {
       if (used != pr.loss_scale.size()) v = 0;
     } catch (const std::exception&) {
     }
-    need(finite(v) && v > 0, "precision.loss_scale", "'dynamic' or a positive number",
+    need(std::isfinite(v) && v > 0, "precision.loss_scale", "'dynamic' or a positive number",
          fmt::format("'{}'", pr.loss_scale));
   }
   // c10d keeps timeouts in milliseconds; 30 days is far past any real wait.
