@@ -31,12 +31,12 @@ using Bytes = std::vector<uint8_t>;
 void put_u32(Bytes& b, uint32_t v) {
   for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i)));
 }
-void put_blob(Bytes& b, const void* p, size_t n) {
-  put_u32(b, uint32_t(n));
-  b.insert(b.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+// A key (std::string) or a value (Bytes), length first.
+template <class Blob>
+void put_blob(Bytes& b, const Blob& v) {
+  put_u32(b, uint32_t(v.size()));
+  b.insert(b.end(), v.begin(), v.end());
 }
-void put_blob(Bytes& b, const std::string& s) { put_blob(b, s.data(), s.size()); }
-void put_blob(Bytes& b, const Bytes& v) { put_blob(b, v.data(), v.size()); }
 Bytes i64_bytes(int64_t v) {
   Bytes b(8);
   for (int i = 0; i < 8; ++i) b[size_t(i)] = uint8_t(uint64_t(v) >> (8 * i));
@@ -175,7 +175,6 @@ class StoreServer {
       }
       if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
         listen_fd_ = fd;
-        address_ = address_str(a->ai_addr);
       } else {
         const int err = errno;
         tried += fmt::format(" {}: {};", address_str(a->ai_addr), std::strerror(err));
@@ -205,7 +204,6 @@ class StoreServer {
   }
 
   int port() const { return port_; }
-  const std::string& address() const { return address_; }
 
  private:
   void serve() {
@@ -352,7 +350,6 @@ class StoreServer {
   int listen_fd_ = -1, port_ = 0;
   int wake_[2] = {-1, -1};
   std::string remote_note_;
-  std::string address_;
   struct Client {
     Bytes in;   // received, not yet a whole request
     Bytes out;  // replies the socket has not taken yet
@@ -452,12 +449,12 @@ Bytes TcpStore::request(const Bytes& message) {
 }
 
 namespace {
-Bytes op_message(Op op, std::initializer_list<const Bytes*> args) {
+template <class... Args>
+Bytes op_message(Op op, const Args&... args) {
   Bytes m{uint8_t(op)};
-  for (const auto* a : args) put_blob(m, *a);
+  (put_blob(m, args), ...);
   return m;
 }
-Bytes key_bytes(const std::string& k) { return Bytes(k.begin(), k.end()); }
 
 // Asks `ready` again, backing off from 0.2 to 10 ms, until it says yes or `timeout` (none
 // when kNoTimeout) has passed: how get and wait block without holding the server.
@@ -476,22 +473,19 @@ void poll_until(std::chrono::milliseconds timeout, const std::string& waiting_fo
 }  // namespace
 
 void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
-  const auto k = key_bytes(key);
-  request(op_message(kSet, {&k, &value}));
+  request(op_message(kSet, key, value));
 }
 
 std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
                                           const std::vector<uint8_t>& expected,
                                           const std::vector<uint8_t>& desired) {
-  const auto k = key_bytes(key);
-  return request(op_message(kCompareSet, {&k, &expected, &desired}));
+  return request(op_message(kCompareSet, key, expected, desired));
 }
 
 std::vector<uint8_t> TcpStore::get(const std::string& key) {
-  const auto k = key_bytes(key);
   Bytes value;
   poll_until(timeout_, fmt::format("key '{}'", key), [&] {
-    auto reply = request(op_message(kTryGet, {&k}));
+    auto reply = request(op_message(kTryGet, key));
     if (reply.empty() || !reply[0]) return false;
     value.assign(reply.begin() + 1, reply.end());
     return true;
@@ -500,15 +494,13 @@ std::vector<uint8_t> TcpStore::get(const std::string& key) {
 }
 
 int64_t TcpStore::add(const std::string& key, int64_t value) {
-  const auto k = key_bytes(key), v = i64_bytes(value);
-  const auto reply = request(op_message(kAdd, {&k, &v}));
+  const auto reply = request(op_message(kAdd, key, i64_bytes(value)));
   if (reply.size() != 8) throw std::runtime_error("store: malformed reply to add");
   return i64_of(reply.data());
 }
 
 bool TcpStore::deleteKey(const std::string& key) {
-  const auto k = key_bytes(key);
-  const auto reply = request(op_message(kDelete, {&k}));
+  const auto reply = request(op_message(kDelete, key));
   return !reply.empty() && reply[0];
 }
 
@@ -520,7 +512,7 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
 }
 
 int64_t TcpStore::getNumKeys() {
-  const auto reply = request(op_message(kNumKeys, {}));
+  const auto reply = request(op_message(kNumKeys));
   if (reply.size() != 8) throw std::runtime_error("store: malformed reply to getNumKeys");
   return i64_of(reply.data());
 }
