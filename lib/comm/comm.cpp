@@ -73,31 +73,28 @@ class LocalComm : public Comm, public std::enable_shared_from_this<LocalComm> {
  public:
   int64_t rank() const override { return 0; }
   int64_t size() const override { return 1; }
-  std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override {
-    return std::make_unique<DonePending>();
-  }
-  std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override {
-    return std::make_unique<DonePending>();
-  }
-  std::unique_ptr<Pending> broadcast_async(torch::Tensor, int64_t) override {
-    return std::make_unique<DonePending>();
-  }
+  std::unique_ptr<Pending> all_reduce_async(torch::Tensor, ReduceOp) override { return done(); }
+  std::unique_ptr<Pending> reduce_async(torch::Tensor, int64_t) override { return done(); }
+  std::unique_ptr<Pending> broadcast_async(torch::Tensor, int64_t) override { return done(); }
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t) override { return {t.clone()}; }
   std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) override {
     out.view(-1).copy_(in.reshape(-1));
-    return std::make_unique<DonePending>();
+    return done();
   }
   bool can_sum(torch::ScalarType) const override { return true; }
   void barrier() override {}
   std::unique_ptr<Pending> exchange_async(std::vector<P2POp> ops) override {
     if (!ops.empty()) throw std::logic_error("send/recv in a group of one process");
-    return std::make_unique<DonePending>();
+    return done();
   }
   std::shared_ptr<Comm> new_group(const std::string&, const std::vector<int64_t>& members) override {
     if (members != std::vector<int64_t>{0})
       throw std::logic_error("a group of other ranks in a world of one process");
     return shared_from_this();
   }
+
+ private:
+  static std::unique_ptr<Pending> done() { return std::make_unique<DonePending>(); }
 };
 
 std::string describe(std::exception_ptr e) {
