@@ -12,6 +12,39 @@ namespace {
 
 using json = nlohmann::json;
 
+// The store key of world rank `rank`'s heartbeat.
+std::string heartbeat_key(int64_t rank) { return fmt::format("dtrain/heartbeat/{}", rank); }
+
+// Wall-clock seconds: heartbeats compare times across processes.
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// How often a rank beats for a threshold of `after`, and how old a heartbeat is when its
+// rank is called silent (two and a half beats: a stopped rank's is at least the threshold
+// old when a wait is judged, a live one's at most a beat and the store's latency).
+std::chrono::milliseconds beat_period(std::chrono::milliseconds after) {
+  return std::clamp<std::chrono::milliseconds>(after / 3, std::chrono::milliseconds(100),
+                                               std::chrono::seconds(1));
+}
+double silent_after_s(std::chrono::milliseconds after) {
+  return 2.5 * std::chrono::duration<double>(beat_period(after)).count();
+}
+
+// Every rank's heartbeat the store holds (a rank without one is left out); throws when the
+// store does not answer.
+std::map<int64_t, json> read_heartbeats(c10d::Store& store, const std::vector<int64_t>& ranks) {
+  std::map<int64_t, json> beats;
+  for (int64_t r : ranks) {
+    const std::string key = heartbeat_key(r);
+    if (!store.check({key})) continue;
+    const auto bytes = store.get(key);
+    auto parsed = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+    if (!parsed.is_discarded()) beats[r] = std::move(parsed);
+  }
+  return beats;
+}
+
 std::string what_it_waits_in(const json& beat, double now_s) {
   if (!beat.contains("waits") || beat["waits"].empty()) return "in no collective";
   const auto& w = beat["waits"][0];
@@ -38,21 +71,6 @@ std::string standing(int64_t rank, const std::map<int64_t, json>& beats, double 
 }
 
 }  // namespace
-
-std::string heartbeat_key(int64_t rank) { return fmt::format("dtrain/heartbeat/{}", rank); }
-
-double wall_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-std::chrono::milliseconds beat_period(std::chrono::milliseconds after) {
-  return std::clamp<std::chrono::milliseconds>(after / 3, std::chrono::milliseconds(100),
-                                               std::chrono::seconds(1));
-}
-
-double silent_after_s(std::chrono::milliseconds after) {
-  return 2.5 * std::chrono::duration<double>(beat_period(after)).count();
-}
 
 std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
                           const std::map<int64_t, json>& beats, double now_s, double silent_s,
@@ -98,18 +116,6 @@ std::string job_picture(const std::map<int64_t, json>& beats, int64_t world, dou
   std::string out = "dtrain: the job now (from each rank's heartbeat):";
   for (int64_t r = 0; r < world; ++r) out += "\n  " + standing(r, beats, now_s, silent_s);
   return out;
-}
-
-std::map<int64_t, json> read_heartbeats(c10d::Store& store, const std::vector<int64_t>& ranks) {
-  std::map<int64_t, json> beats;
-  for (int64_t r : ranks) {
-    const std::string key = heartbeat_key(r);
-    if (!store.check({key})) continue;
-    const auto bytes = store.get(key);
-    auto parsed = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
-    if (!parsed.is_discarded()) beats[r] = std::move(parsed);
-  }
-  return beats;
 }
 
 Watch::Watch(c10::intrusive_ptr<c10d::Store> store, int64_t rank, std::chrono::milliseconds after,

@@ -28,9 +28,6 @@
 
 namespace dtrain {
 
-// The store key of world rank `rank`'s heartbeat.
-std::string heartbeat_key(int64_t rank);
-
 // A collective (or a transfer with `peer`) a rank waits in.
 struct WaitedOp {
   std::string op, group;         // all_reduce, ...; the group's name ("world", "data", ...)
@@ -42,12 +39,6 @@ struct WaitedOp {
   int64_t peer = -1;             // a transfer's other world rank
 };
 
-// How often a rank beats for a threshold of `after`, and how old a heartbeat is when its
-// rank is called silent (two and a half beats: a stopped rank's is at least the threshold
-// old when a wait is judged, a live one's at most a beat and the store's latency).
-std::chrono::milliseconds beat_period(std::chrono::milliseconds after);
-double silent_after_s(std::chrono::milliseconds after);
-
 // What one line says of a hang, from this rank's wait and its group's heartbeats (a rank
 // without one: none read; `store_silent`: the store did not answer). Pure, for tests.
 std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
@@ -58,14 +49,6 @@ std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
 // store holds (the supervisor prints it).
 std::string job_picture(const std::map<int64_t, nlohmann::json>& beats, int64_t world,
                         double now_s, double silent_after_s);
-
-// Every rank's heartbeat the store holds (a rank without one is left out); throws when the
-// store does not answer.
-std::map<int64_t, nlohmann::json> read_heartbeats(c10d::Store& store,
-                                                  const std::vector<int64_t>& ranks);
-
-// Wall-clock seconds: heartbeats compare times across processes.
-double wall_seconds();
 
 class Watch {
  public:
