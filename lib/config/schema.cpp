@@ -90,16 +90,13 @@ const char* replaced_by(const std::string& key) {
   return nullptr;
 }
 
-std::string did_you_mean(const std::string& key) {
-  auto near = nearest_key(key);
-  return near.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", near);
-}
-
 // The error for a key the schema does not have, at `at` (a file position or --set).
 ConfigError unknown_key(const std::string& at, const std::string& key) {
   if (const char* instead = replaced_by(key))
     return ConfigError(fmt::format("{}: '{}' was removed; {}", at, key, instead));
-  return ConfigError(fmt::format("{}: unknown key '{}'{}", at, key, did_you_mean(key)));
+  const auto near = nearest_key(key);
+  return ConfigError(fmt::format("{}: unknown key '{}'{}", at, key,
+                                 near.empty() ? "" : fmt::format(" (did you mean '{}'?)", near)));
 }
 
 std::string where(const YAML::Mark& m, const std::string& origin) {
