@@ -109,12 +109,9 @@ SafetensorsIndex index_safetensors(const std::string& path) {
     size_t expected_start = 0;
     for (const auto& [start, name] : order) {
       const auto& e = header.at(name);
-      SafetensorsIndex::Entry entry;
-      entry.name = name;
-      entry.dtype = dtype_of(e.at("dtype").get<std::string>(), path);
-      entry.shape = e.at("shape").get<std::vector<int64_t>>();
-      entry.begin = start;
-      entry.end = e.at("data_offsets").at(1).get<size_t>();
+      SafetensorsIndex::Entry entry{name, dtype_of(e.at("dtype").get<std::string>(), path),
+                                    e.at("shape").get<std::vector<int64_t>>(), start,
+                                    e.at("data_offsets").at(1).get<size_t>()};
       uint64_t bytes_needed = c10::elementSize(entry.dtype);
       for (int64_t d : entry.shape) {  // checked before anything is allocated
         if (d < 0 || (d > 0 && bytes_needed > (uint64_t(1) << 62) / uint64_t(d)))
