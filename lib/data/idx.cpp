@@ -206,13 +206,9 @@ DataSplits load_data(const DataConfig& cfg, uint64_t seed, const ReadTogether& t
   if (!std::filesystem::is_directory(cfg.path))
     throw DataError(fmt::format("data.path: '{}' is not a folder{}", cfg.path,
                                 where_to_get(cfg.dataset)));
-  DataSplits s;
-  s.train = load_idx_split(cfg.path, "train", cfg.dataset, mean, std);
-  s.test = load_idx_split(cfg.path, "t10k", cfg.dataset, mean, std);
-  const auto& x = static_cast<const TensorDataset&>(*s.train).x;
-  s.sample_shape = {1, x.size(2), x.size(3)};
-  s.classes = 10;
-  return s;
+  const auto train = load_idx_split(cfg.path, "train", cfg.dataset, mean, std);
+  const Ints shape{1, train->x.size(2), train->x.size(3)};
+  return {train, load_idx_split(cfg.path, "t10k", cfg.dataset, mean, std), shape, /*classes=*/10};
 }
 
 }  // namespace dtrain
