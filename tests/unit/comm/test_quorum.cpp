@@ -9,8 +9,11 @@
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
 
+#include "comm/comm.hpp"
 #include "comm/quorum.hpp"
+#include "ranks.hpp"
 #include "util/error.hpp"
 
 namespace unit_comm_quorum {
@@ -139,6 +142,40 @@ TEST_SUITE("quorum") {
       CHECK(std::string(e.what()).find("replica 1 is alive but has not voted on step 7") !=
             std::string::npos);
     }
+  }
+
+  // What fault tolerance asks of a process group: a member gone mid-collective fails the
+  // others' wait well before the group's timeout, and the survivors go on in a new group
+  // made from the same store, dropping the broken one without waiting on it.
+  TEST_CASE("quorum: a member's group gone mid-collective fails the others', and the survivors' new group works") {
+    auto opts = test::quick();
+    std::atomic<int> failed{0};
+    test::RankFailures fails;
+    test::run_ranks_as_threads(3, [&](std::shared_ptr<Comm> world) {
+      auto q1 = world->new_group("ft/q1", {0, 1, 2});
+      auto t = torch::ones({1 << 16});
+      q1->all_reduce(t);  // all three are in
+      if (world->rank() == 2) {
+        q1.reset();  // this replica dies: its connections close
+        return;
+      }
+      try {
+        for (int i = 0; i < 100; ++i) q1->all_reduce(t);
+        fails.add(world->rank(), "no error from a group with a member gone");
+      } catch (const DistError& e) {
+        ++failed;
+        // The peer's closed connection, not the group's timeout, ended the wait.
+        if (std::string(e.what()).find("closed its connection") == std::string::npos)
+          fails.add(world->rank(), e.what());
+      }
+      q1.reset();
+      auto q2 = world->new_group("ft/q2", {0, 1});
+      auto u = torch::full({1 << 16}, double(world->rank() + 1));
+      q2->all_reduce(u);
+      if (u[0].item<double>() != 3.0) fails.add(world->rank(), "the survivors' sum is wrong");
+    }, opts);
+    fails.check();
+    CHECK(failed == 2);
   }
 }
 
