@@ -41,15 +41,12 @@ GradBuckets::GradBuckets(FlatParams& params, double bucket_mb, Ready ready, Arri
                                            const torch::autograd::variable_list&) {
           if (!armed_) return outputs;
           if (arrived_) arrived_(k);
-          for (size_t b : buckets) on_grad_ready(b);
+          for (size_t b : buckets)
+            if (--buckets_[b].remaining == 0) hand_out();
           return outputs;
         }));
     accumulators_.push_back(std::move(acc));
   }
-}
-
-void GradBuckets::on_grad_ready(size_t bucket) {
-  if (--buckets_[bucket].remaining == 0) hand_out();
 }
 
 void GradBuckets::hand_out() {

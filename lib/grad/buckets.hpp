@@ -46,7 +46,6 @@ class GradBuckets {
     int64_t params;     // how many parameters overlap it
     int64_t remaining;  // hooks still to fire this step
   };
-  void on_grad_ready(size_t bucket);
   void hand_out();
 
   Ready ready_;
