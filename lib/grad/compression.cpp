@@ -298,10 +298,6 @@ void orthonormalise(torch::Tensor p) {
   }
 }
 
-// A stable seed from a parameter's name: every data rank (and every tensor rank holding a
-// replicated parameter) starts its matrix from the same Q.
-uint64_t seed_of(const std::string& name) { return fnv1a(name); }
-
 // PowerSGD (Vogels et al., 2019; PyTorch DDP's powerSGD_hook): each matrix M (a parameter
 // of two or more dimensions, as [size(0), the rest]) goes as a rank-r product, by one step
 // of power iteration from the last step's Q (warm start):
@@ -323,7 +319,9 @@ class PowerSgd : public ErrorFeedback {
       if (shape.size() < 2) continue;
       const int64_t n = shape[0], m = entries_[i].numel / n;
       if (!powersgd_compresses(n, m, rank)) continue;
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_of(entries_[i].name));
+      // Seeded by the parameter's name: every data rank (and every tensor rank holding a
+      // replicated parameter) starts its matrix from the same Q.
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(fnv1a(entries_[i].name));
       auto q = torch::randn({m, rank}, gen, torch::kFloat32);
       orthonormalise(q);
       q = q.to(params.grad().options());
@@ -449,6 +447,13 @@ class PowerSgd : public ErrorFeedback {
   std::vector<Matrix> matrices_;  // in entry order
 };
 
+std::vector<std::string> reduction_names() {
+  std::vector<std::string> names;
+  for (const auto& s : compression_specs()) names.push_back(s.name);
+  return names;
+}
+const ListedBy kListed{"parallel.compression", reduction_names};
+
 }  // namespace
 
 const std::vector<CompressionSpec>& compression_specs() {
@@ -471,15 +476,6 @@ const CompressionSpec& compression_spec(const std::string& name) {
     if (s.name == name) return s;
   throw std::logic_error(fmt::format("parallel.compression: no reduction '{}'", name));
 }
-
-namespace {
-std::vector<std::string> reduction_names() {
-  std::vector<std::string> names;
-  for (const auto& s : compression_specs()) names.push_back(s.name);
-  return names;
-}
-const ListedBy kListed{"parallel.compression", reduction_names};
-}  // namespace
 
 int64_t compression_warmup_steps(const ParallelConfig& cfg, int64_t total_steps) {
   if (cfg.compression_warmup != "auto") return std::stoll(cfg.compression_warmup);
