@@ -102,8 +102,7 @@ class ZeroSync : public BucketedSync {
     settle();
     for (const auto& p : pieces_)
       gathers_.push_back(data_->broadcast_async(params_.data().narrow(0, p.offset, p.numel), p.owner));
-    const int64_t d = data_->size();
-    sent_ += shard_.numel * params_.data().element_size() * (d - 1);
+    sent_ += shard_.numel * params_.data().element_size() * (data_->size() - 1);
   }
   void before_use(const Modules& modules) override {
     if (gathered_ == gathers_.size()) return;
@@ -332,7 +331,8 @@ class Zero3Sync : public Zero2Sync {
   }
   void finish() override {
     Zero2Sync::finish();
-    release_all();
+    for (size_t u = 0; u < pending_.size(); ++u) drop(u);
+    ahead_ = kNone;
     sent_ += std::exchange(gather_sent_, 0);
   }
   void after_update(const torch::Tensor& skip) override {
@@ -396,44 +396,11 @@ class Zero3Sync : public Zero2Sync {
     wait(u);
     if (params_.resident(u)) params_.release(u);
   }
-  void release_all() {
-    for (size_t u = 0; u < pending_.size(); ++u) drop(u);
-    ahead_ = kNone;
-  }
   static constexpr size_t kNone = size_t(-1);
   std::vector<std::unique_ptr<Pending>> pending_;  // per unit: its gather, in flight
   size_t ahead_ = kNone;                           // the unit gathered ahead
   int64_t gather_sent_ = 0;                        // bytes, since the last step's
 };
-
-}  // namespace
-
-void shard_flat(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
-                FlatOptions& opts) {
-  const int64_t d = dims.data;
-  if (cfg.zero == 0 || d == 1) return;
-  opts.pad_to = d * kShardAlign;
-  if (cfg.zero >= 2) opts.grad_ranks = d, opts.grad_rank = at.data;
-  if (cfg.zero == 3) opts.param_ranks = d, opts.param_rank = at.data;
-}
-
-Shard update_shard(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
-                   const FlatParams& params) {
-  if (cfg.zero == 0 || dims.data == 1) return {};
-  return params.shard(dims.data, at.data);
-}
-
-std::unique_ptr<GradSync> make_zero_sync(const ParallelConfig& cfg, const Mesh& mesh,
-                                         FlatParams& params, int64_t micro_batches, Tied tied) {
-  const Shard shard = update_shard(cfg, mesh.dims(), mesh.coord(), params);
-  if (cfg.zero == 3 && params.sharded())
-    return std::make_unique<Zero3Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
-  if (cfg.zero >= 2)
-    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
-  return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
-}
-
-namespace {
 
 // ZeRO-3's gathers over a step, as Zero3Sync makes them: each use gathers its units unless
 // resident, frees every other but the one gathered ahead, and starts the next unit's
@@ -483,6 +450,31 @@ std::pair<double, double> zero3_gathers(const FlatShape& h, const DataGroup& gro
 }
 
 }  // namespace
+
+void shard_flat(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
+                FlatOptions& opts) {
+  const int64_t d = dims.data;
+  if (cfg.zero == 0 || d == 1) return;
+  opts.pad_to = d * kShardAlign;
+  if (cfg.zero >= 2) opts.grad_ranks = d, opts.grad_rank = at.data;
+  if (cfg.zero == 3) opts.param_ranks = d, opts.param_rank = at.data;
+}
+
+Shard update_shard(const ParallelConfig& cfg, const ParallelDims& dims, const Coord& at,
+                   const FlatParams& params) {
+  if (cfg.zero == 0 || dims.data == 1) return {};
+  return params.shard(dims.data, at.data);
+}
+
+std::unique_ptr<GradSync> make_zero_sync(const ParallelConfig& cfg, const Mesh& mesh,
+                                         FlatParams& params, int64_t micro_batches, Tied tied) {
+  const Shard shard = update_shard(cfg, mesh.dims(), mesh.coord(), params);
+  if (cfg.zero == 3 && params.sharded())
+    return std::make_unique<Zero3Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+  if (cfg.zero >= 2)
+    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+  return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+}
 
 SyncCost zero_sync_cost(const ParallelConfig& cfg, const FlatShape& h, const DataGroup& group) {
   const int64_t d = group.ranks;
