@@ -17,6 +17,41 @@ double fan_in(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// A parameter to initialise: this rank's part `local` of `name`.
+struct Target {
+  std::string name;
+  std::vector<int64_t> full_shape;
+  Placement placement;
+  torch::Tensor local;
+};
+
+// Fills `t.local`, tensor rank `rank`'s part of it, as `how` says.
+void init_parameter(const Init& how, uint64_t seed, const Target& t, int64_t rank) {
+  torch::NoGradGuard no_grad;
+  if (how.kind == Init::kConstant) {
+    t.local.fill_(how.a);
+    return;
+  }
+  // Drawn in place where the parameter is whole, contiguous and on the CPU; else whole on
+  // the CPU (the draws follow memory order) and this rank's part copied in.
+  const bool in_place = !t.placement.is_split() && t.local.is_cpu() && t.local.is_contiguous();
+  torch::Tensor full = in_place ? t.local : torch::empty(t.full_shape, torch::kFloat32);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(mix_seed(seed, fnv1a(t.name)));
+  if (how.kind == Init::kNormal) full.normal_(how.a, how.b, gen);
+  else full.uniform_(how.a, how.b, gen);
+  if (!in_place) t.local.copy_(t.placement.is_split() ? t.placement.shard(full, rank) : full);
+}
+
+// Each target drawn by its rule; `shapes` holds every parameter of the model's full shape.
+void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t seed,
+              int64_t rank, const std::map<std::string, std::vector<int64_t>>& shapes) {
+  const ShapeOf shape_of = [&](const std::string& name) {
+    auto it = shapes.find(name);
+    return it == shapes.end() ? std::vector<int64_t>{} : it->second;
+  };
+  for (const auto& t : targets) init_parameter(rule(t.name, t.full_shape, shape_of), seed, t, rank);
+}
+
 }  // namespace
 
 Init torch_default_init(const std::string& name, const std::vector<int64_t>& shape,
@@ -28,67 +63,16 @@ Init torch_default_init(const std::string& name, const std::vector<int64_t>& sha
   return Init::uniform(1 / std::sqrt(fan_in(weight)));
 }
 
-uint64_t parameter_seed(uint64_t seed, const std::string& name) {
-  return mix_seed(seed, fnv1a(name));
-}
-
-void init_parameter(const Init& how, uint64_t seed, const std::string& name,
-                    const std::vector<int64_t>& full_shape, const Placement& placement,
-                    int64_t rank, const torch::Tensor& local) {
-  torch::NoGradGuard no_grad;
-  if (how.kind == Init::kConstant) {
-    local.fill_(how.a);
-    return;
-  }
-  // Drawn in place where the parameter is whole, contiguous and on the CPU; else whole on
-  // the CPU (the draws follow memory order) and this rank's part copied in.
-  const bool in_place = !placement.is_split() && local.is_cpu() && local.is_contiguous();
-  torch::Tensor full = in_place ? local : torch::empty(full_shape, torch::kFloat32);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(seed, name));
-  if (how.kind == Init::kNormal) full.normal_(how.a, how.b, gen);
-  else full.uniform_(how.a, how.b, gen);
-  if (!in_place) local.copy_(placement.is_split() ? placement.shard(full, rank) : full);
-}
-
-namespace {
-
-// A parameter to initialise: this rank's part `local` of `name`.
-struct Target {
-  std::string name;
-  std::vector<int64_t> full_shape;
-  Placement placement;
-  torch::Tensor local;
-};
-
-// Looks up a full shape by name among `shapes` (empty for a name not there).
-ShapeOf shape_lookup(std::map<std::string, std::vector<int64_t>> shapes) {
-  return [shapes = std::move(shapes)](const std::string& name) {
-    auto it = shapes.find(name);
-    return it == shapes.end() ? std::vector<int64_t>{} : it->second;
-  };
-}
-
-// Each target drawn by its rule; `shape_of` answers for every parameter of the model.
-void init_all(const std::vector<Target>& targets, const InitRule& rule, uint64_t seed,
-              int64_t rank, const ShapeOf& shape_of) {
-  for (const auto& t : targets)
-    init_parameter(rule(t.name, t.full_shape, shape_of), seed, t.name, t.full_shape, t.placement,
-                   rank, t.local);
-}
-
-}  // namespace
-
 void init_parameters(FlatParams& params, const InitRule& rule, uint64_t seed, int64_t rank) {
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& e : params.entries()) shapes[e.name] = e.full_shape;
-  const ShapeOf shape_of = shape_lookup(std::move(shapes));
   params.write_whole([&](size_t first, size_t last) {  // under ZeRO-3 a unit at a time
     std::vector<Target> targets;
     for (size_t i = first; i < last; ++i) {
       const auto& e = params.entries()[i];
       targets.push_back({e.name, e.full_shape, e.placement, params.value(i)});
     }
-    init_all(targets, rule, seed, rank, shape_of);
+    init_all(targets, rule, seed, rank, shapes);
   });
 }
 
@@ -102,7 +86,7 @@ void init_parameters(torch::nn::Module& module, const InitRule& rule, uint64_t s
   }
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& t : targets) shapes[t.name] = t.full_shape;
-  init_all(targets, rule, seed, rank, shape_lookup(std::move(shapes)));
+  init_all(targets, rule, seed, rank, shapes);
 }
 
 }  // namespace dtrain

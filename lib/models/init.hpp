@@ -42,15 +42,6 @@ using InitRule =
 Init torch_default_init(const std::string& name, const std::vector<int64_t>& shape,
                         const ShapeOf& shape_of);
 
-// The generator seed of parameter `name` in a job seeded `seed`.
-uint64_t parameter_seed(uint64_t seed, const std::string& name);
-
-// Fills `local`, tensor rank `rank`'s part under `placement` of parameter `name` (whole
-// shape `full_shape`), as `how` says.
-void init_parameter(const Init& how, uint64_t seed, const std::string& name,
-                    const std::vector<int64_t>& full_shape, const Placement& placement,
-                    int64_t rank, const torch::Tensor& local);
-
 // Every parameter of `params` (this rank's parts, laid out flat), tensor rank `rank`.
 void init_parameters(FlatParams& params, const InitRule& rule, uint64_t seed, int64_t rank);
 // Every parameter of `module` where it stands (no flat buffer: tests and tools); names
