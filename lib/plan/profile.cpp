@@ -254,6 +254,80 @@ MachineProfile::Crowded measure_crowded(int64_t n) {
   return {n, per_item(kHandoff), per_item(kAllReduce)};
 }
 
+// The CPU's rates into `p` (its cores set): matmuls by dtype and size, memory, elementwise
+// kernels, each on one thread and on all.
+void measure_rates(MachineProfile& p) {
+  // Three sweeps over every shape, one thread then all, and each rate the fastest of its
+  // three: a shared machine's slow spells last seconds (a rate on all threads measured
+  // back to back varied by up to 3x here), so the timings of one point are spread apart,
+  // and a spell only slows a timing. The middle of three kept a spell that spanned two
+  // sweeps: profiles minutes apart read 150 and 225 GFLOP/s for the same product on two
+  // threads, where the GPT's steps ran at the faster.
+  const struct {
+    torch::Dtype dtype;
+    bool batched;
+    std::vector<MachineProfile::Matmul>* into;
+    std::vector<int64_t> sizes;
+  } tables[] = {{torch::kFloat32, false, &p.matmul, {32, 64, 128, 256, 512}},
+                {torch::kFloat32, true, &p.bmm, {16, 32, 64, 128}},
+                {torch::kBFloat16, false, &p.matmul_bf16, {32, 64, 128, 256, 512}},
+                {torch::kBFloat16, true, &p.bmm_bf16, {16, 32, 64, 128}}};
+  constexpr double kBudget = 0.07;  // seconds a timing
+  std::map<std::pair<const void*, int64_t>, std::array<double, 3>> one, all;
+  std::array<double, 3> memory_one{}, memory_all{};
+  // Each dtype's sum and GELU, into the profile's one-thread and all-threads rates.
+  const struct {
+    torch::Dtype dtype;
+    bool transcendental;
+    double *one, *all;
+  } kernels[] = {
+      {torch::kFloat32, false, &p.elementwise.plain_one, &p.elementwise.plain_all},
+      {torch::kFloat32, true, &p.elementwise.transcendental_one, &p.elementwise.transcendental_all},
+      {torch::kBFloat16, false, &p.elementwise_bf16.plain_one, &p.elementwise_bf16.plain_all},
+      {torch::kBFloat16, true, &p.elementwise_bf16.transcendental_one, &p.elementwise_bf16.transcendental_all}};
+  std::map<double*, std::array<double, 3>> elementwise;
+  // As a run's steps take their memory: a freed tensor's pages reused, not mapped anew
+  // (without keep_cpu_blocks every product's output of 2 MiB or more paid the kernel's
+  // page faults, and the rates came out at a third of a run's).
+  tune_allocator();
+  keep_cpu_blocks();
+  use_cpu_matmul("auto");  // the dense layers' product as a run takes it by default
+  // Threads pinned as a run pins them (util/affinity.hpp): one thread on its own CPU, or
+  // a thread on each, so that the rates are those of the run's placement.
+  auto use_threads = [&](int64_t n) {
+    torch::set_num_threads(int(n));
+    pin_compute_threads(n, 0, p.cores / n);
+  };
+  // `rate` on one thread, then on all (the same where there is one core).
+  auto one_and_all = [&](const std::function<double()>& rate, double& one, double& all) {
+    use_threads(1);
+    one = rate();
+    use_threads(p.cores);
+    all = p.cores > 1 ? rate() : one;
+  };
+  for (size_t sweep = 0; sweep < 3; ++sweep) {
+    for (const auto& table : tables)
+      for (int64_t n : table.sizes) {
+        const auto key = std::pair{static_cast<const void*>(table.into), n};
+        one_and_all([&] { return matmul_rate(n, table.dtype, table.batched, kBudget); },
+                    one[key][sweep], all[key][sweep]);
+      }
+    one_and_all([&] { return memory_rate(kBudget); }, memory_one[sweep], memory_all[sweep]);
+    for (const auto& k : kernels)
+      one_and_all([&] { return elementwise_rate(k.dtype, k.transcendental, kBudget); },
+                  elementwise[k.one][sweep], elementwise[k.all][sweep]);
+  }
+  auto fastest = [](const std::array<double, 3>& v) { return *std::max_element(v.begin(), v.end()); };
+  for (const auto& [into, rates] : elementwise) *into = fastest(rates);
+  for (const auto& table : tables)
+    for (int64_t n : table.sizes) {
+      const auto key = std::pair{static_cast<const void*>(table.into), n};
+      table.into->push_back({double(n), fastest(one[key]), fastest(all[key])});
+    }
+  p.memory_one = fastest(memory_one);
+  p.memory_all = fastest(memory_all);
+}
+
 #ifdef DTRAIN_CUDA
 // Seconds per call of `fn` on the GPU: calls queued back to back, then one wait for all
 // of them; doubled until they take `budget` seconds.
@@ -339,9 +413,6 @@ MachineProfile::Gpu measure_gpu(int64_t max_ranks) {
 }
 #endif
 
-}  // namespace
-
-namespace {
 // A rate at `threads`, linear between its one-thread and all-`cores` measurements.
 double at_threads(double one, double all, double threads, int64_t cores) {
   const double t = std::clamp(threads, 1.0, double(cores));
@@ -407,84 +478,6 @@ const MachineProfile::Link* MachineProfile::link(const std::vector<Link>& links,
   return best;
 }
 
-namespace {
-
-// The CPU's rates into `p` (its cores set): matmuls by dtype and size, memory, elementwise
-// kernels, each on one thread and on all.
-void measure_rates(MachineProfile& p) {
-  // Three sweeps over every shape, one thread then all, and each rate the fastest of its
-  // three: a shared machine's slow spells last seconds (a rate on all threads measured
-  // back to back varied by up to 3x here), so the timings of one point are spread apart,
-  // and a spell only slows a timing. The middle of three kept a spell that spanned two
-  // sweeps: profiles minutes apart read 150 and 225 GFLOP/s for the same product on two
-  // threads, where the GPT's steps ran at the faster.
-  const struct {
-    torch::Dtype dtype;
-    bool batched;
-    std::vector<MachineProfile::Matmul>* into;
-    std::vector<int64_t> sizes;
-  } tables[] = {{torch::kFloat32, false, &p.matmul, {32, 64, 128, 256, 512}},
-                {torch::kFloat32, true, &p.bmm, {16, 32, 64, 128}},
-                {torch::kBFloat16, false, &p.matmul_bf16, {32, 64, 128, 256, 512}},
-                {torch::kBFloat16, true, &p.bmm_bf16, {16, 32, 64, 128}}};
-  constexpr double kBudget = 0.07;  // seconds a timing
-  std::map<std::pair<const void*, int64_t>, std::array<double, 3>> one, all;
-  std::array<double, 3> memory_one{}, memory_all{};
-  // Each dtype's sum and GELU, into the profile's one-thread and all-threads rates.
-  const struct {
-    torch::Dtype dtype;
-    bool transcendental;
-    double *one, *all;
-  } kernels[] = {
-      {torch::kFloat32, false, &p.elementwise.plain_one, &p.elementwise.plain_all},
-      {torch::kFloat32, true, &p.elementwise.transcendental_one, &p.elementwise.transcendental_all},
-      {torch::kBFloat16, false, &p.elementwise_bf16.plain_one, &p.elementwise_bf16.plain_all},
-      {torch::kBFloat16, true, &p.elementwise_bf16.transcendental_one, &p.elementwise_bf16.transcendental_all}};
-  std::map<double*, std::array<double, 3>> elementwise;
-  // As a run's steps take their memory: a freed tensor's pages reused, not mapped anew
-  // (without keep_cpu_blocks every product's output of 2 MiB or more paid the kernel's
-  // page faults, and the rates came out at a third of a run's).
-  tune_allocator();
-  keep_cpu_blocks();
-  use_cpu_matmul("auto");  // the dense layers' product as a run takes it by default
-  // Threads pinned as a run pins them (util/affinity.hpp): one thread on its own CPU, or
-  // a thread on each, so that the rates are those of the run's placement.
-  auto use_threads = [&](int64_t n) {
-    torch::set_num_threads(int(n));
-    pin_compute_threads(n, 0, p.cores / n);
-  };
-  // `rate` on one thread, then on all (the same where there is one core).
-  auto one_and_all = [&](const std::function<double()>& rate, double& one, double& all) {
-    use_threads(1);
-    one = rate();
-    use_threads(p.cores);
-    all = p.cores > 1 ? rate() : one;
-  };
-  for (size_t sweep = 0; sweep < 3; ++sweep) {
-    for (const auto& table : tables)
-      for (int64_t n : table.sizes) {
-        const auto key = std::pair{static_cast<const void*>(table.into), n};
-        one_and_all([&] { return matmul_rate(n, table.dtype, table.batched, kBudget); },
-                    one[key][sweep], all[key][sweep]);
-      }
-    one_and_all([&] { return memory_rate(kBudget); }, memory_one[sweep], memory_all[sweep]);
-    for (const auto& k : kernels)
-      one_and_all([&] { return elementwise_rate(k.dtype, k.transcendental, kBudget); },
-                  elementwise[k.one][sweep], elementwise[k.all][sweep]);
-  }
-  auto fastest = [](const std::array<double, 3>& v) { return *std::max_element(v.begin(), v.end()); };
-  for (const auto& [into, rates] : elementwise) *into = fastest(rates);
-  for (const auto& table : tables)
-    for (int64_t n : table.sizes) {
-      const auto key = std::pair{static_cast<const void*>(table.into), n};
-      table.into->push_back({double(n), fastest(one[key]), fastest(all[key])});
-    }
-  p.memory_one = fastest(memory_one);
-  p.memory_all = fastest(memory_all);
-}
-
-}  // namespace
-
 MachineProfile measure_machine(int64_t max_ranks) {
   MachineProfile p;
   char host[256] = {};
@@ -521,6 +514,22 @@ std::string default_profile_path() {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MachineProfile::Link, ranks, latency_s, bytes_per_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MachineProfile::Crowded, ranks, handoff_s, all_reduce_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MachineProfile::Gpu::Rate, size, work, flops)
+// The others under names that say their units.
+void to_json(nlohmann::json& j, const MachineProfile::Matmul& m) {
+  j = {{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}};
+}
+void to_json(nlohmann::json& j, const MachineProfile::Elementwise& e) {
+  j = {{"plain_one_thread_values_per_s", e.plain_one},
+       {"plain_all_threads_values_per_s", e.plain_all},
+       {"transcendental_one_thread_values_per_s", e.transcendental_one},
+       {"transcendental_all_threads_values_per_s", e.transcendental_all}};
+}
+void from_json(const nlohmann::json& j, MachineProfile::Elementwise& e) {
+  e.plain_one = j.at("plain_one_thread_values_per_s").get<double>();
+  e.plain_all = j.at("plain_all_threads_values_per_s").get<double>();
+  e.transcendental_one = j.at("transcendental_one_thread_values_per_s").get<double>();
+  e.transcendental_all = j.at("transcendental_all_threads_values_per_s").get<double>();
+}
 
 namespace {
 nlohmann::json gpu_json(const MachineProfile::Gpu& g) {
@@ -552,25 +561,14 @@ MachineProfile::Gpu gpu_of(const nlohmann::json& j) {
 }
 
 nlohmann::json profile_json(const MachineProfile& p) {
-  auto rates = [](const std::vector<MachineProfile::Matmul>& list) {
-    nlohmann::json out = nlohmann::json::array();
-    for (const auto& m : list) out.push_back({{"size", m.size}, {"one_thread_flops", m.one}, {"all_threads_flops", m.all}});
-    return out;
-  };
-  auto elementwise = [](const MachineProfile::Elementwise& e) {
-    return nlohmann::json{{"plain_one_thread_values_per_s", e.plain_one},
-                          {"plain_all_threads_values_per_s", e.plain_all},
-                          {"transcendental_one_thread_values_per_s", e.transcendental_one},
-                          {"transcendental_all_threads_values_per_s", e.transcendental_all}};
-  };
   return {{"format", "dtrain-machine"}, {"version", 6},    {"host", p.host},
-          {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", rates(p.matmul)},
-          {"matmul_bf16", rates(p.matmul_bf16)}, {"bmm_fp32", rates(p.bmm)},
-          {"bmm_bf16", rates(p.bmm_bf16)},
+          {"build", p.build},           {"cores", p.cores}, {"matmul_fp32", p.matmul},
+          {"matmul_bf16", p.matmul_bf16}, {"bmm_fp32", p.bmm},
+          {"bmm_bf16", p.bmm_bf16},
           {"memory_one_thread_bytes_per_s", p.memory_one},
           {"memory_all_threads_bytes_per_s", p.memory_all},
-          {"elementwise_fp32", elementwise(p.elementwise)},
-          {"elementwise_bf16", elementwise(p.elementwise_bf16)},
+          {"elementwise_fp32", p.elementwise},
+          {"elementwise_bf16", p.elementwise_bf16},
           {"gloo_all_reduce", p.all_reduce},
           {"gloo_send", p.send},
           {"crowded", p.crowded},
@@ -653,15 +651,8 @@ std::optional<MachineProfile> load_profile(const std::string& path) {
     rates("bmm_bf16", p.bmm_bf16);
     p.memory_one = j.at("memory_one_thread_bytes_per_s");
     p.memory_all = j.at("memory_all_threads_bytes_per_s");
-    auto elementwise = [&](const char* key, MachineProfile::Elementwise& into) {
-      const auto& e = j.at(key);
-      into.plain_one = e.at("plain_one_thread_values_per_s").get<double>();
-      into.plain_all = e.at("plain_all_threads_values_per_s").get<double>();
-      into.transcendental_one = e.at("transcendental_one_thread_values_per_s").get<double>();
-      into.transcendental_all = e.at("transcendental_all_threads_values_per_s").get<double>();
-    };
-    elementwise("elementwise_fp32", p.elementwise);
-    elementwise("elementwise_bf16", p.elementwise_bf16);
+    j.at("elementwise_fp32").get_to(p.elementwise);
+    j.at("elementwise_bf16").get_to(p.elementwise_bf16);
     j.at("gloo_all_reduce").get_to(p.all_reduce);
     j.at("gloo_send").get_to(p.send);
     j.at("crowded").get_to(p.crowded);
