@@ -144,13 +144,12 @@ std::optional<PartOf> part_of(const std::map<std::string, std::string>& meta,
 void CheckpointStore::write_part(const std::string& temp, const std::string& part,
                                  const NamedTensors& model, const NamedTensors& optimizer,
                                  const PartsOf& parts, bool with_optimizer, bool with_model) {
-  const fs::path tmp(temp);
-  if (with_model)
-    write_safetensors((tmp / ("model" + part + ".safetensors")).string(), model,
-                      file_metadata("dtrain-model", model, parts));
-  if (with_optimizer)
-    write_safetensors((tmp / ("optimizer" + part + ".safetensors")).string(), optimizer,
-                      file_metadata("dtrain-optimizer", optimizer, parts));
+  auto write = [&](const std::string& kind, const NamedTensors& tensors) {
+    write_safetensors((fs::path(temp) / (kind + part + ".safetensors")).string(), tensors,
+                      file_metadata("dtrain-" + kind, tensors, parts));
+  };
+  if (with_model) write("model", model);
+  if (with_optimizer) write("optimizer", optimizer);
 }
 
 void CheckpointStore::write_shard(const std::string& temp, const std::string& kind,
@@ -236,8 +235,7 @@ void CheckpointStore::prune() {
 nlohmann::json verify_checkpoint(const std::string& folder) {
   const fs::path dir(folder), manifest_path = dir / "manifest.json";
   std::error_code ec;
-  if (!fs::is_directory(dir, ec))
-    throw CheckpointError(fmt::format("checkpoint '{}' does not exist", folder));
+  fail_if<CheckpointError>(!fs::is_directory(dir, ec), "checkpoint '{}' does not exist", folder);
   if (!fs::exists(manifest_path, ec)) {
     // A folder dtrain wrote holds trainer.json from the start; one without it is something
     // else, e.g. a Hugging Face folder that lost its config.json.
@@ -249,22 +247,19 @@ nlohmann::json verify_checkpoint(const std::string& folder) {
   nlohmann::json m;
   try {
     m = nlohmann::json::parse(read_file(manifest_path.string()));
-    if (m.at("format") != "dtrain-checkpoint")
-      throw CheckpointError(fmt::format("{}: not a dtrain checkpoint", manifest_path.string()));
-    if (m.at("version").get<int>() > kCheckpointVersion)
-      throw CheckpointError(fmt::format("{}: format version {} is newer than this dtrain ({})",
-                                        manifest_path.string(), m["version"].get<int>(),
-                                        kCheckpointVersion));
+    fail_if<CheckpointError>(m.at("format") != "dtrain-checkpoint", "{}: not a dtrain checkpoint",
+                             manifest_path.string());
+    const int version = m.at("version").get<int>();
+    fail_if<CheckpointError>(version > kCheckpointVersion, "{}: format version {} is newer than "
+                             "this dtrain ({})", manifest_path.string(), version, kCheckpointVersion);
     for (const auto& f : m.at("files")) {
-      const auto path = dir / f.at("name").get<std::string>();
-      if (!fs::exists(path, ec))
-        throw CheckpointError(fmt::format("checkpoint '{}' is missing {}", folder,
-                                          f["name"].get<std::string>()));
-      if (fs::file_size(path) != f.at("bytes").get<uint64_t>() ||
-          crc32_of_file(path.string()) != f.at("crc32").get<uint32_t>())
-        throw CheckpointError(fmt::format("checkpoint '{}': {} is corrupt (size or checksum "
-                                          "differs from the manifest)", folder,
-                                          f["name"].get<std::string>()));
+      const auto name = f.at("name").get<std::string>();
+      const auto path = dir / name;
+      fail_if<CheckpointError>(!fs::exists(path, ec), "checkpoint '{}' is missing {}", folder, name);
+      fail_if<CheckpointError>(fs::file_size(path) != f.at("bytes").get<uint64_t>() ||
+                                   crc32_of_file(path.string()) != f.at("crc32").get<uint32_t>(),
+                               "checkpoint '{}': {} is corrupt (size or checksum differs from the "
+                               "manifest)", folder, name);
     }
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("{}: unreadable manifest ({})", manifest_path.string(),
@@ -448,12 +443,10 @@ std::string resolve_checkpoint(const std::string& path) {
   const fs::path p(path);
   auto follow = [&](const fs::path& pointer) {
     auto folder = follow_pointer(pointer.string());
-    if (!folder)
-      throw CheckpointError(fmt::format("'{}' does not name a checkpoint folder", pointer.string()));
+    fail_if<CheckpointError>(!folder, "'{}' does not name a checkpoint folder", pointer.string());
     return *folder;
   };
-  if (!fs::exists(p, ec))
-    throw CheckpointError(fmt::format("checkpoint '{}' does not exist", path));
+  fail_if<CheckpointError>(!fs::exists(p, ec), "checkpoint '{}' does not exist", path);
   if (!fs::is_directory(p, ec)) {
     const auto name = p.filename().string();
     if (name == "latest" || name == "best") return follow(p);

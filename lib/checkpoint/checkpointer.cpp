@@ -135,42 +135,38 @@ class PartWriter : public StateWriter {
   void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts,
            const RangesOf& ranges) override {
     if (!writes(file)) return;
-    auto& to = file == StateFile::kModel            ? model
+    File& to = file == StateFile::kModel            ? model
                : file == StateFile::kOptimizer      ? optimizer
-               : file == StateFile::kOptimizerShard ? optimizer_shard.tensors
-               : file == StateFile::kModelShard     ? model_shard.tensors
+               : file == StateFile::kOptimizerShard ? optimizer_shard
+               : file == StateFile::kModelShard     ? model_shard
                                                     : replica;
-    to.insert(to.end(), tensors.begin(), tensors.end());
-    if (is_shard(file)) {
-      auto& shard = file == StateFile::kModelShard ? model_shard : optimizer_shard;
-      shard.used = true;
-      for (const auto& [name, part] : parts) shard.parts[name] = part;
-      for (const auto& [name, range] : ranges) shard.ranges[name] = range;
-    } else {
-      auto& placed = file == StateFile::kReplica ? replica_parts : parts_;
-      for (const auto& [name, part] : parts) placed[name] = part;
-    }
+    to.used = true;
+    to.tensors.insert(to.tensors.end(), tensors.begin(), tensors.end());
+    for (const auto& [name, part] : parts) to.parts[name] = part;
+    for (const auto& [name, range] : ranges) to.ranges[name] = range;
   }
   void set(const std::string& key, nlohmann::json value) override { trainer[key] = std::move(value); }
 
   // This rank's files into the temporary folder `temp` (`part`: its ".ppN.tpT" suffix).
   void write(const std::string& temp, const std::string& part, int64_t data_rank) const {
-    if (!replica.empty())
-      CheckpointStore::write_shard(temp, "sync", data_rank, part, replica, replica_parts, {});
+    if (!replica.tensors.empty())
+      CheckpointStore::write_shard(temp, "sync", data_rank, part, replica.tensors, replica.parts, {});
     for (const auto* shard : {&model_shard, &optimizer_shard})
       if (shard->used)
         CheckpointStore::write_shard(temp, shard == &model_shard ? "model" : "optimizer",
                                      data_rank, part, shard->tensors, shard->parts, shard->ranges);
-    if (first_replica_)
-      CheckpointStore::write_part(temp, part, model, optimizer, parts_,
-                                  /*with_optimizer=*/!optimizer_shard.used,
-                                  /*with_model=*/!model_shard.used);
+    if (!first_replica_) return;
+    PartsOf parts = model.parts;  // one map for both files (their tensors' names differ)
+    parts.insert(optimizer.parts.begin(), optimizer.parts.end());
+    CheckpointStore::write_part(temp, part, model.tensors, optimizer.tensors, parts,
+                                /*with_optimizer=*/!optimizer_shard.used,
+                                /*with_model=*/!model_shard.used);
   }
   // Every tensor replaced by a copy in host memory (pinned where it comes from a GPU,
   // whose copy then is a plain DMA), which the run can no longer change.
   void copy_to_host() {
-    for (auto* list : {&model, &optimizer, &replica, &optimizer_shard.tensors, &model_shard.tensors})
-      for (auto& [name, t] : *list) {
+    for (auto* file : {&model, &optimizer, &replica, &optimizer_shard, &model_shard})
+      for (auto& [name, t] : file->tensors) {
         if (t.is_cuda()) {
           auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
           host.copy_(t);
@@ -181,16 +177,14 @@ class PartWriter : public StateWriter {
       }
   }
 
-  // A state that comes as this data rank's shard (ZeRO).
-  struct ShardOf {
+  // What the components gave for one file: its tensors, and which are parts or ranges.
+  struct File {
     bool used = false;
     NamedTensors tensors;
     PartsOf parts;
     RangesOf ranges;
   };
-  NamedTensors model, optimizer, replica;
-  ShardOf model_shard, optimizer_shard;
-  PartsOf parts_, replica_parts;
+  File model, optimizer, replica, model_shard, optimizer_shard;
   nlohmann::json trainer = nlohmann::json::object();
 
  private:
