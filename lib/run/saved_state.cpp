@@ -323,11 +323,10 @@ void init_from(Run& run) {
     if (fits(name, b.sizes().vec())) b.copy_(by_name.at(name));
     else if (by_name.count(name)) skipped.push_back(name + " (another shape)");
   }
-  const std::string what = fmt::format("initialise the model from '{}'", from);
   if (run.cfg.model.init_strict) {
     // A shape that differs shows only on the rank holding that tensor: all stop together.
     every_rank_does(
-        *run.mesh().world(), what,
+        *run.mesh().world(), fmt::format("initialise the model from '{}'", from),
         [&] {
           fail_if<CheckpointError>(!skipped.empty(), "model.init_from: '{}' lacks {} tensor(s) "
                                    "of the model or holds them at another shape ({}); set "
