@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "util/units.hpp"
 
@@ -98,14 +99,10 @@ std::string describe_hang(int64_t rank, const WaitedOp& wait, double waited_s,
     else if (now_s - it->second.value("at", 0.0) > silent_s)
       silent.push_back(standing(m, beats, now_s, silent_s));
   }
-  auto list = [](const std::vector<std::string>& v) {
-    std::string out;
-    for (size_t i = 0; i < v.size(); ++i) out += (i ? "; " : "") + v[i];
-    return out;
-  };
   const size_t others = wait.members->size() - 1;
-  if (!missing.empty()) line += fmt::format("; not posted by {} of {}: {}", missing.size(), others, list(missing));
-  if (!silent.empty()) line += fmt::format("; posted, then silent: {}", list(silent));
+  if (!missing.empty())
+    line += fmt::format("; not posted by {} of {}: {}", missing.size(), others, fmt::join(missing, "; "));
+  if (!silent.empty()) line += fmt::format("; posted, then silent: {}", fmt::join(silent, "; "));
   if (missing.empty() && silent.empty())
     line += "; every member has posted it and is alive (the transfer itself is slow)";
   return line;
