@@ -467,13 +467,6 @@ double gpu_step_seconds(const Job& job, const Coord& at, const MachineProfile::G
   return std::max(device * ranks_per_gpu(job, g), kernels * g.launch_s);
 }
 
-// Each of a pipeline rank's chunks' costs, in its chunk order.
-std::vector<ChunkCost> chunk_costs(const Job& job, int64_t pipeline_rank) {
-  std::vector<ChunkCost> out;
-  for (int64_t c = 0; c < job.chunks; ++c) out.push_back(chunk_cost(job, job.stage(c, pipeline_rank)));
-  return out;
-}
-
 // The activations a pipeline rank holds at its peak: the micro-batches its schedule holds
 // at once, each chunk's, with backward's gradients in flight and recompute's rebuilt block.
 double activation_bytes(const Job& job, int64_t pipeline_rank, const std::vector<ChunkCost>& chunks) {
@@ -619,7 +612,8 @@ RankPlan rank_plan(const Job& job, int64_t rank, const MachineProfile* profile) 
   }
   out.role = job.stages() > 1 ? fmt::format("stage {} of {}", at.pipeline, job.dims.pipeline) : cost.role;
   out.alike = job.dims.data * job.dims.tensor;
-  const std::vector<ChunkCost> chunks = chunk_costs(job, at.pipeline);
+  std::vector<ChunkCost> chunks;  // in its chunk order
+  for (int64_t c = 0; c < job.chunks; ++c) chunks.push_back(chunk_cost(job, job.stage(c, at.pipeline)));
   m.activations = activation_bytes(job, at.pipeline, chunks);
   // Buffers: the loader's batches, and what the gradient's path holds (the sync's).
   m.buffers = double(cfg.data.prefetch) * batch_bytes(cfg, job.rows * double(job.micro)) + sync.buffers;
