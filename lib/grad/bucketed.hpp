@@ -15,7 +15,10 @@ namespace dtrain {
 class AllReduce : public Reduction {
  public:
   explicit AllReduce(std::shared_ptr<Comm> comm) : comm_(std::move(comm)) {}
-  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t offset) override;
+  std::unique_ptr<Pending> start(const torch::Tensor& slice, int64_t /*offset*/) override {
+    count(ring_all_reduce_bytes(slice.numel() * slice.element_size(), comm_->size()));
+    return comm_->all_reduce_async(slice);
+  }
 
  private:
   std::shared_ptr<Comm> comm_;

@@ -27,8 +27,6 @@
 
 namespace dtrain {
 
-class Comm;
-
 // What a reduction's cost is figured from: the gradient a data rank syncs, parameter by
 // parameter (this rank's part of each, in the flat layout's order), and its data group.
 struct GradShape {

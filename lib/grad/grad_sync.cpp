@@ -79,11 +79,6 @@ std::string factor_key(const FlatParams& params, const Tied& tied, size_t i, int
 
 }  // namespace
 
-std::unique_ptr<Pending> AllReduce::start(const torch::Tensor& slice, int64_t /*offset*/) {
-  count(ring_all_reduce_bytes(slice.numel() * slice.element_size(), comm_->size()));
-  return comm_->all_reduce_async(slice);
-}
-
 // The residuals, laid out like the flat gradient, go per data rank as each entry's part
 // (".residual"); a tied weight's copy has its own ("_copy"). The Q matrices go with them,
 // a replicated parameter's from tensor rank 0.
