@@ -61,8 +61,7 @@ NetworkPtr build_mlp(const ModelConfig& cfg, const ModelContext& ctx) {
   };
   for (size_t i = 0; i < cfg.hidden.size(); ++i) {
     const int64_t w = cfg.hidden[i];
-    const bool new_part = i > 0;
-    m->add(linear(column_parallel(i), w, ctx.tensor), new_part);
+    m->add(linear(column_parallel(i), w, ctx.tensor), /*new_part=*/i > 0);
     m->add([] { return nn::ReLU(nn::ReLUOptions().inplace(true)); });
     if (cfg.dropout > 0) {  // a column-parallel layer's output is this rank's part of it
       const LayerSlice slice = column_parallel(i) ? LayerSlice{1, ctx.tensor->rank(), ctx.tensor->size()}

@@ -8,16 +8,13 @@
 
 namespace dtrain {
 
-// `module` applied to `x` (which must require grad: the recomputation happens in x's
-// backward), recomputed in backward. `module` must outlive the graph (a model's own block).
-template <class M>
-torch::Tensor recompute(M& module, const torch::Tensor& x);
-
 namespace detail {
 using RunFn = torch::Tensor (*)(void* module, const torch::Tensor& x);
 torch::Tensor recompute(RunFn run, void* module, const torch::Tensor& x);
 }  // namespace detail
 
+// `module` applied to `x` (which must require grad: the recomputation happens in x's
+// backward), recomputed in backward. `module` must outlive the graph (a model's own block).
 template <class M>
 torch::Tensor recompute(M& module, const torch::Tensor& x) {
   detail::RunFn run = [](void* m, const torch::Tensor& in) {
