@@ -21,12 +21,9 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string to_hex(const torch::Tensor& bytes) {
-  static const char* digits = "0123456789abcdef";
-  auto c = bytes.contiguous();
+  const auto c = bytes.contiguous();
   const auto* p = c.data_ptr<uint8_t>();
-  std::string s;
-  for (int64_t i = 0; i < c.numel(); ++i) s += digits[p[i] >> 4], s += digits[p[i] & 15];
-  return s;
+  return fmt::format("{:02x}", fmt::join(p, p + c.numel(), ""));
 }
 
 torch::Tensor from_hex(const std::string& s) {
