@@ -430,12 +430,8 @@ NamedTensors CheckpointReader::all(const std::string& kind) const {
 
 CheckpointState load_checkpoint(const std::string& folder) {
   const CheckpointReader reader(folder);
-  CheckpointState s;
-  s.model = reader.all("model");
-  s.optimizer = reader.all("optimizer");
-  s.trainer = reader.trainer();
-  s.config_yaml = reader.config_yaml();
-  return s;
+  return {reader.all("model"), reader.all("optimizer"), reader.trainer(), reader.config_yaml(),
+          /*run_id=*/""};
 }
 
 std::string resolve_checkpoint(const std::string& path) {
