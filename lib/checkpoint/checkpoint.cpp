@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "logging/metrics.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 #include "util/shape.hpp"

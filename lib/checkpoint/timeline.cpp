@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/checkpoint.hpp"
-#include "logging/metrics.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
 

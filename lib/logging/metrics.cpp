@@ -81,11 +81,6 @@ void MetricsLog::append(const std::string& text) {
   size_ += off_t(text.size());
 }
 
-double unix_time() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 Progress::Progress(const std::string& mode, int64_t total_steps) : total_(total_steps) {
   live_ = mode == "on" || (mode == "auto" && ::isatty(STDERR_FILENO));
   start_ = last_draw_ = std::chrono::steady_clock::now();

@@ -45,8 +45,6 @@ inline nlohmann::json finite_or_null(double x) {
   return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr);
 }
 
-// Seconds since the Unix epoch, for the "time" field.
-double unix_time();
 
 // One live line on a terminal (redrawn at most 5 times a second), or plain lines at each
 // logged step otherwise. logging.progress: auto | on | off.

@@ -10,6 +10,7 @@
 
 #include "launch/requeue.hpp"
 #include "run/signals.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
