@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# What a failure costs a data-parallel job, side by side in one run: the job uninterrupted,
+# then the same job with one worker SIGKILLed every --every seconds, restarted each time
+# from its latest checkpoint by the launcher (dtrain's supervisor, `--nproc N
+# --max-restarts`, or torchrun's elastic agent, `--max-restarts`): today's recovery path,
+# the row fault-tolerant replicas (issue 58) are measured against. Per failure: the steps
+# trained again (those since the checkpoint), the stall (the kill to the next step logged)
+# and the time until the run is back past the step it had reached; over the run: wall time
+# and final accuracy against the uninterrupted run.
+#
+#   scripts/bench_faults.sh [--model mlp|gpt] [--nproc N] [--every S] [--steps N]
+#                           [--save-every N] [--launchers "nproc torchrun"]
+# Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
+# steps, mlp 20000 steps (gpt 1200), both launchers. torchrun needs scripts/setup.sh --test
+# (.venv's torch). DTRAIN_BIN=PATH benchmarks another binary. Results: $OUT_DIR/faults.jsonl.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-faults}"
+BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
+PY="${DTRAIN_PYTHON:-$ROOT/.venv/bin/python}"
+MODEL=mlp NPROC=4 EVERY=30 STEPS="" SAVE_EVERY=500 LAUNCHERS="nproc torchrun"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODEL=$2; shift 2 ;;
+    --nproc) NPROC=$2; shift 2 ;;
+    --every) EVERY=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --save-every) SAVE_EVERY=$2; shift 2 ;;
+    --launchers) LAUNCHERS=$2; shift 2 ;;
+    *) echo "usage: scripts/bench_faults.sh [--model mlp|gpt] [--nproc N] [--every S]" \
+            "[--steps N] [--save-every N] [--launchers \"nproc torchrun\"]" >&2; exit 2 ;;
+  esac
+done
+case "$MODEL" in
+  mlp) JOB=$ROOT/configs/fashion_mnist_mlp.yaml; STEPS=${STEPS:-20000} ;;
+  gpt) JOB=$ROOT/configs/gpt_text.yaml; STEPS=${STEPS:-1200} ;;
+  *) echo "bench_faults.sh: --model is mlp or gpt" >&2; exit 2 ;;
+esac
+[ -x "$BIN" ] || { echo "bench_faults.sh: no dtrain at $BIN (scripts/setup.sh builds it)" >&2; exit 2; }
+[ -x "$PY" ] || PY=python3
+mkdir -p "$OUT_DIR"
+# Every step logged (the lost steps are counted exactly), one evaluation at the end, a
+# constant learning rate (a restart's schedule cannot differ), the batch's threads alike.
+SETS=(--set train.max_steps="$STEPS" --set train.log_every=1 --set train.eval_every="$STEPS"
+      --set checkpoint.every_steps="$SAVE_EVERY" --set checkpoint.keep_last=2
+      --set logging.progress=off --set dist.timeout_s=30)
+export OMP_NUM_THREADS=1
+
+# LAUNCHER RUN_DIR MAX_RESTARTS: the job's command line under that launcher.
+command_for() {
+  case "$1" in
+    nproc) echo "$BIN run $JOB --run-dir $2 --nproc $NPROC --max-restarts $3" ;;
+    torchrun) echo "$PY $ROOT/scripts/torchrun --standalone --nproc_per_node $NPROC" \
+                   "--max_restarts $3 --no_python $BIN run $JOB --run-dir $2" ;;
+  esac
+}
+
+# The workers of launcher process $1: its children that are dtrain (the supervisor's forked
+# "dtrain rank R", torchrun's exec'd dtrain).
+workers() {
+  local p
+  for p in $(pgrep -P "$1"); do
+    case "$(cat /proc/"$p"/comm 2>/dev/null)" in dtrain*) echo "$p" ;; esac
+  done
+}
+
+# RUN_DIR LAUNCHER KILL_EVERY (0: none): runs the job, killing a random worker every
+# KILL_EVERY seconds; each kill's time and the step reached go to RUN_DIR.kills.
+run_job() {
+  local dir=$1 launcher=$2 every=$3
+  rm -rf "$dir" "$dir.kills"
+  touch "$dir.kills"
+  date +%s.%N > "$dir.start"
+  # shellcheck disable=SC2046
+  $(command_for "$launcher" "$dir" 1000) "${SETS[@]}" > "$dir.log" 2>&1 &
+  local job=$! next=$(( $(date +%s) + every ))
+  while kill -0 "$job" 2>/dev/null; do
+    sleep 0.2
+    if [ "$every" -gt 0 ] && [ "$(date +%s)" -ge "$next" ]; then
+      mapfile -t ws < <(workers "$job")
+      if [ "${#ws[@]}" -eq "$NPROC" ]; then
+        victim=${ws[$((RANDOM % ${#ws[@]}))]}
+        # The step reached, read now: a restart rewrites metrics.jsonl up to its checkpoint.
+        reached=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null | grep -o '"step":[0-9]*' | cut -d: -f2)
+        kill -9 "$victim" 2>/dev/null && echo "$(date +%s.%N) ${reached:-0}" >> "$dir.kills"
+      fi
+      next=$(( $(date +%s) + every ))
+    fi
+  done
+  wait "$job" || echo "bench_faults.sh: $launcher run ended with $? (see $dir.log)" >&2
+}
+
+# RUN_DIR LABEL: one JSON line of figures from the run's metrics and kills.
+figures() {
+  "$PY" - "$1" "$2" <<'EOF'
+import json, sys
+d, label = sys.argv[1], sys.argv[2]
+lines = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+train = [l for l in lines if l["kind"] == "train"]
+kills = [(float(t), int(n)) for t, n in (k.split() for k in open(f"{d}.kills"))]
+evals = [l for l in lines if l["kind"] == "eval"]
+lost, stall, back = [], [], []
+for t, reached in kills:
+    after = [l for l in train if l["time"] > t]
+    if not after:
+        continue
+    lost.append(reached - (after[0]["step"] - 1))
+    stall.append(after[0]["time"] - t)
+    past = [l for l in after if l["step"] > reached]
+    if past:
+        back.append(past[0]["time"] - t)
+mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None
+start = float(open(f"{d}.start").read())
+print(json.dumps({"run": label, "failures": len(kills), "steps": max(l["step"] for l in train),
+                  "lost_steps_per_failure": mean(lost), "stall_s_per_failure": mean(stall),
+                  "back_past_s_per_failure": mean(back),
+                  "wall_s": round(lines[-1]["time"] - start, 1),
+                  "accuracy": evals[-1].get("accuracy") if evals else None,
+                  "eval_loss": evals[-1].get("loss") if evals else None}))
+EOF
+}
+
+: > "$OUT_DIR/faults.jsonl"
+echo "== uninterrupted ($MODEL, $NPROC processes, $STEPS steps)" >&2
+run_job "$OUT_DIR/whole" nproc 0
+figures "$OUT_DIR/whole" "uninterrupted" >> "$OUT_DIR/faults.jsonl"
+for launcher in $LAUNCHERS; do
+  if [ "$launcher" = torchrun ] && ! "$PY" -c 'import torch.distributed.run' 2> /dev/null; then
+    echo "bench_faults.sh: no torchrun at $PY (scripts/setup.sh --test); skipped" >&2
+    continue
+  fi
+  echo "== $launcher: a worker killed every $EVERY s, restarts from the latest checkpoint" >&2
+  run_job "$OUT_DIR/$launcher" "$launcher" "$EVERY"
+  figures "$OUT_DIR/$launcher" "restart ($launcher)" >> "$OUT_DIR/faults.jsonl"
+done
+"$PY" - "$OUT_DIR/faults.jsonl" "$SAVE_EVERY" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(f"checkpoint every {sys.argv[2]} steps")
+cols = ["run", "failures", "steps", "lost_steps_per_failure", "stall_s_per_failure",
+        "back_past_s_per_failure", "wall_s", "accuracy"]
+print("  ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
+for r in rows:
+    print("  ".join(f"{str(r[c]):>24}" if i == 0 else f"{str(r[c]):>12}" for i, c in enumerate(cols)))
+EOF
