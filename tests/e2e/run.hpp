@@ -29,6 +29,7 @@
 #include "cli.hpp"  // dtrain_main: the binary's whole command
 #include "launch/device.hpp"
 #include "launch/supervisor.hpp"
+#include "../unit/temp_dir.hpp"
 
 namespace e2e {
 
@@ -44,34 +45,16 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-// This process's folder under the system temp dir, removed with everything in it as the
-// process ends: a run of the suite writes gigabytes (ZeRO's peak test alone 1.3 GB) and must
-// not leave them behind. Only by the process that made it: a forked command (below) ends
-// with std::exit, which runs the same destructor. DTRAIN_KEEP_TEST_DIRS=1 keeps it, to look
-// at a failed test's files.
+// This process's folder under the system temp dir, removed as the process ends (see
+// TempDir): a run of the suite writes gigabytes (ZeRO's peak test alone 1.3 GB).
 inline const std::filesystem::path& process_dir() {
-  struct Owned {
-    std::filesystem::path path;
-    pid_t owner;
-    ~Owned() {
-      if (::getpid() == owner && !std::getenv("DTRAIN_KEEP_TEST_DIRS"))
-        std::system(("rm -rf '" + path.string() + "'").c_str());
-    }
-  };
-  static const Owned dir{[] {
-                           auto d = std::filesystem::temp_directory_path() /
-                                    ("dtrain-e2e-" + std::to_string(::getpid()));
-                           std::filesystem::create_directories(d);
-                           return d;
-                         }(),
-                         ::getpid()};
-  return dir.path;
+  static const dtrain::test::TempDir dir("dtrain-e2e");
+  return dir.path();
 }
 
 inline std::string temp_dir(const std::string& name) {
   auto dir = process_dir() / name;
-  // rm, not std::filesystem::remove_all (see util/files.hpp remove_tree).
-  std::system(("rm -rf '" + dir.string() + "'").c_str());
+  dtrain::remove_tree(dir.string());  // a test's folder from before, in this process
   std::filesystem::create_directories(dir);
   return dir.string();
 }

@@ -16,28 +16,16 @@
 #include "run/saved_state.hpp"
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "../unit/temp_dir.hpp"
 
 namespace dtrain::fuzz {
 namespace fs = std::filesystem;
 namespace {
 
-// A scratch folder for this process, the readers taking paths; removed as the process ends.
+// A scratch folder for this process, the readers taking paths; removed as it ends.
 const fs::path& scratch() {
-  struct Owned {
-    fs::path path;
-    ~Owned() {
-      try {
-        dtrain::remove_tree(path.string());
-      } catch (const std::exception&) {  // a destructor must not throw
-      }
-    }
-  };
-  static const Owned dir{[] {
-    auto d = fs::temp_directory_path() / ("dtrain-fuzz-" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }()};
-  return dir.path;
+  static const dtrain::test::TempDir dir("dtrain-fuzz");
+  return dir.path();
 }
 
 std::string write_input(const std::string& name, const uint8_t* data, size_t size) {
