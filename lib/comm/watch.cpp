@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "util/clock.hpp"  // unix_time: heartbeats compare wall-clock times across processes
 #include "util/units.hpp"
 
 namespace dtrain {
@@ -15,11 +16,6 @@ using json = nlohmann::json;
 
 // The store key of world rank `rank`'s heartbeat.
 std::string heartbeat_key(int64_t rank) { return fmt::format("dtrain/heartbeat/{}", rank); }
-
-// Wall-clock seconds: heartbeats compare times across processes.
-double wall_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
 // How often a rank beats for a threshold of `after`, and how old a heartbeat is when its
 // rank is called silent (two and a half beats: a stopped rank's is at least the threshold
@@ -144,7 +140,7 @@ Watch::Waiting::Waiting(Watch* watch, WaitedOp op) : watch_(watch) {
   if (!watch_) return;
   std::lock_guard<std::mutex> lock(watch_->mu_);
   id_ = ++watch_->next_id_;
-  watch_->active_[id_] = Active{std::move(op), std::chrono::steady_clock::now(), wall_seconds()};
+  watch_->active_[id_] = Active{std::move(op), std::chrono::steady_clock::now(), unix_time()};
 }
 
 Watch::Waiting::~Waiting() {
@@ -158,7 +154,7 @@ json Watch::beat() const {
   for (const auto& [id, a] : active_)
     waits.push_back({{"op", a.op.op}, {"group", a.op.group}, {"number", a.op.number},
                      {"peer", a.op.peer}, {"since", a.since_wall}});
-  return {{"at", wall_seconds()}, {"step", step_}, {"posted", posted_}, {"waits", waits}};
+  return {{"at", unix_time()}, {"step", step_}, {"posted", posted_}, {"waits", waits}};
 }
 
 void Watch::loop() {
@@ -196,7 +192,7 @@ void Watch::check() {
     } catch (...) {
       silent = true;
     }
-    say_(describe_hang(rank_, op, waited, beats, wall_seconds(), silent_after_s(after_), silent));
+    say_(describe_hang(rank_, op, waited, beats, unix_time(), silent_after_s(after_), silent));
   }
 }
 
@@ -217,7 +213,7 @@ void JobWatch::tick() {
   } catch (...) {
     return;  // the store is this process's own: nothing to say of the ranks
   }
-  const double now_s = wall_seconds(), after_s = std::chrono::duration<double>(after_).count();
+  const double now_s = unix_time(), after_s = std::chrono::duration<double>(after_).count();
   bool hung = false;
   for (const auto& [rank, beat] : beats)
     if (beat.contains("waits"))
