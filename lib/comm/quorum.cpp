@@ -6,13 +6,13 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "util/clock.hpp"
 #include "util/error.hpp"
 
 namespace dtrain {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 const char* kJoins = "ft/joins";  // a count: every request adds one
 
@@ -39,13 +39,6 @@ Quorum from_record(int64_t id, const json& j) {
 
 }  // namespace
 
-bool Quorum::has(int64_t replica) const { return index_of(replica) >= 0; }
-
-int64_t Quorum::index_of(int64_t replica) const {
-  auto it = std::find(members.begin(), members.end(), replica);
-  return it == members.end() ? -1 : int64_t(it - members.begin());
-}
-
 ReplicaAgreement::ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
                                    std::function<bool(int64_t)> live,
                                    std::chrono::milliseconds timeout,
@@ -63,12 +56,12 @@ Quorum ReplicaAgreement::first(int64_t replicas, int64_t step) {
 bool ReplicaAgreement::stored(const std::string& key) { return store_.check({key}); }
 
 std::string ReplicaAgreement::get(const std::string& key) {
-  const auto until = Clock::now() + timeout_;
-  while (!stored(key)) {
-    if (Clock::now() > until)
-      throw DistError(fmt::format("fault tolerance: replica {}: no '{}' in the store after {} s",
-                                  replica_, key, timeout_.count() / 1000.0));
-    std::this_thread::sleep_for(poll_);
+  try {
+    store_.wait({key}, timeout_);
+  } catch (const std::exception& e) {  // the store's timeout, or its host gone
+    throw DistError(fmt::format("fault tolerance: replica {}: waiting up to {} s for '{}' in "
+                                "the store: {}", replica_, timeout_.count() / 1000.0, key,
+                                first_line(e.what())));
   }
   return text(store_.get(key));
 }

@@ -23,8 +23,6 @@ struct Quorum {
   std::vector<int64_t> members;  // replica indices, ascending
   std::vector<int64_t> joining;  // members without state: they take `source`'s
   int64_t source = -1;           // the lowest member with state (-1: nobody joins)
-  bool has(int64_t replica) const;
-  int64_t index_of(int64_t replica) const;  // its place among the members (-1: not one)
 };
 
 // A member's word on a step: it finished the reduction (and whether it saw a replica ask to

@@ -142,6 +142,16 @@ TEST_SUITE("quorum") {
       CHECK(std::string(e.what()).find("replica 1 is alive but has not voted on step 7") !=
             std::string::npos);
     }
+    // A joiner that no quorum takes in time: the store's wait ends it, named.
+    auto joiner = r.agreement(3, 100ms);
+    joiner.ask_to_join();
+    try {
+      joiner.admitted();
+      FAIL("no error");
+    } catch (const DistError& e) {
+      CHECK(std::string(e.what()).find("replica 3: waiting up to 0.1 s for 'ft/quorum/1'") !=
+            std::string::npos);
+    }
   }
 
   // What fault tolerance asks of a process group: a member gone mid-collective fails the
