@@ -1,0 +1,59 @@
+// The replicas a fault-tolerant job's replica trains with, step by step: the quorum it is
+// in (comm/quorum.hpp), the group across its members (comm/replica_comm.hpp), and this
+// replica's share of every global batch. A step's collectives run over comm(); before its
+// update every member calls commit(n). When a member failed or went silent the step is
+// discarded everywhere and trained again on the same global batch by the survivors, each
+// taking a share of it (data/sampler.hpp's reshared), the shares' losses weighted by their
+// size: so no sample is lost or seen twice, the learning rate stays, and the result is the
+// uninterrupted run's up to the order of a sum.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "comm/quorum.hpp"
+#include "comm/replica_comm.hpp"
+
+namespace dtrain {
+
+class ReplicaSet {
+ public:
+  struct Options {
+    int64_t replica = 0;   // this replica's index
+    int64_t replicas = 1;  // how many the job has
+    // The job rank, in `world`, of replica r's rank at this rank's place in it: with one
+    // rank per replica, r itself.
+    std::function<int64_t(int64_t r)> world_rank = [](int64_t r) { return r; };
+    std::function<bool(int64_t r)> live;  // whether replica r's heartbeat is fresh
+    std::chrono::milliseconds timeout{120000};  // a quorum's or a live member's vote
+    std::chrono::milliseconds poll{5};
+  };
+  // `world`: the job's group, whose store makes each quorum's group; `store`: the job's
+  // store, which the agreement's keys live in. Every replica of the job starts together,
+  // in the first quorum (all of them) from `step`.
+  ReplicaSet(std::shared_ptr<Comm> world, c10d::Store& store, Options opts, int64_t step);
+
+  // The group across the quorum's members, the same object for the whole run.
+  const std::shared_ptr<ReplicaComm>& comm() const { return comm_; }
+  const Quorum& quorum() const { return quorum_; }
+  // This replica's place among the members, and their number: its share of a global batch.
+  int64_t index() const;
+  int64_t count() const { return int64_t(quorum_.members.size()); }
+
+  // The members' vote on step n (this one's: whether comm() failed). True: apply the
+  // update. False: the step is discarded, the quorum has changed, and step n is trained
+  // again by the new members. DistError when this replica is no longer a member (its
+  // peers voted it dead) or an agreement timed out.
+  bool commit(int64_t n);
+
+ private:
+  std::shared_ptr<Comm> world_;
+  Options opts_;
+  ReplicaAgreement agreement_;
+  Quorum quorum_;
+  std::shared_ptr<ReplicaComm> comm_;
+};
+
+}  // namespace dtrain
