@@ -67,6 +67,14 @@ uint64_t EpochOrder::feistel(uint64_t x) const {
   return (left << half_bits_) | right;
 }
 
+ShardedSampler ShardedSampler::reshared(int64_t rank, int64_t ranks) const {
+  fail_if<std::logic_error>(rank < 0 || rank >= ranks || ranks > global_batch_,
+                            "share {} of {} of a global batch of {}", rank, ranks, global_batch_);
+  ShardedSampler out = *this;
+  out.rank_ = rank, out.ranks_ = ranks;
+  return out;
+}
+
 EpochOrder ShardedSampler::epoch_order(int64_t epoch) const {
   return EpochOrder(size_, shuffle_, seed_, epoch);
 }

@@ -42,7 +42,13 @@ class ShardedSampler {
   // Full global batches per epoch; the incomplete tail is dropped so every step has the
   // same global batch (the same gradient scale) on every layout.
   int64_t steps_per_epoch() const { return size_ / global_batch_; }
-  int64_t rank_batch() const { return global_batch_ / ranks_; }
+  // This rank's share: elements rank, rank + ranks, ... of the global batch.
+  int64_t rank_batch() const { return (global_batch_ - rank_ + ranks_ - 1) / ranks_; }
+  // The same order dealt among `ranks` of which this is `rank`, where `ranks` need not
+  // divide the global batch (a fault-tolerant job's surviving replicas, comm/quorum.hpp):
+  // the first global_batch % ranks shares hold one sample more. Together they still take
+  // exactly the global batch, each sample once.
+  ShardedSampler reshared(int64_t rank, int64_t ranks) const;
 
   // The epoch's order of sample indices (identical on every rank).
   EpochOrder epoch_order(int64_t epoch) const;

@@ -151,6 +151,35 @@ TEST_CASE("sampler: D ranks together take exactly the global batch, disjointly")
   }
 }
 
+// A fault-tolerant job's survivors deal the same global batch among fewer replicas: the
+// shares may differ by one, and together they are the batch, each sample once.
+TEST_CASE("sampler: a batch re-shared among survivors that do not divide it") {
+  const int64_t n = 50, b = 10;
+  const ShardedSampler four(n, b, true, /*seed=*/3, 0, 2);
+  for (int64_t d : {1, 3, 4, 7, 10}) {
+    CAPTURE(d);
+    const auto order = list(four.epoch_order(2));
+    std::vector<int64_t> all, sizes;
+    for (int64_t r = 0; r < d; ++r) {
+      const auto share = four.reshared(r, d);
+      auto mine = to_vec(share.rank_indices(share.epoch_order(2), /*step=*/3));
+      CHECK(int64_t(mine.size()) == share.rank_batch());
+      sizes.push_back(share.rank_batch());
+      for (size_t i = 0; i < mine.size(); ++i)
+        CHECK(mine[i] == order[3 * b + r + static_cast<int64_t>(i) * d]);
+      all.insert(all.end(), mine.begin(), mine.end());
+    }
+    std::vector<int64_t> global(order.begin() + 3 * b, order.begin() + 4 * b);
+    std::sort(all.begin(), all.end());
+    std::sort(global.begin(), global.end());
+    CHECK(all == global);
+    // The first b % d shares one larger: 10 among 3 is 4, 3, 3; among 4, 3, 3, 2, 2.
+    for (int64_t r = 0; r < d; ++r) CHECK(sizes[size_t(r)] == b / d + (r < b % d ? 1 : 0));
+  }
+  CHECK_THROWS_AS(four.reshared(3, 3), std::logic_error);
+  CHECK_THROWS_AS(four.reshared(0, 11), std::logic_error);
+}
+
 TEST_CASE("sampler: impossible batch layouts throw ConfigError") {
   CHECK_THROWS_AS(ShardedSampler(100, 10, true, 1, 0, 4), ConfigError);  // 10 % 4 != 0
   CHECK_THROWS_AS(ShardedSampler(10, 11, true, 1), ConfigError);         // batch > data
