@@ -253,7 +253,6 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     if (me == members.end())
       throw std::logic_error(fmt::format("rank {} is not a member of group '{}'",
                                          ctx_->world_rank, name));
-    if (int64_t(members.size()) == size_ && name_ == "world") return this->shared_from_this();
     if (members.size() == 1) return make_local_comm();
     return make_group(ctx_, name, me - members.begin(), members);
   }

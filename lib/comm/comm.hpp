@@ -114,7 +114,8 @@ class Comm {
   // The group of the world ranks `members` (in that order; this process among them), named
   // `name` (unique per group in the job: it prefixes the group's rendezvous keys). Only the
   // members call it. A group of one needs no process group and gets a local Comm; a group
-  // of every rank, called on the world, is the world's own group.
+  // of every rank is a process group of its own (the mesh reuses the world's instead: a
+  // fault-tolerant job's replicas drop theirs when it fails, comm/replica_comm.hpp).
   virtual std::shared_ptr<Comm> new_group(const std::string& name,
                                           const std::vector<int64_t>& members) = 0;
 
