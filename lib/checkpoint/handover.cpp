@@ -1,0 +1,158 @@
+#include "checkpoint/handover.hpp"
+
+#include <cstring>
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "util/error.hpp"
+#include "util/hash.hpp"
+
+namespace dtrain {
+namespace {
+
+using json = nlohmann::json;
+
+struct Held {
+  StateFile file;
+  std::string name;
+  torch::Tensor tensor;
+};
+
+// A replica's state in memory. What a data rank keeps of its own (kReplica: error
+// feedback's residuals, local SGD's own optimizer) is that replica's, lost with it: a
+// joiner starts those afresh, as a component's constructor leaves them.
+class MemoryWriter : public StateWriter {
+ public:
+  bool writes(StateFile file) const override { return file != StateFile::kReplica; }
+  void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts,
+           const RangesOf& ranges) override {
+    if (!writes(file)) return;
+    if (!parts.empty() || !ranges.empty())
+      throw std::logic_error("live recovery of a state split or sharded inside a replica "
+                             "(tensor parallelism, ZeRO) is not built yet");
+    for (const auto& [name, t] : tensors) held.push_back({file, name, t.detach()});
+  }
+  void set(const std::string& key, json value) override { trainer[key] = std::move(value); }
+
+  std::vector<Held> held;
+  json trainer = json::object();
+  std::string job;  // the resolved job spec
+};
+
+class MemoryReader : public StateReader {
+ public:
+  MemoryReader(const MemoryWriter& state, ParallelDims layout, int64_t source)
+      : state_(state), layout_(layout), origin_(fmt::format("replica {}'s state", source)) {}
+  const std::string& folder() const override { return origin_; }
+  bool has(StateFile file) const override { return !names(file).empty(); }
+  std::vector<std::string> names(StateFile file) const override {
+    std::vector<std::string> out;
+    for (const auto& h : state_.held)
+      if (h.file == file) out.push_back(h.name);
+    return out;
+  }
+  SavedTensors tensors(StateFile file) const override {
+    NamedTensors out;
+    for (const auto& h : state_.held)
+      if (h.file == file) out.emplace_back(h.name, h.tensor);
+    return SavedTensors(out, origin_);
+  }
+  const json& trainer() const override { return state_.trainer; }
+  std::string config_yaml() const override { return state_.job; }
+  ParallelDims saved_layout() const override { return layout_; }
+  ParallelDims layout() const override { return layout_; }
+  void warn(const std::string&) const override {}  // kReplica's absence is by design
+
+ private:
+  const MemoryWriter& state_;
+  ParallelDims layout_;
+  std::string origin_;
+};
+
+MemoryWriter saved(const std::vector<Stateful*>& parts) {
+  MemoryWriter out;
+  for (auto* p : parts) p->save(out);
+  return out;
+}
+
+uint64_t hash_of(const MemoryWriter& state) {
+  uint64_t h = fnv1a(state.trainer.dump());
+  for (const auto& held : state.held) {
+    h = splitmix64_mix(h ^ fnv1a(held.name));
+    const auto t = held.tensor.to(torch::kCPU).contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+    const size_t n = size_t(t.numel()) * t.element_size();
+    size_t i = 0;
+    for (uint64_t word; i + 8 <= n; i += 8) {
+      std::memcpy(&word, bytes + i, 8);
+      h = splitmix64_mix(h ^ word);
+    }
+    for (; i < n; ++i) h = splitmix64_mix(h ^ bytes[i]);
+  }
+  return h;
+}
+
+// `source`'s header (every tensor's file, name, type and shape; the trainer entries) on
+// every member.
+json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
+  std::string text;
+  if (group.rank() == source) {
+    json h;
+    h["trainer"] = mine.trainer;
+    h["job"] = mine.job;
+    for (const auto& held : mine.held)
+      h["tensors"].push_back({int(held.file), held.name, int(held.tensor.scalar_type()),
+                              held.tensor.sizes().vec()});
+    text = h.dump();
+  }
+  auto length = torch::tensor({int64_t(text.size())}, torch::kInt64);
+  group.broadcast(length, source);
+  auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
+  if (group.rank() == source) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  group.broadcast(bytes, source);
+  const auto* p = static_cast<const char*>(bytes.data_ptr());
+  return json::parse(std::string(p, p + bytes.numel()));
+}
+
+}  // namespace
+
+uint64_t state_hash(const std::vector<Stateful*>& parts) { return hash_of(saved(parts)); }
+
+uint64_t hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
+                   const ParallelDims& layout, const std::string& config_yaml) {
+  const bool sends = group.rank() == source;
+  MemoryWriter state = sends ? saved(parts) : MemoryWriter();
+  state.job = config_yaml;
+  const json header = header_from(group, source, state);
+  MemoryWriter got;
+  got.trainer = header.at("trainer");
+  got.job = header.at("job").get<std::string>();
+  size_t i = 0;
+  for (const auto& entry : header.value("tensors", json::array())) {
+    const auto shape = entry.at(3).get<std::vector<int64_t>>();
+    const auto type = torch::ScalarType(entry.at(2).get<int>());
+    auto t = sends ? state.held[i].tensor.to(torch::kCPU).contiguous()
+                   : torch::empty(shape, torch::dtype(type));
+    group.broadcast(t, source);
+    got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t});
+    ++i;
+  }
+  if (!sends) {
+    const MemoryReader reader(got, layout, source);
+    for (auto* p : parts) p->load(reader);
+  }
+  // Every member's state as saved now, against the source's.
+  const uint64_t mine = state_hash(parts);
+  const auto all = group.all_gather(torch::tensor({int64_t(mine)}, torch::kInt64));
+  const auto expected = uint64_t(all[size_t(source)].item<int64_t>());
+  fail_if<DistError>(mine != expected,
+                     "live recovery: the state taken from replica {} hashes to {:016x} here, "
+                     "{:016x} there: this replica is not identical to its source",
+                     source, mine, expected);
+  return mine;
+}
+
+}  // namespace dtrain

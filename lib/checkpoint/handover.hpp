@@ -1,0 +1,33 @@
+// Live recovery: a replica that joins a fault-tolerant job (restarted, or one more) takes
+// every stateful component's state from a healthy replica over the process group, with no
+// checkpoint read (TorchFT's recovery from a peer). The source saves its components into
+// memory as it would into a checkpoint (checkpoint/stateful.hpp), sends a header of names,
+// types and shapes and then each tensor; the joiners load them back in the same order.
+// Afterwards every member hashes its state as saved again, and a joiner whose hash is not
+// the source's fails (DistError): a replica that is not bit-identical must not train.
+//
+// The state is a replica's whole: where a replica's own ranks split or shard it (tensor
+// parallelism, ZeRO inside a replica), each rank hands over its part to the rank at the
+// same place of the joiner, which this first version refuses (std::logic_error).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "checkpoint/stateful.hpp"
+#include "comm/comm.hpp"
+
+namespace dtrain {
+
+// Collective over `group`: the `parts` of group rank `source` into every other member's.
+// `layout`: the replicas' (the same on both sides); `config_yaml`: this member's resolved
+// job, the source's checked by the joiners as a resume checks a checkpoint's. Returns the
+// state's hash, the same on every member.
+uint64_t hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
+                   const ParallelDims& layout, const std::string& config_yaml);
+
+// The hash of `parts`' state as a checkpoint would save it: tensors' bytes and the
+// trainer entries, in order.
+uint64_t state_hash(const std::vector<Stateful*>& parts);
+
+}  // namespace dtrain
