@@ -21,6 +21,8 @@
 #include "job/layouts.hpp"
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
+#include "comm/job_link.hpp"
+#include "comm/replica_set.hpp"
 #include "comm/tcp_store.hpp"
 #include "comm/watch.hpp"
 #include "launch/device.hpp"
@@ -130,23 +132,44 @@ std::vector<std::string> worker_args(int argc, char** argv) {
 // The --nproc supervisor's store for one attempt's workers (SupervisorOptions::host_store):
 // it outlives any rank, and the supervisor reads their heartbeats through it to print the
 // job's picture when a wait passes dist.hang_report_s.
-std::function<void()> host_store(int port, int64_t nproc, const DistConfig& dist) {
+SupervisorOptions::HostedStore host_store(int port, int64_t nproc, const DistConfig& dist) {
   TcpStore::Options so;
   so.host = "127.0.0.1", so.port = port, so.server = true;
   so.timeout = std::chrono::seconds(dist.timeout_s);
   auto store = c10::make_intrusive<TcpStore>(so);
+  auto ended = [store](int64_t rank) { mark_ended(*store, rank); };
   const auto after = hang_report_after(dist);
-  if (after.count() <= 0) return [store] {};
+  if (after.count() <= 0) return {[store] {}, ended};
   auto watch = std::make_shared<JobWatch>(store, nproc, after, [](const std::string& picture) {
     std::cerr << picture << std::endl;
   });
-  return [store, watch] { watch->tick(); };
+  return {[store, watch] { watch->tick(); }, ended};
 }
 
 // A worker that the supervisor forked without exec (SupervisorOptions::start_here): the
 // command line a worker would have been started with, run in this process.
 int start_worker_here(std::vector<std::string> args) {
   return dtrain_main(int(args.size()), argv_of(args).data());
+}
+
+// fault_tolerance: replicas: this process is a replica of its own, in the job's set of
+// them (comm/replica_set.hpp), which every replica enters together.
+std::shared_ptr<ReplicaSet> join_replicas(const JobConfig& cfg, const WorldInfo& world,
+                                          CommOptions opts) {
+  fail_if<ConfigError>(!world.store_hosted,
+                       "fault_tolerance.mode: replicas runs under dtrain's own launcher for now "
+                       "(dtrain run JOB --nproc N), whose store outlives every rank; not under "
+                       "{} yet", world.launcher);
+  const std::chrono::seconds heartbeat(cfg.fault_tolerance.heartbeat_s);
+  if (opts.hang_after.count() <= 0) opts.hang_after = heartbeat;  // the watch beats
+  JobLink link = link_job(world, opts, heartbeat);
+  ReplicaSet::Options o;
+  o.replica = world.rank, o.replicas = world.world;
+  o.live = link.live;
+  o.make_group = link.group;
+  o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
+  o.poll = std::chrono::milliseconds(20);
+  return std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1);
 }
 
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
@@ -161,7 +184,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
                       [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); },
                       workers_forked(nproc) ? start_worker_here : nullptr,
-                      [nproc, dist = cfg.dist](int port) { return host_store(port, nproc, dist); }});
+                      [nproc, dist = cfg.dist](int port) { return host_store(port, nproc, dist); },
+                      /*replicas=*/cfg.fault_tolerance.mode == "replicas"});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
@@ -171,8 +195,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   const auto device = [&] {
     return plan_device(cfg, world.local_rank, world.local_world, mode_spec(cfg.parallel.mode).any_source);
   };
-  const auto connect = [&]() -> std::shared_ptr<Comm> {
-    if (world.world == 1) return make_local_comm();
+  const auto comm_options = [&] {
     const DevicePlan plan = device();
     CommOptions opts;
     opts.backend = plan.backend, opts.timeout = std::chrono::seconds(cfg.dist.timeout_s);
@@ -181,7 +204,11 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     const int64_t cpus = usable_cpus();
     opts.comm_first = world.local_world * intra_op_threads(cfg.train.threads, cpus, world.local_world) <= cpus;
     opts.hang_after = hang_report_after(cfg.dist);
-    return make_c10d_comm(world, opts);
+    return opts;
+  };
+  const auto connect = [&]() -> std::shared_ptr<Comm> {
+    if (world.world == 1) return make_local_comm();
+    return make_c10d_comm(world, comm_options());
   };
   std::shared_ptr<Comm> comm;
   if (cfg.parallel.auto_layout) {  // the ranks agree on one choice, over the job's comm
@@ -199,6 +226,10 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   RunOptions opts{resume_from, "", device().device};
   if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
     opts.requeue_job = slurm_job_to_requeue(env);
+  if (cfg.fault_tolerance.mode == "replicas" && world.world > 1) {
+    opts.replicas = join_replicas(cfg, world, comm_options());
+    return run_training(cfg, ParallelDims{}, opts, world, make_local_comm()).exit_code;
+  }
   if (!comm) comm = connect();
   return run_training(cfg, dims, opts, world, comm).exit_code;
 }

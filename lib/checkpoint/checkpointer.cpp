@@ -73,11 +73,13 @@ int64_t Checkpointer::claim_and_choose() {
   const auto& resume = opts_.resume;
   // A read-only folder, a file in the way, a full disk: the file system's errors become
   // root_does' "cannot use run directory ...", exit 3.
-  fs::create_directories(dir);
-  std::string holder;
-  lock_ = DirLock::try_lock(dir, holder);
-  fail_if<ConfigError>(!lock_, "run directory '{}' is in use by {} (lock {}/.lock): wait for "
-                       "that job, or choose another --run-dir", dir, holder, dir);
+  if (opts_.writer) {
+    fs::create_directories(dir);
+    std::string holder;
+    lock_ = DirLock::try_lock(dir, holder);
+    fail_if<ConfigError>(!lock_, "run directory '{}' is in use by {} (lock {}/.lock): wait for "
+                         "that job, or choose another --run-dir", dir, holder, dir);
+  }
   store_ = std::make_unique<CheckpointStore>(dir, opts_.cfg);
   int64_t step = -1;
   if (resume == "auto" || resume.empty()) {
@@ -99,8 +101,23 @@ int64_t Checkpointer::claim_and_choose() {
       std::cerr << fmt::format("dtrain: warning: resume: skipping {}\n", first_line(d.why));
     if (scan.newest_valid) step = scan.newest_manifest.at("step").get<int64_t>();
   }
-  store_->discard_partial();  // the folder is this run's now
+  if (opts_.writer) store_->discard_partial();  // the folder is this run's now
   return step;
+}
+
+void Checkpointer::take_over(std::chrono::seconds wait) {
+  if (opts_.writer) return;
+  const auto until = std::chrono::steady_clock::now() + wait;
+  std::string holder;
+  while (!(lock_ = DirLock::try_lock(opts_.run_dir, holder))) {
+    fail_if<CheckpointError>(std::chrono::steady_clock::now() > until,
+                             "run directory '{}': the failed replica's lock is still held by {} "
+                             "after {} s; this replica cannot take over its checkpoints",
+                             opts_.run_dir, holder, wait.count());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  opts_.writer = true;
+  store_->discard_partial();  // the failed writer's unfinished save
 }
 
 std::optional<std::string> Checkpointer::open() {

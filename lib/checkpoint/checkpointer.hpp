@@ -21,6 +21,7 @@
 // in flight: the next save, a stop and the end wait for it (finish()).
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -59,6 +60,10 @@ class Checkpointer {
     Coord at;            // this rank's place in it
     // Where rank 0 says what it did (the checkpoint written, a damaged one skipped).
     std::function<void(const std::string&)> say;
+    // False: the run directory is another's to write (a fault-tolerant job's replica other
+    // than the writing one): open() decides the resume alike without locking or tidying
+    // the folder, and nothing is saved until take_over().
+    bool writer = true;
   };
   // `group`: the ranks that hold the run; its rank 0 writes.
   Checkpointer(Options opts, std::shared_ptr<Comm> group)
@@ -68,6 +73,9 @@ class Checkpointer {
   // (if any) the job resumes from; the others follow, or fail together with rank 0's exit
   // code. The lock is held while the Checkpointer lives.
   std::optional<std::string> open();
+  // A reader becomes the writer (the replica that wrote failed): it locks the folder,
+  // waiting up to `wait` for the failed writer's lock to go (CheckpointError after).
+  void take_over(std::chrono::seconds wait);
   // Rank 0, once every rank has restored `folder`: it becomes the head of the run's line;
   // a rollback's checkpoints past it are kept aside (timeline.hpp). Returns that branch.
   std::optional<Branch> continue_from(const std::string& folder) {

@@ -2,6 +2,7 @@
 // A job has one store; the world and each sub-group (a Mesh axis) is a process group of its
 // own over that store, under the group's name as a key prefix.
 #include "comm/comm.hpp"
+#include "comm/job_link.hpp"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -449,7 +450,11 @@ std::shared_ptr<Comm> make_shape_comm(int64_t rank, int64_t size) {
   return std::make_shared<ShapeComm>(rank, size);
 }
 
-std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
+namespace {
+
+// The job's store (hosted by rank 0, dtrain's supervisor or torchrun's agent), and the
+// watch's own connection to it (none without dist.hang_report_s), as a group context.
+std::shared_ptr<GroupContext> connect_job(const WorldInfo& world, const CommOptions& opts) {
   c10::intrusive_ptr<c10d::Store> store, watch_store;
   // The watch's connection answers within a few seconds or not at all (its host is silent).
   const std::chrono::milliseconds watch_timeout(2000);
@@ -504,9 +509,31 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
   }
   const bool loopback =
       world.master_addr == "localhost" || world.master_addr.rfind("127.", 0) == 0;
-  auto ctx = std::make_shared<GroupContext>(GroupContext{
+  return std::make_shared<GroupContext>(GroupContext{
       store, opts, world.rank, loopback, make_watch(watch_store, world.rank, opts)});
-  return make_group(ctx, "world", world.rank, world_ranks(world.world));
+}
+
+}  // namespace
+
+std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& opts) {
+  return make_group(connect_job(world, opts), "world", world.rank, world_ranks(world.world));
+}
+
+JobLink link_job(const WorldInfo& world, const CommOptions& opts, std::chrono::milliseconds silent) {
+  auto ctx = connect_job(world, opts);
+  JobLink link;
+  link.store = ctx->store;
+  link.group = [ctx](const std::string& name, const std::vector<int64_t>& members) {
+    const auto me = std::find(members.begin(), members.end(), ctx->world_rank);
+    if (me == members.end())
+      throw std::logic_error(fmt::format("rank {} is not a member of group '{}'", ctx->world_rank, name));
+    if (members.size() == 1) return make_local_comm();
+    return make_group(ctx, name, me - members.begin(), members);
+  };
+  link.live = [liveness = std::make_shared<Liveness>(ctx->store, silent)](int64_t rank) {
+    return (*liveness)(rank);
+  };
+  return link;
 }
 
 std::shared_ptr<Comm> make_in_process_comm(const std::string& rendezvous, int64_t rank,

@@ -9,23 +9,22 @@
 namespace dtrain {
 namespace {
 
-std::shared_ptr<Comm> group_of(Comm& world, const Quorum& q, const ReplicaSet::Options& o) {
+std::shared_ptr<Comm> group_of(const Quorum& q, const ReplicaSet::Options& o) {
   std::vector<int64_t> ranks;
   for (int64_t m : q.members) ranks.push_back(o.world_rank(m));
   // Named by the quorum (no later group shares it: a restarted replica's group is new) and
   // its first member's job rank (one group per place in a replica; the same for every
   // member of it).
-  return world.new_group(fmt::format("ft/q{}/{}", q.id, ranks.front()), ranks);
+  return o.make_group(fmt::format("ft/q{}/{}", q.id, ranks.front()), ranks);
 }
 
 }  // namespace
 
-ReplicaSet::ReplicaSet(std::shared_ptr<Comm> world, c10d::Store& store, Options opts, int64_t step)
-    : world_(std::move(world)),
-      opts_(std::move(opts)),
+ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step)
+    : opts_(std::move(opts)),
       agreement_(store, opts_.replica, opts_.replicas, opts_.live, opts_.timeout, opts_.poll),
       quorum_(ReplicaAgreement::first(opts_.replicas, step)),
-      comm_(std::make_shared<ReplicaComm>(group_of(*world_, quorum_, opts_))) {}
+      comm_(std::make_shared<ReplicaComm>(group_of(quorum_, opts_))) {}
 
 int64_t ReplicaSet::index() const {
   const auto& m = quorum_.members;
@@ -41,7 +40,7 @@ bool ReplicaSet::commit(int64_t n) {
     throw DistError(fmt::format("fault tolerance: replica {} was left out of quorum {} at step "
                                 "{}: its peers voted it dead ({})",
                                 opts_.replica, quorum_.id, quorum_.step, why));
-  comm_->reform(group_of(*world_, quorum_, opts_));
+  comm_->reform(group_of(quorum_, opts_));
   return d.commit;
 }
 

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/quorum.hpp"
 #include "comm/replica_comm.hpp"
@@ -23,21 +24,24 @@ class ReplicaSet {
   struct Options {
     int64_t replica = 0;   // this replica's index
     int64_t replicas = 1;  // how many the job has
-    // The job rank, in `world`, of replica r's rank at this rank's place in it: with one
+    // The job rank of replica r's rank at this rank's place in it: with one
     // rank per replica, r itself.
     std::function<int64_t(int64_t r)> world_rank = [](int64_t r) { return r; };
     std::function<bool(int64_t r)> live;  // whether replica r's heartbeat is fresh
+    // Makes the group of job ranks `members` named `name` (comm/job_link.hpp's JobLink).
+    std::function<std::shared_ptr<Comm>(const std::string& name, const std::vector<int64_t>& members)>
+        make_group;
     std::chrono::milliseconds timeout{120000};  // a quorum's or a live member's vote
     std::chrono::milliseconds poll{5};
   };
-  // `world`: the job's group, whose store makes each quorum's group; `store`: the job's
-  // store, which the agreement's keys live in. Every replica of the job starts together,
-  // in the first quorum (all of them) from `step`.
-  ReplicaSet(std::shared_ptr<Comm> world, c10d::Store& store, Options opts, int64_t step);
+  // `store`: the job's, which the agreement's keys live in. Every replica of the job
+  // starts together, in the first quorum (all of them) from `step`.
+  ReplicaSet(c10d::Store& store, Options opts, int64_t step);
 
   // The group across the quorum's members, the same object for the whole run.
   const std::shared_ptr<ReplicaComm>& comm() const { return comm_; }
   const Quorum& quorum() const { return quorum_; }
+  int64_t replica() const { return opts_.replica; }
   // This replica's place among the members, and their number: its share of a global batch.
   int64_t index() const;
   int64_t count() const { return int64_t(quorum_.members.size()); }
@@ -49,7 +53,6 @@ class ReplicaSet {
   bool commit(int64_t n);
 
  private:
-  std::shared_ptr<Comm> world_;
   Options opts_;
   ReplicaAgreement agreement_;
   Quorum quorum_;

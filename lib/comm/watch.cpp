@@ -16,6 +16,7 @@ using json = nlohmann::json;
 
 // The store key of world rank `rank`'s heartbeat.
 std::string heartbeat_key(int64_t rank) { return fmt::format("dtrain/heartbeat/{}", rank); }
+std::string ended_key(int64_t rank) { return fmt::format("dtrain/ended/{}", rank); }
 
 // How often a rank beats for a threshold of `after`, and how old a heartbeat is when its
 // rank is called silent (two and a half beats: a stopped rank's is at least the threshold
@@ -109,6 +110,25 @@ std::string job_picture(const std::map<int64_t, json>& beats, int64_t world, dou
   std::string out = "dtrain: the job now (from each rank's heartbeat):";
   for (int64_t r = 0; r < world; ++r) out += "\n  " + standing(r, beats, now_s, silent_s);
   return out;
+}
+
+void mark_ended(c10d::Store& store, int64_t rank) {
+  store.set(ended_key(rank), std::vector<uint8_t>{'1'});
+}
+
+bool Liveness::operator()(int64_t rank) {
+  std::vector<uint8_t> beat;
+  try {
+    if (store_->check({ended_key(rank)})) return false;
+    const std::string key = heartbeat_key(rank);
+    if (store_->check({key})) beat = store_->get(key);
+  } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
+  }
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, first] = seen_.try_emplace(rank, Seen{beat, now});
+  if (!first && !beat.empty() && beat != it->second.beat) it->second = Seen{beat, now};
+  return now - it->second.changed < silent_;
 }
 
 Watch::Watch(c10::intrusive_ptr<c10d::Store> store, int64_t rank, std::chrono::milliseconds after,

@@ -102,6 +102,30 @@ class Watch {
   std::thread thread_;
 };
 
+// The launcher's word that job rank `rank`'s process has ended (Liveness reads it).
+void mark_ended(c10d::Store& store, int64_t rank);
+
+// Whether job ranks are alive, from their heartbeats: a rank is alive while its heartbeat
+// has changed within `silent`, timed by this process's clock (no clock is compared across
+// machines); a rank with none yet, for `silent` from the first question about it. A rank
+// the launcher has marked ended is dead at once.
+class Liveness {
+ public:
+  Liveness(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds silent)
+      : store_(std::move(store)), silent_(silent) {}
+  bool operator()(int64_t rank);
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds silent_;
+  struct Seen {
+    std::vector<uint8_t> beat;
+    std::chrono::steady_clock::time_point changed;
+  };
+  std::mutex mu_;
+  std::map<int64_t, Seen> seen_;
+};
+
 // The whole job's view, where the store outlives the ranks (dtrain's --nproc supervisor):
 // each tick reads every rank's heartbeat; when a rank has waited in a collective past the
 // threshold, the job's picture is said, once until no rank has.

@@ -382,6 +382,28 @@ struct LoggingConfig {
   }
 };
 
+// Training through a replica's failure (docs/fault-tolerance.md).
+struct FaultToleranceConfig {
+  std::string mode = "off";
+  int64_t heartbeat_s = 5;
+  int64_t debug_kill_rank = -1;
+  int64_t debug_kill_step = 0;
+
+  template <class V> void visit(V&& v) {
+    v("mode", mode, Choices{"off", "replicas"},
+      "replicas: each data-parallel replica may fail alone; the others go on without a "
+      "restart, the step in flight trained again by the survivors on the same global "
+      "batch (dtrain run --nproc; data parallelism of one process per replica, mode sync, "
+      "no ZeRO or compression yet)");
+    v("heartbeat_s", heartbeat_s,
+      "a replica whose heartbeat is older than this is voted dead (a stopped or hung process)");
+    v("debug_kill_rank", debug_kill_rank,
+      "testing: the world rank that kills itself (SIGKILL) as step debug_kill_step starts; "
+      "-1 = none");
+    v("debug_kill_step", debug_kill_step, "testing: the step debug_kill_rank dies at");
+  }
+};
+
 struct JobConfig {
   std::string name = "dtrain-job";
   int64_t seed = 1234;
@@ -396,6 +418,7 @@ struct JobConfig {
   DistConfig dist;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
+  FaultToleranceConfig fault_tolerance;
   // Not a key: the leaf keys the job file and its --set arguments named (parallel.auto
   // holds those of the layout fixed).
   std::set<std::string> given;
@@ -414,6 +437,7 @@ struct JobConfig {
     v.section("dist", dist);
     v.section("checkpoint", checkpoint);
     v.section("logging", logging);
+    v.section("fault_tolerance", fault_tolerance);
   }
 };
 

@@ -577,6 +577,8 @@ void check_layout_and_run(const JobConfig& c) {
        "between 1 and 2592000 (30 days)", c.dist.timeout_s);
   need(c.dist.hang_report_s >= 0 && c.dist.hang_report_s <= 30 * 86400, "dist.hang_report_s",
        "between 0 (never) and 2592000 (30 days)", c.dist.hang_report_s);
+  need(c.fault_tolerance.heartbeat_s >= 1 && c.fault_tolerance.heartbeat_s <= 3600,
+       "fault_tolerance.heartbeat_s", "between 1 and 3600", c.fault_tolerance.heartbeat_s);
   need(c.dist.port >= 0 && c.dist.port <= 65535, "dist.port", "between 0 (automatic) and 65535",
        c.dist.port);
   need(c.dist.gloo_threads >= 1 && c.dist.gloo_threads <= 64, "dist.gloo_threads",

@@ -42,6 +42,8 @@ class ShardedSampler {
   // Full global batches per epoch; the incomplete tail is dropped so every step has the
   // same global batch (the same gradient scale) on every layout.
   int64_t steps_per_epoch() const { return size_ / global_batch_; }
+  int64_t rank() const { return rank_; }
+  int64_t ranks() const { return ranks_; }
   // This rank's share: elements rank, rank + ranks, ... of the global batch.
   int64_t rank_batch() const { return (global_batch_ - rank_ + ranks_ - 1) / ranks_; }
   // The same order dealt among `ranks` of which this is `rank`, where `ranks` need not

@@ -143,6 +143,30 @@ std::unique_ptr<GradSync> make_all_reduce_sync(const ParallelConfig& cfg, const 
                                         std::move(tied), mesh.coord().tensor);
 }
 
+namespace {
+
+class ReplicaSync : public BucketedSync {
+ public:
+  ReplicaSync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas, FlatParams& params,
+              int64_t micro_batches, std::function<double()> share)
+      : BucketedSync(params, std::make_unique<AllReduce>(std::move(replicas)), /*ranks=*/1,
+                     cfg.bucket_mb, micro_batches, Tied{}, /*tensor_rank=*/0),
+        share_(std::move(share)) {}
+  double loss_factor() const override { return BucketedSync::loss_factor() * share_(); }
+
+ private:
+  std::function<double()> share_;
+};
+
+}  // namespace
+
+std::unique_ptr<GradSync> make_replica_sync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas,
+                                            FlatParams& params, int64_t micro_batches,
+                                            std::function<double()> share) {
+  return std::make_unique<ReplicaSync>(cfg, std::move(replicas), params, micro_batches,
+                                       std::move(share));
+}
+
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,
                                          FlatParams& params, int64_t micro_batches,
                                          int64_t total_steps, Tied tied) {

@@ -14,6 +14,7 @@
 // Q matrices) saves and loads it itself (checkpoint/stateful.hpp).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -127,6 +128,14 @@ struct Tied {
   void load(const FlatParams& params, const torch::Tensor& flat, const std::string& suffix,
             const SavedTensors& saved, int64_t tensor_rank) const;
 };
+
+// The gradient's sum over a fault-tolerant job's replicas (comm/replica_set.hpp), bucketed
+// as the all-reduce's, each replica's loss scaled by its share of the global batch
+// (`share()`: this replica's now), so that the sum is the global batch's mean however the
+// survivors deal it out.
+std::unique_ptr<GradSync> make_replica_sync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas,
+                                            FlatParams& params, int64_t micro_batches,
+                                            std::function<double()> share);
 
 // The strategy for a data-parallel group of `mesh`: NoSync with one data-parallel rank,
 // ZeRO's under parallel.zero (zero.hpp), a compression under parallel.compression, else

@@ -124,6 +124,30 @@ void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
   model_spec(cfg.model.arch).fits(cfg.model, ModelContext{data.sample_shape, data.classes, data.vocab});
 }
 
+namespace {
+
+// fault_tolerance: replicas, as far as it is built (docs/fault-tolerance.md says what is
+// left): replicas of one process each, whose state moves whole, the sync mode's step.
+void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
+  if (cfg.fault_tolerance.mode == "off") return;
+  auto refuse = [](bool bad, const std::string& what) {
+    fail_if<ConfigError>(bad, "fault_tolerance.mode: replicas with {} is not supported{}", what,
+                         what.rfind("parallel.mode async_ps", 0) == 0 ? "" : " yet");
+  };
+  refuse(cfg.parallel.mode == "async_ps",
+         "parallel.mode async_ps: its workers never wait for one another, and a failed one "
+         "stops the job and restarts it from the latest checkpoint (--max-restarts) like any rank");
+  refuse(cfg.parallel.mode != "sync", "parallel.mode " + cfg.parallel.mode + " (sync only)");
+  refuse(layout.tensor > 1 || layout.pipeline > 1,
+         "replicas of several processes (parallel.tensor or parallel.pipeline above 1)");
+  refuse(cfg.parallel.zero > 0, "ZeRO (parallel.zero)");
+  refuse(cfg.parallel.compression != "none", "parallel.compression");
+  refuse(cfg.train.grad_accum > 1, "train.grad_accum above 1");
+  refuse(cfg.model.dropout > 0, "model.dropout (its masks follow the data rank, which moves)");
+}
+
+}  // namespace
+
 ParallelDims validate(const JobConfig& cfg, int64_t world_size, const Devices& devices) {
   check_ranges(cfg);
   const ModeSpec& mode = mode_spec(cfg.parallel.mode);
@@ -132,6 +156,7 @@ ParallelDims validate(const JobConfig& cfg, int64_t world_size, const Devices& d
   const int64_t trainers = mode.trainers(cfg, world_size);
   const auto layout = ParallelDims::resolve(cfg.parallel, trainers);
   check_compression(cfg);
+  check_fault_tolerance(cfg, layout);
   plan_device(cfg, /*local_rank=*/0, /*local_world=*/1, mode.any_source, devices);  // train.device, fp16, nccl
   model_spec(cfg.model.arch).validate(cfg.model, layout);
   check_pipeline(cfg, layout);

@@ -218,6 +218,23 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
 constexpr std::chrono::seconds kStopGrace{300};
 constexpr std::chrono::seconds kPeerFailGrace{2};
 
+// fault_tolerance: replicas. Says each worker that failed, once, and that the others go on.
+void lost_replicas(const std::vector<Worker>& ws, std::vector<bool>& said,
+                   std::optional<size_t>& first, const std::function<void(int64_t)>& ended) {
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (said[i] || !failed(ws[i]) || stopped_on(ws[i])) continue;
+    said[i] = true;
+    if (!first) first = i;
+    if (ended) ended(int64_t(i));
+    std::cerr << fmt::format("dtrain: {}; the other replicas go on without it\n",
+                             describe(int(i), *ws[i].status));
+  }
+}
+
+bool all_failed(const std::vector<Worker>& ws) {
+  return std::all_of(ws.begin(), ws.end(), [](const Worker& w) { return failed(w); });
+}
+
 void signal_all(std::vector<Worker>& ws, int sig) {
   for (auto& w : ws)
     if (!w.status) {
@@ -332,11 +349,14 @@ int supervise(const SupervisorOptions& o) {
   for (int64_t attempt = 0;; ++attempt) {
     const int port = free_local_port();
     auto ws = spawn(o, port, /*resume_auto=*/attempt > 0);
-    std::function<void()> watch = o.host_store ? o.host_store(port) : nullptr;
+    SupervisorOptions::HostedStore hosted = o.host_store ? o.host_store(port) : SupervisorOptions::HostedStore{};
+    auto& watch = hosted.tick;
     std::optional<size_t> first_failure;
     std::vector<char> running(ws.size(), 0);  // state letters of the ranks alive at the failure
     int forwarded = 0;
     std::optional<Clock::time_point> stop_seen;  // a worker stopped on a signal of its own
+    std::vector<bool> said_lost(ws.size(), false);  // fault tolerance: failures said
+    std::optional<size_t> first_lost;
     while (!all_done(ws)) {
       pump(ws, 100);
       reap(ws);
@@ -344,6 +364,11 @@ int supervise(const SupervisorOptions& o) {
       if (g_forward && !forwarded) {
         forwarded = g_forward;  // preemption: every worker checkpoints and exits
         signal_all(ws, forwarded);
+      }
+      if (o.replicas) {  // a replica failed: the others go on without it
+        lost_replicas(ws, said_lost, first_lost, hosted.ended);
+        if (!all_failed(ws)) continue;
+        first_failure = first_lost;
       }
       if (!first_failure && !forwarded)
         for (size_t i = 0; i < ws.size(); ++i) {
@@ -372,7 +397,7 @@ int supervise(const SupervisorOptions& o) {
         break;
       }
     }
-    watch = nullptr;  // the store too: the next attempt forks from one thread
+    hosted = {};  // the store too: the next attempt forks from one thread
     // Drain what is left in the pipes.
     while (std::any_of(ws.begin(), ws.end(), [](const Worker& w) { return w.out >= 0 || w.err >= 0; }))
       pump(ws, 50);

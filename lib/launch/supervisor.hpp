@@ -31,9 +31,18 @@ struct SupervisorOptions {
   std::function<int(std::vector<std::string> args)> start_here;
   // Where set, the supervisor hosts the job's store: called with each attempt's port once
   // its workers are started (a fork copies only the calling thread, and the store runs
-  // one), it returns what to call every 100 ms while they run (reading their heartbeats);
-  // that is dropped, the store with it, before another attempt starts.
-  std::function<std::function<void()>(int port)> host_store;
+  // one), it returns what to call every 100 ms while they run (reading their heartbeats),
+  // and what to call with a worker's rank once it has ended (under `replicas` the store
+  // says so at once: its peers need not wait for its heartbeat to go stale); they are
+  // dropped, the store with them, before another attempt starts.
+  struct HostedStore {
+    std::function<void()> tick;
+    std::function<void(int64_t rank)> ended;
+  };
+  std::function<HostedStore(int port)> host_store;
+  // fault_tolerance: replicas: a worker that fails leaves the others training (its replica
+  // is dropped from the job's set); the job has succeeded when one of them completes.
+  bool replicas = false;
 };
 
 // Returns the job's exit code.

@@ -37,19 +37,27 @@ class RunBody : public LoopBody {
  public:
   RunBody(TrainParts& run, Lockstep& mode)
       : run_(run),
-        loader_(run.train, run.sampler, run.log.state().step, run.total_steps,
-                run.cfg.data.workers, run.cfg.data.prefetch, /*pin=*/run.device.is_cuda(),
-                Augment{run.cfg.data.augment, run.cfg.data.crop_padding, uint64_t(run.cfg.seed)}),
+        share_(mode.share(run.sampler)),
+        loader_(load(share_, run.log.state().step)),
         parts_{run.runner,  run.sync, run.params,     run.optimizer, run.scaler,
                mode.mesh(), mode,     run.model.tied, run.cfg,       run.total_steps,
                run.device},
         mode_(mode) {}
 
   PendingStep step(int64_t n, bool logged, bool kept) override {
+    mode_.before_step(n);
     mode_.mesh().world()->note_step(n);
-    double wait_ms = 0;
-    Batch batch = loader_.next(&wait_ms);
-    return train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());
+    for (;;) {
+      // The survivors of a failed replica deal the global batch anew (fault tolerance).
+      if (const auto share = mode_.share(run_.sampler);
+          share.rank() != share_.rank() || share.ranks() != share_.ranks())
+        share_ = share, loader_ = load(share_, n - 1);
+      double wait_ms = 0;
+      Batch batch = loader_->next(&wait_ms);
+      auto p = train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());
+      if (!p.discarded) return p;
+      loader_ = load(share_, n - 1);  // step n's batch again
+    }
   }
   StepStats read(PendingStep& p) override {
     return read_step(parts_, p, apart_diverged(), run_.log.state().skipped_in_a_row);
@@ -65,7 +73,7 @@ class RunBody : public LoopBody {
   }
   void evaluate(int64_t n) override { run_.evaluate(n); }
   void save(int64_t n, bool evaluated, bool background) override {
-    run_.save(n, evaluated, background);
+    if (mode_.writes_files()) run_.save(n, evaluated, background);
   }
   void poll_save(int64_t /*n*/) override { run_.save_progress(/*wait=*/false); }
   void finish_save() override { run_.save_progress(/*wait=*/true); }
@@ -73,11 +81,20 @@ class RunBody : public LoopBody {
 
  private:
   bool apart_diverged() const { return run_.log.state().diverged_at > 0; }
+  // The batches of `share` from global step `first` on (0-based).
+  std::unique_ptr<Loader> load(const ShardedSampler& share, int64_t first) const {
+    const auto& cfg = run_.cfg;
+    return std::make_unique<Loader>(
+        run_.train, share, first, run_.total_steps, cfg.data.workers, cfg.data.prefetch,
+        /*pin=*/run_.device.is_cuda(),
+        Augment{cfg.data.augment, cfg.data.crop_padding, uint64_t(cfg.seed)});
+  }
 
   TrainParts& run_;
-  Loader loader_;
+  ShardedSampler share_;
+  std::unique_ptr<Loader> loader_;
   StepParts parts_;
-  const Lockstep& mode_;
+  Lockstep& mode_;
 };
 
 }  // namespace

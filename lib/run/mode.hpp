@@ -20,6 +20,7 @@
 #include "checkpoint/stateful.hpp"
 #include "comm/comm.hpp"
 #include "config/config.hpp"
+#include "data/sampler.hpp"
 #include "grad/grad_sync.hpp"
 #include "grad/sync_cost.hpp"
 #include "parallel/dims.hpp"
@@ -33,7 +34,7 @@ class Dataset;
 class LossScaler;
 class MicroBatchRunner;
 class Optimizer;
-class ShardedSampler;
+class ReplicaSet;
 struct ModelParts;
 
 // What a mode is given of the built run (run/run.hpp's train_parts): the components a rank
@@ -60,6 +61,9 @@ struct TrainParts {
   std::function<void(int64_t n)> evaluate;
   std::function<void(int64_t n, bool evaluated, bool background)> save;
   std::function<void(bool wait)> save_progress;
+  // From now on this rank's world writes the run directory: a fault-tolerant job's replica
+  // that wrote it failed (run/modes/replicas.cpp).
+  std::function<void()> take_over;
 };
 
 class Mode {
@@ -77,6 +81,9 @@ class Mode {
   // `total_steps`: the run's length, which parallel.compression_warmup: auto is a share of.
   virtual std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
                                               int64_t total_steps, Tied tied) const = 0;
+  // Whether this rank's world writes the run directory (its rank 0: logs, checkpoints):
+  // all but a fault-tolerant job's replicas other than the writing one, which only read it.
+  virtual bool writes_files() const { return true; }
   // The layout in the start line and the summary.
   virtual std::string describe() const { return mesh().dims().str(); }
   virtual nlohmann::json layout() const;
@@ -106,6 +113,16 @@ class Lockstep : public Mode {
   virtual int64_t after_update(int64_t /*n*/) { return 0; }
   // How the ranks are apart between meetings, in messages ("" when they always meet).
   virtual std::string apart() const { return ""; }
+  // Before step n (from 1) is trained.
+  virtual void before_step(int64_t /*n*/) {}
+  // Whether step n's update is made, asked after its reductions: false where a replica
+  // failed and the survivors train step n again (fault tolerance).
+  virtual bool commit(int64_t /*n*/) { return true; }
+  // This rank's share of each global batch now: the job's sampler's, or the survivors'.
+  virtual ShardedSampler share(const ShardedSampler& job) const { return job; }
+  // How much this rank's loss counts in the figures' sum over replicas(n) (its share's size
+  // against an even share's: 1 unless the shares are uneven).
+  virtual double loss_weight() const { return 1.0; }
 
   // The job's mesh over `world`; ZeRO's flat layout and gradient sync.
   Lockstep(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world,
@@ -162,6 +179,11 @@ struct ModeSpec {
                                       std::shared_ptr<Comm> world)>
       make;
 };
+
+// fault_tolerance: replicas (run/modes/replicas.cpp): this replica's mode, the sync mode's
+// step over `set`, the replica's own ranks `world` (one process: a local Comm).
+std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, std::shared_ptr<Comm> world,
+                                         std::shared_ptr<ReplicaSet> set);
 
 // parallel.mode's spec (run/modes/registry.cpp); ConfigError for an unknown one.
 const ModeSpec& mode_spec(const std::string& name);

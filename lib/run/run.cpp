@@ -1,5 +1,7 @@
 #include "run/run.hpp"
 
+#include <filesystem>
+
 #include <torch/torch.h>
 
 #include "config/schema.hpp"
@@ -7,6 +9,7 @@
 #include "util/clock.hpp"
 
 namespace dtrain {
+namespace fs = std::filesystem;
 
 NamedTensors ModelParts::buffers() const {
   NamedTensors out;
@@ -43,7 +46,21 @@ TrainParts train_parts(Run& run) {
           [&run](int64_t n, bool evaluated, bool background) {
             save_checkpoint(run, n, evaluated, background);
           },
-          [&run](bool wait) { checkpoint_progress(run, wait); }};
+          [&run](bool wait) { checkpoint_progress(run, wait); },
+          [&run] { take_over_files(run); }};
+}
+
+// The writing replica failed: this one locks the run directory, keeps the metrics lines
+// through the last step it has read (the lines after it are its own to write) and says
+// and writes from here on.
+void take_over_files(Run& run) {
+  const auto& cfg = run.cfg;
+  run.checkpointer->take_over(std::chrono::seconds(cfg.dist.timeout_s));
+  run.metrics = std::make_unique<MetricsLog>(
+      (fs::path(cfg.run_dir) / "metrics.jsonl").string(), run.log->last_read(),
+      cfg.logging.tensorboard ? (fs::path(cfg.run_dir) / "tb").string() : "");
+  run.progress = std::make_unique<Progress>(cfg.logging.progress, run.total_steps);
+  run.log->take_over(run.metrics.get(), run.progress.get());
 }
 
 void save_checkpoint(Run& run, int64_t n, bool evaluated, bool background) {

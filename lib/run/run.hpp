@@ -79,5 +79,7 @@ void save_checkpoint(Run& run, int64_t n, bool evaluated, bool background = fals
 // Collective, where the ranks meet: the background checkpoint's progress (Checkpointer::
 // poll), or with `wait` its end (finish).
 void checkpoint_progress(Run& run, bool wait);
+// This replica writes the run directory from now on (TrainParts::take_over).
+void take_over_files(Run& run);
 
 }  // namespace dtrain

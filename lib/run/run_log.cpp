@@ -60,6 +60,7 @@ RunLog::RunLog(const JobConfig& cfg, const Task& task, RunFacts facts, bool root
 
 void RunLog::record(int64_t n, const StepStats& s, double lr, bool logged,
                     const nlohmann::json& extra) {
+  last_read_ = n;
   if (!s.nonfinite) state_.skipped_in_a_row = 0, state_.last_loss = s.loss;
   stop_ = stop_ || s.stop;
   window_.add(s);

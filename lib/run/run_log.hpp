@@ -138,6 +138,13 @@ class RunLog {
   // metrics file comes once the run directory is open (attach).
   RunLog(const JobConfig& cfg, const Task& task, RunFacts facts, bool root, Progress* progress);
   void attach(MetricsLog* metrics) { metrics_ = metrics; }
+  // This rank says and writes from now on (a fault-tolerant job's writing replica failed):
+  // its lines go to `metrics` and `progress`.
+  void take_over(MetricsLog* metrics, Progress* progress) {
+    root_ = true, metrics_ = metrics, progress_ = progress;
+  }
+  // The last step recorded (read), 0 before any.
+  int64_t last_read() const { return last_read_; }
 
   RunState& state() { return state_; }
   const RunState& state() const { return state_; }
@@ -208,6 +215,7 @@ class RunLog {
   double stall_ms_ = 0;          // checkpoint_stalled's, over the run
   double rate_ = 0;              // the last line's samples/s, for progress
   bool stop_ = false;
+  int64_t last_read_ = 0;
 };
 
 }  // namespace dtrain

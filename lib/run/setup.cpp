@@ -194,13 +194,13 @@ void build_log(Run& run, bool root) {
   facts.steps_per_epoch = run.steps_per_epoch;
   facts.total_steps = run.total_steps;
   facts.items_per_sample = run.model.task().items_per_sample(run.data.sample_shape);
-  facts.communicates = run.job->size() > 1;
+  facts.communicates = run.world.world > 1;
   facts.loss_scaled = run.scaler != nullptr;
   run.progress = std::make_unique<Progress>(root ? run.cfg.logging.progress : "off", run.total_steps);
   run.log = std::make_unique<RunLog>(run.cfg, run.model.task(), std::move(facts), root,
                                      run.progress.get());
   run.log->extend_summary([&run](nlohmann::json& s) {
-    s["world_size"] = run.job->size();
+    s["world_size"] = run.world.world;
     s["layout"] = run.mode->layout();
     s["device"] = run.device().str();
     // rank 0's: under ZeRO each data rank keeps about 1 / data of it
@@ -225,7 +225,8 @@ std::optional<std::string> open_run(Run& run) {
   const auto& cfg = run.cfg;
   Checkpointer::Options o{cfg.run_dir, cfg.checkpoint, run.opts.resume, run.world.run_id,
                           run.mesh().dims(), run.mesh().coord(),
-                          [&run](const std::string& line) { run.say(line); }};
+                          [&run](const std::string& line) { run.say(line); },
+                          run.mode->writes_files()};
   run.checkpointer = std::make_unique<Checkpointer>(std::move(o), run.mesh().world());
   auto resume_from = run.checkpointer->open();
   if (resume_from) run.checkpointer->restore(*resume_from, run.stateful());
@@ -240,6 +241,7 @@ std::optional<std::string> open_run(Run& run) {
     if (!run.params->sharded()) data.broadcast(run.params->data(), 0);  // ZeRO-3: each its own
     for (auto& b : run.model.float_buffers()) data.broadcast(b, 0);
   }
+  if (!run.mode->writes_files()) return resume_from;  // another replica writes them
   root_does(*run.mesh().world(), fmt::format("write in run directory '{}'", cfg.run_dir), [&] {
     // Restored: the checkpoint heads the run's line now; a rollback's later ones (and
     // their metrics lines) are kept aside.
@@ -276,7 +278,7 @@ std::string start_line(const Run& run, const std::string& process,
       DTRAIN_VERSION, cfg.name, cfg.model.arch, full,
       local != full ? fmt::format(", {} on each tensor rank", local) : "", cfg.data.dataset,
       run.data.train->size(), run.data.test->size(), cfg.data.batch_size, run.total_steps,
-      run.steps_per_epoch, run.device().str(), cfg.precision.dtype, run.job->size(),
+      run.steps_per_epoch, run.device().str(), cfg.precision.dtype, run.world.world,
       run.mode->describe(), run.world.launcher, process,
       resume_from ? fmt::format(", resumed at step {} from {}", run.state().step, *resume_from) : "",
       cfg.run_dir);
@@ -307,7 +309,7 @@ void build_run(Run& run) {
   run.total_steps = cfg.train.max_steps > 0 ? cfg.train.max_steps
                                             : cfg.train.epochs * run.steps_per_epoch;
   build_training(run);
-  build_log(run, mode.holds_run() && run.mesh().world()->rank() == 0);
+  build_log(run, mode.holds_run() && mode.writes_files() && run.mesh().world()->rank() == 0);
   run.runner = make_runner(runner_parts(run));
   run.savers = run_savers(run);
   run.mode->bind(train_parts(run));

@@ -54,7 +54,7 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
     for (const auto& l : losses) loss += l.item<double>() / accum;
     auto figures = torch::zeros({layout.count()}, torch::kFloat64);
     double* f = figures.data_ptr<double>();
-    f[Figures::kLossSum] = counts ? loss : loss * 0.0;
+    f[Figures::kLossSum] = counts ? loss * parts.mode.loss_weight() : loss * 0.0;
     f[Figures::kStopVotes] = stop ? 1.0 : 0.0;
     f[Figures::kEndVotes] = apart_diverged ? 1.0 : 0.0;
     f[layout.grad_norm()] = norm.defined() ? norm.item<double>() : std::nan("");
@@ -73,7 +73,7 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
                                    : (torch::stack(losses).sum() / accum).to(torch::kFloat64);
   std::vector<torch::Tensor> f(size_t(layout.count()));
   for (auto& slot : f) slot = torch::zeros({}, f64);
-  f[Figures::kLossSum] = counts ? loss : loss * 0.0;
+  f[Figures::kLossSum] = counts ? loss * parts.mode.loss_weight() : loss * 0.0;
   f[Figures::kStopVotes] = torch::full({}, stop ? 1.0 : 0.0, f64);
   f[Figures::kEndVotes] = torch::full({}, apart_diverged ? 1.0 : 0.0, f64);
   if (layout.stages > 0) {
@@ -255,6 +255,11 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   Comm& agree = parts.mode.figures_group(n);
   if (agree.size() > 1) agree.all_reduce(figures.narrow(0, 0, layout.summed()));
   send_to_host(figures, p);
+  if (!parts.mode.commit(n)) {  // a replica failed: the survivors train step n again
+    p.discarded = true;
+    parts.params.zero_grad();
+    return p;
+  }
 
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
   const torch::Tensor skip = update(parts, p, figures, norm, scale);

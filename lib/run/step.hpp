@@ -58,6 +58,9 @@ struct PendingStep {
   bool norm_taken = false;   // whether the norm was taken (else it reads NaN)
   bool bad_norm = false;     // whether a rank that agreed on the step saw a non-finite norm
   bool decided = false;      // fp16: the step read its figures itself to decide its update
+  // A replica failed during it (fault tolerance): nothing of it was applied, and it is
+  // trained again (Lockstep::commit).
+  bool discarded = false;
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
   // When the host first saw the step finished (the loop's clock for its step time).
   std::optional<std::chrono::steady_clock::time_point> finished_at;

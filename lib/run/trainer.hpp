@@ -15,6 +15,8 @@
 
 namespace dtrain {
 
+class ReplicaSet;
+
 struct RunOptions {
   std::string resume;  // "" = fresh, "auto" = newest valid checkpoint if any, else a folder
   // The SLURM job to requeue after a SIGUSR1 checkpoint ("" = none: not under SLURM, or
@@ -22,10 +24,13 @@ struct RunOptions {
   std::string requeue_job;
   // Where this rank computes (plan_device's choice for it).
   c10::Device device = c10::Device(c10::kCPU);
+  // fault_tolerance: replicas: the replicas this one trains with (null: off).
+  std::shared_ptr<ReplicaSet> replicas;
 };
 
 // `cfg` must be resolved and validated for world.world processes (`dims` is what
-// validate() returned); `comm` spans them all (make_local_comm() for one). Throws
+// validate() returned); `comm` spans them all (make_local_comm() for one; under
+// opts.replicas, this replica's ranks, and `dims` the replica's). Throws
 // dtrain::Error subclasses on failure.
 RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const RunOptions& opts,
                        const WorldInfo& world, std::shared_ptr<Comm> comm);

@@ -72,8 +72,10 @@ std::vector<torch::Tensor> train(const Problem& pb, int64_t replicas, std::vecto
     o.replica = r, o.replicas = replicas;
     o.live = [&](int64_t m) { return alive[size_t(m)].load(); };
     o.timeout = 30s, o.poll = 1ms;
-    ReplicaSet set(world, *store, o, /*step=*/1);
-    world.reset();  // the set holds what it needs
+    o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
+      return world->new_group(name, members);
+    };
+    ReplicaSet set(*store, o, /*step=*/1);
     auto dies = [&](int64_t n, bool after_reduce) {
       for (const auto& d : deaths)
         if (d.replica == r && d.step == n && d.after_reduce == after_reduce) return true;
@@ -144,7 +146,10 @@ TEST_SUITE("replica_set") {
       o.replica = r, o.replicas = 2;
       o.live = [&](int64_t m) { return m == 0 || one_alive.load(); };
       o.timeout = 30s, o.poll = 1ms;
-      ReplicaSet set(world, *store, o, 1);
+      o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
+        return world->new_group(name, members);
+      };
+      ReplicaSet set(*store, o, 1);
       if (r == 1) {
         // Seen silent (a stopped process, say) while it still runs: replica 0 votes for it.
         one_alive = false;

@@ -1,0 +1,30 @@
+// A fault-tolerant job's rendezvous (docs/fault-tolerance.md): the job's store and groups
+// among any of its ranks, but no group over the whole job, which a replica restarted later
+// could not enter; and whether a rank is alive, from its heartbeat (comm/watch.hpp).
+#pragma once
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/comm.hpp"
+
+namespace dtrain {
+
+struct JobLink {
+  c10::intrusive_ptr<c10d::Store> store;
+  // The group of job ranks `members` (this one among them) named `name`: only the members
+  // call it, and a name serves one group for the whole job.
+  std::function<std::shared_ptr<Comm>(const std::string& name, const std::vector<int64_t>& members)> group;
+  // Whether job rank r's heartbeat has moved within the last `silent`.
+  std::function<bool(int64_t r)> live;
+};
+
+// Connects to the job's store as make_c10d_comm does; `opts.hang_after` must be set (the
+// heartbeats come from its watch).
+JobLink link_job(const WorldInfo& world, const CommOptions& opts, std::chrono::milliseconds silent);
+
+}  // namespace dtrain

@@ -1,0 +1,85 @@
+// fault_tolerance: replicas (docs/fault-tolerance.md): the sync mode's step, each replica a
+// world of its own and the data-parallel sum over the replicas' set (comm/replica_set.hpp).
+// The set votes before each update; when a replica failed, every survivor discards the
+// step and trains it again on the same global batch, each taking a share of it and its
+// loss weighted by that share's size. The lowest live replica writes the run directory;
+// when it fails, the next takes over.
+#include <csignal>
+#include <map>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "comm/replica_set.hpp"
+#include "run/mode.hpp"
+
+namespace dtrain {
+namespace {
+
+class Replicas : public Lockstep {
+ public:
+  Replicas(const JobConfig& cfg, std::shared_ptr<Comm> world, std::shared_ptr<ReplicaSet> set)
+      : Lockstep(cfg, ParallelDims{}, std::move(world)), set_(std::move(set)) {}
+
+  std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
+                                      int64_t /*total_steps*/, Tied /*tied*/) const override {
+    return make_replica_sync(cfg_.parallel, set_->comm(), params, micro_batches,
+                             [this] { return double(share_size()) / double(batch()); });
+  }
+  void bind(const TrainParts& parts) override {
+    take_over_ = parts.take_over;
+    job_sampler_.emplace(parts.sampler);
+  }
+  bool writes_files() const override { return set_->quorum().members.front() == replica(); }
+  std::string describe() const override {
+    return fmt::format("data {} fault-tolerant replicas", set_->count());
+  }
+  nlohmann::json layout() const override {
+    return {{"data", set_->count()}, {"tensor", 1}, {"pipeline", 1}};
+  }
+
+  Comm& figures_group(int64_t /*n*/) const override { return *set_->comm(); }
+  // The replicas that summed step n's figures: the quorum that trained it, which may have
+  // changed by the time they are read (two steps later).
+  int64_t replicas(int64_t n) const override {
+    const auto it = trained_by_.find(n);
+    return it != trained_by_.end() ? it->second : set_->count();
+  }
+  double loss_weight() const override {
+    return double(share_size() * set_->count()) / double(batch());
+  }
+  ShardedSampler share(const ShardedSampler& job) const override {
+    return job.reshared(set_->index(), set_->count());
+  }
+  void before_step(int64_t n) override {
+    const auto& ft = cfg_.fault_tolerance;
+    if (ft.debug_kill_rank == replica() && n == ft.debug_kill_step) std::raise(SIGKILL);
+  }
+  bool commit(int64_t n) override {
+    const bool wrote = writes_files();
+    trained_by_[n] = set_->count();
+    trained_by_.erase(trained_by_.begin(), trained_by_.lower_bound(n - 8));  // long read
+    const bool ok = set_->commit(n);
+    if (!wrote && writes_files() && take_over_) take_over_();
+    return ok;
+  }
+
+ private:
+  int64_t replica() const { return set_->replica(); }
+  int64_t batch() const { return cfg_.data.batch_size; }
+  int64_t share_size() const { return share(*job_sampler_).rank_batch(); }
+
+  std::shared_ptr<ReplicaSet> set_;
+  std::function<void()> take_over_;
+  std::optional<ShardedSampler> job_sampler_;  // the job's, once bound
+  std::map<int64_t, int64_t> trained_by_;      // step -> its quorum's size, the last few
+};
+
+}  // namespace
+
+std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, std::shared_ptr<Comm> world,
+                                         std::shared_ptr<ReplicaSet> set) {
+  return std::make_unique<Replicas>(cfg, std::move(world), std::move(set));
+}
+
+}  // namespace dtrain
