@@ -132,18 +132,27 @@ std::vector<std::string> worker_args(int argc, char** argv) {
 // The --nproc supervisor's store for one attempt's workers (SupervisorOptions::host_store):
 // it outlives any rank, and the supervisor reads their heartbeats through it to print the
 // job's picture when a wait passes dist.hang_report_s.
-SupervisorOptions::HostedStore host_store(int port, int64_t nproc, const DistConfig& dist) {
+SupervisorOptions::HostedStore host_store(int port, int64_t nproc, const JobConfig& cfg) {
+  const auto& dist = cfg.dist;
   TcpStore::Options so;
   so.host = "127.0.0.1", so.port = port, so.server = true;
   so.timeout = std::chrono::seconds(dist.timeout_s);
   auto store = c10::make_intrusive<TcpStore>(so);
-  auto ended = [store](int64_t rank) { mark_ended(*store, rank); };
+  SupervisorOptions::HostedStore hosted;
+  hosted.tick = [store] {};
+  hosted.ended = [store](int64_t rank) { mark_ended(*store, rank); };
+  if (cfg.fault_tolerance.mode == "replicas") {
+    auto live = std::make_shared<Liveness>(
+        store, std::chrono::seconds(cfg.fault_tolerance.heartbeat_s), /*none_alive=*/true);
+    hosted.silent = [live](int64_t rank) { return !(*live)(rank); };
+  }
   const auto after = hang_report_after(dist);
-  if (after.count() <= 0) return {[store] {}, ended};
+  if (after.count() <= 0) return hosted;
   auto watch = std::make_shared<JobWatch>(store, nproc, after, [](const std::string& picture) {
     std::cerr << picture << std::endl;
   });
-  return {[store, watch] { watch->tick(); }, ended};
+  hosted.tick = [store, watch] { watch->tick(); };
+  return hosted;
 }
 
 // A worker that the supervisor forked without exec (SupervisorOptions::start_here): the
@@ -163,13 +172,17 @@ std::shared_ptr<ReplicaSet> join_replicas(const JobConfig& cfg, const WorldInfo&
   const std::chrono::seconds heartbeat(cfg.fault_tolerance.heartbeat_s);
   if (opts.hang_after.count() <= 0) opts.hang_after = heartbeat;  // the watch beats
   JobLink link = link_job(world, opts, heartbeat);
+  // Restarted by the supervisor after a failure: it joins the replicas training now.
+  const auto joins = process_env()("DTRAIN_FT_JOIN");
+  const bool joining = joins && *joins == "1";
+  if (joining) clear_ended(*link.store, world.rank);
   ReplicaSet::Options o;
   o.replica = world.rank, o.replicas = world.world;
   o.live = link.live;
   o.make_group = link.group;
   o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
   o.poll = std::chrono::milliseconds(20);
-  return std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1);
+  return std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1, joining);
 }
 
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
@@ -184,7 +197,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     return supervise({nproc, max_restarts, "/proc/self/exe", worker_args(argc, argv),
                       [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); },
                       workers_forked(nproc) ? start_worker_here : nullptr,
-                      [nproc, dist = cfg.dist](int port) { return host_store(port, nproc, dist); },
+                      [nproc, cfg](int port) { return host_store(port, nproc, cfg); },
                       /*replicas=*/cfg.fault_tolerance.mode == "replicas"});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.

@@ -117,6 +117,7 @@ void Checkpointer::take_over(std::chrono::seconds wait) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   opts_.writer = true;
+  if (!store_) store_ = std::make_unique<CheckpointStore>(opts_.run_dir, opts_.cfg);  // a joiner's
   store_->discard_partial();  // the failed writer's unfinished save
 }
 

@@ -34,7 +34,8 @@ Vote vote_named(const std::string& s) {
 
 Quorum from_record(int64_t id, const json& j) {
   return Quorum{id, j.at("step").get<int64_t>(), j.at("members").get<std::vector<int64_t>>(),
-                j.at("joining").get<std::vector<int64_t>>(), j.at("source").get<int64_t>()};
+                j.at("joining").get<std::vector<int64_t>>(), j.at("source").get<int64_t>(),
+                j.at("writer").get<int64_t>()};
 }
 
 }  // namespace
@@ -135,6 +136,9 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
     return std::find(joining.begin(), joining.end(), m) == joining.end();
   });
   p["source"] = joining.empty() || with_state == members.end() ? -1 : *with_state;
+  const bool writer_stays = std::find(members.begin(), members.end(), q.writer) != members.end() &&
+                            std::find(joining.begin(), joining.end(), q.writer) == joining.end();
+  p["writer"] = writer_stays ? q.writer : with_state != members.end() ? *with_state : -1;
   for (int64_t r : joining)
     if (std::find(members.begin(), members.end(), r) == members.end()) members.push_back(r);
   std::sort(members.begin(), members.end());

@@ -23,6 +23,9 @@ struct Quorum {
   std::vector<int64_t> members;  // replica indices, ascending
   std::vector<int64_t> joining;  // members without state: they take `source`'s
   int64_t source = -1;           // the lowest member with state (-1: nobody joins)
+  // The member that writes the run directory: the last quorum's while it stays a member
+  // with state, else the lowest member with state.
+  int64_t writer = 0;
 };
 
 // A member's word on a step: it finished the reduction (and whether it saw a replica ask to

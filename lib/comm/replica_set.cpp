@@ -20,11 +20,20 @@ std::shared_ptr<Comm> group_of(const Quorum& q, const ReplicaSet::Options& o) {
 
 }  // namespace
 
-ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step)
+ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining)
     : opts_(std::move(opts)),
       agreement_(store, opts_.replica, opts_.replicas, opts_.live, opts_.timeout, opts_.poll),
       quorum_(ReplicaAgreement::first(opts_.replicas, step)),
-      comm_(std::make_shared<ReplicaComm>(group_of(quorum_, opts_))) {}
+      comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_))),
+      joining_(joining) {}
+
+void ReplicaSet::join() {
+  if (!joining_) return;
+  agreement_.ask_to_join();
+  quorum_ = agreement_.admitted();
+  comm_->reform(group_of(quorum_, opts_));
+  joining_ = false;
+}
 
 int64_t ReplicaSet::index() const {
   const auto& m = quorum_.members;

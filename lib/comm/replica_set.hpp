@@ -35,8 +35,14 @@ class ReplicaSet {
     std::chrono::milliseconds poll{5};
   };
   // `store`: the job's, which the agreement's keys live in. Every replica of the job
-  // starts together, in the first quorum (all of them) from `step`.
-  ReplicaSet(c10d::Store& store, Options opts, int64_t step);
+  // starts together, in the first quorum (all of them) from `step`; or, `joining`, this
+  // one starts later (restarted, or one more) and is in no quorum until join().
+  ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining = false);
+
+  // A joining replica, once ready to train: asks to join and waits (up to the timeout) for
+  // the quorum that admits it, whose members then hand it their state (hand_over).
+  void join();
+  bool joining() const { return joining_; }
 
   // The group across the quorum's members, the same object for the whole run.
   const std::shared_ptr<ReplicaComm>& comm() const { return comm_; }
@@ -57,6 +63,7 @@ class ReplicaSet {
   ReplicaAgreement agreement_;
   Quorum quorum_;
   std::shared_ptr<ReplicaComm> comm_;
+  bool joining_;
 };
 
 }  // namespace dtrain

@@ -114,18 +114,27 @@ std::string job_picture(const std::map<int64_t, json>& beats, int64_t world, dou
 
 void mark_ended(c10d::Store& store, int64_t rank) {
   store.set(ended_key(rank), std::vector<uint8_t>{'1'});
+  store.deleteKey(heartbeat_key(rank));
 }
+
+void clear_ended(c10d::Store& store, int64_t rank) { store.deleteKey(ended_key(rank)); }
 
 bool Liveness::operator()(int64_t rank) {
   std::vector<uint8_t> beat;
   try {
-    if (store_->check({ended_key(rank)})) return false;
+    // The launcher's own view (none_alive) is of the processes it started: its mark is of
+    // an earlier one.
+    if (!none_alive_ && store_->check({ended_key(rank)})) return false;
     const std::string key = heartbeat_key(rank);
     if (store_->check({key})) beat = store_->get(key);
   } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
   }
   const auto now = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
+  if (none_alive_ && beat.empty()) {  // starting, or restarted: not judged until it beats
+    seen_.erase(rank);
+    return true;
+  }
   auto [it, first] = seen_.try_emplace(rank, Seen{beat, now});
   if (!first && !beat.empty() && beat != it->second.beat) it->second = Seen{beat, now};
   return now - it->second.changed < silent_;

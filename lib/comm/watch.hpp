@@ -102,22 +102,27 @@ class Watch {
   std::thread thread_;
 };
 
-// The launcher's word that job rank `rank`'s process has ended (Liveness reads it).
+// The launcher's word that job rank `rank`'s process has ended (Liveness reads it; its
+// heartbeat is dropped), and a restarted process's that it runs again.
 void mark_ended(c10d::Store& store, int64_t rank);
+void clear_ended(c10d::Store& store, int64_t rank);
 
 // Whether job ranks are alive, from their heartbeats: a rank is alive while its heartbeat
 // has changed within `silent`, timed by this process's clock (no clock is compared across
-// machines); a rank with none yet, for `silent` from the first question about it. A rank
-// the launcher has marked ended is dead at once.
+// machines); a rank with none yet, for `silent` from the first question about it (or, for
+// the launcher that starts them, `none_alive`: until it beats). A rank the launcher has
+// marked ended is dead at once.
 class Liveness {
  public:
-  Liveness(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds silent)
-      : store_(std::move(store)), silent_(silent) {}
+  Liveness(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds silent,
+           bool none_alive = false)
+      : store_(std::move(store)), silent_(silent), none_alive_(none_alive) {}
   bool operator()(int64_t rank);
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds silent_;
+  bool none_alive_;
   struct Seen {
     std::vector<uint8_t> beat;
     std::chrono::steady_clock::time_point changed;

@@ -165,7 +165,9 @@ std::pair<size_t, std::string> blame(const std::vector<Worker>& ws, size_t first
   return {first, describe(int(first), first_status)};
 }
 
-std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
+// The workers' command line: the job's, continuing from the latest checkpoint when
+// `resume_auto` (a restart).
+std::vector<std::string> worker_args(const SupervisorOptions& o, bool resume_auto) {
   std::vector<std::string> args{o.executable};
   for (size_t i = 0; i < o.run_args.size(); ++i) {
     if (resume_auto && o.run_args[i] == "--resume") {
@@ -176,40 +178,53 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
     args.push_back(o.run_args[i]);
   }
   if (resume_auto) args.insert(args.end(), {"--resume", "auto"});
-  std::vector<Worker> ws(size_t(o.nproc));
-  for (int64_t r = 0; r < o.nproc; ++r) {
-    int out[2], err[2];
-    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
-      throw std::runtime_error("cannot create pipes for the workers");
-    std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
-    pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("cannot start a worker process");
-    if (pid == 0) {
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      // Die with the supervisor rather than linger if it is killed outright.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
-      set("RANK", std::to_string(r));
-      set("LOCAL_RANK", std::to_string(r));
-      set("WORLD_SIZE", std::to_string(o.nproc));
-      set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
-      set("MASTER_ADDR", "127.0.0.1");
-      set("MASTER_PORT", std::to_string(port));
-      if (o.host_store) set("DTRAIN_STORE_HOSTED", "1");
-      if (o.start_here) {
-        as_if_exec();
-        g_forked_worker = true;
-        // ps and top tell the ranks apart (an exec'd worker shows RANK in /proc's environ).
-        ::prctl(PR_SET_NAME, fmt::format("dtrain rank {}", r).c_str());
-        std::exit(o.start_here(args));
-      }
-      exec_or_die(o.executable, args);
+  return args;
+}
+
+// Worker `r`, started on `args`: forked to run o.start_here where `forked` allows it, else
+// exec'd. `joins`: a replica restarted alone (fault_tolerance: replicas), which joins the
+// others training.
+Worker start_worker(const SupervisorOptions& o, int64_t r, int port,
+                    const std::vector<std::string>& args, bool forked, bool joins) {
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
+    throw std::runtime_error("cannot create pipes for the workers");
+  std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
+  pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("cannot start a worker process");
+  if (pid == 0) {
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    // Die with the supervisor rather than linger if it is killed outright.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
+    set("RANK", std::to_string(r));
+    set("LOCAL_RANK", std::to_string(r));
+    set("WORLD_SIZE", std::to_string(o.nproc));
+    set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
+    set("MASTER_ADDR", "127.0.0.1");
+    set("MASTER_PORT", std::to_string(port));
+    if (o.host_store) set("DTRAIN_STORE_HOSTED", "1");
+    if (joins) set("DTRAIN_FT_JOIN", "1");
+    if (o.start_here && forked) {
+      as_if_exec();
+      g_forked_worker = true;
+      // ps and top tell the ranks apart (an exec'd worker shows RANK in /proc's environ).
+      ::prctl(PR_SET_NAME, fmt::format("dtrain rank {}", r).c_str());
+      std::exit(o.start_here(args));
     }
-    ::close(out[1]);
-    ::close(err[1]);
-    ws[size_t(r)] = Worker{pid, out[0], err[0], {}, {}, std::nullopt, false};
+    auto argv = args;
+    exec_or_die(o.executable, argv);
   }
+  ::close(out[1]);
+  ::close(err[1]);
+  return Worker{pid, out[0], err[0], {}, {}, std::nullopt, false};
+}
+
+std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
+  const auto args = worker_args(o, resume_auto);
+  std::vector<Worker> ws;
+  for (int64_t r = 0; r < o.nproc; ++r) ws.push_back(start_worker(o, r, port, args, true, false));
   return ws;
 }
 
@@ -218,17 +233,51 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
 constexpr std::chrono::seconds kStopGrace{300};
 constexpr std::chrono::seconds kPeerFailGrace{2};
 
-// fault_tolerance: replicas. Says each worker that failed, once, and that the others go on.
-void lost_replicas(const std::vector<Worker>& ws, std::vector<bool>& said,
-                   std::optional<size_t>& first, const std::function<void(int64_t)>& ended) {
+// fault_tolerance: replicas. Each worker that failed since the last call, once: the store
+// says so at once (its peers need not wait for its heartbeat to go stale), and it is
+// restarted alone to join the others while --max-restarts allows (a bad spec or data is
+// not: it would fail the same way).
+void replace_lost_replicas(const SupervisorOptions& o, std::vector<Worker>& ws,
+                           std::vector<bool>& said, std::optional<size_t>& first,
+                           const std::function<void(int64_t)>& ended, int port,
+                           int64_t& restarts) {
   for (size_t i = 0; i < ws.size(); ++i) {
     if (said[i] || !failed(ws[i]) || stopped_on(ws[i])) continue;
     said[i] = true;
     if (!first) first = i;
     if (ended) ended(int64_t(i));
-    std::cerr << fmt::format("dtrain: {}; the other replicas go on without it\n",
-                             describe(int(i), *ws[i].status));
+    const int status = *ws[i].status;
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+    const bool others = std::any_of(ws.begin(), ws.end(), [](const Worker& w) { return !w.status; });
+    const bool restart = others && restarts < o.max_restarts && code != kExitBadSpec &&
+                         code != kExitBadData;
+    std::cerr << fmt::format("dtrain: {}; the other replicas go on without it{}\n",
+                             describe(int(i), status),
+                             restart ? fmt::format(", and it restarts to join them (restart {} of {})",
+                                                   restarts + 1, o.max_restarts)
+                                     : "");
+    if (!restart) continue;
+    ++restarts;
+    while (ws[i].out >= 0 || ws[i].err >= 0) pump(ws, 20);  // its last lines
+    // Exec'd: the supervisor runs the store's thread now, and a fork copies only this one.
+    ws[i] = start_worker(o, int64_t(i), port, worker_args(o, false), /*forked=*/false, /*joins=*/true);
+    said[i] = false;
   }
+}
+
+// A replica that has stopped answering holds its peers in their collectives until their
+// timeout: killed, it closes its connections, and its peers go on at once.
+void kill_silent_replicas(std::vector<Worker>& ws, const std::function<bool(int64_t)>& silent) {
+  if (!silent) return;
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (!ws[i].status && silent(int64_t(i))) {
+      std::cerr << fmt::format("dtrain: rank {} stopped answering (its heartbeat is stale, the "
+                               "process {}): killing it\n", i,
+                               proc_state(ws[i].pid) == 'T' ? "stopped" : "still there");
+      ::kill(ws[i].pid, SIGKILL);
+      int st = 0;
+      if (::waitpid(ws[i].pid, &st, 0) == ws[i].pid) ws[i].status = st;
+    }
 }
 
 bool all_failed(const std::vector<Worker>& ws) {
@@ -357,6 +406,7 @@ int supervise(const SupervisorOptions& o) {
     std::optional<Clock::time_point> stop_seen;  // a worker stopped on a signal of its own
     std::vector<bool> said_lost(ws.size(), false);  // fault tolerance: failures said
     std::optional<size_t> first_lost;
+    int64_t replica_restarts = 0;
     while (!all_done(ws)) {
       pump(ws, 100);
       reap(ws);
@@ -366,7 +416,8 @@ int supervise(const SupervisorOptions& o) {
         signal_all(ws, forwarded);
       }
       if (o.replicas) {  // a replica failed: the others go on without it
-        lost_replicas(ws, said_lost, first_lost, hosted.ended);
+        kill_silent_replicas(ws, hosted.silent);
+        replace_lost_replicas(o, ws, said_lost, first_lost, hosted.ended, port, replica_restarts);
         if (!all_failed(ws)) continue;
         first_failure = first_lost;
       }

@@ -38,6 +38,9 @@ struct SupervisorOptions {
   struct HostedStore {
     std::function<void()> tick;
     std::function<void(int64_t rank)> ended;
+    // Under `replicas`: whether rank r has stopped answering (its heartbeat stale: a
+    // stopped process, a machine gone), which the supervisor then kills and replaces.
+    std::function<bool(int64_t rank)> silent;
   };
   std::function<HostedStore(int port)> host_store;
   // fault_tolerance: replicas: a worker that fails leaves the others training (its replica

@@ -64,6 +64,9 @@ struct TrainParts {
   // From now on this rank's world writes the run directory: a fault-tolerant job's replica
   // that wrote it failed (run/modes/replicas.cpp).
   std::function<void()> take_over;
+  // Collective over `group`: every stateful component's state from group rank `source`
+  // into the other members' (checkpoint/handover.hpp); returns the state's hash.
+  std::function<uint64_t(Comm& group, int64_t source)> hand_over;
 };
 
 class Mode {
@@ -84,6 +87,9 @@ class Mode {
   // Whether this rank's world writes the run directory (its rank 0: logs, checkpoints):
   // all but a fault-tolerant job's replicas other than the writing one, which only read it.
   virtual bool writes_files() const { return true; }
+  // Whether this rank takes its state from a peer as it starts training (a replica that
+  // joins a fault-tolerant job): it reads no checkpoint.
+  virtual bool state_from_peer() const { return false; }
   // The layout in the start line and the summary.
   virtual std::string describe() const { return mesh().dims().str(); }
   virtual nlohmann::json layout() const;

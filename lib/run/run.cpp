@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include "checkpoint/handover.hpp"
 #include "config/schema.hpp"
 #include "run/evaluator.hpp"
 #include "util/clock.hpp"
@@ -47,7 +48,10 @@ TrainParts train_parts(Run& run) {
             save_checkpoint(run, n, evaluated, background);
           },
           [&run](bool wait) { checkpoint_progress(run, wait); },
-          [&run] { take_over_files(run); }};
+          [&run] { take_over_files(run); },
+          [&run](Comm& group, int64_t source) {
+            return hand_over(run.stateful(), group, source, run.mesh().dims(), to_yaml(run.cfg));
+          }};
 }
 
 // The writing replica failed: this one locks the run directory, keeps the metrics lines

@@ -228,9 +228,11 @@ std::optional<std::string> open_run(Run& run) {
                           [&run](const std::string& line) { run.say(line); },
                           run.mode->writes_files()};
   run.checkpointer = std::make_unique<Checkpointer>(std::move(o), run.mesh().world());
-  auto resume_from = run.checkpointer->open();
+  // A replica that joins takes its state from a peer instead (run/modes/replicas.cpp).
+  const bool from_peer = run.mode->state_from_peer();
+  auto resume_from = from_peer ? std::nullopt : run.checkpointer->open();
   if (resume_from) run.checkpointer->restore(*resume_from, run.stateful());
-  else if (!cfg.model.init_from.empty()) init_from(run);  // a resume goes on from its own
+  else if (!cfg.model.init_from.empty() && !from_peer) init_from(run);  // a resume goes on from its own
   if (run.state().step >= run.total_steps) {  // a finished run: its files stay as they are
     run.finished = true;
     return resume_from;

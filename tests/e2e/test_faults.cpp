@@ -4,6 +4,10 @@
 // lost or seen twice), every metrics line written; and what it refuses.
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
 #include "run.hpp"
 
 namespace e2e::fault_tests {
@@ -57,6 +61,79 @@ TEST_SUITE("faults") {
       CHECK(end["world_size"] == c.replicas);
       CHECK(std::filesystem::exists(ft + "/checkpoints/step-00000024/model.safetensors"));
     }
+  }
+
+  // The failed replica restarted (exec'd: kExec runs the binary itself, whose
+  // /proc/self/exe the supervisor starts again) joins the others at a step boundary with
+  // their state, taken over the group with no checkpoint read, and hashed alike.
+  TEST_CASE("replicas: a killed replica restarts and joins with its peers' state; losses stay one process's") {
+    const auto dir = temp_dir("ft-join");
+    struct Case {
+      int replicas, batch, rank, step;
+    };
+    for (const Case c : {Case{3, 30, 1, 6}, Case{4, 32, 0, 5}}) {
+      const std::string name = fmt::format("r{}-k{}-s{}", c.replicas, c.rank, c.step);
+      CAPTURE(name);
+      Job j = ft_job(c.batch);
+      j.max_steps = 60, j.eval_every = 30;
+      const auto job = j.write(dir, name + ".yaml");
+      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+      const auto r = e2e::dtrain(fmt::format(
+          "run {} --nproc {} --max-restarts 1 --run-dir {} --set fault_tolerance.debug_kill_rank={} "
+          "--set fault_tolerance.debug_kill_step={}{}", job, c.replicas, ft, c.rank, c.step, kQuiet),
+          kExec);
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); the other replicas go "
+                                   "on without it, and it restarts to join them (restart 1 of 1)",
+                                   c.rank)) != std::string::npos);
+      CHECK(r.err.find(fmt::format("replica(s) {} joined at step", c.rank)) != std::string::npos);
+      CHECK(r.err.find("no checkpoint read") != std::string::npos);
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == 60);
+      check_losses_close(train_losses(one), got, 1e-5, name);
+      CHECK(metrics(ft).back()["layout"]["data"] == c.replicas);  // all of them again
+    }
+  }
+
+  TEST_CASE("replicas: a stopped replica (SIGSTOP) is killed within its heartbeat's timeout and replaced") {
+    const auto dir = temp_dir("ft-stop");
+    Job j = ft_job(30);
+    j.max_steps = 100000, j.log_every = 1000, j.eval_every = 0;
+    j.checkpoint = "{every_steps: 100000}";
+    const auto job = j.write(dir);
+    const auto run = dir + "/run";
+    // In the background, bounded; rank 2 stopped once it trains, then the job stopped by
+    // SIGTERM once rank 2 has joined again.
+    const auto log = dir + "/log";
+    std::system(fmt::format("timeout -s TERM 120 {} run {} --nproc 3 --max-restarts 1 --run-dir {} "
+                            "--set fault_tolerance.heartbeat_s=3{} > {} 2>&1 &",
+                            DTRAIN_BIN, job, run, kQuiet, log).c_str());
+    auto wait_for = [&](const std::string& text, int seconds) {
+      for (int i = 0; i < seconds * 10; ++i) {
+        if (slurp(log).find(text) != std::string::npos) return true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      return false;
+    };
+    REQUIRE(wait_for("[rank 0] dtrain", 60));
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    // This job's rank 2 (its workers are forked: their name says their rank), not another
+    // test's.
+    const auto ours = fmt::format("pgrep -f -- '--run-dir {}'", run);
+    REQUIRE(std::system(fmt::format("for p in $({}); do [ \"$(cat /proc/$p/comm)\" = 'dtrain rank 2' ] "
+                                    "&& kill -STOP $p; done; true", ours).c_str()) == 0);
+    CHECK(wait_for("dtrain: rank 2 stopped answering (its heartbeat is stale, the process stopped): "
+                   "killing it", 30));
+    CHECK(wait_for("replica(s) 2 joined at step", 60));
+    std::system(fmt::format("pkill -TERM -f -- '--run-dir {}'", run).c_str());
+    CHECK(wait_for("checkpoint saved", 60));
+    for (int i = 0; i < 600 && std::system((ours + " > /dev/null").c_str()) == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto end = metrics(run).back();
+    CHECK(end["status"] == "stopped");
+    CHECK(end["layout"]["data"] == 3);
   }
 
   TEST_CASE("replicas: what it does not run yet is refused before any worker starts") {

@@ -4,11 +4,13 @@
 // step and trains it again on the same global batch, each taking a share of it and its
 // loss weighted by that share's size. The lowest live replica writes the run directory;
 // when it fails, the next takes over.
+#include <algorithm>
 #include <csignal>
 #include <map>
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "comm/replica_set.hpp"
 #include "run/mode.hpp"
@@ -28,9 +30,23 @@ class Replicas : public Lockstep {
   }
   void bind(const TrainParts& parts) override {
     take_over_ = parts.take_over;
+    hand_over_ = parts.hand_over;
+    log_ = &parts.log;
     job_sampler_.emplace(parts.sampler);
   }
-  bool writes_files() const override { return set_->quorum().members.front() == replica(); }
+  bool writes_files() const override {
+    return !set_->joining() && set_->quorum().writer == replica();
+  }
+  bool state_from_peer() const override { return set_->joining(); }
+  // A joining replica enters the set once built, takes its state and trains from the
+  // admitting quorum's step.
+  RunResult run(TrainParts& parts) override {
+    if (set_->joining()) {
+      set_->join();
+      receive_or_send_state();
+    }
+    return Lockstep::run(parts);
+  }
   std::string describe() const override {
     return fmt::format("data {} fault-tolerant replicas", set_->count());
   }
@@ -54,6 +70,7 @@ class Replicas : public Lockstep {
   void before_step(int64_t n) override {
     const auto& ft = cfg_.fault_tolerance;
     if (ft.debug_kill_rank == replica() && n == ft.debug_kill_step) std::raise(SIGKILL);
+    if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
   }
   bool commit(int64_t n) override {
     const bool wrote = writes_files();
@@ -66,11 +83,26 @@ class Replicas : public Lockstep {
 
  private:
   int64_t replica() const { return set_->replica(); }
+  // Once per quorum that admitted replicas: the source's state into theirs, over the set.
+  void receive_or_send_state() {
+    const Quorum& q = set_->quorum();
+    if (q.joining.empty() || handed_ == q.id) return;
+    handed_ = q.id;
+    const auto& m = q.members;
+    const int64_t source = std::find(m.begin(), m.end(), q.source) - m.begin();
+    const uint64_t hash = hand_over_(*set_->comm(), source);
+    log_->say(fmt::format("replica(s) {} joined at step {}: state from replica {} over the "
+                          "group, no checkpoint read (hash {:016x})",
+                          fmt::join(q.joining, ", "), q.step, q.source, hash));
+  }
   int64_t batch() const { return cfg_.data.batch_size; }
   int64_t share_size() const { return share(*job_sampler_).rank_batch(); }
 
   std::shared_ptr<ReplicaSet> set_;
   std::function<void()> take_over_;
+  std::function<uint64_t(Comm&, int64_t)> hand_over_;
+  RunLog* log_ = nullptr;
+  int64_t handed_ = -1;  // the last quorum whose joiners took their state
   std::optional<ShardedSampler> job_sampler_;  // the job's, once bound
   std::map<int64_t, int64_t> trained_by_;      // step -> its quorum's size, the last few
 };
