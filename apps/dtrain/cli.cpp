@@ -236,7 +236,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     const auto [lo, hi] = node_range(*range, "PET_NNODES");
     validate_elastic(cfg, lo, hi, world.local_world, elastic_check(cfg));
   }
-  RunOptions opts{resume_from, "", device().device};
+  RunOptions opts{resume_from, "", device().device, nullptr};
   if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
     opts.requeue_job = slurm_job_to_requeue(env);
   if (cfg.fault_tolerance.mode == "replicas" && world.world > 1) {

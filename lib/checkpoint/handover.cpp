@@ -7,7 +7,6 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "util/error.hpp"
 #include "util/hash.hpp"
 
 namespace dtrain {
@@ -121,8 +120,8 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
 
 uint64_t state_hash(const std::vector<Stateful*>& parts) { return hash_of(saved(parts)); }
 
-uint64_t hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
-                   const ParallelDims& layout, const std::string& config_yaml) {
+Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
+                   bool receive, const ParallelDims& layout, const std::string& config_yaml) {
   const bool sends = group.rank() == source;
   MemoryWriter state = sends ? saved(parts) : MemoryWriter();
   state.job = config_yaml;
@@ -140,19 +139,16 @@ uint64_t hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
     got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t});
     ++i;
   }
-  if (!sends) {
+  if (receive && !sends) {
     const MemoryReader reader(got, layout, source);
     for (auto* p : parts) p->load(reader);
   }
   // Every member's state as saved now, against the source's.
-  const uint64_t mine = state_hash(parts);
-  const auto all = group.all_gather(torch::tensor({int64_t(mine)}, torch::kInt64));
-  const auto expected = uint64_t(all[size_t(source)].item<int64_t>());
-  fail_if<DistError>(mine != expected,
-                     "live recovery: the state taken from replica {} hashes to {:016x} here, "
-                     "{:016x} there: this replica is not identical to its source",
-                     source, mine, expected);
-  return mine;
+  Handover out;
+  out.mine = state_hash(parts);
+  const auto all = group.all_gather(torch::tensor({int64_t(out.mine)}, torch::kInt64));
+  out.source = uint64_t(all[size_t(source)].item<int64_t>());
+  return out;
 }
 
 }  // namespace dtrain

@@ -2,13 +2,13 @@
 // every stateful component's state from a healthy replica over the process group, with no
 // checkpoint read (TorchFT's recovery from a peer). The source saves its components into
 // memory as it would into a checkpoint (checkpoint/stateful.hpp), sends a header of names,
-// types and shapes and then each tensor; the joiners load them back in the same order.
-// Afterwards every member hashes its state as saved again, and a joiner whose hash is not
-// the source's fails (DistError): a replica that is not bit-identical must not train.
+// types and shapes and then each tensor; the joiners load them back in the same order, the
+// other members take part in the collectives and keep their own. Afterwards every member
+// hashes its state as saved again: a joiner whose hash is not the source's must not train.
 //
 // The state is a replica's whole: where a replica's own ranks split or shard it (tensor
-// parallelism, ZeRO inside a replica), each rank hands over its part to the rank at the
-// same place of the joiner, which this first version refuses (std::logic_error).
+// parallelism, ZeRO inside a replica), each rank would hand over its part to the rank at
+// the same place of the joiner, which this first version refuses (std::logic_error).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -19,12 +19,19 @@
 
 namespace dtrain {
 
-// Collective over `group`: the `parts` of group rank `source` into every other member's.
-// `layout`: the replicas' (the same on both sides); `config_yaml`: this member's resolved
-// job, the source's checked by the joiners as a resume checks a checkpoint's. Returns the
-// state's hash, the same on every member.
-uint64_t hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
-                   const ParallelDims& layout, const std::string& config_yaml);
+// The hashes a hand-over ends with: this member's state's and the source's.
+struct Handover {
+  uint64_t mine = 0, source = 0;
+  bool identical() const { return mine == source; }
+};
+
+// Collective over `group`: the `parts` of group rank `source` into those of the members
+// that `receive`. `layout`: the replicas' (the same on both sides); `config_yaml`: this
+// member's resolved job, the source's checked by the joiners as a resume checks a
+// checkpoint's. A failure of the group's collectives may show as an exception or as a
+// garbled result: the caller knows its group.
+Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
+                   bool receive, const ParallelDims& layout, const std::string& config_yaml);
 
 // The hash of `parts`' state as a checkpoint would save it: tensors' bytes and the
 // trainer entries, in order.

@@ -110,13 +110,17 @@ Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
 Vote ReplicaAgreement::vote_of(const Quorum& q, int64_t step, int64_t member) {
   const auto key = vote_key(q.id, step, member);
   const auto until = Clock::now() + timeout_;
+  // The members vote within a moment of each other (they have just reduced together):
+  // look again soon, then less often, up to `poll_`.
+  auto pause = std::min<std::chrono::microseconds>(std::chrono::microseconds(50), poll_);
   while (!stored(key)) {
     if (!live_(member)) return vote_named(text(store_.compareSet(key, {}, bytes("dead"))));
     if (Clock::now() > until)
       throw DistError(fmt::format(
           "fault tolerance: replica {} is alive but has not voted on step {} in {} s", member,
           step, timeout_.count() / 1000.0));
-    std::this_thread::sleep_for(poll_);
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(2 * pause, poll_);
   }
   return vote_named(text(store_.get(key)));
 }

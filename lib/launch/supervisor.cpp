@@ -213,8 +213,11 @@ Worker start_worker(const SupervisorOptions& o, int64_t r, int port,
       ::prctl(PR_SET_NAME, fmt::format("dtrain rank {}", r).c_str());
       std::exit(o.start_here(args));
     }
+    // The binary /proc/self/exe names (so the process is called dtrain, not exe).
+    std::error_code ec;
+    const auto binary = std::filesystem::canonical(o.executable, ec);
     auto argv = args;
-    exec_or_die(o.executable, argv);
+    exec_or_die(ec ? o.executable : binary.string(), argv);
   }
   ::close(out[1]);
   ::close(err[1]);

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/handover.hpp"
 #include "checkpoint/stateful.hpp"
 #include "comm/comm.hpp"
 #include "config/config.hpp"
@@ -65,8 +66,8 @@ struct TrainParts {
   // that wrote it failed (run/modes/replicas.cpp).
   std::function<void()> take_over;
   // Collective over `group`: every stateful component's state from group rank `source`
-  // into the other members' (checkpoint/handover.hpp); returns the state's hash.
-  std::function<uint64_t(Comm& group, int64_t source)> hand_over;
+  // into this member's where it `receives` (checkpoint/handover.hpp).
+  std::function<Handover(Comm& group, int64_t source, bool receive)> hand_over;
 };
 
 class Mode {

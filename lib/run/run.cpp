@@ -4,7 +4,6 @@
 
 #include <torch/torch.h>
 
-#include "checkpoint/handover.hpp"
 #include "config/schema.hpp"
 #include "run/evaluator.hpp"
 #include "util/clock.hpp"
@@ -49,8 +48,9 @@ TrainParts train_parts(Run& run) {
           },
           [&run](bool wait) { checkpoint_progress(run, wait); },
           [&run] { take_over_files(run); },
-          [&run](Comm& group, int64_t source) {
-            return hand_over(run.stateful(), group, source, run.mesh().dims(), to_yaml(run.cfg));
+          [&run](Comm& group, int64_t source, bool receive) {
+            return hand_over(run.stateful(), group, source, receive, run.mesh().dims(),
+                             to_yaml(run.cfg));
           }};
 }
 

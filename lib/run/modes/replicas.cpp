@@ -14,6 +14,7 @@
 
 #include "comm/replica_set.hpp"
 #include "run/mode.hpp"
+#include "util/error.hpp"
 
 namespace dtrain {
 namespace {
@@ -84,23 +85,41 @@ class Replicas : public Lockstep {
  private:
   int64_t replica() const { return set_->replica(); }
   // Once per quorum that admitted replicas: the source's state into theirs, over the set.
+  // A failure on the way (a member gone) fails the joiners, which cannot train without the
+  // state; the others go on, and the next step's vote forms a quorum without the dead.
   void receive_or_send_state() {
     const Quorum& q = set_->quorum();
     if (q.joining.empty() || handed_ == q.id) return;
     handed_ = q.id;
     const auto& m = q.members;
     const int64_t source = std::find(m.begin(), m.end(), q.source) - m.begin();
-    const uint64_t hash = hand_over_(*set_->comm(), source);
+    const bool joins = std::find(q.joining.begin(), q.joining.end(), replica()) != q.joining.end();
+    const auto& comm = *set_->comm();
+    Handover h;
+    try {
+      h = hand_over_(*set_->comm(), source, joins);
+    } catch (const std::exception&) {  // a garbled header, where the group failed
+      if (!comm.failed()) throw;
+    }
+    if (comm.failed()) {
+      fail_if<DistError>(joins, "live recovery: replica {} could not take its state from "
+                         "replica {}: {}", replica(), q.source, comm.error());
+      return;
+    }
+    fail_if<DistError>(joins && !h.identical(),
+                       "live recovery: the state replica {} took from replica {} hashes to "
+                       "{:016x} here, {:016x} there: it is not identical to its source",
+                       replica(), q.source, h.mine, h.source);
     log_->say(fmt::format("replica(s) {} joined at step {}: state from replica {} over the "
                           "group, no checkpoint read (hash {:016x})",
-                          fmt::join(q.joining, ", "), q.step, q.source, hash));
+                          fmt::join(q.joining, ", "), q.step, q.source, h.source));
   }
   int64_t batch() const { return cfg_.data.batch_size; }
   int64_t share_size() const { return share(*job_sampler_).rank_batch(); }
 
   std::shared_ptr<ReplicaSet> set_;
   std::function<void()> take_over_;
-  std::function<uint64_t(Comm&, int64_t)> hand_over_;
+  std::function<Handover(Comm&, int64_t, bool)> hand_over_;
   RunLog* log_ = nullptr;
   int64_t handed_ = -1;  // the last quorum whose joiners took their state
   std::optional<ShardedSampler> job_sampler_;  // the job's, once bound
