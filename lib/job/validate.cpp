@@ -143,7 +143,6 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   refuse(cfg.parallel.zero > 0, "ZeRO (parallel.zero)");
   refuse(cfg.parallel.compression != "none", "parallel.compression");
   refuse(cfg.train.grad_accum > 1, "train.grad_accum above 1");
-  refuse(cfg.model.dropout > 0, "model.dropout (its masks follow the data rank, which moves)");
 }
 
 }  // namespace

@@ -137,6 +137,7 @@ class Pipeline : public MicroBatchRunner {
   bool holds_last() const override {
     return stage_of(int64_t(p_.chunks.size()) - 1) == stages_ - 1;
   }
+  void deal(int64_t rank, int64_t ranks) override { p_.data_rank = rank, p_.data_ranks = ranks; }
 
  private:
   struct InFlight {

@@ -69,6 +69,9 @@ class MicroBatchRunner {
   virtual torch::Tensor infer(const torch::Tensor& x) = 0;
   // Whether this rank computes the loss (holds the model's last part).
   virtual bool holds_last() const = 0;
+  // Where this rank's rows sit in the global batch from now on (RunnerParts::data_rank):
+  // a fault-tolerant job's survivors deal it anew.
+  virtual void deal(int64_t rank, int64_t ranks) = 0;
 };
 
 // The runner for these parts: Pipeline with more than one stage, else WholeModel.

@@ -55,6 +55,7 @@ class WholeModel : public MicroBatchRunner {
   }
 
   bool holds_last() const override { return true; }
+  void deal(int64_t rank, int64_t ranks) override { p_.data_rank = rank, p_.data_ranks = ranks; }
 
  private:
   RunnerParts p_;

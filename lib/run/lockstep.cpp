@@ -42,7 +42,9 @@ class RunBody : public LoopBody {
         parts_{run.runner,  run.sync, run.params,     run.optimizer, run.scaler,
                mode.mesh(), mode,     run.model.tied, run.cfg,       run.total_steps,
                run.device},
-        mode_(mode) {}
+        mode_(mode) {
+    run.runner.deal(share_.rank(), share_.ranks());
+  }
 
   PendingStep step(int64_t n, bool logged, bool kept) override {
     mode_.before_step(n);
@@ -51,7 +53,7 @@ class RunBody : public LoopBody {
       // The survivors of a failed replica deal the global batch anew (fault tolerance).
       if (const auto share = mode_.share(run_.sampler);
           share.rank() != share_.rank() || share.ranks() != share_.ranks())
-        share_ = share, loader_ = load(share_, n - 1);
+        share_ = share, loader_ = load(share_, n - 1), run_.runner.deal(share.rank(), share.ranks());
       double wait_ms = 0;
       Batch batch = loader_->next(&wait_ms);
       auto p = train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());

@@ -10,6 +10,8 @@
 // the launcher ask), builds the groups its rank trains in, lays out the flat buffers and
 // the gradient sync, keeps its own state (Stateful), and runs the rank's part of the run.
 // The lock-step modes share one loop (run/loop.hpp) and differ only where they meet.
+// fault_tolerance: replicas runs the sync mode's step as a replica of its own among the
+// job's set of them (modes/replicas.cpp: make_replicas_mode, not a parallel.mode).
 #pragma once
 #include <cstdint>
 #include <functional>
