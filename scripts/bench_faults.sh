@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
 # What a failure costs a data-parallel job, side by side in one run: the job uninterrupted,
-# then the same job with one worker SIGKILLed every --every seconds, restarted each time
-# from its latest checkpoint by the launcher (dtrain's supervisor, `--nproc N
-# --max-restarts`, or torchrun's elastic agent, `--max-restarts`): today's recovery path,
-# the row fault-tolerant replicas (issue 58) are measured against. Per failure: the steps
-# trained again (those since the checkpoint), the stall (the kill to the next step logged)
-# and the time until the run is back past the step it had reached; over the run: wall time
-# and final accuracy against the uninterrupted run.
+# then the same job with one worker SIGKILLed (or SIGSTOPped) every --every seconds, under
+# each recovery path: restarted from its latest checkpoint by the launcher (dtrain's
+# supervisor, `--nproc N --max-restarts`, or torchrun's elastic agent, `--max-restarts`),
+# or, `replicas`, the others training on while the failed replica restarts alone and joins
+# with their state (fault_tolerance: replicas). Per failure: the steps trained again (those
+# since the checkpoint; under replicas the step in flight, trained again inside the same
+# step), the stall (the kill to the next step logged), the time until the run is back past
+# the step it had reached, and under replicas the detection (the kill to the supervisor's
+# word, which the survivors act on) and the rejoin (the restarted process's start to its
+# joining, its state taken over the group); over the run: wall time and final accuracy
+# against the uninterrupted run.
 #
 #   scripts/bench_faults.sh [--model mlp|gpt] [--nproc N] [--every S] [--steps N]
-#                           [--save-every N] [--launchers "nproc torchrun"]
+#                           [--save-every N] [--launchers "nproc torchrun replicas"]
+#                           [--signal KILL|STOP]
 # Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
-# steps, mlp 20000 steps (gpt 1200), both launchers. torchrun needs scripts/setup.sh --test
-# (.venv's torch). DTRAIN_BIN=PATH benchmarks another binary. Results: $OUT_DIR/faults.jsonl.
+# steps, mlp 20000 steps (gpt 1200), all three paths, SIGKILL (SIGSTOP: a hung worker,
+# which the restart paths notice only at dist.timeout_s). torchrun needs scripts/setup.sh
+# --test (.venv's torch). DTRAIN_BIN=PATH benchmarks another binary. Results:
+# $OUT_DIR/faults.jsonl.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-faults}"
 BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 PY="${DTRAIN_PYTHON:-$ROOT/.venv/bin/python}"
-MODEL=mlp NPROC=4 EVERY=30 STEPS="" SAVE_EVERY=500 LAUNCHERS="nproc torchrun"
+MODEL=mlp NPROC=4 EVERY=30 STEPS="" SAVE_EVERY=500 LAUNCHERS="nproc torchrun replicas" SIGNAL=KILL
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL=$2; shift 2 ;;
@@ -27,8 +34,10 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; shift 2 ;;
     --save-every) SAVE_EVERY=$2; shift 2 ;;
     --launchers) LAUNCHERS=$2; shift 2 ;;
+    --signal) SIGNAL=$2; shift 2 ;;
     *) echo "usage: scripts/bench_faults.sh [--model mlp|gpt] [--nproc N] [--every S]" \
-            "[--steps N] [--save-every N] [--launchers \"nproc torchrun\"]" >&2; exit 2 ;;
+            "[--steps N] [--save-every N] [--launchers \"nproc torchrun replicas\"]" \
+            "[--signal KILL|STOP]" >&2; exit 2 ;;
   esac
 done
 case "$MODEL" in
@@ -50,6 +59,8 @@ export OMP_NUM_THREADS=1
 command_for() {
   case "$1" in
     nproc) echo "$BIN run $JOB --run-dir $2 --nproc $NPROC --max-restarts $3" ;;
+    replicas) echo "$BIN run $JOB --run-dir $2 --nproc $NPROC --max-restarts $3" \
+                   "--set fault_tolerance.mode=replicas" ;;
     torchrun) echo "$PY $ROOT/scripts/torchrun --standalone --nproc_per_node $NPROC" \
                    "--max_restarts $3 --no_python $BIN run $JOB --run-dir $2" ;;
   esac
@@ -71,9 +82,17 @@ run_job() {
   rm -rf "$dir" "$dir.kills"
   touch "$dir.kills"
   date +%s.%N > "$dir.start"
+  # Each line of the job's output with the time it came (the supervisor's words on a
+  # failure, a replica joining).
   # shellcheck disable=SC2046
-  $(command_for "$launcher" "$dir" 1000) "${SETS[@]}" > "$dir.log" 2>&1 &
-  local job=$! next=$(( $(date +%s) + every ))
+  $(command_for "$launcher" "$dir" 1000) "${SETS[@]}" 2>&1 |
+    while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$dir.log" &
+  local job="" next=$(( $(date +%s) + every ))
+  for _ in $(seq 100); do  # the launcher's process, the oldest with this run directory
+    job=$(pgrep -o -f -- "--run-dir $dir " || true)
+    [ -n "$job" ] && break
+    sleep 0.1
+  done
   while kill -0 "$job" 2>/dev/null; do
     sleep 0.2
     if [ "$every" -gt 0 ] && [ "$(date +%s)" -ge "$next" ]; then
@@ -82,12 +101,14 @@ run_job() {
         victim=${ws[$((RANDOM % ${#ws[@]}))]}
         # The step reached, read now: a restart rewrites metrics.jsonl up to its checkpoint.
         reached=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null | grep -o '"step":[0-9]*' | cut -d: -f2)
-        kill -9 "$victim" 2>/dev/null && echo "$(date +%s.%N) ${reached:-0}" >> "$dir.kills"
+        kill -"$SIGNAL" "$victim" 2>/dev/null && echo "$(date +%s.%N) ${reached:-0}" >> "$dir.kills"
       fi
       next=$(( $(date +%s) + every ))
     fi
   done
-  wait "$job" || echo "bench_faults.sh: $launcher run ended with $? (see $dir.log)" >&2
+  wait || true
+  grep -q '"kind":"summary".*"status":"completed"' "$dir/metrics.jsonl" ||
+    echo "bench_faults.sh: the $launcher run did not complete (see $dir.log)" >&2
 }
 
 # RUN_DIR LABEL: one JSON line of figures from the run's metrics and kills.
@@ -111,9 +132,18 @@ for t, reached in kills:
         back.append(past[0]["time"] - t)
 mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None
 start = float(open(f"{d}.start").read())
+# Under replicas: the supervisor's word on each failure after its kill, and each restarted
+# replica's joining after its restart.
+said = [(float(l.split(" ", 1)[0]), l.split(" ", 1)[1]) for l in open(f"{d}.log") if " " in l]
+noticed = [t for t, l in said if "the other replicas go on" in l]
+restarted = [t for t, l in said if "restarts to join them" in l]
+joined = [t for t, l in said if "joined at step" in l]
+detect = [min([n for n in noticed if n >= t], default=t) - t for t, _ in kills] if noticed else []
+rejoin = [min([j for j in joined if j >= r], default=r) - r for r in restarted if any(j >= r for j in joined)]
 print(json.dumps({"run": label, "failures": len(kills), "steps": max(l["step"] for l in train),
                   "lost_steps_per_failure": mean(lost), "stall_s_per_failure": mean(stall),
-                  "back_past_s_per_failure": mean(back),
+                  "back_past_s_per_failure": mean(back), "detect_s": mean(detect),
+                  "rejoin_s": mean(rejoin),
                   "wall_s": round(lines[-1]["time"] - start, 1),
                   "accuracy": evals[-1].get("accuracy") if evals else None,
                   "eval_loss": evals[-1].get("loss") if evals else None}))
@@ -129,16 +159,18 @@ for launcher in $LAUNCHERS; do
     echo "bench_faults.sh: no torchrun at $PY (scripts/setup.sh --test); skipped" >&2
     continue
   fi
-  echo "== $launcher: a worker killed every $EVERY s, restarts from the latest checkpoint" >&2
+  echo "== $launcher: a worker sent SIG$SIGNAL every $EVERY s" >&2
   run_job "$OUT_DIR/$launcher" "$launcher" "$EVERY"
-  figures "$OUT_DIR/$launcher" "restart ($launcher)" >> "$OUT_DIR/faults.jsonl"
+  label="restart ($launcher)"
+  [ "$launcher" = replicas ] && label="replicas (fault tolerance)"
+  figures "$OUT_DIR/$launcher" "$label" >> "$OUT_DIR/faults.jsonl"
 done
 "$PY" - "$OUT_DIR/faults.jsonl" "$SAVE_EVERY" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"checkpoint every {sys.argv[2]} steps")
 cols = ["run", "failures", "steps", "lost_steps_per_failure", "stall_s_per_failure",
-        "back_past_s_per_failure", "wall_s", "accuracy"]
+        "back_past_s_per_failure", "detect_s", "rejoin_s", "wall_s", "accuracy"]
 print("  ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
 for r in rows:
     print("  ".join(f"{str(r[c]):>24}" if i == 0 else f"{str(r[c]):>12}" for i, c in enumerate(cols)))
