@@ -15,6 +15,7 @@ namespace {
 using json = nlohmann::json;
 
 const char* kJoins = "ft/joins";  // a count: every request adds one
+const char* kFinished = "ft/finished";  // the run is complete
 
 std::string quorum_key(int64_t id) { return fmt::format("ft/quorum/{}", id); }
 std::string join_key(int64_t replica) { return fmt::format("ft/join/{}", replica); }
@@ -76,8 +77,17 @@ void ReplicaAgreement::ask_to_join() {
   store_.add(kJoins, 1);
 }
 
-Quorum ReplicaAgreement::admitted() {
+void ReplicaAgreement::finished() { store_.set(kFinished, bytes("1")); }
+
+std::optional<Quorum> ReplicaAgreement::admitted() {
   for (int64_t id = join_after_ + 1;; ++id) {
+    // Each quorum in turn, looking for the run's end between short waits.
+    const auto until = Clock::now() + timeout_;
+    while (!stored(quorum_key(id))) {
+      if (stored(kFinished)) return std::nullopt;
+      if (Clock::now() > until) get(quorum_key(id));  // the timeout's error
+      std::this_thread::sleep_for(poll_);
+    }
     const auto record = json::parse(get(quorum_key(id)));
     auto out = from_record(id, record);
     if (std::find(out.joining.begin(), out.joining.end(), replica_) == out.joining.end())

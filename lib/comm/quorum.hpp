@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,9 +52,12 @@ class ReplicaAgreement {
   static Quorum first(int64_t replicas, int64_t step);
 
   // This replica (restarted, or one more) asks to be in the next quorum; admitted() waits
-  // for the first quorum that takes it.
+  // for the first quorum that takes it, or returns nothing once the run has been finished
+  // by the others (finished()).
   void ask_to_join();
-  Quorum admitted();
+  std::optional<Quorum> admitted();
+  // The run is complete: a replica still waiting to join has nothing left to train.
+  void finished();
 
   // This replica's vote on `step` under `q`, then everyone's, and what they decide.
   Decision vote(const Quorum& q, int64_t step, bool ok);

@@ -27,12 +27,15 @@ ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool join
       comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_))),
       joining_(joining) {}
 
-void ReplicaSet::join() {
-  if (!joining_) return;
+bool ReplicaSet::join() {
+  if (!joining_) return true;
   agreement_.ask_to_join();
-  quorum_ = agreement_.admitted();
+  const auto admitted = agreement_.admitted();
+  if (!admitted) return false;
+  quorum_ = *admitted;
   comm_->reform(group_of(quorum_, opts_));
   joining_ = false;
+  return true;
 }
 
 int64_t ReplicaSet::index() const {

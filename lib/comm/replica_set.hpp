@@ -40,8 +40,11 @@ class ReplicaSet {
   ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining = false);
 
   // A joining replica, once ready to train: asks to join and waits (up to the timeout) for
-  // the quorum that admits it, whose members then hand it their state (hand_over).
-  void join();
+  // the quorum that admits it, whose members then hand it their state (hand_over). False
+  // when the others finished the run first.
+  bool join();
+  // The run is complete (a replica waiting to join then stops).
+  void finished() { agreement_.finished(); }
   bool joining() const { return joining_; }
 
   // The group across the quorum's members, the same object for the whole run.

@@ -47,9 +47,9 @@ class RunBody : public LoopBody {
   }
 
   PendingStep step(int64_t n, bool logged, bool kept) override {
-    mode_.before_step(n);
     mode_.mesh().world()->note_step(n);
     for (;;) {
+      mode_.before_step(n);  // again for a step trained again: its new quorum may admit
       // The survivors of a failed replica deal the global batch anew (fault tolerance).
       if (const auto share = mode_.share(run_.sampler);
           share.rank() != share_.rank() || share.ranks() != share_.ranks())

@@ -122,7 +122,7 @@ class Lockstep : public Mode {
   virtual int64_t after_update(int64_t /*n*/) { return 0; }
   // How the ranks are apart between meetings, in messages ("" when they always meet).
   virtual std::string apart() const { return ""; }
-  // Before step n (from 1) is trained.
+  // Before step n (from 1) is trained, and again before each time it is trained again.
   virtual void before_step(int64_t /*n*/) {}
   // Whether step n's update is made, asked after its reductions: false where a replica
   // failed and the survivors train step n again (fault tolerance).

@@ -2,10 +2,12 @@
 // world of its own and the data-parallel sum over the replicas' set (comm/replica_set.hpp).
 // The set votes before each update; when a replica failed, every survivor discards the
 // step and trains it again on the same global batch, each taking a share of it and its
-// loss weighted by that share's size. The lowest live replica writes the run directory;
-// when it fails, the next takes over.
+// loss weighted by that share's size. The quorum names the replica that writes the run
+// directory (the first one's lowest, for as long as it lives); when it fails, the lowest
+// survivor takes over.
 #include <algorithm>
 #include <csignal>
+#include <iostream>
 #include <map>
 #include <optional>
 
@@ -43,10 +45,16 @@ class Replicas : public Lockstep {
   // admitting quorum's step.
   RunResult run(TrainParts& parts) override {
     if (set_->joining()) {
-      set_->join();
+      if (!set_->join()) {
+        std::cerr << fmt::format("dtrain: replica {}: the others completed the run before it "
+                                 "could join\n", replica());
+        return {0, nlohmann::json()};
+      }
       receive_or_send_state();
     }
-    return Lockstep::run(parts);
+    RunResult r = Lockstep::run(parts);
+    if (r.exit_code == 0) set_->finished();
+    return r;
   }
   std::string describe() const override {
     return fmt::format("data {} fault-tolerant replicas", set_->count());

@@ -104,8 +104,9 @@ TEST_SUITE("quorum") {
     CHECK(joined.source == 0);
     CHECK(joined.step == 2);
     const auto seen = admitted.get();
-    CHECK(seen.id == joined.id);
-    CHECK(seen.members == joined.members);
+    REQUIRE(seen);
+    CHECK(seen->id == joined.id);
+    CHECK(seen->members == joined.members);
 
     // Nobody asks now: the next votes keep the quorum.
     std::thread t3([&] { a1.vote(joined, 2, true); });
@@ -128,7 +129,14 @@ TEST_SUITE("quorum") {
     m2.get();
     CHECK(later.id == joined.id + 1);
     CHECK(later.joining == std::vector<int64_t>{2});
-    CHECK(again.get().id == later.id);
+    CHECK(again.get()->id == later.id);
+
+    // The others finish the run before another request is taken: the joiner stops waiting.
+    a2.ask_to_join();
+    auto late = std::async(std::launch::async, [&] { return a2.admitted(); });
+    CHECK(late.wait_for(50ms) == std::future_status::timeout);
+    a0.finished();
+    CHECK(!late.get());
   }
 
   TEST_CASE("quorum: a live member that never votes ends the wait with an error naming it") {
