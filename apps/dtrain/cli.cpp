@@ -161,10 +161,17 @@ int start_worker_here(std::vector<std::string> args) {
   return dtrain_main(int(args.size()), argv_of(args).data());
 }
 
-// fault_tolerance: replicas: this process is a replica of its own, in the job's set of
-// them (comm/replica_set.hpp), which every replica enters together.
-std::shared_ptr<ReplicaSet> join_replicas(const JobConfig& cfg, const WorldInfo& world,
-                                          CommOptions opts) {
+// fault_tolerance: replicas: this process's replica (of dims.tensor ranks: the job's ranks
+// in runs of that many) and its place in the job's set of them (comm/replica_set.hpp),
+// which every replica enters together. The replica's own ranks form a world of their own,
+// named by its incarnation: a replica restarted after a failure (DTRAIN_FT_JOIN, from 1)
+// builds a new one beside the old one's keys in the store.
+struct ReplicaWorld {
+  std::shared_ptr<ReplicaSet> set;
+  std::shared_ptr<Comm> world;  // the replica's ranks
+};
+ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const WorldInfo& world,
+                           CommOptions opts) {
   fail_if<ConfigError>(!world.store_hosted,
                        "fault_tolerance.mode: replicas runs under dtrain's own launcher for now "
                        "(dtrain run JOB --nproc N), whose store outlives every rank; not under "
@@ -172,17 +179,31 @@ std::shared_ptr<ReplicaSet> join_replicas(const JobConfig& cfg, const WorldInfo&
   const std::chrono::seconds heartbeat(cfg.fault_tolerance.heartbeat_s);
   if (opts.hang_after.count() <= 0) opts.hang_after = heartbeat;  // the watch beats
   JobLink link = link_job(world, opts, heartbeat);
-  // Restarted by the supervisor after a failure: it joins the replicas training now.
-  const auto joins = process_env()("DTRAIN_FT_JOIN");
-  const bool joining = joins && *joins == "1";
+  const int64_t size = dims.tensor * dims.pipeline;  // ranks per replica
+  const int64_t replica = world.rank / size, place = world.rank % size;
+  const auto incarnation = process_env()("DTRAIN_FT_JOIN");
+  const int64_t generation = incarnation ? std::stoll(*incarnation) : 0;
+  const bool joining = generation > 0;
   if (joining) clear_ended(*link.store, world.rank);
+  std::vector<int64_t> ranks;
+  for (int64_t p = 0; p < size; ++p) ranks.push_back(replica * size + p);
+  ReplicaWorld out;
+  out.world = size == 1 ? make_local_comm()
+                        : link.world(fmt::format("ft/replica/{}/{}", replica, generation), ranks);
   ReplicaSet::Options o;
-  o.replica = world.rank, o.replicas = world.world;
-  o.live = link.live;
+  o.replica = replica, o.replicas = dims.data;
+  o.place = {place, size};
+  o.world_rank = [size, place](int64_t r) { return r * size + place; };
+  o.live = [live = link.live, size](int64_t r) {
+    for (int64_t p = 0; p < size; ++p)
+      if (!live(r * size + p)) return false;
+    return true;
+  };
   o.make_group = link.group;
   o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
   o.poll = std::chrono::milliseconds(20);
-  return std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1, joining);
+  out.set = std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1, joining);
+  return out;
 }
 
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
@@ -198,7 +219,8 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
                       [&mode, cfg](int64_t rank) { return mode.role(cfg, rank); },
                       workers_forked(nproc) ? start_worker_here : nullptr,
                       [nproc, cfg](int port) { return host_store(port, nproc, cfg); },
-                      /*replicas=*/cfg.fault_tolerance.mode == "replicas"});
+                      /*replica_size=*/cfg.fault_tolerance.mode == "replicas"
+                          ? checked.dims.tensor * checked.dims.pipeline : 0});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
@@ -240,8 +262,11 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   if (world.launcher == "slurm" && cfg.dist.requeue && requeue)
     opts.requeue_job = slurm_job_to_requeue(env);
   if (cfg.fault_tolerance.mode == "replicas" && world.world > 1) {
-    opts.replicas = join_replicas(cfg, world, comm_options());
-    return run_training(cfg, ParallelDims{}, opts, world, make_local_comm()).exit_code;
+    const auto replica = join_replicas(cfg, dims, world, comm_options());
+    opts.replicas = replica.set;
+    ParallelDims inside = dims;  // a replica's layout
+    inside.data = 1;
+    return run_training(cfg, inside, opts, world, replica.world).exit_code;
   }
   if (!comm) comm = connect();
   return run_training(cfg, dims, opts, world, comm).exit_code;

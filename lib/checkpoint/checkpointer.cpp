@@ -107,6 +107,8 @@ int64_t Checkpointer::claim_and_choose() {
 
 void Checkpointer::take_over(std::chrono::seconds wait) {
   if (opts_.writer) return;
+  opts_.writer = true;
+  if (group_->rank() != 0) return;  // rank 0 holds the folder for its replica, as in open()
   const auto until = std::chrono::steady_clock::now() + wait;
   std::string holder;
   while (!(lock_ = DirLock::try_lock(opts_.run_dir, holder))) {
@@ -116,7 +118,6 @@ void Checkpointer::take_over(std::chrono::seconds wait) {
                              opts_.run_dir, holder, wait.count());
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  opts_.writer = true;
   if (!store_) store_ = std::make_unique<CheckpointStore>(opts_.run_dir, opts_.cfg);  // a joiner's
   store_->discard_partial();  // the failed writer's unfinished save
 }

@@ -1,6 +1,8 @@
 #include "checkpoint/handover.hpp"
 
 #include <cstring>
+#include <map>
+#include <optional>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -18,7 +20,20 @@ struct Held {
   StateFile file;
   std::string name;
   torch::Tensor tensor;
+  std::optional<PartOf> part;  // of a tensor split over the replica's tensor ranks
 };
+
+json placement_record(const std::optional<PartOf>& part) {
+  if (!part) return nullptr;
+  const auto& p = part->placement;
+  return {p.dim, p.parts, p.blocks, part->rank};
+}
+
+std::optional<PartOf> part_from(const json& j) {
+  if (j.is_null()) return std::nullopt;
+  return PartOf{Placement::split(j.at(0).get<int64_t>(), j.at(1).get<int64_t>(), j.at(2).get<int64_t>()),
+                j.at(3).get<int64_t>()};
+}
 
 // A replica's state in memory. What a data rank keeps of its own (kReplica: error
 // feedback's residuals, local SGD's own optimizer) is that replica's, lost with it: a
@@ -29,12 +44,17 @@ class MemoryWriter : public StateWriter {
   void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts,
            const RangesOf& ranges) override {
     if (!writes(file)) return;
-    if (!parts.empty() || !ranges.empty())
-      throw std::logic_error("live recovery of a state split or sharded inside a replica "
-                             "(tensor parallelism, ZeRO) is not built yet");
-    for (const auto& [name, t] : tensors) held.push_back({file, name, t.detach()});
+    if (!ranges.empty())
+      throw std::logic_error("live recovery of a state sharded inside a replica (ZeRO) is not "
+                             "built yet");
+    for (const auto& [name, t] : tensors) {
+      const auto it = parts.find(name);
+      held.push_back({file, name, t.detach(),
+                      it != parts.end() ? std::optional<PartOf>(it->second) : std::nullopt});
+    }
   }
   void set(const std::string& key, json value) override { trainer[key] = std::move(value); }
+  bool every_rank_whole() const override { return true; }
 
   std::vector<Held> held;
   json trainer = json::object();
@@ -53,11 +73,26 @@ class MemoryReader : public StateReader {
       if (h.file == file) out.push_back(h.name);
     return out;
   }
+  // Each member at the same place in its replica: a split tensor's part is this rank's.
   SavedTensors tensors(StateFile file) const override {
-    NamedTensors out;
-    for (const auto& h : state_.held)
-      if (h.file == file) out.emplace_back(h.name, h.tensor);
-    return SavedTensors(out, origin_);
+    std::map<std::string, std::vector<int64_t>> shapes;
+    std::map<std::string, const Held*> by_name;
+    for (const auto& h : state_.held) {
+      if (h.file != file) continue;
+      shapes[h.name] = h.part ? h.part->placement.full_shape(h.tensor.sizes().vec())
+                              : h.tensor.sizes().vec();
+      by_name[h.name] = &h;
+    }
+    auto read = [by_name](const std::string& name, const Placement& placement, int64_t rank) {
+      const Held& h = *by_name.at(name);
+      if (!h.part) return placement.is_split() ? placement.shard(h.tensor, rank) : h.tensor;
+      const auto& p = h.part->placement;
+      if (p.dim != placement.dim || p.parts != placement.parts || p.blocks != placement.blocks ||
+          h.part->rank != rank)
+        throw std::logic_error("live recovery: '" + name + "' is split otherwise in the source");
+      return h.tensor;
+    };
+    return SavedTensors(shapes, read, origin_);
   }
   const json& trainer() const override { return state_.trainer; }
   std::string config_yaml() const override { return state_.job; }
@@ -104,7 +139,7 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
     h["job"] = mine.job;
     for (const auto& held : mine.held)
       h["tensors"].push_back({int(held.file), held.name, int(held.tensor.scalar_type()),
-                              held.tensor.sizes().vec()});
+                              held.tensor.sizes().vec(), placement_record(held.part)});
     text = h.dump();
   }
   auto length = torch::tensor({int64_t(text.size())}, torch::kInt64);
@@ -136,7 +171,8 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
     auto t = sends ? state.held[i].tensor.to(torch::kCPU).contiguous()
                    : torch::empty(shape, torch::dtype(type));
     group.broadcast(t, source);
-    got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t});
+    got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,
+                        part_from(entry.at(4))});
     ++i;
   }
   if (receive && !sends) {

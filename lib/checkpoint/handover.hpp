@@ -6,9 +6,9 @@
 // other members take part in the collectives and keep their own. Afterwards every member
 // hashes its state as saved again: a joiner whose hash is not the source's must not train.
 //
-// The state is a replica's whole: where a replica's own ranks split or shard it (tensor
-// parallelism, ZeRO inside a replica), each rank would hand over its part to the rank at
-// the same place of the joiner, which this first version refuses (std::logic_error).
+// Where a replica's own ranks split its state (tensor parallelism inside it), each rank
+// hands over its part over its place's group to the joiner's rank at the same place, whose
+// part is the same. A state sharded inside a replica (ZeRO) is refused (std::logic_error).
 #pragma once
 #include <cstdint>
 #include <string>

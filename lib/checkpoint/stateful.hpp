@@ -45,6 +45,10 @@ class StateWriter {
                    const RangesOf& ranges = {}) = 0;
   // An entry of trainer.json (rank 0's are written).
   virtual void set(const std::string& key, nlohmann::json value) = 0;
+  // Whether every rank adds all it holds, the tensors replicated over its tensor group
+  // too: a live recovery's state goes to the rank at the same place, not into files the
+  // ranks share (where tensor rank 0 adds those).
+  virtual bool every_rank_whole() const { return false; }
 };
 
 class StateReader {

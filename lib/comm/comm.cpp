@@ -523,12 +523,21 @@ JobLink link_job(const WorldInfo& world, const CommOptions& opts, std::chrono::m
   auto ctx = connect_job(world, opts);
   JobLink link;
   link.store = ctx->store;
-  link.group = [ctx](const std::string& name, const std::vector<int64_t>& members) {
-    const auto me = std::find(members.begin(), members.end(), ctx->world_rank);
+  const auto group = [](const std::shared_ptr<GroupContext>& in, const std::string& name,
+                        const std::vector<int64_t>& members) {
+    const auto me = std::find(members.begin(), members.end(), in->world_rank);
     if (me == members.end())
-      throw std::logic_error(fmt::format("rank {} is not a member of group '{}'", ctx->world_rank, name));
+      throw std::logic_error(fmt::format("rank {} is not a member of group '{}'", in->world_rank, name));
     if (members.size() == 1) return make_local_comm();
-    return make_group(ctx, name, me - members.begin(), members);
+    return make_group(in, name, me - members.begin(), members);
+  };
+  link.group = [ctx, group](const std::string& name, const std::vector<int64_t>& members) {
+    return group(ctx, name, members);
+  };
+  link.world = [ctx, group](const std::string& scope, const std::vector<int64_t>& members) {
+    auto scoped = std::make_shared<GroupContext>(*ctx);
+    scoped->store = c10::make_intrusive<c10d::PrefixStore>(scope + "/", ctx->store);
+    return group(scoped, "world", members);
   };
   link.live = [liveness = std::make_shared<Liveness>(ctx->store, silent)](int64_t rank) {
     return (*liveness)(rank);

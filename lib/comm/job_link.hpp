@@ -19,6 +19,9 @@ struct JobLink {
   // The group of job ranks `members` (this one among them) named `name`: only the members
   // call it, and a name serves one group for the whole job.
   std::function<std::shared_ptr<Comm>(const std::string& name, const std::vector<int64_t>& members)> group;
+  // A world of job ranks `members` (this one among them) whose own groups (Comm::new_group)
+  // are named under `scope`: a replica's ranks, whose groups' names every replica uses.
+  std::function<std::shared_ptr<Comm>(const std::string& scope, const std::vector<int64_t>& members)> world;
   // Whether job rank r's heartbeat has moved within the last `silent`.
   std::function<bool(int64_t r)> live;
 };

@@ -18,9 +18,11 @@ const char* kJoins = "ft/joins";  // a count: every request adds one
 const char* kFinished = "ft/finished";  // the run is complete
 
 std::string quorum_key(int64_t id) { return fmt::format("ft/quorum/{}", id); }
-std::string join_key(int64_t replica) { return fmt::format("ft/join/{}", replica); }
-std::string vote_key(int64_t quorum, int64_t step, int64_t member) {
-  return fmt::format("ft/vote/{}/{}/{}", quorum, step, member);
+std::string join_key(int64_t replica, int64_t place) {
+  return fmt::format("ft/join/{}/{}", replica, place);
+}
+std::string vote_key(int64_t quorum, int64_t step, int64_t member, int64_t place) {
+  return fmt::format("ft/vote/{}/{}/{}/{}", quorum, step, member, place);
 }
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
@@ -44,8 +46,8 @@ Quorum from_record(int64_t id, const json& j) {
 ReplicaAgreement::ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
                                    std::function<bool(int64_t)> live,
                                    std::chrono::milliseconds timeout,
-                                   std::chrono::milliseconds poll)
-    : store_(store), replica_(replica), replicas_(replicas), live_(std::move(live)),
+                                   std::chrono::milliseconds poll, Place place)
+    : store_(store), replica_(replica), replicas_(replicas), place_(place), live_(std::move(live)),
       timeout_(timeout), poll_(poll) {}
 
 Quorum ReplicaAgreement::first(int64_t replicas, int64_t step) {
@@ -73,7 +75,7 @@ std::string ReplicaAgreement::get(const std::string& key) {
 void ReplicaAgreement::ask_to_join() {
   join_after_ = 0;
   while (stored(quorum_key(join_after_ + 1))) ++join_after_;
-  store_.set(join_key(replica_), bytes("1"));
+  store_.set(join_key(replica_, place_.index), bytes("1"));
   store_.add(kJoins, 1);
 }
 
@@ -93,7 +95,7 @@ std::optional<Quorum> ReplicaAgreement::admitted() {
     if (std::find(out.joining.begin(), out.joining.end(), replica_) == out.joining.end())
       continue;
     joins_seen_ = record.at("joins").get<int64_t>();
-    store_.deleteKey(join_key(replica_));
+    store_.deleteKey(join_key(replica_, place_.index));
     return out;
   }
 }
@@ -101,7 +103,7 @@ std::optional<Quorum> ReplicaAgreement::admitted() {
 Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
   const bool joins = ok && store_.add(kJoins, 0) > joins_seen_;
   const Vote mine = !ok ? Vote::kFailed : joins ? Vote::kOkJoin : Vote::kOk;
-  store_.compareSet(vote_key(q.id, step, replica_), {}, bytes(kVoteNames[int(mine)]));
+  store_.compareSet(vote_key(q.id, step, replica_, place_.index), {}, bytes(kVoteNames[int(mine)]));
   last_votes_.clear();
   Decision d{true, false};
   for (int64_t m : q.members) {
@@ -111,14 +113,20 @@ Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
   }
   // A vote two steps back is read by nobody now (every member has read it before voting on
   // the step after it): the store keeps a few keys per member, however long the run.
-  if (step >= 2) store_.deleteKey(vote_key(q.id, step - 2, replica_));
+  if (step >= 2) store_.deleteKey(vote_key(q.id, step - 2, replica_, place_.index));
   return d;
 }
 
-// Its stored vote, else kDead written for it once it has gone silent: compareSet makes the
-// first of its own vote and ours the one everybody reads.
 Vote ReplicaAgreement::vote_of(const Quorum& q, int64_t step, int64_t member) {
-  const auto key = vote_key(q.id, step, member);
+  Vote worst = Vote::kOk;  // the enum's order: ok, ok+join, failed, dead
+  for (int64_t p = 0; p < place_.count; ++p)
+    worst = std::max(worst, place_vote(vote_key(q.id, step, member, p), member, step));
+  return worst;
+}
+
+// A place's stored vote, else kDead written for it once its replica has gone silent:
+// compareSet makes the first of its own vote and ours the one everybody reads.
+Vote ReplicaAgreement::place_vote(const std::string& key, int64_t member, int64_t step) {
   const auto until = Clock::now() + timeout_;
   // The members vote within a moment of each other (they have just reduced together):
   // look again soon, then less often, up to `poll_`.
@@ -143,8 +151,14 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   for (size_t i = 0; i < q.members.size(); ++i)
     if (i < last_votes_.size() && last_votes_[i] != Vote::kDead && live_(q.members[i]))
       members.push_back(q.members[i]);
+  // A replica joins once every one of its ranks has asked (each is built and waiting).
+  const auto asked = [&](int64_t r) {
+    for (int64_t at = 0; at < place_.count; ++at)
+      if (!stored(join_key(r, at))) return false;
+    return true;
+  };
   for (int64_t r = 0; r < replicas_; ++r)
-    if (stored(join_key(r)) && live_(r)) joining.push_back(r);
+    if (asked(r) && live_(r)) joining.push_back(r);
   // The proposer is a member with state (it voted), so there is a source.
   const auto with_state = std::find_if(members.begin(), members.end(), [&](int64_t m) {
     return std::find(joining.begin(), joining.end(), m) == joining.end();

@@ -30,7 +30,7 @@ struct Quorum {
 };
 
 // A member's word on a step: it finished the reduction (and whether it saw a replica ask to
-// join), its reduction failed, or it was silent and voted for.
+// join), its reduction failed, or it was silent and voted for. Worse is later.
 enum class Vote { kOk, kOkJoin, kFailed, kDead };
 
 // What every member concludes from the same votes: apply the step's update, and whether to
@@ -39,14 +39,22 @@ struct Decision {
   bool commit = false, reform = false;
 };
 
+// Where this rank sits in its replica: a replica of several ranks (tensor parallelism
+// inside it) votes with each, and counts as failed when any of them did.
+struct Place {
+  int64_t index = 0, count = 1;
+};
+
 class ReplicaAgreement {
  public:
   // `replicas`: the most replicas the job can have (the join requests looked for).
   // `live(r)`: whether replica r's heartbeat is fresh. `timeout`: how long a quorum or a
-  // live member's vote may take before DistError.
+  // live member's vote may take before DistError. `place`: this rank's in its replica (each
+  // of a replica's ranks votes, asks to join and reads the same quorums; `live(r)` must
+  // then say whether all of replica r's ranks are).
   ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
                    std::function<bool(int64_t)> live, std::chrono::milliseconds timeout,
-                   std::chrono::milliseconds poll = std::chrono::milliseconds(5));
+                   std::chrono::milliseconds poll = std::chrono::milliseconds(5), Place place = {});
 
   // The quorum every replica starts in: all `replicas`, from `step` (nothing stored).
   static Quorum first(int64_t replicas, int64_t step);
@@ -67,12 +75,15 @@ class ReplicaAgreement {
   Quorum next(const Quorum& q, int64_t step);
 
  private:
+  // Member's vote: the worst of its places' (dead, failed, a join seen, ok).
   Vote vote_of(const Quorum& q, int64_t step, int64_t member);
+  Vote place_vote(const std::string& key, int64_t member, int64_t step);
   std::string get(const std::string& key);  // waits for it up to the timeout
   bool stored(const std::string& key);
 
   c10d::Store& store_;
   int64_t replica_, replicas_;
+  Place place_;
   std::function<bool(int64_t)> live_;
   std::chrono::milliseconds timeout_, poll_;
   std::vector<Vote> last_votes_;  // the members' votes on the last step voted

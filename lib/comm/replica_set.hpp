@@ -24,10 +24,13 @@ class ReplicaSet {
   struct Options {
     int64_t replica = 0;   // this replica's index
     int64_t replicas = 1;  // how many the job has
-    // The job rank of replica r's rank at this rank's place in it: with one
-    // rank per replica, r itself.
+    // This rank's place in its replica (its rank among the replica's own), and the job rank
+    // of replica r's rank at that place: with one rank per replica, r itself. The set is
+    // one per place: each place's group sums its part of the gradient, and all of them
+    // vote and read one quorum.
+    Place place;
     std::function<int64_t(int64_t r)> world_rank = [](int64_t r) { return r; };
-    std::function<bool(int64_t r)> live;  // whether replica r's heartbeat is fresh
+    std::function<bool(int64_t r)> live;  // whether every rank of replica r beats its heartbeat
     // Makes the group of job ranks `members` named `name` (comm/job_link.hpp's JobLink).
     std::function<std::shared_ptr<Comm>(const std::string& name, const std::vector<int64_t>& members)>
         make_group;
@@ -51,6 +54,7 @@ class ReplicaSet {
   const std::shared_ptr<ReplicaComm>& comm() const { return comm_; }
   const Quorum& quorum() const { return quorum_; }
   int64_t replica() const { return opts_.replica; }
+  const Options& options() const { return opts_; }
   // This replica's place among the members, and their number: its share of a global batch.
   int64_t index() const;
   int64_t count() const { return int64_t(quorum_.members.size()); }

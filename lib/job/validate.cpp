@@ -127,7 +127,7 @@ void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
 namespace {
 
 // fault_tolerance: replicas, as far as it is built (docs/fault-tolerance.md says what is
-// left): replicas of one process each, whose state moves whole, the sync mode's step.
+// left): replicas of one process or of a tensor group, the sync mode's step.
 void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   if (cfg.fault_tolerance.mode == "off") return;
   auto refuse = [](bool bad, const std::string& what) {
@@ -138,8 +138,9 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
          "parallel.mode async_ps: its workers never wait for one another, and a failed one "
          "stops the job and restarts it from the latest checkpoint (--max-restarts) like any rank");
   refuse(cfg.parallel.mode != "sync", "parallel.mode " + cfg.parallel.mode + " (sync only)");
-  refuse(layout.tensor > 1 || layout.pipeline > 1,
-         "replicas of several processes (parallel.tensor or parallel.pipeline above 1)");
+  refuse(layout.pipeline > 1,
+         "pipeline stages inside a replica (parallel.pipeline above 1: its micro-batches would "
+         "not split a share the survivors deal unevenly)");
   refuse(cfg.parallel.zero > 0, "ZeRO (parallel.zero)");
   refuse(cfg.parallel.compression != "none", "parallel.compression");
   refuse(cfg.train.grad_accum > 1, "train.grad_accum above 1");

@@ -182,10 +182,10 @@ std::vector<std::string> worker_args(const SupervisorOptions& o, bool resume_aut
 }
 
 // Worker `r`, started on `args`: forked to run o.start_here where `forked` allows it, else
-// exec'd. `joins`: a replica restarted alone (fault_tolerance: replicas), which joins the
-// others training.
+// exec'd. `joins`: above 0, the incarnation of a replica restarted alone (fault_tolerance:
+// replicas), which joins the others training.
 Worker start_worker(const SupervisorOptions& o, int64_t r, int port,
-                    const std::vector<std::string>& args, bool forked, bool joins) {
+                    const std::vector<std::string>& args, bool forked, int64_t joins) {
   int out[2], err[2];
   if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
     throw std::runtime_error("cannot create pipes for the workers");
@@ -205,7 +205,7 @@ Worker start_worker(const SupervisorOptions& o, int64_t r, int port,
     set("MASTER_ADDR", "127.0.0.1");
     set("MASTER_PORT", std::to_string(port));
     if (o.host_store) set("DTRAIN_STORE_HOSTED", "1");
-    if (joins) set("DTRAIN_FT_JOIN", "1");
+    if (joins > 0) set("DTRAIN_FT_JOIN", std::to_string(joins));
     if (o.start_here && forked) {
       as_if_exec();
       g_forked_worker = true;
@@ -227,7 +227,7 @@ Worker start_worker(const SupervisorOptions& o, int64_t r, int port,
 std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto) {
   const auto args = worker_args(o, resume_auto);
   std::vector<Worker> ws;
-  for (int64_t r = 0; r < o.nproc; ++r) ws.push_back(start_worker(o, r, port, args, true, false));
+  for (int64_t r = 0; r < o.nproc; ++r) ws.push_back(start_worker(o, r, port, args, true, 0));
   return ws;
 }
 
@@ -236,35 +236,67 @@ std::vector<Worker> spawn(const SupervisorOptions& o, int port, bool resume_auto
 constexpr std::chrono::seconds kStopGrace{300};
 constexpr std::chrono::seconds kPeerFailGrace{2};
 
-// fault_tolerance: replicas. Each worker that failed since the last call, once: the store
-// says so at once (its peers need not wait for its heartbeat to go stale), and it is
-// restarted alone to join the others while --max-restarts allows (a bad spec or data is
+// fault_tolerance: replicas: what the supervisor keeps of the replicas' failures.
+struct LostReplicas {
+  explicit LostReplicas(const SupervisorOptions& o)
+      : said(size_t(o.nproc), false),
+        generations(o.replica_size > 0 ? size_t(o.nproc / o.replica_size) : 0, 0) {}
+  std::vector<bool> said;            // each worker's end said (its replica stopped)
+  std::optional<size_t> first;       // the first worker that failed
+  int64_t restarts = 0;              // replicas restarted, against --max-restarts
+  std::vector<int64_t> generations;  // each replica's incarnations so far
+};
+
+// Workers [from, from + size) of a replica one of which failed: the others are killed
+// (they cannot train without it), and the store says each has ended at once (their peers
+// need not wait for their heartbeats to go stale).
+void stop_replica(std::vector<Worker>& ws, size_t from, size_t size, LostReplicas& lost,
+                  const std::function<void(int64_t)>& ended) {
+  for (size_t k = from; k < from + size; ++k) {
+    if (!ws[k].status) {
+      ::kill(ws[k].pid, SIGKILL);
+      ws[k].stopped_by_us = true;
+      int st = 0;
+      if (::waitpid(ws[k].pid, &st, 0) == ws[k].pid) ws[k].status = st;
+    }
+    lost.said[k] = true;
+    if (ended) ended(int64_t(k));
+  }
+}
+
+// Each replica with a worker that failed since the last call, once: stopped, and its ranks
+// restarted together to join the others while --max-restarts allows (a bad spec or data is
 // not: it would fail the same way).
-void replace_lost_replicas(const SupervisorOptions& o, std::vector<Worker>& ws,
-                           std::vector<bool>& said, std::optional<size_t>& first,
-                           const std::function<void(int64_t)>& ended, int port,
-                           int64_t& restarts) {
+void replace_lost_replicas(const SupervisorOptions& o, std::vector<Worker>& ws, LostReplicas& lost,
+                           const std::function<void(int64_t)>& ended, int port) {
+  const size_t size = size_t(o.replica_size);
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (said[i] || !failed(ws[i]) || stopped_on(ws[i])) continue;
-    said[i] = true;
-    if (!first) first = i;
-    if (ended) ended(int64_t(i));
+    if (lost.said[i] || !failed(ws[i]) || stopped_on(ws[i])) continue;
+    if (!lost.first) lost.first = i;
+    const size_t from = i - i % size, replica = i / size;
+    stop_replica(ws, from, size, lost, ended);
     const int status = *ws[i].status;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
     const bool others = std::any_of(ws.begin(), ws.end(), [](const Worker& w) { return !w.status; });
-    const bool restart = others && restarts < o.max_restarts && code != kExitBadSpec &&
+    const bool restart = others && lost.restarts < o.max_restarts && code != kExitBadSpec &&
                          code != kExitBadData;
-    std::cerr << fmt::format("dtrain: {}; the other replicas go on without it{}\n",
+    std::cerr << fmt::format("dtrain: {}; {}the other replicas go on without it{}\n",
                              describe(int(i), status),
+                             size > 1 ? fmt::format("replica {} (ranks {} to {}) is stopped and ",
+                                                    replica, from, from + size - 1)
+                                      : "",
                              restart ? fmt::format(", and it restarts to join them (restart {} of {})",
-                                                   restarts + 1, o.max_restarts)
+                                                   lost.restarts + 1, o.max_restarts)
                                      : "");
     if (!restart) continue;
-    ++restarts;
-    while (ws[i].out >= 0 || ws[i].err >= 0) pump(ws, 20);  // its last lines
-    // Exec'd: the supervisor runs the store's thread now, and a fork copies only this one.
-    ws[i] = start_worker(o, int64_t(i), port, worker_args(o, false), /*forked=*/false, /*joins=*/true);
-    said[i] = false;
+    ++lost.restarts;
+    const int64_t generation = ++lost.generations[replica];
+    for (size_t k = from; k < from + size; ++k) {
+      while (ws[k].out >= 0 || ws[k].err >= 0) pump(ws, 20);  // its last lines
+      // Exec'd: the supervisor runs the store's thread now, and a fork copies only this one.
+      ws[k] = start_worker(o, int64_t(k), port, worker_args(o, false), /*forked=*/false, generation);
+      lost.said[k] = false;
+    }
   }
 }
 
@@ -407,9 +439,7 @@ int supervise(const SupervisorOptions& o) {
     std::vector<char> running(ws.size(), 0);  // state letters of the ranks alive at the failure
     int forwarded = 0;
     std::optional<Clock::time_point> stop_seen;  // a worker stopped on a signal of its own
-    std::vector<bool> said_lost(ws.size(), false);  // fault tolerance: failures said
-    std::optional<size_t> first_lost;
-    int64_t replica_restarts = 0;
+    LostReplicas lost(o);  // fault tolerance
     while (!all_done(ws)) {
       pump(ws, 100);
       reap(ws);
@@ -418,11 +448,11 @@ int supervise(const SupervisorOptions& o) {
         forwarded = g_forward;  // preemption: every worker checkpoints and exits
         signal_all(ws, forwarded);
       }
-      if (o.replicas) {  // a replica failed: the others go on without it
+      if (o.replica_size > 0) {  // a replica failed: the others go on without it
         kill_silent_replicas(ws, hosted.silent);
-        replace_lost_replicas(o, ws, said_lost, first_lost, hosted.ended, port, replica_restarts);
+        replace_lost_replicas(o, ws, lost, hosted.ended, port);
         if (!all_failed(ws)) continue;
-        first_failure = first_lost;
+        first_failure = lost.first;
       }
       if (!first_failure && !forwarded)
         for (size_t i = 0; i < ws.size(); ++i) {

@@ -43,9 +43,11 @@ struct SupervisorOptions {
     std::function<bool(int64_t rank)> silent;
   };
   std::function<HostedStore(int port)> host_store;
-  // fault_tolerance: replicas: a worker that fails leaves the others training (its replica
-  // is dropped from the job's set); the job has succeeded when one of them completes.
-  bool replicas = false;
+  // fault_tolerance: replicas, the ranks in each (the job's in runs of that many; 0: off).
+  // A worker that fails takes its replica's other ranks with it and leaves the other
+  // replicas training (its replica is dropped from the job's set); the job has succeeded
+  // when one of them completes.
+  int64_t replica_size = 0;
 };
 
 // Returns the job's exit code.

@@ -160,12 +160,13 @@ bool keeps_shard(const Optimizer& opt, const FlatParams& params) {
 }
 
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
-                             PartsOf& parts, RangesOf& ranges) {
+                             PartsOf& parts, RangesOf& ranges, bool every) {
   NamedTensors out = opt.scalars();
   const bool shard = keeps_shard(opt, params);
   for (const auto& [slot, part] : opt.slots()) {
-    auto named = shard ? params.owned_range(part, opt.shard(), "." + slot, tensor_rank, parts, ranges)
-                       : params.owned(part, "." + slot, tensor_rank, parts);
+    auto named = shard ? params.owned_range(part, opt.shard(), "." + slot, tensor_rank, parts,
+                                            ranges, every)
+                       : params.owned(part, "." + slot, tensor_rank, parts, every);
     for (auto& n : named) out.push_back(std::move(n));
   }
   return out;

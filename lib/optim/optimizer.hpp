@@ -58,7 +58,7 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& cfg, FlatParams
 // the pieces' places noted in `ranges` (every data rank writes its own). Loaded (every
 // part and range merged, checkpoint.hpp) it is the state at full logical shapes.
 NamedTensors optimizer_state(const Optimizer& opt, const FlatParams& params, int64_t tensor_rank,
-                             PartsOf& parts, RangesOf& ranges);
+                             PartsOf& parts, RangesOf& ranges, bool every = false);
 // Whether the optimizer keeps a shard of the state (ZeRO), not all of it.
 bool keeps_shard(const Optimizer& opt, const FlatParams& params);
 // Restores what optimizer_state() returned, each rank taking its part (of a shard, the

@@ -389,11 +389,11 @@ torch::Tensor FlatParams::flatten(const torch::Tensor& t, size_t i) const {
 }
 
 NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suffix,
-                               int64_t tensor_rank, PartsOf& parts) const {
+                               int64_t tensor_rank, PartsOf& parts, bool every) const {
   NamedTensors out;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const auto& e = entries_[i];
-    if (!e.placement.is_split() && tensor_rank != 0) continue;
+    if (!e.placement.is_split() && tensor_rank != 0 && !every) continue;
     if (e.placement.is_split()) parts[e.name + suffix] = PartOf{e.placement, tensor_rank};
     out.emplace_back(e.name + suffix, view(flat, i));
   }
@@ -402,11 +402,11 @@ NamedTensors FlatParams::owned(const torch::Tensor& flat, const std::string& suf
 
 NamedTensors FlatParams::owned_range(const torch::Tensor& shard_data, const Shard& shard,
                                      const std::string& suffix, int64_t tensor_rank,
-                                     PartsOf& parts, RangesOf& ranges) const {
+                                     PartsOf& parts, RangesOf& ranges, bool every) const {
   NamedTensors out;
   for (const auto& e : entries_) {
     const auto [first, last] = overlap(e, shard);
-    if (first >= last || (!e.placement.is_split() && tensor_rank != 0)) continue;
+    if (first >= last || (!e.placement.is_split() && tensor_rank != 0 && !every)) continue;
     const auto name = e.name + suffix;
     if (e.placement.is_split()) parts[name] = PartOf{e.placement, tensor_rank};
     ranges[name] = RangeOf{first - e.offset, e.shape,

@@ -251,9 +251,10 @@ class FlatParams {
 
   // What tensor rank `tensor_rank` writes of `flat` into a checkpoint, without gathering:
   // each split entry's local part (named entry.name + suffix, noted in `parts`), and the
-  // replicated entries on tensor rank 0 only.
+  // replicated entries on tensor rank 0 only, or on every one where `every` (a live
+  // recovery's state, which goes to the rank at the same place, not into a shared file).
   NamedTensors owned(const torch::Tensor& flat, const std::string& suffix, int64_t tensor_rank,
-                     PartsOf& parts) const;
+                     PartsOf& parts, bool every = false) const;
   // The reverse: each entry takes its part of the full tensor `entry.name + suffix` of
   // `saved` (CheckpointError on a missing or misshapen one).
   void scatter_full(torch::Tensor flat, const std::string& suffix, const SavedTensors& saved,
@@ -263,7 +264,7 @@ class FlatParams {
   // one's place in its tensor noted in `ranges`; entries outside the shard are left out.
   NamedTensors owned_range(const torch::Tensor& shard_data, const Shard& shard,
                            const std::string& suffix, int64_t tensor_rank, PartsOf& parts,
-                           RangesOf& ranges) const;
+                           RangesOf& ranges, bool every = false) const;
   // The reverse: `shard_data` takes its elements of each tensor `entry.name + suffix` of
   // `saved`, read one tensor at a time (never the whole buffer).
   void scatter_range(torch::Tensor shard_data, const Shard& shard, const std::string& suffix,

@@ -13,8 +13,13 @@
 namespace dtrain {
 
 Lockstep::Lockstep(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world,
-                   bool replica_group)
-    : cfg_(cfg), mesh_(dims, std::move(world), replica_group) {}
+                   bool replica_group, std::vector<int64_t> job_ranks)
+    : cfg_(cfg), mesh_(dims, std::move(world), replica_group, std::move(job_ranks)) {}
+
+void Lockstep::agree(int64_t n, torch::Tensor figures, ReduceOp op) {
+  Comm& group = figures_group(n);
+  if (group.size() > 1) group.all_reduce(std::move(figures), op);
+}
 
 void Lockstep::shape_flat(FlatOptions& opts) const {
   shard_flat(cfg_.parallel, mesh_.dims(), mesh_.coord(), opts);

@@ -117,6 +117,8 @@ class Lockstep : public Mode {
   // holds: the world and every replica where they meet, else this replica's own ranks.
   virtual Comm& figures_group(int64_t /*n*/) const { return *mesh().world(); }
   virtual int64_t replicas(int64_t /*n*/) const { return mesh().dims().data; }
+  // Adds up step n's `figures` over those ranks (kMax: their largest), in place.
+  virtual void agree(int64_t n, torch::Tensor figures, ReduceOp op);
   // After step n's update (local SGD averages the replicas where they meet). Returns the
   // bytes this rank sent.
   virtual int64_t after_update(int64_t /*n*/) { return 0; }
@@ -134,8 +136,10 @@ class Lockstep : public Mode {
   virtual double loss_weight() const { return 1.0; }
 
   // The job's mesh over `world`; ZeRO's flat layout and gradient sync.
+  // `job_ranks`: the world's ranks in the job, where it is not the job's (a fault-tolerant
+  // job's replica).
   Lockstep(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world,
-           bool replica_group = false);
+           bool replica_group = false, std::vector<int64_t> job_ranks = {});
   const Mesh& mesh() const override { return mesh_; }
   void shape_flat(FlatOptions& opts) const override;
   Shard update_shard(const FlatParams& params) const override;
@@ -190,8 +194,10 @@ struct ModeSpec {
 };
 
 // fault_tolerance: replicas (run/modes/replicas.cpp): this replica's mode, the sync mode's
-// step over `set`, the replica's own ranks `world` (one process: a local Comm).
-std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, std::shared_ptr<Comm> world,
+// step over `set`, the replica's own ranks `world` (one process: a local Comm) laid out as
+// `dims` (data 1).
+std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, const ParallelDims& dims,
+                                         std::shared_ptr<Comm> world,
                                          std::shared_ptr<ReplicaSet> set);
 
 // parallel.mode's spec (run/modes/registry.cpp); ConfigError for an unknown one.

@@ -60,6 +60,7 @@ TrainParts train_parts(Run& run) {
 void take_over_files(Run& run) {
   const auto& cfg = run.cfg;
   run.checkpointer->take_over(std::chrono::seconds(cfg.dist.timeout_s));
+  if (run.mesh().world()->rank() != 0) return;  // the replica's rank 0 says and writes
   run.metrics = std::make_unique<MetricsLog>(
       (fs::path(cfg.run_dir) / "metrics.jsonl").string(), run.log->last_read(),
       cfg.logging.tensorboard ? (fs::path(cfg.run_dir) / "tb").string() : "");

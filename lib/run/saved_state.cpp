@@ -148,10 +148,11 @@ class WeightsSaver : public Stateful {
     const int64_t tensor_rank = run_.mesh().coord().tensor;
     PartsOf parts;
     RangesOf ranges;
+    const bool every = out.every_rank_whole();
     auto model = params.sharded() ? params.owned_range(params.data(), params.data_held(), "",
-                                                       tensor_rank, parts, ranges)
-                                  : params.owned(params.data(), "", tensor_rank, parts);
-    if (tensor_rank == 0 && run_.mesh().coord().data == 0)
+                                                       tensor_rank, parts, ranges, every)
+                                  : params.owned(params.data(), "", tensor_rank, parts, every);
+    if ((tensor_rank == 0 && run_.mesh().coord().data == 0) || every)
       for (auto& b : run_.model.buffers()) model.push_back(std::move(b));
     out.add(file, without_copies(params, run_.model.tied, std::move(model)), parts, ranges);
   }
@@ -184,7 +185,7 @@ class OptimizerSaver : public Stateful {
     PartsOf parts;
     RangesOf ranges;
     auto state = optimizer_state(*run_.optimizer, *run_.params, run_.mesh().coord().tensor, parts,
-                                 ranges);
+                                 ranges, out.every_rank_whole());
     out.add(file, without_copies(*run_.params, run_.model.tied, std::move(state)), parts, ranges);
   }
   void load(const StateReader& in) override {

@@ -252,8 +252,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   const Figures layout = figures_of(parts.mesh);
   auto figures = assemble_figures(parts, layout, losses, counts, stop_signal() != 0, apart_diverged,
                                   norm, s);
-  Comm& agree = parts.mode.figures_group(n);
-  if (agree.size() > 1) agree.all_reduce(figures.narrow(0, 0, layout.summed()));
+  parts.mode.agree(n, figures.narrow(0, 0, layout.summed()), ReduceOp::kSum);
   send_to_host(figures, p);
   if (!parts.mode.commit(n)) {  // a replica failed: the survivors train step n again
     p.discarded = true;
@@ -285,8 +284,7 @@ StepStats read_step(StepParts& parts, PendingStep& p, bool apart_diverged, int64
                            (s.replica_diverged && apart_diverged);
     const int64_t world = parts.mesh.world()->size(), rank = parts.mesh.rank();
     double seen[2] = {seen_here ? double(world - rank) : 0.0, double(in_a_row)};
-    parts.mode.figures_group(p.step).all_reduce(torch::from_blob(seen, {2}, torch::kFloat64),
-                                            ReduceOp::kMax);
+    parts.mode.agree(p.step, torch::from_blob(seen, {2}, torch::kFloat64), ReduceOp::kMax);
     s.nonfinite_rank = seen[0] > 0 ? world - int64_t(seen[0]) : 0;
     s.peers_in_a_row = int64_t(seen[1]);
   }

@@ -10,7 +10,7 @@ RunResult run_training(const JobConfig& cfg, const ParallelDims& dims, const Run
                        const WorldInfo& world, std::shared_ptr<Comm> comm) {
   install_stop_signals();
   set_setting_up(true);  // a stop before the first step: nothing to save, exit at once
-  auto mode = opts.replicas ? make_replicas_mode(cfg, comm, opts.replicas)
+  auto mode = opts.replicas ? make_replicas_mode(cfg, dims, comm, opts.replicas)
                             : mode_spec(cfg.parallel.mode).make(cfg, dims, comm);
   Run run;
   run.cfg = cfg;

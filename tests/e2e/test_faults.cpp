@@ -121,6 +121,59 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Tensor parallelism inside each replica (a small GPT with dropout, 2 replicas of 2
+  // ranks): a rank's death takes its replica's other rank down with it (the supervisor
+  // stops it), and the other replica goes on alone on one process's losses; restarted, the
+  // replica joins again, each of its ranks taking its place's part of the state.
+  TEST_CASE("replicas: tensor 2 inside each replica: a rank killed stops its replica; the other finishes, or it rejoins") {
+    if (!replicas_run()) return;
+    const auto dir = temp_dir("ft-tensor");
+    struct Case {
+      int rank, step;
+      bool restart;
+    };
+    // The writing replica's second rank, the other's second, the other's first restarted.
+    for (const Case c : {Case{1, 5, false}, Case{3, 6, false}, Case{2, 6, true}}) {
+      const std::string name = fmt::format("k{}-s{}{}", c.rank, c.step, c.restart ? "-join" : "");
+      CAPTURE(name);
+      Job j = gpt_text_job("ft", 11);
+      j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
+      j.schedule = "{warmup_steps: 3, decay: cosine}";
+      j.max_steps = c.restart ? 200 : 24, j.eval_every = c.restart ? 100 : 12;
+      j.log_every = c.restart ? 10 : 1;
+      j.extra = "fault_tolerance: {mode: replicas}\n";
+      const auto job = j.write(dir, name + ".yaml");
+      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+      // Restarted: every step 20 ms longer, so the run outlasts the new processes' start.
+      const auto r = e2e::dtrain(
+          fmt::format("run {} --nproc 4 --set parallel.tensor=2 --run-dir {} --set "
+                      "fault_tolerance.debug_kill_rank={} --set fault_tolerance.debug_kill_step={}{}{}",
+                      job, ft, c.rank, c.step,
+                      c.restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
+                                  "train.debug_slow_ms=20" : "",
+                      kQuiet),
+          c.restart ? kExec : "");
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      const int replica = c.rank / 2;
+      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
+                                   "to {}) is stopped and the other replicas go on without it",
+                                   c.rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
+      if (c.restart) CHECK(r.err.find("replica(s) 1 joined at step") != std::string::npos);
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == (c.restart ? 20u : 24u));
+      check_losses_close(train_losses(one), got, 1e-5, name);
+      const auto end = metrics(ft).back();
+      CHECK(end["status"] == "completed");
+      CHECK(end["layout"]["data"] == (c.restart ? 2 : 1));
+      CHECK(end["layout"]["tensor"] == 2);
+      const auto last = fmt::format("{}/checkpoints/step-{:08d}", ft, c.restart ? 200 : 24);
+      CHECK(std::filesystem::exists(last + "/model.tp0.safetensors"));
+      CHECK(std::filesystem::exists(last + "/model.tp1.safetensors"));
+    }
+  }
+
   TEST_CASE("replicas: a stopped replica (SIGSTOP) is killed within its heartbeat's timeout and replaced") {
     if (!replicas_run()) return;
     const auto dir = temp_dir("ft-stop");
@@ -175,7 +228,7 @@ TEST_SUITE("faults") {
     const auto dir = temp_dir("ft-refuse");
     const auto job = ft_job(32).write(dir);
     const std::vector<std::pair<std::string, std::string>> cases{
-        {"--nproc 4 --set parallel.tensor=2", "replicas of several processes"},
+        {"--nproc 4 --set parallel.pipeline=2", "pipeline stages inside a replica"},
         {"--nproc 2 --set parallel.zero=1", "ZeRO"},
         {"--nproc 2 --set parallel.compression=sign", "parallel.compression"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",

@@ -1,5 +1,6 @@
 // fault_tolerance: replicas (docs/fault-tolerance.md): the sync mode's step, each replica a
-// world of its own and the data-parallel sum over the replicas' set (comm/replica_set.hpp).
+// world of its own (one process, or its tensor group) and the data-parallel sum over the
+// replicas' set (comm/replica_set.hpp), one set per place in a replica.
 // The set votes before each update; when a replica failed, every survivor discards the
 // step and trains it again on the same global batch, each taking a share of it and its
 // loss weighted by that share's size. The quorum names the replica that writes the run
@@ -10,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -23,8 +25,9 @@ namespace {
 
 class Replicas : public Lockstep {
  public:
-  Replicas(const JobConfig& cfg, std::shared_ptr<Comm> world, std::shared_ptr<ReplicaSet> set)
-      : Lockstep(cfg, ParallelDims{}, std::move(world)), set_(std::move(set)) {}
+  Replicas(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world,
+           std::shared_ptr<ReplicaSet> set, std::vector<int64_t> job_ranks)
+      : Lockstep(cfg, dims, std::move(world), false, std::move(job_ranks)), set_(std::move(set)) {}
 
   std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
                                       int64_t /*total_steps*/, Tied /*tied*/) const override {
@@ -57,13 +60,22 @@ class Replicas : public Lockstep {
     return r;
   }
   std::string describe() const override {
-    return fmt::format("data {} fault-tolerant replicas", set_->count());
+    const int64_t tensor = mesh().dims().tensor;
+    return fmt::format("data {} fault-tolerant replicas{}", set_->count(),
+                       tensor > 1 ? fmt::format(" x tensor {}", tensor) : "");
   }
   nlohmann::json layout() const override {
-    return {{"data", set_->count()}, {"tensor", 1}, {"pipeline", 1}};
+    return {{"data", set_->count()}, {"tensor", mesh().dims().tensor}, {"pipeline", 1}};
   }
 
-  Comm& figures_group(int64_t /*n*/) const override { return *set_->comm(); }
+  // Over the replica's own ranks first (a tensor rank past the first adds no loss), then
+  // over the replicas: every rank of every replica reads the same figures and judges the
+  // step alike. A failure of the first is the replica's end (its ranks are restarted
+  // together); of the second, the step's vote.
+  void agree(int64_t /*n*/, torch::Tensor figures, ReduceOp op) override {
+    if (mesh().world()->size() > 1) mesh().world()->all_reduce(figures, op);
+    if (set_->count() > 1) set_->comm()->all_reduce(figures, op);
+  }
   // The replicas that summed step n's figures: the quorum that trained it, which may have
   // changed by the time they are read (two steps later).
   int64_t replicas(int64_t n) const override {
@@ -78,7 +90,8 @@ class Replicas : public Lockstep {
   }
   void before_step(int64_t n) override {
     const auto& ft = cfg_.fault_tolerance;
-    if (ft.debug_kill_rank == replica() && n == ft.debug_kill_step) std::raise(SIGKILL);
+    if (ft.debug_kill_rank == set_->options().world_rank(replica()) && n == ft.debug_kill_step)
+      std::raise(SIGKILL);
     if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
   }
   bool commit(int64_t n) override {
@@ -136,9 +149,15 @@ class Replicas : public Lockstep {
 
 }  // namespace
 
-std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, std::shared_ptr<Comm> world,
+std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, const ParallelDims& dims,
+                                         std::shared_ptr<Comm> world,
                                          std::shared_ptr<ReplicaSet> set) {
-  return std::make_unique<Replicas>(cfg, std::move(world), std::move(set));
+  // The job ranks of this replica's: its place p's is world_rank(replica) - place + p.
+  const auto& o = set->options();
+  const int64_t first = o.world_rank(o.replica) - o.place.index;
+  std::vector<int64_t> job_ranks;
+  for (int64_t p = 0; p < o.place.count; ++p) job_ranks.push_back(first + p);
+  return std::make_unique<Replicas>(cfg, dims, std::move(world), std::move(set), job_ranks);
 }
 
 }  // namespace dtrain

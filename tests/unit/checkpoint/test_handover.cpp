@@ -1,7 +1,8 @@
 // Live recovery (checkpoint/handover.hpp) between replicas as threads over real Gloo: a
 // joiner takes the source's weights, optimizer state and trainer entries, keeps its own
 // replica state, and ends bit-identical (the hashes say so); a member that only takes part
-// keeps its own; a joiner that loads wrong is told by the hashes.
+// keeps its own; a joiner that loads wrong is told by the hashes; a tensor rank's part goes
+// to the rank at its place.
 #include <doctest/doctest.h>
 
 #include <torch/torch.h>
@@ -77,16 +78,60 @@ TEST_CASE("handover: a joiner whose state does not hash as the source's is told 
   fails.check();
 }
 
-TEST_CASE("handover: a state split inside a replica is refused, not handed over wrong") {
-  class Split : public Stateful {
+// A tensor rank's part of a weight split in two, and a replicated bias that a checkpoint
+// takes from tensor rank 0 only, as a replica's rank at `place` holds them.
+class Part : public Stateful {
+ public:
+  Part(int64_t place, double v) : place_(place) {
+    w = torch::full({2, 3}, v + double(place));
+    b = torch::full({3}, -v);
+  }
+  void save(StateWriter& out) const override {
+    PartsOf parts{{"w", PartOf{Placement::split(0, 2), place_}}};
+    NamedTensors mine{{"w", w}};
+    if (place_ == 0 || out.every_rank_whole()) mine.emplace_back("b", b);
+    out.add(StateFile::kModel, mine, parts);
+  }
+  void load(const StateReader& in) override {
+    const auto saved = in.tensors(StateFile::kModel);
+    w.copy_(saved.part("w", {4, 3}, Placement::split(0, 2), place_));
+    b.copy_(saved.at("b", {3}));
+  }
+  torch::Tensor w, b;
+
+ private:
+  int64_t place_;
+};
+
+TEST_CASE("handover: each place's part of a split state goes to the joiner's rank at that place") {
+  // Two places in a replica, each with its group across the replicas: replica 0 the source,
+  // replica 1 the joiner.
+  for (int64_t place = 0; place < 2; ++place) {
+    CAPTURE(place);
+    test::RankFailures fails;
+    test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> group) {
+      const int64_t r = group->rank();
+      Part p(place, r == 0 ? 3.0 : 0.0);
+      const Handover h = hand_over({&p}, *group, 0, /*receive=*/r == 1, ParallelDims{1, 2, 1},
+                                   "job: source");
+      if (!torch::equal(p.w, torch::full({2, 3}, 3.0 + double(place)))) fails.add(r, "its part");
+      if (!torch::equal(p.b, torch::full({3}, -3.0))) fails.add(r, "the replicated bias");
+      if (!h.identical()) fails.add(r, "not identical");
+    }, test::quick());
+    fails.check();
+  }
+}
+
+TEST_CASE("handover: a state sharded inside a replica (ZeRO) is refused, not handed over wrong") {
+  class Sharded : public Stateful {
    public:
     void save(StateWriter& out) const override {
-      PartsOf parts{{"w", PartOf{Placement::split(0, 2), 0}}};
-      out.add(StateFile::kModel, {{"w", torch::zeros({2})}}, parts);
+      RangesOf ranges{{"w", RangeOf{0, {4}, false}}};
+      out.add(StateFile::kOptimizerShard, {{"w", torch::zeros({2})}}, {}, ranges);
     }
     void load(const StateReader&) override {}
-  } split;
-  CHECK_THROWS_AS(state_hash({&split}), std::logic_error);
+  } sharded;
+  CHECK_THROWS_AS(state_hash({&sharded}), std::logic_error);
 }
 
 }  // namespace unit_checkpoint_handover

@@ -139,6 +139,58 @@ TEST_SUITE("quorum") {
     CHECK(!late.get());
   }
 
+  TEST_CASE("quorum: a replica of two ranks fails when either of them did, and joins once both ask") {
+    Replicas r;
+    // Replica m's rank at place p: each votes for its place, all read one quorum.
+    auto at = [&](int64_t m, int64_t p) {
+      return ReplicaAgreement(*r.store, m, 4, [&r](int64_t k) { return r.alive[k].load(); }, 10s,
+                              1ms, Place{p, 2});
+    };
+    std::vector<ReplicaAgreement> ranks;
+    for (int64_t m = 0; m < 2; ++m)
+      for (int64_t p = 0; p < 2; ++p) ranks.push_back(at(m, p));
+    auto all = [&](auto&& each) {  // every member rank at once, in order
+      std::vector<std::future<decltype(each(ranks[0], 0))>> fs;
+      for (size_t i = 0; i < ranks.size(); ++i)
+        fs.push_back(std::async(std::launch::async, [&, i] { return each(ranks[i], int64_t(i)); }));
+      std::vector<decltype(each(ranks[0], 0))> out;
+      for (auto& f : fs) out.push_back(f.get());
+      return out;
+    };
+    auto q = ReplicaAgreement::first(2, 0);
+    // Replica 1's second rank saw its reduction fail; its first did not: every rank of
+    // both replicas discards the step.
+    for (auto d : all([&](ReplicaAgreement& a, int64_t i) { return a.vote(q, 0, i != 3); }))
+      CHECK(d == Decision{false, true});
+    for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 0); }))
+      CHECK(n.members == std::vector<int64_t>{0, 1});
+    q = ranks[0].next(q, 0);  // the stored one, as every rank read it
+
+    // A third replica's first rank asks to join: the members see it, but it is not admitted
+    // until its second rank has asked too (both are built and waiting).
+    auto j0 = at(2, 0), j1 = at(2, 1);
+    j0.ask_to_join();
+    auto admitted0 = std::async(std::launch::async, [&] { return j0.admitted(); });
+    for (auto d : all([&](ReplicaAgreement& a, int64_t) { return a.vote(q, 1, true); }))
+      CHECK(d == Decision{true, true});
+    for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 2); }))
+      CHECK(n.joining.empty());
+    q = ranks[0].next(q, 2);
+    j1.ask_to_join();
+    auto admitted1 = std::async(std::launch::async, [&] { return j1.admitted(); });
+    for (auto d : all([&](ReplicaAgreement& a, int64_t) { return a.vote(q, 2, true); }))
+      CHECK(d == Decision{true, true});
+    for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 3); })) {
+      CHECK(n.members == std::vector<int64_t>{0, 1, 2});
+      CHECK(n.joining == std::vector<int64_t>{2});
+    }
+    const auto seen0 = admitted0.get(), seen1 = admitted1.get();
+    REQUIRE(seen0);
+    REQUIRE(seen1);
+    CHECK(seen0->id == seen1->id);
+    CHECK(seen0->id == q.id + 1);
+  }
+
   TEST_CASE("quorum: a live member that never votes ends the wait with an error naming it") {
     Replicas r;
     const auto q = ReplicaAgreement::first(2, 7);
