@@ -82,6 +82,8 @@ class BucketedSync : public GradSync {
   virtual void arrived(size_t /*entry*/) {}
   virtual void sum_tied() { tied_.sum(params_); }
   const GradBuckets& buckets() const { return buckets_; }
+  // What the reduction carries from step to step: its residuals and factors (views).
+  std::vector<torch::Tensor> carried() const;
 
   FlatParams& params_;
   int64_t tensor_rank_;

@@ -97,6 +97,13 @@ void BucketedSync::save(StateWriter& out) const {
 // The residuals when the checkpoint was written at this data and pipeline size (a pipeline
 // gives a tied weight's copy a residual of its own), the Q matrices when at this tensor
 // size too; else they start afresh, with a warning.
+std::vector<torch::Tensor> BucketedSync::carried() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& [name, t] : reduction_->state()) out.push_back(t);
+  for (const auto& [entry, q] : reduction_->factors()) out.push_back(q);
+  return out;
+}
+
 void BucketedSync::load(const StateReader& in) {
   const auto state = reduction_->state();
   const auto factors = reduction_->factors();
@@ -145,26 +152,55 @@ std::unique_ptr<GradSync> make_all_reduce_sync(const ParallelConfig& cfg, const 
 
 namespace {
 
+// The reduction's sum is each replica's share-weighted gradient's, so ranks = 1: the
+// scaling is all in the loss factor. A compression's state, kept as each step begins, is
+// put back when the step is discarded (it is trained again from where it began).
 class ReplicaSync : public BucketedSync {
  public:
-  ReplicaSync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas, FlatParams& params,
-              int64_t micro_batches, std::function<double()> share)
-      : BucketedSync(params, std::make_unique<AllReduce>(std::move(replicas)), /*ranks=*/1,
-                     cfg.bucket_mb, micro_batches, Tied{}, /*tensor_rank=*/0),
+  ReplicaSync(const ParallelConfig& cfg, const std::shared_ptr<Comm>& replicas, FlatParams& params,
+              int64_t micro_batches, int64_t total_steps, int64_t tensor_rank,
+              std::function<double()> share)
+      : BucketedSync(params, reduction(cfg, replicas, params), /*ranks=*/1, cfg.bucket_mb,
+                     micro_batches, Tied{}, tensor_rank, std::make_unique<AllReduce>(replicas),
+                     compression_warmup_steps(cfg, total_steps)),
         share_(std::move(share)) {}
   double loss_factor() const override { return BucketedSync::loss_factor() * share_(); }
+  void begin_step(int64_t step) override {
+    BucketedSync::begin_step(step);
+    const auto now = carried();
+    kept_.resize(now.size());
+    for (size_t i = 0; i < now.size(); ++i)
+      if (kept_[i].defined() && kept_[i].sizes() == now[i].sizes())
+        kept_[i].copy_(now[i]);
+      else
+        kept_[i] = now[i].clone();
+  }
+  void discard() override {
+    const auto now = carried();
+    for (size_t i = 0; i < kept_.size(); ++i) now[i].copy_(kept_[i]);
+  }
 
  private:
+  static std::unique_ptr<Reduction> reduction(const ParallelConfig& cfg,
+                                              const std::shared_ptr<Comm>& replicas,
+                                              FlatParams& params) {
+    const auto& how = compression_spec(cfg.compression);
+    if (how.make) return how.make(cfg, replicas, params);
+    return std::make_unique<AllReduce>(replicas);
+  }
+
   std::function<double()> share_;
+  std::vector<torch::Tensor> kept_;  // the carried state as the step began
 };
 
 }  // namespace
 
 std::unique_ptr<GradSync> make_replica_sync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas,
                                             FlatParams& params, int64_t micro_batches,
+                                            int64_t total_steps, int64_t tensor_rank,
                                             std::function<double()> share) {
-  return std::make_unique<ReplicaSync>(cfg, std::move(replicas), params, micro_batches,
-                                       std::move(share));
+  return std::make_unique<ReplicaSync>(cfg, replicas, params, micro_batches, total_steps,
+                                       tensor_rank, std::move(share));
 }
 
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,

@@ -62,6 +62,9 @@ class GradSync : public Stateful {
   // was not made, train.on_nonfinite: skip); state carried to the next step must not keep
   // what such a step computed.
   virtual void after_update(const torch::Tensor& /*skip*/) {}
+  // Instead of the update: the replicas discarded the step (fault tolerance), which is
+  // trained again. What it changed of the state carried between steps is undone.
+  virtual void discard() {}
   // The part of the flat buffers whose gradient is final after finish(), which this rank
   // updates: all of them, or under ZeRO its shard (update_shard()).
   virtual Shard shard() const { return {}; }
@@ -130,11 +133,14 @@ struct Tied {
 };
 
 // The gradient's sum over a fault-tolerant job's replicas (comm/replica_set.hpp), bucketed
-// as the all-reduce's, each replica's loss scaled by its share of the global batch
-// (`share()`: this replica's now), so that the sum is the global batch's mean however the
-// survivors deal it out.
+// as the all-reduce's or compressed (parallel.compression, after its warm-up of
+// compression_warmup_steps(cfg, total_steps)), each replica's loss scaled by its share of
+// the global batch (`share()`: this replica's now), so that the sum is the global batch's
+// mean however the survivors deal it out. A discarded step's changes to the compression's
+// residuals and PowerSGD's factors are undone. `tensor_rank`: this rank's in its replica.
 std::unique_ptr<GradSync> make_replica_sync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas,
                                             FlatParams& params, int64_t micro_batches,
+                                            int64_t total_steps, int64_t tensor_rank,
                                             std::function<double()> share);
 
 // The strategy for a data-parallel group of `mesh`: NoSync with one data-parallel rank,

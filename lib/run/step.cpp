@@ -256,6 +256,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   send_to_host(figures, p);
   if (!parts.mode.commit(n)) {  // a replica failed: the survivors train step n again
     p.discarded = true;
+    parts.sync.discard();
     parts.params.zero_grad();
     return p;
   }

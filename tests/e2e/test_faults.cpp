@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <thread>
 
@@ -174,6 +175,35 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Compression over the replicas: lossy, so no run of another layout is its reference
+  // after a failure; before it, the run is the same layout's without fault tolerance, and
+  // through it (its residuals put back as the discarded step found them) it completes.
+  TEST_CASE("replicas: with compression, the run is the compressed one's until a kill and completes after it") {
+    if (!replicas_run()) return;
+    const auto dir = temp_dir("ft-compress");
+    for (const std::string how : {"sign", "powersgd"}) {
+      CAPTURE(how);
+      Job j = ft_job(30);
+      j.log_every = 1;
+      j.parallel = "{compression: " + how + ", compression_warmup: 2}";
+      const auto job = j.write(dir, how + ".yaml");
+      const auto plain = dir + "/" + how + "-plain", ft = dir + "/" + how + "-ft";
+      run_ok("run " + job + " --nproc 3 --run-dir " + plain + " --set fault_tolerance.mode=off" + kQuiet);
+      const auto r = e2e::dtrain(fmt::format(
+          "run {} --nproc 3 --run-dir {} --set fault_tolerance.debug_kill_rank=1 --set "
+          "fault_tolerance.debug_kill_step=9{}", job, ft, kQuiet));
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      CHECK(r.err.find("rank 1 was killed by signal 9") != std::string::npos);
+      const auto ref = train_losses(plain), got = train_losses(ft);
+      REQUIRE(got.size() == 24);
+      check_losses_close({ref.begin(), ref.find(9)}, got, 1e-6, how);  // steps 1 to 8
+      for (const auto& [step, loss] : got) CHECK(std::isfinite(loss));
+      CHECK(got.rbegin()->second < got.begin()->second);
+      CHECK(metrics(ft).back()["layout"]["data"] == 2);
+    }
+  }
+
   TEST_CASE("replicas: a stopped replica (SIGSTOP) is killed within its heartbeat's timeout and replaced") {
     if (!replicas_run()) return;
     const auto dir = temp_dir("ft-stop");
@@ -230,7 +260,6 @@ TEST_SUITE("faults") {
     const std::vector<std::pair<std::string, std::string>> cases{
         {"--nproc 4 --set parallel.pipeline=2", "pipeline stages inside a replica"},
         {"--nproc 2 --set parallel.zero=1", "ZeRO"},
-        {"--nproc 2 --set parallel.compression=sign", "parallel.compression"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
          "its workers never wait for one another"},
         {"--nproc 2 --set train.grad_accum=2", "train.grad_accum"},

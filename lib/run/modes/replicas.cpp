@@ -30,8 +30,9 @@ class Replicas : public Lockstep {
       : Lockstep(cfg, dims, std::move(world), false, std::move(job_ranks)), set_(std::move(set)) {}
 
   std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
-                                      int64_t /*total_steps*/, Tied /*tied*/) const override {
-    return make_replica_sync(cfg_.parallel, set_->comm(), params, micro_batches,
+                                      int64_t total_steps, Tied /*tied*/) const override {
+    return make_replica_sync(cfg_.parallel, set_->comm(), params, micro_batches, total_steps,
+                             mesh().coord().tensor,
                              [this] { return double(share_size()) / double(batch()); });
   }
   void bind(const TrainParts& parts) override {

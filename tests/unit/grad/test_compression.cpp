@@ -15,6 +15,7 @@
 #include "optim/clip.hpp"
 #include "optim/optimizer.hpp"
 #include "grad/compression.hpp"
+#include "grad/grad_sync.hpp"
 #include "parallel/dims.hpp"
 #include "parallel/flat_params.hpp"
 #include "parallel/mesh.hpp"
@@ -209,6 +210,53 @@ TEST_CASE("compression: the warm-up, a number or auto (a share of the run for th
   CHECK(warmup("bf16", "auto", 400) == 0);
   CHECK(warmup("sign", "0", 400) == 0);
   CHECK(warmup("fp16", "300", 400) == 300);
+}
+
+// Under fault_tolerance: replicas a step whose vote failed is discarded and trained again
+// (grad_sync.hpp's make_replica_sync): the compression's residual and PowerSGD's factors
+// must be as the step found them, or the second try sums on top of the first's leftovers.
+TEST_CASE("compression: a step the replicas discard leaves the residuals and factors as it found them") {
+  for (const std::string how : {"sign", "topk", "powersgd"}) {
+    CAPTURE(how);
+    RankFailures failures;
+    test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> comm) {
+      const int64_t r = comm->rank();
+      auto fail = [&](const std::string& what) { failures.add(r, what); };
+      torch::nn::Linear layer(20, 6);
+      {
+        torch::NoGradGuard no_grad;
+        layer->weight.copy_(torch::sin(torch::linspace(0, 9, 120)).view({6, 20}));
+        layer->bias.copy_(torch::linspace(-0.3, 0.3, 6));
+      }
+      FlatParams flat(*layer);
+      ParallelConfig cfg;
+      cfg.compression = how;
+      cfg.compression_warmup = "0";
+      auto sync = make_replica_sync(cfg, comm, flat, /*micro_batches=*/1, /*total_steps=*/10,
+                                    /*tensor_rank=*/0, [] { return 0.5; });
+      // Step n's summed gradient over both ranks, each with inputs of its own.
+      auto step = [&](int64_t n) {
+        sync->begin_step(n);
+        sync->begin_micro_batch(true);
+        const auto x = torch::cos(torch::linspace(0, double(n + 3 * r), 60)).view({3, 20});
+        (layer->forward(x).square().mean() * sync->loss_factor()).backward();
+        sync->finish();
+        auto sum = flat.grad().clone();
+        flat.zero_grad();
+        return sum;
+      };
+      step(1);
+      sync->after_update({});
+      const auto first = step(2);
+      sync->discard();  // a replica failed: step 2 again, from where it began
+      const auto again = step(2);
+      if (!torch::equal(first, again)) fail(how + ": step 2 trained again sums otherwise");
+      sync->after_update({});
+      // Kept, the step's residual lives on: the next step's sum is not the discarded one's.
+      if (torch::equal(step(3), again)) fail(how + ": the test's steps are alike");
+    }, quick());
+    failures.check();
+  }
 }
 
 }  // namespace unit_grad_compression
