@@ -29,14 +29,25 @@ double silent_after_s(std::chrono::milliseconds after) {
   return 2.5 * std::chrono::duration<double>(beat_period(after)).count();
 }
 
+// The value `key` holds now, empty when it holds none, in one request that never waits.
+// check() then get() would wait (up to the store's timeout) for a key deleted in between:
+// a rank's heartbeat, which the launcher deletes when the rank ends. A compareSet whose
+// expected value no key holds changes nothing and answers with the value, or with that
+// expected value when there is no key.
+std::vector<uint8_t> value_now(c10d::Store& store, const std::string& key) {
+  static const std::vector<uint8_t> none{0xff, 'n', 'o', 'n', 'e'};  // never a value dtrain sets
+  auto v = store.compareSet(key, none, none);
+  if (v == none) v.clear();
+  return v;
+}
+
 // Every rank's heartbeat the store holds (a rank without one is left out); throws when the
 // store does not answer.
 std::map<int64_t, json> read_heartbeats(c10d::Store& store, const std::vector<int64_t>& ranks) {
   std::map<int64_t, json> beats;
   for (int64_t r : ranks) {
-    const std::string key = heartbeat_key(r);
-    if (!store.check({key})) continue;
-    const auto bytes = store.get(key);
+    const auto bytes = value_now(store, heartbeat_key(r));
+    if (bytes.empty()) continue;
     auto parsed = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
     if (!parsed.is_discarded()) beats[r] = std::move(parsed);
   }
@@ -125,8 +136,7 @@ bool Liveness::operator()(int64_t rank) {
     // The launcher's own view (none_alive) is of the processes it started: its mark is of
     // an earlier one.
     if (!none_alive_ && store_->check({ended_key(rank)})) return false;
-    const std::string key = heartbeat_key(rank);
-    if (store_->check({key})) beat = store_->get(key);
+    beat = value_now(*store_, heartbeat_key(rank));
   } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
   }
   const auto now = std::chrono::steady_clock::now();
