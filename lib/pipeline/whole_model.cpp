@@ -18,22 +18,28 @@ class WholeModel : public MicroBatchRunner {
   std::vector<torch::Tensor> train(int64_t step, const Batch& batch, double factor,
                                    MicroBatchTimes& t,
                                    const std::function<void()>& settle) override {
-    const int64_t accum = p_.grad_accum;
-    const int64_t micro = batch.y.size(0) / accum;
+    const int64_t accum = p_.grad_accum, rows = batch.y.size(0);
     auto& model = *p_.chunks.front();
     std::vector<torch::Tensor> losses;
-    for (int64_t a = 0; a < accum; ++a) {
-      Batch mb = accum == 1 ? batch : Batch{batch.x.narrow(0, a * micro, micro),
-                                            batch.y.narrow(0, a * micro, micro)};
+    for (int64_t a = 0, first = 0; a < accum; ++a) {
+      // Equal micro-batches, or where a fault-tolerant job's survivors dealt a share that
+      // does not split evenly, the first rows % accum one row larger: each one's mean loss
+      // then counts by its rows (its losses' sum over the share's, as even ones' would).
+      const int64_t micro = rows / accum + (a < rows % accum ? 1 : 0);
+      const double weight = rows % accum == 0 ? 1.0 : double(micro * accum) / double(rows);
+      Batch mb = accum == 1 ? batch : Batch{batch.x.narrow(0, first, micro),
+                                            batch.y.narrow(0, first, micro)};
       if (mb.x.dim() == 4) mb.x = mb.x.contiguous(p_.format);
       // forward; the loss is taken in fp32
       auto t0 = Clock::now();
       torch::Tensor loss;
       {
         AutocastGuard guard(p_.dtype, p_.device.type());
-        DropoutScope draw(micro_batch_draw(p_, step, a * micro, micro));
+        DropoutScope draw(micro_batch_draw(p_, step, first, micro));
         loss = p_.task->loss(model.forward(mb.x), mb, *p_.tensor, p_.label_smoothing);
       }
+      first += micro;
+      if (weight != 1.0) loss = loss * weight;
       losses.push_back(loss.detach());
       if (factor != 1.0) loss = loss * factor;
       settle();

@@ -47,6 +47,7 @@ TEST_SUITE("faults") {
     struct Case {
       int replicas, batch, rank, step;
       std::string model = "";  // the MLP without dropout
+      int accum = 1;           // train.grad_accum
     };
     // The writer (rank 0) and another, early and late, at 2, 3 and 4 replicas: one
     // survivor of 2 takes all 32, two of 3 share 30 as 15 and 15, three of 4 share 32
@@ -55,12 +56,15 @@ TEST_SUITE("faults") {
     const std::string gpt = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
     for (const Case& c : {Case{2, 32, 1, 5}, Case{3, 30, 0, 4}, Case{4, 32, 2, 9}, Case{4, 32, 0, 17},
                           Case{4, 32, 1, 7, "{arch: mlp, hidden: [64, 32], dropout: 0.2}"},
-                          Case{3, 12, 2, 6, gpt}}) {
-      const std::string name = fmt::format("r{}-b{}-k{}-s{}{}", c.replicas, c.batch, c.rank,
-                                           c.step, c.model.empty() ? "" : "-dropout");
+                          Case{3, 12, 2, 6, gpt},
+                          // Micro-batches of an uneven share: 11 as 6 and 5, 10 as 5 and 5.
+                          Case{4, 32, 2, 9, "", 2}}) {
+      const std::string name = fmt::format("r{}-b{}-k{}-s{}{}-a{}", c.replicas, c.batch, c.rank,
+                                           c.step, c.model.empty() ? "" : "-dropout", c.accum);
       CAPTURE(name);
       Job j = ft_job(c.batch);
       if (!c.model.empty()) j.model = c.model;
+      j.train = fmt::format("grad_accum: {}", c.accum);
       if (c.model == gpt)
         j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
                  " workers: 1}";
@@ -262,7 +266,6 @@ TEST_SUITE("faults") {
         {"--nproc 2 --set parallel.zero=1", "ZeRO"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
          "its workers never wait for one another"},
-        {"--nproc 2 --set train.grad_accum=2", "train.grad_accum"},
     };
     for (const auto& [args, says] : cases) {
       CAPTURE(args);
