@@ -14,7 +14,6 @@
 #include "plan/plan.hpp"
 #include "run/mode.hpp"
 #include "util/affinity.hpp"
-#include "util/compat.hpp"
 #include "util/error.hpp"
 #include "util/memory.hpp"
 #include "util/units.hpp"
@@ -142,9 +141,6 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
          "pipeline stages inside a replica (parallel.pipeline above 1: its micro-batches would "
          "not split a share the survivors deal unevenly)");
   refuse(cfg.parallel.zero > 0, "ZeRO (parallel.zero)");
-  refuse(!compat::kReplicasTested,
-         fmt::format("LibTorch {} (it is tested on the pinned 2.15; on 2.6 the survivors' new "
-                     "group failed to connect)", compat::kTorchVersion));
 }
 
 }  // namespace

@@ -13,11 +13,6 @@
 namespace dtrain::compat {
 
 inline constexpr const char* kTorchVersion = TORCH_VERSION;
-// fault_tolerance: replicas is tested on the pinned line; on Debian 13's 2.6 (CI) the
-// survivors' new Gloo group failed to connect after a replica's death, cause not found yet.
-inline constexpr bool kReplicasTested =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
-
 // Autocast on or off for a device type, in a dtype (the dtype is set only when it goes on).
 inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype) {
   if (on) at::autocast::set_autocast_dtype(device, dtype);

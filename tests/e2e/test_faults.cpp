@@ -10,7 +10,6 @@
 #include <thread>
 
 #include "run.hpp"
-#include "util/compat.hpp"
 
 namespace e2e::fault_tests {
 
@@ -30,19 +29,10 @@ Job ft_job(int64_t batch) {
   return j;
 }
 
-// Whether this build runs fault tolerance (util/compat.hpp): on a LibTorch it is refused
-// on, the suite checks the refusals only.
-bool replicas_run() {
-  if (dtrain::compat::kReplicasTested) return true;
-  MESSAGE("fault_tolerance: replicas is refused on LibTorch " << dtrain::compat::kTorchVersion);
-  return false;
-}
-
 }  // namespace
 
 TEST_SUITE("faults") {
   TEST_CASE("replicas: a replica killed mid-run and the others finish on one process's losses") {
-    if (!replicas_run()) return;
     const auto dir = temp_dir("ft-kill");
     struct Case {
       int replicas, batch, rank, step;
@@ -93,7 +83,6 @@ TEST_SUITE("faults") {
   // /proc/self/exe the supervisor starts again) joins the others at a step boundary with
   // their state, taken over the group with no checkpoint read, and hashed alike.
   TEST_CASE("replicas: a killed replica restarts and joins with its peers' state; losses stay one process's") {
-    if (!replicas_run()) return;
     const auto dir = temp_dir("ft-join");
     struct Case {
       int replicas, batch, rank, step;
@@ -131,7 +120,6 @@ TEST_SUITE("faults") {
   // stops it), and the other replica goes on alone on one process's losses; restarted, the
   // replica joins again, each of its ranks taking its place's part of the state.
   TEST_CASE("replicas: tensor 2 inside each replica: a rank killed stops its replica; the other finishes, or it rejoins") {
-    if (!replicas_run()) return;
     const auto dir = temp_dir("ft-tensor");
     struct Case {
       int rank, step;
@@ -183,7 +171,6 @@ TEST_SUITE("faults") {
   // after a failure; before it, the run is the same layout's without fault tolerance, and
   // through it (its residuals put back as the discarded step found them) it completes.
   TEST_CASE("replicas: with compression, the run is the compressed one's until a kill and completes after it") {
-    if (!replicas_run()) return;
     const auto dir = temp_dir("ft-compress");
     for (const std::string how : {"sign", "powersgd"}) {
       CAPTURE(how);
@@ -209,7 +196,6 @@ TEST_SUITE("faults") {
   }
 
   TEST_CASE("replicas: a stopped replica (SIGSTOP) is killed within its heartbeat's timeout and replaced") {
-    if (!replicas_run()) return;
     const auto dir = temp_dir("ft-stop");
     Job j = ft_job(30);
     j.max_steps = 100000, j.log_every = 1000, j.eval_every = 0;
@@ -246,16 +232,6 @@ TEST_SUITE("faults") {
     const auto end = metrics(run).back();
     CHECK(end["status"] == "stopped");
     CHECK(end["layout"]["data"] == 3);
-  }
-
-  TEST_CASE("replicas: a LibTorch it is not tested on refuses it, naming the version") {
-    if (dtrain::compat::kReplicasTested) return;
-    const auto dir = temp_dir("ft-version");
-    const auto r = e2e::dtrain("run " + ft_job(32).write(dir) + " --nproc 2 --run-dir " + dir +
-                               "/run" + kQuiet);
-    CHECK(r.code == 2);
-    CHECK(r.err.find(fmt::format("fault_tolerance.mode: replicas with LibTorch {}",
-                                 dtrain::compat::kTorchVersion)) != std::string::npos);
   }
 
   TEST_CASE("replicas: what it does not run yet is refused before any worker starts") {
