@@ -12,11 +12,13 @@
 # joining, its state taken over the group); over the run: wall time and final accuracy
 # against the uninterrupted run.
 #
-#   scripts/bench_faults.sh [--model mlp|gpt] [--nproc N] [--every S] [--steps N]
+#   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
 #                           [--save-every N] [--launchers "nproc torchrun replicas"]
 #                           [--signal KILL|STOP]
 # Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
-# steps, mlp 20000 steps (gpt 1200), all three paths, SIGKILL (SIGSTOP: a hung worker,
+# steps, mlp 20000 steps (gpt 1200; gpt2, GPT-2 small's 124M weights at a 256-token
+# context and one window per process, which a CPU trains in seconds a step: 40), all three
+# paths, SIGKILL (SIGSTOP: a hung worker,
 # which the restart paths notice only at dist.timeout_s). torchrun needs scripts/setup.sh
 # --test (.venv's torch). DTRAIN_BIN=PATH benchmarks another binary. Results:
 # $OUT_DIR/faults.jsonl.
@@ -35,7 +37,7 @@ while [ $# -gt 0 ]; do
     --save-every) SAVE_EVERY=$2; shift 2 ;;
     --launchers) LAUNCHERS=$2; shift 2 ;;
     --signal) SIGNAL=$2; shift 2 ;;
-    *) echo "usage: scripts/bench_faults.sh [--model mlp|gpt] [--nproc N] [--every S]" \
+    *) echo "usage: scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S]" \
             "[--steps N] [--save-every N] [--launchers \"nproc torchrun replicas\"]" \
             "[--signal KILL|STOP]" >&2; exit 2 ;;
   esac
@@ -43,8 +45,12 @@ done
 case "$MODEL" in
   mlp) JOB=$ROOT/configs/fashion_mnist_mlp.yaml; STEPS=${STEPS:-20000} ;;
   gpt) JOB=$ROOT/configs/gpt_text.yaml; STEPS=${STEPS:-1200} ;;
-  *) echo "bench_faults.sh: --model is mlp or gpt" >&2; exit 2 ;;
+  gpt2) JOB=$ROOT/configs/gpt2_small.yaml; STEPS=${STEPS:-40} ;;
+  *) echo "bench_faults.sh: --model is mlp, gpt or gpt2" >&2; exit 2 ;;
 esac
+MODEL_SETS=()
+[ "$MODEL" = gpt2 ] && MODEL_SETS=(--set model.seq_len=256 --set data.batch_size="$NPROC"
+                                   --set train.eval_batch_size=1 --set data.test_samples=4)
 [ -x "$BIN" ] || { echo "bench_faults.sh: no dtrain at $BIN (scripts/setup.sh builds it)" >&2; exit 2; }
 [ -x "$PY" ] || PY=python3
 mkdir -p "$OUT_DIR"
@@ -52,7 +58,7 @@ mkdir -p "$OUT_DIR"
 # constant learning rate (a restart's schedule cannot differ), the batch's threads alike.
 SETS=(--set train.max_steps="$STEPS" --set train.log_every=1 --set train.eval_every="$STEPS"
       --set checkpoint.every_steps="$SAVE_EVERY" --set checkpoint.keep_last=2
-      --set logging.progress=off --set dist.timeout_s=30)
+      --set logging.progress=off --set dist.timeout_s=30 ${MODEL_SETS[@]+"${MODEL_SETS[@]}"})
 export OMP_NUM_THREADS=1
 
 # LAUNCHER RUN_DIR MAX_RESTARTS: the job's command line under that launcher.

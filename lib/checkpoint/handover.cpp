@@ -157,31 +157,43 @@ uint64_t state_hash(const std::vector<Stateful*>& parts) { return hash_of(saved(
 
 Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
                    bool receive, const ParallelDims& layout, const std::string& config_yaml) {
-  const bool sends = group.rank() == source;
+  const bool sends = group.rank() == source, takes = receive && !sends;
+  // Who takes the state: the tensors go to them alone, from the source, each its own
+  // copy (a member that keeps its own state neither receives nor hashes gigabytes).
+  const auto flags = group.all_gather(torch::tensor({int64_t(takes)}, torch::kInt64));
+  std::vector<int64_t> joiners;
+  for (size_t r = 0; r < flags.size(); ++r)
+    if (flags[r].item<int64_t>() != 0) joiners.push_back(int64_t(r));
   MemoryWriter state = sends ? saved(parts) : MemoryWriter();
   state.job = config_yaml;
   const json header = header_from(group, source, state);
   MemoryWriter got;
   got.trainer = header.at("trainer");
   got.job = header.at("job").get<std::string>();
+  std::vector<P2POp> transfers;
   size_t i = 0;
   for (const auto& entry : header.value("tensors", json::array())) {
     const auto shape = entry.at(3).get<std::vector<int64_t>>();
     const auto type = torch::ScalarType(entry.at(2).get<int>());
-    auto t = sends ? state.held[i].tensor.to(torch::kCPU).contiguous()
-                   : torch::empty(shape, torch::dtype(type));
-    group.broadcast(t, source);
-    got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,
-                        part_from(entry.at(4))});
+    if (sends)
+      for (int64_t j : joiners)
+        transfers.push_back({P2POp::kSend, state.held[i].tensor.to(torch::kCPU).contiguous(), j});
+    if (takes) {
+      auto t = torch::empty(shape, torch::dtype(type));
+      transfers.push_back({P2POp::kRecv, t, source});
+      got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,
+                          part_from(entry.at(4))});
+    }
     ++i;
   }
-  if (receive && !sends) {
+  if (!transfers.empty()) group.exchange_async(std::move(transfers))->wait();
+  if (takes) {
     const MemoryReader reader(got, layout, source);
     for (auto* p : parts) p->load(reader);
   }
-  // Every member's state as saved now, against the source's.
+  // The joiners' state as saved now, against the source's (0 where it is neither).
   Handover out;
-  out.mine = state_hash(parts);
+  out.mine = sends || takes ? state_hash(parts) : 0;
   const auto all = group.all_gather(torch::tensor({int64_t(out.mine)}, torch::kInt64));
   out.source = uint64_t(all[size_t(source)].item<int64_t>());
   return out;

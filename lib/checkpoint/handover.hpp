@@ -1,10 +1,11 @@
 // Live recovery: a replica that joins a fault-tolerant job (restarted, or one more) takes
 // every stateful component's state from a healthy replica over the process group, with no
 // checkpoint read (TorchFT's recovery from a peer). The source saves its components into
-// memory as it would into a checkpoint (checkpoint/stateful.hpp), sends a header of names,
-// types and shapes and then each tensor; the joiners load them back in the same order, the
-// other members take part in the collectives and keep their own. Afterwards every member
-// hashes its state as saved again: a joiner whose hash is not the source's must not train.
+// memory as it would into a checkpoint (checkpoint/stateful.hpp), broadcasts a header of
+// names, types and shapes and sends each tensor to each joiner; the joiners load them back
+// in the same order, the other members take part in the header's collectives only and keep
+// their own. Afterwards the source and the joiners hash their state as saved again: a
+// joiner whose hash is not the source's must not train.
 //
 // Where a replica's own ranks split its state (tensor parallelism inside it), each rank
 // hands over its part over its place's group to the joiner's rank at the same place, whose
@@ -19,7 +20,8 @@
 
 namespace dtrain {
 
-// The hashes a hand-over ends with: this member's state's and the source's.
+// The hashes a hand-over ends with: this member's state's (where it sent or took the state;
+// 0 for a member that only took part) and the source's.
 struct Handover {
   uint64_t mine = 0, source = 0;
   bool identical() const { return mine == source; }
