@@ -184,7 +184,6 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   const auto incarnation = process_env()("DTRAIN_FT_JOIN");
   const int64_t generation = incarnation ? std::stoll(*incarnation) : 0;
   const bool joining = generation > 0;
-  if (joining) clear_ended(*link.store, world.rank);
   std::vector<int64_t> ranks;
   for (int64_t p = 0; p < size; ++p) ranks.push_back(replica * size + p);
   ReplicaWorld out;
@@ -200,6 +199,9 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
     return true;
   };
   o.make_group = link.group;
+  // Not before: the store says this rank ended (its former self) until its peers have
+  // seen that self gone, and a fresh heartbeat would then stand for the dead one.
+  o.revive = [store = link.store, rank = world.rank] { clear_ended(*store, rank); };
   o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
   o.poll = std::chrono::milliseconds(20);
   out.set = std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1, joining);

@@ -81,6 +81,24 @@ void ReplicaAgreement::ask_to_join() {
 
 void ReplicaAgreement::finished() { store_.set(kFinished, bytes("1")); }
 
+bool ReplicaAgreement::wait_until_left_out() {
+  int64_t newest = 0;  // quorum 0, every replica, is the one nothing stores
+  const auto until = Clock::now() + timeout_;
+  for (;;) {
+    while (stored(quorum_key(newest + 1))) ++newest;
+    if (newest > 0) {
+      const auto members = from_record(newest, json::parse(get(quorum_key(newest)))).members;
+      if (std::find(members.begin(), members.end(), replica_) == members.end()) return true;
+    }
+    if (stored(kFinished)) return false;
+    if (Clock::now() > until)
+      throw DistError(fmt::format("fault tolerance: replica {} restarted, but its peers have not "
+                                  "left its former self out of their quorum in {} s",
+                                  replica_, timeout_.count() / 1000.0));
+    std::this_thread::sleep_for(poll_);
+  }
+}
+
 std::optional<Quorum> ReplicaAgreement::admitted() {
   for (int64_t id = join_after_ + 1;; ++id) {
     // Each quorum in turn, looking for the run's end between short waits.

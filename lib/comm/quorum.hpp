@@ -64,6 +64,10 @@ class ReplicaAgreement {
   // by the others (finished()).
   void ask_to_join();
   std::optional<Quorum> admitted();
+  // A restarted replica, before it asks: waits until the newest quorum no longer holds its
+  // former self (its peers have seen it gone). Until then a heartbeat of its own would
+  // tell them the dead one lives. False when the run was finished meanwhile.
+  bool wait_until_left_out();
   // The run is complete: a replica still waiting to join has nothing left to train.
   void finished();
 

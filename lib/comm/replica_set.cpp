@@ -30,6 +30,8 @@ ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool join
 
 bool ReplicaSet::join() {
   if (!joining_) return true;
+  if (!agreement_.wait_until_left_out()) return false;
+  opts_.revive();
   agreement_.ask_to_join();
   const auto admitted = agreement_.admitted();
   if (!admitted) return false;

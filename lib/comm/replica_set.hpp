@@ -31,6 +31,9 @@ class ReplicaSet {
     Place place;
     std::function<int64_t(int64_t r)> world_rank = [](int64_t r) { return r; };
     std::function<bool(int64_t r)> live;  // whether every rank of replica r beats its heartbeat
+    // A restarted replica's: says this rank lives again (its former self's end, which the
+    // launcher marked, cleared), once its peers have left that self out.
+    std::function<void()> revive = [] {};
     // Makes the group of job ranks `members` named `name` (comm/job_link.hpp's JobLink).
     std::function<std::shared_ptr<Comm>(const std::string& name, const std::vector<int64_t>& members)>
         make_group;
@@ -42,9 +45,10 @@ class ReplicaSet {
   // one starts later (restarted, or one more) and is in no quorum until join().
   ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining = false);
 
-  // A joining replica, once ready to train: asks to join and waits (up to the timeout) for
-  // the quorum that admits it, whose members then hand it their state (hand_over). False
-  // when the others finished the run first.
+  // A joining replica, once ready to train: waits for its peers to leave its former self
+  // out, revives, asks to join and waits (up to the timeout) for the quorum that admits
+  // it, whose members then hand it their state (hand_over). False when the others
+  // finished the run first.
   bool join();
   // The run is complete (a replica waiting to join then stops).
   void finished() { agreement_.finished(); }

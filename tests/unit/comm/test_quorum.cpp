@@ -191,6 +191,30 @@ TEST_SUITE("quorum") {
     CHECK(seen0->id == q.id + 1);
   }
 
+  // Restarted, a replica beats its heartbeat at once: asked too early, its peers would take
+  // that for its former self's and wait for that self's vote.
+  TEST_CASE("quorum: a restarted replica waits until its peers have left its former self out") {
+    Replicas r;
+    auto a0 = r.agreement(0), a1 = r.agreement(1), a2 = r.agreement(2);
+    const auto q = ReplicaAgreement::first(3, 0);
+    auto left = std::async(std::launch::async, [&] { return a2.wait_until_left_out(); });
+    CHECK(left.wait_for(50ms) == std::future_status::timeout);  // its former self is in quorum 0
+    r.alive[2] = false;  // the launcher's mark: its former self ended
+    std::thread t([&] { a1.vote(q, 0, true); });
+    CHECK(a0.vote(q, 0, true) == Decision{false, true});
+    t.join();
+    auto n1 = std::async(std::launch::async, [&] { return a1.next(q, 0); });
+    CHECK(a0.next(q, 0).members == std::vector<int64_t>{0, 1});
+    n1.get();
+    CHECK(left.get());
+    // The run finished before its peers left it out: nothing to join.
+    Replicas other;
+    auto b2 = other.agreement(2);
+    auto done = std::async(std::launch::async, [&] { return b2.wait_until_left_out(); });
+    other.agreement(0).finished();
+    CHECK(!done.get());
+  }
+
   TEST_CASE("quorum: a live member that never votes ends the wait with an error naming it") {
     Replicas r;
     const auto q = ReplicaAgreement::first(2, 7);
