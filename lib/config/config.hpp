@@ -391,10 +391,10 @@ struct FaultToleranceConfig {
 
   template <class V> void visit(V&& v) {
     v("mode", mode, Choices{"off", "replicas"},
-      "replicas: each data-parallel replica may fail alone; the others go on without a "
-      "restart, the step in flight trained again by the survivors on the same global "
-      "batch (dtrain run --nproc; data parallelism of one process per replica, mode sync, "
-      "no ZeRO or compression yet)");
+      "replicas: each data-parallel replica (one process, or its parallel.tensor group) may "
+      "fail alone; the others go on without a restart, the step in flight trained again by "
+      "the survivors on the same global batch (dtrain run --nproc; mode sync; no pipeline "
+      "or ZeRO inside a replica yet)");
     v("heartbeat_s", heartbeat_s,
       "a replica whose heartbeat is older than this is voted dead (a stopped or hung process)");
     v("debug_kill_rank", debug_kill_rank,
