@@ -12,7 +12,6 @@
 
 namespace dtrain::compat {
 
-inline constexpr const char* kTorchVersion = TORCH_VERSION;
 // Autocast on or off for a device type, in a dtype (the dtype is set only when it goes on).
 inline void set_autocast(c10::DeviceType device, bool on, c10::ScalarType dtype) {
   if (on) at::autocast::set_autocast_dtype(device, dtype);
