@@ -175,9 +175,10 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
   for (const auto& entry : header.value("tensors", json::array())) {
     const auto shape = entry.at(3).get<std::vector<int64_t>>();
     const auto type = torch::ScalarType(entry.at(2).get<int>());
-    if (sends)
-      for (int64_t j : joiners)
-        transfers.push_back({P2POp::kSend, state.held[i].tensor.to(torch::kCPU).contiguous(), j});
+    if (sends && !joiners.empty()) {
+      const auto t = state.held[i].tensor.to(torch::kCPU).contiguous();  // one copy for all
+      for (int64_t j : joiners) transfers.push_back({P2POp::kSend, t, j});
+    }
     if (takes) {
       auto t = torch::empty(shape, torch::dtype(type));
       transfers.push_back({P2POp::kRecv, t, source});
