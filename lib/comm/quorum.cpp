@@ -59,6 +59,11 @@ Quorum ReplicaAgreement::first(int64_t replicas, int64_t step) {
 
 bool ReplicaAgreement::stored(const std::string& key) { return store_.check({key}); }
 
+int64_t ReplicaAgreement::newest_quorum(int64_t from) {
+  while (stored(quorum_key(from + 1))) ++from;
+  return from;
+}
+
 std::string ReplicaAgreement::get(const std::string& key) {
   try {
     store_.wait({key}, timeout_);
@@ -73,8 +78,7 @@ std::string ReplicaAgreement::get(const std::string& key) {
 // The request first, then the count: a proposer reads the count before the requests, so a
 // request it counted is one it sees. Quorums stored before the request cannot hold it.
 void ReplicaAgreement::ask_to_join() {
-  join_after_ = 0;
-  while (stored(quorum_key(join_after_ + 1))) ++join_after_;
+  join_after_ = newest_quorum(0);
   store_.set(join_key(replica_, place_.index), bytes("1"));
   store_.add(kJoins, 1);
 }
@@ -85,7 +89,7 @@ bool ReplicaAgreement::wait_until_left_out() {
   int64_t newest = 0;  // quorum 0, every replica, is the one nothing stores
   const auto until = Clock::now() + timeout_;
   for (;;) {
-    while (stored(quorum_key(newest + 1))) ++newest;
+    newest = newest_quorum(newest);
     if (newest > 0) {
       const auto members = from_record(newest, json::parse(get(quorum_key(newest)))).members;
       if (std::find(members.begin(), members.end(), replica_) == members.end()) return true;

@@ -84,6 +84,8 @@ class ReplicaAgreement {
   Vote place_vote(const std::string& key, int64_t member, int64_t step);
   std::string get(const std::string& key);  // waits for it up to the timeout
   bool stored(const std::string& key);
+  // The id of the newest quorum stored, looking from quorum `from` on (0: none stored).
+  int64_t newest_quorum(int64_t from);
 
   c10d::Store& store_;
   int64_t replica_, replicas_;
