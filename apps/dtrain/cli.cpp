@@ -192,6 +192,7 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   ReplicaSet::Options o;
   o.replica = replica, o.replicas = dims.data;
   o.place = {place, size};
+  o.ranks = ranks;
   o.world_rank = [size, place](int64_t r) { return r * size + place; };
   o.live = [live = link.live, size](int64_t r) {
     for (int64_t p = 0; p < size; ++p)

@@ -153,12 +153,9 @@ class Replicas : public Lockstep {
 std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, const ParallelDims& dims,
                                          std::shared_ptr<Comm> world,
                                          std::shared_ptr<ReplicaSet> set) {
-  // The job ranks of this replica's: its place p's is world_rank(replica) - place + p.
-  const auto& o = set->options();
-  const int64_t first = o.world_rank(o.replica) - o.place.index;
-  std::vector<int64_t> job_ranks;
-  for (int64_t p = 0; p < o.place.count; ++p) job_ranks.push_back(first + p);
-  return std::make_unique<Replicas>(cfg, dims, std::move(world), std::move(set), job_ranks);
+  auto job_ranks = set->options().ranks;
+  return std::make_unique<Replicas>(cfg, dims, std::move(world), std::move(set),
+                                    std::move(job_ranks));
 }
 
 }  // namespace dtrain
