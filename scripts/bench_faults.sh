@@ -4,7 +4,8 @@
 # each recovery path: restarted from its latest checkpoint by the launcher (dtrain's
 # supervisor, `--nproc N --max-restarts`, or torchrun's elastic agent, `--max-restarts`),
 # or, `replicas`, the others training on while the failed replica restarts alone and joins
-# with their state (fault_tolerance: replicas). Per failure: the steps trained again (those
+# with their state (fault_tolerance: replicas; `lighthouse`: the same under torchrun, an
+# agent a replica beside a `dtrain lighthouse`, scripts/torchrun_replicas.sh). Per failure: the steps trained again (those
 # since the checkpoint; under replicas the step in flight, trained again inside the same
 # step), the stall (the kill to the next step logged), the time until the run is back past
 # the step it had reached, and under replicas the detection (the kill to the supervisor's
@@ -13,12 +14,12 @@
 # against the uninterrupted run.
 #
 #   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
-#                           [--save-every N] [--launchers "nproc torchrun replicas"]
+#                           [--save-every N] [--launchers "nproc torchrun replicas lighthouse"]
 #                           [--signal KILL|STOP]
 # Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
 # steps, mlp 20000 steps (gpt 1200; gpt2, GPT-2 small's 124M weights at a 256-token
-# context and one window per process, which a CPU trains in seconds a step: 40), all three
-# paths, SIGKILL (SIGSTOP: a hung worker,
+# context and one window per process, which a CPU trains in seconds a step: 40), the
+# paths nproc, torchrun and replicas, SIGKILL (SIGSTOP: a hung worker,
 # which the restart paths notice only at dist.timeout_s). torchrun needs scripts/setup.sh
 # --test (.venv's torch). DTRAIN_BIN=PATH benchmarks another binary. Results:
 # $OUT_DIR/faults.jsonl.
@@ -69,15 +70,21 @@ command_for() {
                    "--set fault_tolerance.mode=replicas" ;;
     torchrun) echo "$PY $ROOT/scripts/torchrun --standalone --nproc_per_node $NPROC" \
                    "--max_restarts $3 --no_python $BIN run $JOB --run-dir $2" ;;
+    lighthouse) echo "$ROOT/scripts/torchrun_replicas.sh --replicas $NPROC --max-restarts $3" \
+                     "--python $PY $BIN $JOB --run-dir $2 --set fault_tolerance.mode=replicas" ;;
   esac
 }
 
-# The workers of launcher process $1: its children that are dtrain (the supervisor's forked
-# "dtrain rank R", torchrun's exec'd dtrain).
+# The workers of launcher process $1: the dtrain processes under it (the supervisor's
+# forked "dtrain rank R", torchrun's exec'd dtrain, those of each replica's torchrun), not
+# a lighthouse.
 workers() {
   local p
   for p in $(pgrep -P "$1"); do
-    case "$(cat /proc/"$p"/comm 2>/dev/null)" in dtrain*) echo "$p" ;; esac
+    case "$(cat /proc/"$p"/comm 2>/dev/null)" in
+      dtrain*) grep -q lighthouse "/proc/$p/cmdline" 2>/dev/null || echo "$p" ;;
+      *) workers "$p" ;;
+    esac
   done
 }
 
@@ -138,11 +145,12 @@ for t, reached in kills:
         back.append(past[0]["time"] - t)
 mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None
 start = float(open(f"{d}.start").read())
-# Under replicas: the supervisor's word on each failure after its kill, and each restarted
-# replica's joining after its restart.
+# Under replicas: the supervisor's (or the lighthouse's) word on each failure after its
+# kill, and each restarted replica's joining after its restart (the supervisor's word, or
+# its torchrun agent's on the failure, after which it restarts the worker at once).
 said = [(float(l.split(" ", 1)[0]), l.split(" ", 1)[1]) for l in open(f"{d}.log") if " " in l]
-noticed = [t for t, l in said if "the other replicas go on" in l]
-restarted = [t for t, l in said if "restarts to join them" in l]
+noticed = [t for t, l in said if "the other replicas go on" in l or ") has ended" in l]
+restarted = [t for t, l in said if "restarts to join them" in l or "failed (exitcode" in l]
 joined = [t for t, l in said if "joined at step" in l]
 detect = [min([n for n in noticed if n >= t], default=t) - t for t, _ in kills] if noticed else []
 rejoin = [min([j for j in joined if j >= r], default=r) - r for r in restarted if any(j >= r for j in joined)]
@@ -161,7 +169,8 @@ echo "== uninterrupted ($MODEL, $NPROC processes, $STEPS steps)" >&2
 run_job "$OUT_DIR/whole" nproc 0
 figures "$OUT_DIR/whole" "uninterrupted" >> "$OUT_DIR/faults.jsonl"
 for launcher in $LAUNCHERS; do
-  if [ "$launcher" = torchrun ] && ! "$PY" -c 'import torch.distributed.run' 2> /dev/null; then
+  if [ "$launcher" != nproc ] && [ "$launcher" != replicas ] &&
+     ! "$PY" -c 'import torch.distributed.run' 2> /dev/null; then
     echo "bench_faults.sh: no torchrun at $PY (scripts/setup.sh --test); skipped" >&2
     continue
   fi
@@ -169,6 +178,7 @@ for launcher in $LAUNCHERS; do
   run_job "$OUT_DIR/$launcher" "$launcher" "$EVERY"
   label="restart ($launcher)"
   [ "$launcher" = replicas ] && label="replicas (fault tolerance)"
+  [ "$launcher" = lighthouse ] && label="replicas under torchrun"
   figures "$OUT_DIR/$launcher" "$label" >> "$OUT_DIR/faults.jsonl"
 done
 "$PY" - "$OUT_DIR/faults.jsonl" "$SAVE_EVERY" <<'EOF'

@@ -22,6 +22,7 @@
 #include "data/dataset.hpp"
 #include "comm/comm.hpp"
 #include "comm/job_link.hpp"
+#include "comm/lighthouse.hpp"
 #include "comm/replica_set.hpp"
 #include "comm/tcp_store.hpp"
 #include "comm/watch.hpp"
@@ -31,6 +32,7 @@
 #include "launch/supervisor.hpp"
 #include "launch/world.hpp"
 #include "run/mode.hpp"
+#include "run/signals.hpp"
 #include "run/trainer.hpp"
 #include "util/affinity.hpp"
 #include "util/error.hpp"
@@ -173,16 +175,19 @@ struct ReplicaWorld {
 ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const WorldInfo& world,
                            CommOptions opts) {
   fail_if<ConfigError>(!world.store_hosted,
-                       "fault_tolerance.mode: replicas runs under dtrain's own launcher for now "
-                       "(dtrain run JOB --nproc N), whose store outlives every rank; not under "
-                       "{} yet", world.launcher);
+                       "fault_tolerance.mode: replicas needs a store that outlives every rank: "
+                       "dtrain's own launcher's (dtrain run JOB --nproc N), or under {} a "
+                       "lighthouse's (dtrain lighthouse JOB --replicas N, then each replica's "
+                       "launcher with DTRAIN_LIGHTHOUSE and DTRAIN_REPLICA set)", world.launcher);
   const std::chrono::seconds heartbeat(cfg.fault_tolerance.heartbeat_s);
   if (opts.hang_after.count() <= 0) opts.hang_after = heartbeat;  // the watch beats
   JobLink link = link_job(world, opts, heartbeat);
   const int64_t size = dims.tensor * dims.pipeline;  // ranks per replica
   const int64_t replica = world.rank / size, place = world.rank % size;
+  // Restarted by the supervisor (its count for this replica), or by the replica's own
+  // launcher (torchrun's restart count).
   const auto incarnation = process_env()("DTRAIN_FT_JOIN");
-  const int64_t generation = incarnation ? std::stoll(*incarnation) : 0;
+  const int64_t generation = incarnation ? std::stoll(*incarnation) : world.restart_count;
   const bool joining = generation > 0;
   std::vector<int64_t> ranks;
   for (int64_t p = 0; p < size; ++p) ranks.push_back(replica * size + p);
@@ -228,8 +233,21 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
   auto world = discover_world(env, cfg.dist.port);
-  // A worker torchrun restarted continues the run, as --max-restarts does under --nproc.
-  const std::string resume_from = resume.empty() && world.restart_count > 0 ? "auto" : resume;
+  const auto lighthouse = env("DTRAIN_LIGHTHOUSE");
+  if (lighthouse) {  // one replica of a fault-tolerant job, its launcher one of several
+    fail_if<ConfigError>(cfg.fault_tolerance.mode != "replicas", "DTRAIN_LIGHTHOUSE is set, "
+                         "for fault_tolerance.mode: replicas; this job's is {}",
+                         cfg.fault_tolerance.mode);
+    fail_if<ConfigError>(cfg.parallel.auto_layout, "parallel.auto under a lighthouse: name "
+                         "parallel.tensor and parallel.pipeline, which make a replica");
+    world = lighthouse_world(world, *lighthouse, env("DTRAIN_REPLICA").value_or(""),
+                             cfg.parallel.tensor * cfg.parallel.pipeline,
+                             std::chrono::seconds(cfg.dist.timeout_s));
+  }
+  // A worker torchrun restarted continues the run, as --max-restarts does under --nproc;
+  // a replica's joins its peers instead.
+  const std::string resume_from =
+      resume.empty() && world.restart_count > 0 && !lighthouse ? "auto" : resume;
   const auto device = [&] {
     return plan_device(cfg, world.local_rank, world.local_world, mode_spec(cfg.parallel.mode).any_source);
   };
@@ -378,7 +396,10 @@ struct Cli {
   double memory_gb = 0;
   VerifyOptions verify_opts;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
-           *export_ = nullptr, *verify = nullptr, *plan = nullptr;
+           *export_ = nullptr, *verify = nullptr, *plan = nullptr, *lighthouse = nullptr;
+  int64_t replicas = 0;
+  std::string host = "127.0.0.1";
+  int port = 0;
 
   Cli() {
     app.set_version_flag("--version", fmt::format("dtrain {} ({})", DTRAIN_VERSION, build_info()));
@@ -403,6 +424,17 @@ struct Cli {
     run->add_option("--max-restarts", max_restarts,
                     "with --nproc: restart all workers from the latest checkpoint up to N times")
         ->check(CLI::Range(int64_t(0), int64_t(1000)));
+    lighthouse = app.add_subcommand("lighthouse", "host a fault-tolerant job's store for "
+                                                  "replicas that torchrun or srun start, one "
+                                                  "launcher a replica (fault_tolerance: replicas)");
+    add_job_args(lighthouse, job);
+    lighthouse->add_option("--replicas", replicas, "the job's replicas")
+        ->required()
+        ->check(CLI::Range(int64_t(1), int64_t(4096)));
+    lighthouse->add_option("--host", host, "the address to listen on, which the ranks are "
+                                           "given (default 127.0.0.1: this machine only)");
+    lighthouse->add_option("--port", port, "the port (default dist.port, else 29510)")
+        ->check(CLI::Range(1, 65535));
   }
 
   // validate, config and plan: the job checked, printed or costed without training.
@@ -489,6 +521,31 @@ struct Cli {
         ->check(CLI::Range(int64_t(1), int64_t(1) << 31));
   }
 };
+
+// `lighthouse`: the store of a job whose replicas other launchers start, for as long as
+// they run (comm/lighthouse.hpp).
+int lighthouse_command(const Cli& cli) {
+  const JobConfig spec = read_job(cli.job);
+  fail_if<ConfigError>(spec.fault_tolerance.mode != "replicas", "lighthouse: the job's "
+                       "fault_tolerance.mode is {}; a lighthouse serves replicas",
+                       spec.fault_tolerance.mode);
+  fail_if<ConfigError>(spec.parallel.auto_layout, "lighthouse: parallel.auto: name "
+                       "parallel.tensor and parallel.pipeline, which make a replica");
+  const int64_t size = spec.parallel.tensor * spec.parallel.pipeline;
+  const auto checked = settle(spec, cli.replicas * size, size, false);
+  const auto& cfg = checked.cfg;
+  LighthouseOptions o;
+  o.host = cli.host, o.port = cli.port > 0 ? cli.port : cfg.dist.port > 0 ? int(cfg.dist.port) : 29510;
+  o.replicas = cli.replicas, o.replica_size = size;
+  o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
+  o.silent = std::chrono::seconds(cfg.fault_tolerance.heartbeat_s);
+  o.hang_after = hang_report_after(cfg.dist);
+  install_stop_signals();
+  o.stop = [] { return stop_signal() != 0; };
+  o.say = [](const std::string& line) { std::cerr << line << std::endl; };
+  const int code = serve_lighthouse(o);
+  return stop_signal() ? exit_code_for_signal(stop_signal()) : code;
+}
 
 // `validate`: the job for its world (every size of an elastic range), this machine, and
 // the data as run would read it with the model's checks against it.
@@ -609,6 +666,7 @@ int run_cli(int argc, char** argv) {
     return verify(cli.verify_opts);
   }
   if (*cli.plan) return plan_command(cli);
+  if (*cli.lighthouse) return lighthouse_command(cli);
   if (*cli.inspect) return inspect(cli.folder);
   if (*cli.export_) return export_weights(cli.folder, cli.out, cli.format, cli.vocab);
   return kExitBadSpec;

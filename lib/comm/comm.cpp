@@ -521,6 +521,9 @@ std::shared_ptr<Comm> make_c10d_comm(const WorldInfo& world, const CommOptions& 
 
 JobLink link_job(const WorldInfo& world, const CommOptions& opts, std::chrono::milliseconds silent) {
   auto ctx = connect_job(world, opts);
+  // Where the store is dtrain's own (the --nproc supervisor's, the lighthouse's), it marks
+  // this rank ended as this process ends: a lighthouse did not start it and cannot wait for it.
+  if (auto* ours = dynamic_cast<TcpStore*>(ctx->store.get())) leave_word(*ours, world.rank);
   JobLink link;
   link.store = ctx->store;
   const auto group = [](const std::shared_ptr<GroupContext>& in, const std::string& name,

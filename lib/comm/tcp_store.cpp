@@ -23,7 +23,7 @@ namespace {
 
 // The wire format: a message is a u32 length then its bytes. A request's bytes are an op
 // then its arguments, each a u32 length then bytes; a reply's bytes depend on the op.
-enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet };
+enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet, kOnClose };
 constexpr uint32_t kMaxMessage = 64u << 20;  // nothing a rendezvous sends comes near
 
 using Bytes = std::vector<uint8_t>;
@@ -237,6 +237,10 @@ class StoreServer {
           keep = false;
         }
         if (!keep) {
+          for (const auto& [key, value] : clients_[fd].on_close) {
+            if (value.empty()) data_.erase(key);
+            else data_[key] = value;
+          }
           ::close(fd);
           clients_.erase(fd);
         }
@@ -270,7 +274,7 @@ class StoreServer {
       if (len == 0 || len > kMaxMessage) return false;  // not a client of ours
       if (c.in.size() - used < 4 + size_t(len)) break;
       Bytes reply;  // an exception (add() on a key that holds no number) drops the client
-      if (!handle(c.in.data() + used + 4, len, reply)) return false;
+      if (!handle(fd, c.in.data() + used + 4, len, reply)) return false;
       put_blob(c.out, reply);
       used += 4 + len;
     }
@@ -292,10 +296,14 @@ class StoreServer {
     return true;
   }
 
-  bool handle(const uint8_t* p, size_t n, Bytes& reply) {
+  bool handle(int fd, const uint8_t* p, size_t n, Bytes& reply) {
     std::vector<Bytes> a;
     if (!parse_args(p + 1, n - 1, a)) return false;
     switch (p[0]) {
+      case kOnClose:
+        if (a.size() != 2) return false;
+        clients_[fd].on_close.emplace_back(as_key(a[0]), a[1]);
+        return true;
       case kSet:
         if (a.size() != 2) return false;
         data_[as_key(a[0])] = a[1];
@@ -353,6 +361,9 @@ class StoreServer {
   struct Client {
     Bytes in;   // received, not yet a whole request
     Bytes out;  // replies the socket has not taken yet
+    // What the client asked done once its connection closes (TcpStore::on_close): a key
+    // set, or deleted where the value is empty.
+    std::vector<std::pair<std::string, Bytes>> on_close;
   };
   std::map<int, Client> clients_;
   std::map<std::string, Bytes> data_;
@@ -497,6 +508,10 @@ int64_t TcpStore::add(const std::string& key, int64_t value) {
   const auto reply = request(op_message(kAdd, key, i64_bytes(value)));
   if (reply.size() != 8) throw std::runtime_error("store: malformed reply to add");
   return i64_of(reply.data());
+}
+
+void TcpStore::on_close(const std::string& key, const std::vector<uint8_t>& value) {
+  request(op_message(kOnClose, key, value));
 }
 
 bool TcpStore::deleteKey(const std::string& key) {

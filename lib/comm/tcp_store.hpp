@@ -52,6 +52,10 @@ class TcpStore : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  // When this connection closes (the process ended, however it ended: the kernel closes
+  // its sockets), the server sets `key` to `value`, or deletes it where `value` is empty:
+  // how a launcher that did not start the process learns at once that it is gone.
+  void on_close(const std::string& key, const std::vector<uint8_t>& value);
   // A second connection to the same server. LibTorch 2.7+ asks stores for one (pure
   // virtual in c10d::Store there, absent before: hence no `override`).
   c10::intrusive_ptr<c10d::Store> clone();

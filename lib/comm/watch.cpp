@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -17,6 +19,7 @@ using json = nlohmann::json;
 // The store key of world rank `rank`'s heartbeat.
 std::string heartbeat_key(int64_t rank) { return fmt::format("dtrain/heartbeat/{}", rank); }
 std::string ended_key(int64_t rank) { return fmt::format("dtrain/ended/{}", rank); }
+std::string process_key(int64_t rank) { return fmt::format("dtrain/process/{}", rank); }
 
 // How often a rank beats for a threshold of `after`, and how old a heartbeat is when its
 // rank is called silent (two and a half beats: a stopped rank's is at least the threshold
@@ -129,6 +132,25 @@ void mark_ended(c10d::Store& store, int64_t rank) {
 }
 
 void clear_ended(c10d::Store& store, int64_t rank) { store.deleteKey(ended_key(rank)); }
+
+bool has_ended(c10d::Store& store, int64_t rank) { return !value_now(store, ended_key(rank)).empty(); }
+
+void leave_word(TcpStore& store, int64_t rank) {
+  store.on_close(ended_key(rank), std::vector<uint8_t>{'1'});
+  store.on_close(heartbeat_key(rank), {});
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string word = fmt::format("{} {}", host, ::getpid());
+  store.set(process_key(rank), std::vector<uint8_t>(word.begin(), word.end()));
+}
+
+std::optional<std::pair<std::string, int64_t>> its_process(c10d::Store& store, int64_t rank) {
+  const auto v = value_now(store, process_key(rank));
+  const std::string word(v.begin(), v.end());
+  const auto space = word.rfind(' ');
+  if (space == std::string::npos) return std::nullopt;
+  return std::pair{word.substr(0, space), std::stoll(word.substr(space + 1))};
+}
 
 bool Liveness::operator()(int64_t rank) {
   std::vector<uint8_t> beat;

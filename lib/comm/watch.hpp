@@ -26,6 +26,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/tcp_store.hpp"
+
 namespace dtrain {
 
 // A collective (or a transfer with `peer`) a rank waits in.
@@ -106,6 +108,14 @@ class Watch {
 // heartbeat is dropped), and a restarted process's that it runs again.
 void mark_ended(c10d::Store& store, int64_t rank);
 void clear_ended(c10d::Store& store, int64_t rank);
+// What a launcher that did not start this process needs of it (the lighthouse, under
+// torchrun or SLURM): the store marks rank `rank` ended when this connection closes, as
+// the process ends however it ends, and holds its host and pid (its_process).
+void leave_word(TcpStore& store, int64_t rank);
+// The host and pid rank `rank`'s process left word of, if it did.
+std::optional<std::pair<std::string, int64_t>> its_process(c10d::Store& store, int64_t rank);
+// Whether the store marks rank `rank` ended.
+bool has_ended(c10d::Store& store, int64_t rank);
 
 // Whether job ranks are alive, from their heartbeats: a rank is alive while its heartbeat
 // has changed within `silent`, timed by this process's clock (no clock is compared across

@@ -393,8 +393,8 @@ struct FaultToleranceConfig {
     v("mode", mode, Choices{"off", "replicas"},
       "replicas: each data-parallel replica (one process, or its parallel.tensor group) may "
       "fail alone; the others go on without a restart, the step in flight trained again by "
-      "the survivors on the same global batch (dtrain run --nproc; mode sync; no pipeline "
-      "or ZeRO inside a replica yet)");
+      "the survivors on the same global batch (dtrain run --nproc, or a launcher a replica "
+      "beside dtrain lighthouse; mode sync; no pipeline or ZeRO inside a replica yet)");
     v("heartbeat_s", heartbeat_s,
       "a replica whose heartbeat is older than this is voted dead (a stopped or hung process)");
     v("debug_kill_rank", debug_kill_rank,

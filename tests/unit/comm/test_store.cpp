@@ -87,6 +87,25 @@ TEST_CASE("TcpStore: set, get, add, check, wait, compareSet, delete across clien
                     doctest::Contains("timed out"));
 }
 
+TEST_CASE("TcpStore: what a client asked done when its connection closes is done then, not before") {
+  TcpStore server(opts(0, true));
+  server.set("beat", bytes("1"));
+  {
+    TcpStore client(opts(server.port(), false));
+    client.on_close("ended", bytes("yes"));
+    client.on_close("beat", {});  // empty: deleted
+    client.set("alive", bytes("1"));
+    CHECK_FALSE(server.check({"ended"}));
+    CHECK(server.check({"beat"}));
+  }  // its socket closes, as a process's do when it dies
+  // The server acts once it sees the close: on its next poll, not this instant.
+  for (int i = 0; i < 200 && !server.check({"ended"}); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(server.get("ended") == bytes("yes"));
+  CHECK_FALSE(server.check({"beat"}));
+  CHECK(server.check({"alive"}));
+}
+
 TEST_CASE("TcpStore: many clients add at once and every increment counts") {
   TcpStore server(opts(0, true));
   std::vector<std::thread> ranks;

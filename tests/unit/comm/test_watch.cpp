@@ -2,6 +2,8 @@
 // group's heartbeats, and the watch itself over ranks as threads.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -85,6 +87,29 @@ TEST_SUITE("watch") {
       CHECK(has(line, "all_reduce #1 of the world group"));
       CHECK(has(line, "not posted by 1 of 2: rank 2: at step 7, in no collective"));
     }
+  }
+
+  TEST_CASE("watch: a rank that left word is ended as its connection closes; its process is known till then") {
+    TcpStore::Options o;
+    o.host = "127.0.0.1", o.server = true, o.timeout = std::chrono::seconds(10);
+    auto server = c10::make_intrusive<TcpStore>(o);
+    o.server = false, o.port = server->port();
+    auto rank = std::make_unique<TcpStore>(o);
+    leave_word(*rank, 3);
+    const auto process = its_process(*server, 3);
+    REQUIRE(process);
+    CHECK(process->second == ::getpid());
+    CHECK_FALSE(its_process(*server, 4));
+    CHECK_FALSE(has_ended(*server, 3));
+    Liveness live(server, std::chrono::seconds(30));
+    CHECK(live(3));  // no heartbeat yet: not judged for 30 s
+    rank.reset();  // the process ends
+    for (int i = 0; i < 200 && !has_ended(*server, 3); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    CHECK(has_ended(*server, 3));
+    CHECK_FALSE(live(3));  // dead at once, not after 30 s
+    clear_ended(*server, 3);  // restarted: it runs again
+    CHECK_FALSE(has_ended(*server, 3));
   }
 }
 

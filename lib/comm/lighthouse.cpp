@@ -1,0 +1,147 @@
+#include "comm/lighthouse.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "comm/tcp_store.hpp"
+#include "comm/watch.hpp"
+#include "util/error.hpp"
+
+namespace dtrain {
+namespace {
+
+// What the lighthouse tells the ranks: "REPLICAS SIZE".
+const char* kShapeKey = "dtrain/lighthouse";
+
+std::string this_host() {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return host;
+}
+
+// A rank that stopped answering: killed where it runs here (its launcher restarts its
+// replica), else named once; its peers leave it out either way.
+void end_silent(c10d::Store& store, int64_t rank, const std::string& here,
+                const std::function<void(const std::string&)>& say) {
+  const auto process = its_process(store, rank);
+  if (process && process->first == here && ::kill(pid_t(process->second), SIGKILL) == 0) {
+    say(fmt::format("dtrain lighthouse: rank {} stopped answering (its heartbeat is stale): "
+                    "killed its process {}", rank, process->second));
+    return;
+  }
+  say(fmt::format("dtrain lighthouse: rank {} stopped answering (its heartbeat is stale){}; "
+                  "its peers leave its replica out", rank,
+                  process ? fmt::format(", process {} on {}", process->second, process->first) : ""));
+}
+
+}  // namespace
+
+int serve_lighthouse(const LighthouseOptions& o) {
+  TcpStore::Options so;
+  so.host = o.host, so.port = o.port, so.server = true, so.timeout = o.timeout;
+  so.other_machines = o.host.rfind("127.", 0) != 0 && o.host != "localhost";
+  auto store = c10::make_intrusive<TcpStore>(so);
+  const std::string shape = fmt::format("{} {}", o.replicas, o.replica_size);
+  store->set(kShapeKey, std::vector<uint8_t>(shape.begin(), shape.end()));
+  o.say(fmt::format("dtrain lighthouse: {} replica(s) of {} rank(s) meet at {}:{} "
+                    "(DTRAIN_LIGHTHOUSE={}:{}, DTRAIN_REPLICA=0..{})", o.replicas,
+                    o.replica_size, o.host, store->port(), o.host, store->port(), o.replicas - 1));
+  const int64_t world = o.replicas * o.replica_size;
+  Liveness live(store, o.silent, /*none_alive=*/true);
+  std::optional<JobWatch> watch;
+  if (o.hang_after.count() > 0) watch.emplace(store, world, o.hang_after, o.say);
+  const std::string here = this_host();
+  std::vector<char> came(size_t(world), 0), ended(size_t(world), 0), silent(size_t(world), 0);
+  std::optional<std::chrono::steady_clock::time_point> all_ended_since;
+  const auto started = std::chrono::steady_clock::now();
+  while (!o.stop()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (watch) watch->tick();
+    bool all_ended = true;
+    for (int64_t r = 0; r < world; ++r) {
+      const bool has = has_ended(*store, r);
+      if (!came[r] && its_process(*store, r)) came[r] = 1;
+      if (came[r] && has != bool(ended[r])) {
+        o.say(fmt::format("dtrain lighthouse: rank {} (replica {}) {}", r, r / o.replica_size,
+                          has ? "has ended" : "runs again"));
+        ended[r] = has, silent[r] = 0;
+      }
+      if (came[r] && !has && !silent[r] && !live(r)) {
+        end_silent(*store, r, here, o.say);
+        silent[r] = 1;
+      }
+      all_ended = all_ended && came[r] && has;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - started > o.timeout && std::none_of(came.begin(), came.end(), [](char c) { return c; }))
+      throw DistError(fmt::format("lighthouse: no rank came within dist.timeout_s = {} s",
+                                  std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()));
+    if (!all_ended) {
+      all_ended_since.reset();
+    } else if (!all_ended_since) {
+      all_ended_since = now;
+    } else if (now - *all_ended_since > o.silent) {  // no replica restarting to join
+      o.say("dtrain lighthouse: every rank has ended");
+      return 0;
+    }
+  }
+  return 0;
+}
+
+WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address,
+                           const std::string& replica, int64_t size_here,
+                           std::chrono::milliseconds timeout) {
+  const auto colon = address.rfind(':');
+  int port = 0;
+  try {
+    port = colon == std::string::npos ? 0 : std::stoi(address.substr(colon + 1));
+  } catch (const std::exception&) {
+  }
+  fail_if<ConfigError>(port <= 0 || port > 65535 || colon == 0,
+                       "DTRAIN_LIGHTHOUSE: expected HOST:PORT, as `dtrain lighthouse` prints "
+                       "it (got '{}')", address);
+  int64_t index = -1;
+  try {
+    size_t used = 0;
+    index = std::stoll(replica, &used);
+    if (used != replica.size()) index = -1;
+  } catch (const std::exception&) {
+  }
+  TcpStore::Options so;
+  so.host = address.substr(0, colon), so.port = port, so.timeout = timeout;
+  int64_t replicas = 0, size = 0;
+  try {
+    TcpStore store(so);
+    const auto v = store.get(kShapeKey);
+    std::sscanf(std::string(v.begin(), v.end()).c_str(), "%ld %ld", &replicas, &size);
+  } catch (const std::exception& e) {
+    throw DistError(fmt::format("rank {}: no lighthouse answered at {} (DTRAIN_LIGHTHOUSE): {}",
+                                launched.rank, address, first_line(e.what())));
+  }
+  fail_if<ConfigError>(index < 0 || index >= replicas, "DTRAIN_REPLICA: expected a replica "
+                       "from 0 to {}, as the lighthouse at {} serves {} (got '{}')",
+                       replicas - 1, address, replicas, replica);
+  fail_if<ConfigError>(size != size_here, "the lighthouse at {} serves replicas of {} rank(s); "
+                       "this job's parallel.tensor x parallel.pipeline is {}: start both from "
+                       "the same job spec", address, size, size_here);
+  fail_if<ConfigError>(launched.world != size, "replica {}: its launcher started {} rank(s); "
+                       "a replica here is {} (parallel.tensor x parallel.pipeline): one "
+                       "launcher a replica, e.g. torchrun --nproc-per-node {}",
+                       index, launched.world, size, size);
+  WorldInfo w = launched;
+  w.rank = index * size + launched.rank;
+  w.world = replicas * size;
+  w.master_addr = so.host, w.master_port = port;
+  w.store_hosted = true, w.agent_store = false;
+  w.run_id.clear();  // a restarted replica joins its peers; it resumes nothing
+  return w;
+}
+
+}  // namespace dtrain

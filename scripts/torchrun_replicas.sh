@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# fault_tolerance: replicas under torchrun on this machine, as a script for several nodes
+# would start them (docs/fault-tolerance.md): a `dtrain lighthouse`, then one torchrun agent
+# per replica, each restarting its own replica's workers. Waits for the agents, then the
+# lighthouse; exits 0 when some replica completed the run (the run's summary says so),
+# else 4.
+#   scripts/torchrun_replicas.sh --replicas N [--max-restarts R] [--python PY] DTRAIN JOB \
+#                                [dtrain run options: --run-dir DIR, --set k=v, ...]
+# Each replica is parallel.tensor x parallel.pipeline workers of the job (--set applies to
+# the lighthouse too). PY: a Python with torch (default .venv's, scripts/setup.sh --test).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+replicas=2 restarts=10 py=$root/.venv/bin/python
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --replicas) replicas=$2; shift 2 ;;
+    --max-restarts) restarts=$2; shift 2 ;;
+    --python) py=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 2 ] || { echo "usage: torchrun_replicas.sh --replicas N [--max-restarts R] [--python PY] DTRAIN JOB [run options]" >&2; exit 2; }
+dtrain=$1 job=$2; shift 2
+sets=() run_dir=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in
+    --set) sets+=(--set "${args[i + 1]}") ;;
+    --run-dir) run_dir=${args[i + 1]} ;;
+  esac
+done
+[ -n "$run_dir" ] || { echo "torchrun_replicas.sh: pass --run-dir (the replicas share it)" >&2; exit 2; }
+port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+size=$("$dtrain" config "$job" ${sets[@]+"${sets[@]}"} | awk '
+  /^parallel:/ {p = 1; next} /^[a-z]/ {p = 0}
+  p && $1 == "tensor:" {t = $2} p && $1 == "pipeline:" {q = $2}
+  END {print (t ? t : 1) * (q ? q : 1)}')
+lp=$(port)
+"$dtrain" lighthouse "$job" --replicas "$replicas" --port "$lp" ${sets[@]+"${sets[@]}"} &
+lighthouse=$!
+trap 'kill $(jobs -p) 2>/dev/null' EXIT
+agents=()
+for ((r = 0; r < replicas; r++)); do
+  DTRAIN_LIGHTHOUSE=127.0.0.1:$lp DTRAIN_REPLICA=$r "$py" "$root/scripts/torchrun" \
+    --nproc_per_node "$size" --max_restarts "$restarts" --master_port "$(port)" --no_python \
+    "$dtrain" run "$job" "$@" &
+  agents+=($!)
+done
+for a in "${agents[@]}"; do wait "$a"; done
+wait "$lighthouse"
+trap - EXIT
+tail -n 1 "$run_dir/metrics.jsonl" 2>/dev/null | grep -q '"status":"completed"' && exit 0
+exit 4

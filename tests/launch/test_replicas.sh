@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# fault_tolerance: replicas under the real torchrun, one agent a replica, the job's store at
+# a `dtrain lighthouse` (docs/fault-tolerance.md):
+#  1. two replicas; replica 1's worker killed at step 6 (fault_tolerance.debug_kill_rank):
+#     replica 0 trains on without a restart, torchrun restarts replica 1's worker alone
+#     (restart count 1), it joins with replica 0's state (no checkpoint read), and the run
+#     logs one process's losses on the same global batch, each step once;
+#  2. replica 1's worker stopped (SIGSTOP): the lighthouse kills it once its heartbeat is
+#     stale, its agent restarts it, it joins, and the run completes;
+#  3. a worker whose replica index the lighthouse does not serve fails with a clear line.
+# Exit 77 (skipped) without .venv's torch. Usage: test_replicas.sh DTRAIN_BINARY
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+dtrain=$(realpath "$1")
+py=${DTRAIN_PYTHON:-$root/.venv/bin/python}   # today's torch, pinned (scripts/setup.sh --test)
+$py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun at $py: run scripts/setup.sh --test"; exit 77; }
+work=$(mktemp -d /tmp/dtrain-replicas-test.XXXXXX)
+# TERM, not KILL: `timeout` passes it on to the dtrain under it.
+trap 'kill $(jobs -p) 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+job=$work/job.yaml
+cat > "$job" <<'EOF'
+name: replicas-check
+seed: 11
+data: {dataset: synthetic, samples: 2048, test_samples: 256, input_shape: [1, 8, 8], classes: 4, batch_size: 30, workers: 1}
+model: {arch: mlp, hidden: [64, 32]}
+optimizer: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}
+schedule: {warmup_steps: 3, decay: cosine}
+train: {max_steps: 300, log_every: 10, eval_every: 150, threads: 1}
+dist: {timeout_s: 60}
+logging: {progress: off}
+fault_tolerance: {mode: replicas, heartbeat_s: 2}
+EOF
+
+# A lighthouse for two replicas, then one torchrun agent each (restarting its worker once);
+# NAME's logs under $work. Waits for all three, bounded; sets rc0, rc1 and rcl.
+run_job() {
+  local name=$1; shift
+  local lp; lp=$(port)
+  timeout 200 "$dtrain" lighthouse "$job" --replicas 2 --port "$lp" > "$work/$name.lighthouse" 2>&1 &
+  local lighthouse=$!
+  local agents=()
+  for r in 0 1; do
+    DTRAIN_LIGHTHOUSE=127.0.0.1:$lp DTRAIN_REPLICA=$r timeout 200 "$py" "$root/scripts/torchrun" \
+      --nproc_per_node 1 --max_restarts 1 --master_port "$(port)" --no_python \
+      "$dtrain" run "$job" --run-dir "$work/$name" "$@" > "$work/$name.r$r" 2>&1 &
+    agents+=($!)
+  done
+  echo "${agents[*]} $lighthouse" > "$work/$name.pids"
+}
+wait_job() {
+  local name=$1 pids; read -r -a pids < "$work/$name.pids"
+  wait "${pids[0]}"; rc0=$?
+  wait "${pids[1]}"; rc1=$?
+  wait "${pids[2]}"; rcl=$?
+  for f in lighthouse r0 r1; do echo "--- $name.$f"; tail -n 25 "$work/$name.$f"; done
+}
+losses() { $py -c '
+import json, sys
+print(json.dumps({l["step"]: l["loss"] for l in map(json.loads, open(sys.argv[1])) if l["kind"] == "train"}))' "$1"; }
+
+# 1. A kill at step 6 of replica 1; one process's run is the reference.
+timeout 200 "$dtrain" run "$job" --run-dir "$work/one" --set fault_tolerance.mode=off > "$work/one.out" 2>&1 ||
+  { cat "$work/one.out"; fail "the one-process run failed"; }
+run_job kill --set fault_tolerance.debug_kill_rank=1 --set fault_tolerance.debug_kill_step=6 \
+  --set train.debug_slow_rank=0 --set train.debug_slow_ms=20
+wait_job kill
+[ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || fail "the agents exited $rc0 and $rc1"
+[ $rcl -eq 0 ] || fail "the lighthouse exited $rcl"
+grep -q "rank 1 (replica 1) has ended" "$work/kill.lighthouse" || fail "the lighthouse did not see rank 1 end"
+grep -q "rank 1 (replica 1) runs again" "$work/kill.lighthouse" || fail "the lighthouse did not see rank 1 again"
+grep -q "every rank has ended" "$work/kill.lighthouse" || fail "the lighthouse did not end with the job"
+grep -q "replica(s) 1 joined at step" "$work/kill.r0" "$work/kill.r1" || fail "replica 1 did not join"
+grep -q "no checkpoint read" "$work/kill.r0" "$work/kill.r1" || fail "the joiner's state did not come from its peer"
+# torchrun's agents: replica 1's saw its worker fail (and restarted it: it ran again, above),
+# replica 0's never did.
+grep -q "failed (exitcode: -9)" "$work/kill.r1" || fail "replica 1's agent did not see its worker killed"
+grep -q "failed (exitcode" "$work/kill.r0" && fail "replica 0's worker failed"
+$py - "$(losses "$work/one/metrics.jsonl")" "$(losses "$work/kill/metrics.jsonl")" <<'PYEOF' || fail "the losses are not one process's"
+import json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
+worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+print(f"30 logged steps, largest relative difference from one process: {worst:.2e}")
+assert worst <= 1e-5
+PYEOF
+tail -n 1 "$work/kill/metrics.jsonl" | grep -q '"status":"completed"' || fail "the run did not complete"
+tail -n 1 "$work/kill/metrics.jsonl" | grep -q '"data":2' || fail "the run did not end with both replicas"
+
+# 2. Replica 1's worker stopped once it trains: killed by the lighthouse, restarted, joined.
+run_job stop --set train.max_steps=800 --set train.debug_slow_rank=0 --set train.debug_slow_ms=20
+victim=""
+for _ in $(seq 1 600); do  # up to 60 s for the run to train
+  if grep -q '"step":20,' "$work/stop/metrics.jsonl" 2>/dev/null; then
+    for p in /proc/[0-9]*; do
+      { tr '\0' '\n' < "$p/environ"; } 2>/dev/null | grep -qx "DTRAIN_REPLICA=1" || continue
+      { tr '\0' ' ' < "$p/cmdline"; } 2>/dev/null | grep -q "^$dtrain run" || continue
+      victim=${p#/proc/}
+    done
+    break
+  fi
+  sleep 0.1
+done
+[ -n "$victim" ] || fail "no worker of replica 1 to stop"
+kill -STOP "$victim"
+wait_job stop
+[ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] && [ $rcl -eq 0 ] || fail "exits: agents $rc0 $rc1, lighthouse $rcl"
+grep -q "rank 1 stopped answering (its heartbeat is stale): killed its process $victim" "$work/stop.lighthouse" ||
+  fail "the lighthouse did not kill the stopped worker"
+grep -q "replica(s) 1 joined at step" "$work/stop.r0" "$work/stop.r1" || fail "replica 1 did not join again"
+tail -n 1 "$work/stop/metrics.jsonl" | grep -q '"status":"completed"' || fail "the run did not complete"
+
+# 3. A replica index the lighthouse does not serve.
+lp=$(port)
+timeout 60 "$dtrain" lighthouse "$job" --replicas 2 --port "$lp" > "$work/bad.lighthouse" 2>&1 &
+lighthouse=$!
+DTRAIN_LIGHTHOUSE=127.0.0.1:$lp DTRAIN_REPLICA=2 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=$(port) timeout 60 "$dtrain" run "$job" --run-dir "$work/bad" > "$work/bad.out" 2>&1
+rc=$?
+cat "$work/bad.out"
+kill "$lighthouse"; wait "$lighthouse"
+[ $rc -eq 2 ] || fail "a replica index out of range exited $rc, not 2"
+grep -q "DTRAIN_REPLICA: expected a replica from 0 to 1" "$work/bad.out" || fail "no clear line for DTRAIN_REPLICA"
+echo "PASS"
