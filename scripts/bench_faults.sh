@@ -82,7 +82,8 @@ workers() {
   local p
   for p in $(pgrep -P "$1"); do
     case "$(cat /proc/"$p"/comm 2>/dev/null)" in
-      dtrain*) grep -q lighthouse "/proc/$p/cmdline" 2>/dev/null || echo "$p" ;;
+      dtrain*) [ "$({ tr '\0' '\n' < "/proc/$p/cmdline"; } 2> /dev/null | sed -n 2p)" = lighthouse ] ||
+                 echo "$p" ;;
       *) workers "$p" ;;
     esac
   done

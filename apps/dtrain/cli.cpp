@@ -188,14 +188,16 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   // launcher (torchrun's restart count).
   const auto incarnation = process_env()("DTRAIN_FT_JOIN");
   const int64_t generation = incarnation ? std::stoll(*incarnation) : world.restart_count;
-  const bool joining = generation > 0;
+  // Restarted, or one more than the replicas that started the job (scale-up).
+  const int64_t starting = starting_replicas(*link.store, dims.data);
+  const bool joining = generation > 0 || replica >= starting;
   std::vector<int64_t> ranks;
   for (int64_t p = 0; p < size; ++p) ranks.push_back(replica * size + p);
   ReplicaWorld out;
   out.world = size == 1 ? make_local_comm()
                         : link.world(fmt::format("ft/replica/{}/{}", replica, generation), ranks);
   ReplicaSet::Options o;
-  o.replica = replica, o.replicas = dims.data;
+  o.replica = replica, o.replicas = dims.data, o.starting = starting;
   o.place = {place, size};
   o.ranks = ranks;
   o.world_rank = [size, place](int64_t r) { return r * size + place; };
@@ -397,7 +399,7 @@ struct Cli {
   VerifyOptions verify_opts;
   CLI::App *run = nullptr, *validate = nullptr, *config = nullptr, *inspect = nullptr,
            *export_ = nullptr, *verify = nullptr, *plan = nullptr, *lighthouse = nullptr;
-  int64_t replicas = 0;
+  int64_t replicas = 0, max_replicas = 0;
   std::string host = "127.0.0.1";
   int port = 0;
 
@@ -428,8 +430,12 @@ struct Cli {
                                                   "replicas that torchrun or srun start, one "
                                                   "launcher a replica (fault_tolerance: replicas)");
     add_job_args(lighthouse, job);
-    lighthouse->add_option("--replicas", replicas, "the job's replicas")
+    lighthouse->add_option("--replicas", replicas, "the replicas that start the job")
         ->required()
+        ->check(CLI::Range(int64_t(1), int64_t(4096)));
+    lighthouse->add_option("--max-replicas", max_replicas, "the most it may have: a replica "
+                                                           "above --replicas joins the job "
+                                                           "running (default --replicas)")
         ->check(CLI::Range(int64_t(1), int64_t(4096)));
     lighthouse->add_option("--host", host, "the address to listen on, which the ranks are "
                                            "given (default 127.0.0.1: this machine only)");
@@ -531,12 +537,15 @@ int lighthouse_command(const Cli& cli) {
                        spec.fault_tolerance.mode);
   fail_if<ConfigError>(spec.parallel.auto_layout, "lighthouse: parallel.auto: name "
                        "parallel.tensor and parallel.pipeline, which make a replica");
+  fail_if<ConfigError>(cli.max_replicas > 0 && cli.max_replicas < cli.replicas, "lighthouse: "
+                       "--max-replicas {} is below --replicas {}", cli.max_replicas, cli.replicas);
   const int64_t size = spec.parallel.tensor * spec.parallel.pipeline;
-  const auto checked = settle(spec, cli.replicas * size, size, false);
-  const auto& cfg = checked.cfg;
+  const int64_t most = std::max(cli.max_replicas, cli.replicas);
+  settle(spec, cli.replicas * size, size, false);  // the job as it starts, and at its largest
+  const auto cfg = settle(spec, most * size, size, false).cfg;
   LighthouseOptions o;
   o.host = cli.host, o.port = cli.port > 0 ? cli.port : cfg.dist.port > 0 ? int(cfg.dist.port) : 29510;
-  o.replicas = cli.replicas, o.replica_size = size;
+  o.replicas = cli.replicas, o.most = most, o.replica_size = size;
   o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
   o.silent = std::chrono::seconds(cfg.fault_tolerance.heartbeat_s);
   o.hang_after = hang_report_after(cfg.dist);

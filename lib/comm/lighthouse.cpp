@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -17,8 +18,17 @@
 namespace dtrain {
 namespace {
 
-// What the lighthouse tells the ranks: "REPLICAS SIZE".
-const char* kShapeKey = "dtrain/lighthouse";
+// What the lighthouse tells the ranks: "STARTING SIZE MOST" (replicas, ranks in each).
+const char* kServedKey = "dtrain/lighthouse";
+
+struct Served {
+  int64_t starting = 0, size = 0, most = 0;
+};
+Served served_by(const std::vector<uint8_t>& v) {
+  Served s;
+  std::istringstream(std::string(v.begin(), v.end())) >> s.starting >> s.size >> s.most;
+  return s;
+}
 
 std::string this_host() {
   char host[256] = {};
@@ -48,23 +58,25 @@ int serve_lighthouse(const LighthouseOptions& o) {
   so.host = o.host, so.port = o.port, so.server = true, so.timeout = o.timeout;
   so.other_machines = o.host.rfind("127.", 0) != 0 && o.host != "localhost";
   auto store = c10::make_intrusive<TcpStore>(so);
-  const std::string shape = fmt::format("{} {}", o.replicas, o.replica_size);
-  store->set(kShapeKey, std::vector<uint8_t>(shape.begin(), shape.end()));
-  o.say(fmt::format("dtrain lighthouse: {} replica(s) of {} rank(s) meet at {}:{} "
+  const int64_t most = std::max(o.most, o.replicas);
+  const std::string shape = fmt::format("{} {} {}", o.replicas, o.replica_size, most);
+  store->set(kServedKey, std::vector<uint8_t>(shape.begin(), shape.end()));
+  o.say(fmt::format("dtrain lighthouse: {} replica(s) of {} rank(s){} meet at {}:{} "
                     "(DTRAIN_LIGHTHOUSE={}:{}, DTRAIN_REPLICA=0..{})", o.replicas,
-                    o.replica_size, o.host, store->port(), o.host, store->port(), o.replicas - 1));
-  const int64_t world = o.replicas * o.replica_size;
+                    o.replica_size, most > o.replicas ? fmt::format(", up to {}", most) : "",
+                    o.host, store->port(), o.host, store->port(), most - 1));
+  const int64_t world = most * o.replica_size;
   Liveness live(store, o.silent, /*none_alive=*/true);
   std::optional<JobWatch> watch;
   if (o.hang_after.count() > 0) watch.emplace(store, world, o.hang_after, o.say);
   const std::string here = this_host();
   std::vector<char> came(size_t(world), 0), ended(size_t(world), 0), silent(size_t(world), 0);
-  std::optional<std::chrono::steady_clock::time_point> all_ended_since;
   const auto started = std::chrono::steady_clock::now();
+  auto last_running = started;  // when a rank that came last ran
   while (!o.stop()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (watch) watch->tick();
-    bool all_ended = true;
+    bool all_ended = true, any_came = false;  // of the ranks that came (not every may)
     for (int64_t r = 0; r < world; ++r) {
       const bool has = has_ended(*store, r);
       if (!came[r] && its_process(*store, r)) came[r] = 1;
@@ -77,17 +89,17 @@ int serve_lighthouse(const LighthouseOptions& o) {
         end_silent(*store, r, here, o.say);
         silent[r] = 1;
       }
-      all_ended = all_ended && came[r] && has;
+      all_ended = all_ended && (!came[r] || has);
+      any_came = any_came || came[r];
     }
+    all_ended = all_ended && any_came;
     const auto now = std::chrono::steady_clock::now();
-    if (now - started > o.timeout && std::none_of(came.begin(), came.end(), [](char c) { return c; }))
+    if (!any_came && now - started > o.timeout)
       throw DistError(fmt::format("lighthouse: no rank came within dist.timeout_s = {} s",
                                   std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()));
     if (!all_ended) {
-      all_ended_since.reset();
-    } else if (!all_ended_since) {
-      all_ended_since = now;
-    } else if (now - *all_ended_since > o.silent) {  // no replica restarting to join
+      last_running = now;
+    } else if (now - last_running > o.silent) {  // no replica restarting to join
       o.say("dtrain lighthouse: every rank has ended");
       return 0;
     }
@@ -116,15 +128,15 @@ WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address
   }
   TcpStore::Options so;
   so.host = address.substr(0, colon), so.port = port, so.timeout = timeout;
-  int64_t replicas = 0, size = 0;
+  Served shape;
   try {
     TcpStore store(so);
-    const auto v = store.get(kShapeKey);
-    std::sscanf(std::string(v.begin(), v.end()).c_str(), "%ld %ld", &replicas, &size);
+    shape = served_by(store.get(kServedKey));
   } catch (const std::exception& e) {
     throw DistError(fmt::format("rank {}: no lighthouse answered at {} (DTRAIN_LIGHTHOUSE): {}",
                                 launched.rank, address, first_line(e.what())));
   }
+  const int64_t replicas = shape.most, size = shape.size;
   fail_if<ConfigError>(index < 0 || index >= replicas, "DTRAIN_REPLICA: expected a replica "
                        "from 0 to {}, as the lighthouse at {} serves {} (got '{}')",
                        replicas - 1, address, replicas, replica);
@@ -142,6 +154,11 @@ WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address
   w.store_hosted = true, w.agent_store = false;
   w.run_id.clear();  // a restarted replica joins its peers; it resumes nothing
   return w;
+}
+
+int64_t starting_replicas(c10d::Store& store, int64_t replicas) {
+  if (!store.check({kServedKey})) return replicas;
+  return served_by(store.get(kServedKey)).starting;
 }
 
 }  // namespace dtrain

@@ -13,6 +13,8 @@
 #include <functional>
 #include <string>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include "launch/world.hpp"
 
 namespace dtrain {
@@ -20,7 +22,8 @@ namespace dtrain {
 struct LighthouseOptions {
   std::string host = "127.0.0.1";  // the address it listens on, which the ranks are given
   int port = 0;
-  int64_t replicas = 0;      // the job's replicas
+  int64_t replicas = 0;      // the replicas that start the job
+  int64_t most = 0;          // the most it may have (0: `replicas`); the others join later
   int64_t replica_size = 1;  // ranks in each (parallel.tensor x parallel.pipeline)
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};   // dist.timeout_s
   std::chrono::milliseconds silent{std::chrono::seconds(5)};      // fault_tolerance.heartbeat_s
@@ -36,11 +39,15 @@ int serve_lighthouse(const LighthouseOptions& o);
 
 // The job's world for a rank its launcher started as one of a replica's (`launched`: its
 // rank among that replica's ranks and their number), replica `replica` of those the
-// lighthouse at `address` (HOST:PORT) serves: rank replica x size + its own, of
+// lighthouse at `address` (HOST:PORT) serves: rank replica x size + its own, of the most
 // replicas x size, the store the lighthouse's. `size_here`: the ranks per replica this
 // rank's job spec makes, which must be the lighthouse's.
 WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address,
                            const std::string& replica, int64_t size_here,
                            std::chrono::milliseconds timeout);
+
+// The replicas that start the job together, where a lighthouse serves `store` (a replica
+// above them joins as one more); else all `replicas`.
+int64_t starting_replicas(c10d::Store& store, int64_t replicas);
 
 }  // namespace dtrain

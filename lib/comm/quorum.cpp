@@ -46,14 +46,15 @@ Quorum from_record(int64_t id, const json& j) {
 ReplicaAgreement::ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
                                    std::function<bool(int64_t)> live,
                                    std::chrono::milliseconds timeout,
-                                   std::chrono::milliseconds poll, Place place)
-    : store_(store), replica_(replica), replicas_(replicas), place_(place), live_(std::move(live)),
+                                   std::chrono::milliseconds poll, Place place, int64_t starting)
+    : store_(store), replica_(replica), replicas_(replicas),
+      starting_(starting > 0 ? starting : replicas), place_(place), live_(std::move(live)),
       timeout_(timeout), poll_(poll) {}
 
-Quorum ReplicaAgreement::first(int64_t replicas, int64_t step) {
+Quorum ReplicaAgreement::first(int64_t starting, int64_t step) {
   Quorum q;
   q.step = step;
-  for (int64_t r = 0; r < replicas; ++r) q.members.push_back(r);
+  for (int64_t r = 0; r < starting; ++r) q.members.push_back(r);
   return q;
 }
 
@@ -86,14 +87,14 @@ void ReplicaAgreement::ask_to_join() {
 void ReplicaAgreement::finished() { store_.set(kFinished, bytes("1")); }
 
 bool ReplicaAgreement::wait_until_left_out() {
-  int64_t newest = 0;  // quorum 0, every replica, is the one nothing stores
+  int64_t newest = 0;  // quorum 0, the starting replicas, is the one nothing stores
   const auto until = Clock::now() + timeout_;
   for (;;) {
     newest = newest_quorum(newest);
-    if (newest > 0) {
-      const auto members = from_record(newest, json::parse(get(quorum_key(newest)))).members;
-      if (std::find(members.begin(), members.end(), replica_) == members.end()) return true;
-    }
+    const auto members = newest > 0
+                             ? from_record(newest, json::parse(get(quorum_key(newest)))).members
+                             : first(starting_, 0).members;
+    if (std::find(members.begin(), members.end(), replica_) == members.end()) return true;
     if (stored(kFinished)) return false;
     if (Clock::now() > until)
       throw DistError(fmt::format("fault tolerance: replica {} restarted, but its peers have not "

@@ -51,13 +51,16 @@ class ReplicaAgreement {
   // `live(r)`: whether replica r's heartbeat is fresh. `timeout`: how long a quorum or a
   // live member's vote may take before DistError. `place`: this rank's in its replica (each
   // of a replica's ranks votes, asks to join and reads the same quorums; `live(r)` must
-  // then say whether all of replica r's ranks are).
+  // then say whether all of replica r's ranks are). `starting`: the replicas in the first
+  // quorum (0: all); the others join later, as one more (scale-up).
   ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
                    std::function<bool(int64_t)> live, std::chrono::milliseconds timeout,
-                   std::chrono::milliseconds poll = std::chrono::milliseconds(5), Place place = {});
+                   std::chrono::milliseconds poll = std::chrono::milliseconds(5), Place place = {},
+                   int64_t starting = 0);
 
-  // The quorum every replica starts in: all `replicas`, from `step` (nothing stored).
-  static Quorum first(int64_t replicas, int64_t step);
+  // The quorum the job starts in: replicas 0 to `starting` - 1, from `step` (nothing
+  // stored).
+  static Quorum first(int64_t starting, int64_t step);
 
   // This replica (restarted, or one more) asks to be in the next quorum; admitted() waits
   // for the first quorum that takes it, or returns nothing once the run has been finished
@@ -88,7 +91,7 @@ class ReplicaAgreement {
   int64_t newest_quorum(int64_t from);
 
   c10d::Store& store_;
-  int64_t replica_, replicas_;
+  int64_t replica_, replicas_, starting_;
   Place place_;
   std::function<bool(int64_t)> live_;
   std::chrono::milliseconds timeout_, poll_;

@@ -23,8 +23,8 @@ std::shared_ptr<Comm> group_of(const Quorum& q, const ReplicaSet::Options& o) {
 ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining)
     : opts_(std::move(opts)),
       agreement_(store, opts_.replica, opts_.replicas, opts_.live, opts_.timeout, opts_.poll,
-                 opts_.place),
-      quorum_(ReplicaAgreement::first(opts_.replicas, step)),
+                 opts_.place, opts_.starting),
+      quorum_(ReplicaAgreement::first(opts_.starting > 0 ? opts_.starting : opts_.replicas, step)),
       comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_))),
       joining_(joining) {}
 

@@ -23,7 +23,10 @@ class ReplicaSet {
  public:
   struct Options {
     int64_t replica = 0;   // this replica's index
-    int64_t replicas = 1;  // how many the job has
+    int64_t replicas = 1;  // the most the job can have
+    // How many start together in the first quorum (0: all); one of the others starts as
+    // one more and joins (scale-up).
+    int64_t starting = 0;
     // This rank's place in its replica (its rank among the replica's own), and the job rank
     // of replica r's rank at that place: with one rank per replica, r itself. The set is
     // one per place: each place's group sums its part of the gradient, and all of them

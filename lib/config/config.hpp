@@ -228,7 +228,7 @@ struct TrainConfig {
       "refuse a job whose estimated memory (parameters, gradients, optimizer state, "
       "activations) exceeds what this machine has available for its processes (CPU)");
     v("debug_slow_rank", debug_slow_rank,
-      "testing: the world rank that sleeps debug_slow_ms before each step (a slow worker, "
+      "testing: the job's rank that sleeps debug_slow_ms before each step (a slow worker, "
       "for benchmarks); -1 = none");
     v("debug_slow_ms", debug_slow_ms, "testing: debug_slow_rank's sleep per step, ms");
   }

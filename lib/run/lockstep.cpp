@@ -21,6 +21,11 @@ void Lockstep::agree(int64_t n, torch::Tensor figures, ReduceOp op) {
   if (group.size() > 1) group.all_reduce(std::move(figures), op);
 }
 
+Lockstep::RankInJob Lockstep::rank_in_job() const {
+  const int64_t world = mesh_.world()->size();
+  return {world > 1 ? world : 0, mesh_.rank()};
+}
+
 void Lockstep::shape_flat(FlatOptions& opts) const {
   shard_flat(cfg_.parallel, mesh_.dims(), mesh_.coord(), opts);
 }

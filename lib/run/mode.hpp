@@ -119,6 +119,13 @@ class Lockstep : public Mode {
   virtual int64_t replicas(int64_t /*n*/) const { return mesh().dims().data; }
   // Adds up step n's `figures` over those ranks (kMax: their largest), in place.
   virtual void agree(int64_t n, torch::Tensor figures, ReduceOp op);
+  // This rank among the job's (`ranks`: 0 for a job of one): the world's, or a
+  // fault-tolerant job's, whose world is its replica's. The figures carry each rank's busy
+  // time, and a debug_slow_rank is one of these.
+  struct RankInJob {
+    int64_t ranks = 0, rank = 0;
+  };
+  virtual RankInJob rank_in_job() const;
   // After step n's update (local SGD averages the replicas where they meet). Returns the
   // bytes this rank sent.
   virtual int64_t after_update(int64_t /*n*/) { return 0; }

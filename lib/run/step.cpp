@@ -63,7 +63,7 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
       f[layout.bubble(stage)] = s.bubble;
       f[layout.activation_mb(stage)] = s.activation_mb;
     }
-    if (layout.ranks > 0) f[layout.busy_ms(parts.mesh.rank())] = s.busy_ms;
+    if (layout.ranks > 0) f[layout.busy_ms(parts.mode.rank_in_job().rank)] = s.busy_ms;
     f[layout.local_loss()] = loss;
     return figures;
   }
@@ -80,7 +80,7 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
     f[size_t(layout.bubble(stage))] = torch::full({}, s.bubble, f64);
     f[size_t(layout.activation_mb(stage))] = torch::full({}, s.activation_mb, f64);
   }
-  if (layout.ranks > 0) f[size_t(layout.busy_ms(parts.mesh.rank()))] = torch::full({}, s.busy_ms, f64);
+  if (layout.ranks > 0) f[size_t(layout.busy_ms(parts.mode.rank_in_job().rank))] = torch::full({}, s.busy_ms, f64);
   f[size_t(layout.grad_norm())] = norm.defined() ? norm.to(torch::kFloat64) : torch::full({}, NAN, f64);
   f[Figures::kBadNorms] = norm.defined() ? f[size_t(layout.grad_norm())].isfinite().logical_not().to(f64)
                                          : torch::zeros({}, f64);
@@ -88,9 +88,9 @@ torch::Tensor assemble_figures(const StepParts& parts, const Figures& layout,
   return torch::stack(f);
 }
 
-Figures figures_of(const Mesh& mesh) {
-  const int64_t world = mesh.world()->size();
-  return {mesh.dims().pipeline > 1 ? mesh.dims().pipeline : 0, world > 1 ? world : 0};
+Figures figures_of(const StepParts& parts) {
+  const int64_t stages = parts.mesh.dims().pipeline;
+  return {stages > 1 ? stages : 0, parts.mode.rank_in_job().ranks};
 }
 
 // On a GPU: the figures go to pinned host memory without blocking, and an event marks
@@ -122,7 +122,7 @@ void take_figures(const StepParts& parts, PendingStep& p) {
     }
     p.ready.reset();
   }
-  const Figures layout = figures_of(parts.mesh);
+  const Figures layout = figures_of(parts);
   const auto f = p.figures.accessor<double, 1>();
   const double replicas = double(parts.mode.replicas(p.step)), tensor = double(parts.mesh.dims().tensor);
   const bool meets = parts.mode.meets(p.step);
@@ -214,7 +214,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
     if (s.device_timed) torch::cuda::synchronize();
   };
   settle();  // the previous step's last kernels, so that this step's phases are its own
-  if (parts.cfg.train.debug_slow_rank == parts.mesh.rank())  // a slow worker, for benchmarks
+  if (parts.cfg.train.debug_slow_rank == parts.mode.rank_in_job().rank)  // a slow worker, for benchmarks
     std::this_thread::sleep_for(std::chrono::milliseconds(parts.cfg.train.debug_slow_ms));
   // The steps that wait for the device by design (see the top; with several ranks, every
   // collective waits); under DTRAIN_SYNC_DEBUG PyTorch's sync check holds the others to it.
@@ -249,7 +249,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   // Each data replica's loss counts once (tensor ranks hold the same value); a rank asked
   // to stop votes so: every rank stops after the same step, whatever the layout.
   const bool counts = parts.mesh.coord().tensor == 0 && parts.runner.holds_last();
-  const Figures layout = figures_of(parts.mesh);
+  const Figures layout = figures_of(parts);
   auto figures = assemble_figures(parts, layout, losses, counts, stop_signal() != 0, apart_diverged,
                                   norm, s);
   parts.mode.agree(n, figures.narrow(0, 0, layout.summed()), ReduceOp::kSum);

@@ -95,12 +95,13 @@ TEST_SUITE("faults") {
       const auto job = j.write(dir, name + ".yaml");
       const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
       run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
-      // Every replica's step made 20 ms longer (each is its world's rank 0): the run
-      // outlasts a restarted process's start on a slow machine.
+      // One survivor's step made 20 ms longer (the others wait for it): the run outlasts a
+      // restarted process's start on a slow machine, and that rank is named the slowest.
+      const int slow = c.rank == 0 ? 1 : 0;
       const auto r = e2e::dtrain(fmt::format(
           "run {} --nproc {} --max-restarts 1 --run-dir {} --set fault_tolerance.debug_kill_rank={} "
-          "--set fault_tolerance.debug_kill_step={} --set train.debug_slow_rank=0 --set "
-          "train.debug_slow_ms=20{}", job, c.replicas, ft, c.rank, c.step, kQuiet), kExec);
+          "--set fault_tolerance.debug_kill_step={} --set train.debug_slow_rank={} --set "
+          "train.debug_slow_ms=20{}", job, c.replicas, ft, c.rank, c.step, slow, kQuiet), kExec);
       INFO(r.err);
       REQUIRE(r.code == 0);
       CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); the other replicas go "
@@ -112,6 +113,11 @@ TEST_SUITE("faults") {
       REQUIRE(got.size() == 30);
       check_losses_close(train_losses(one), got, 1e-5, name);
       CHECK(metrics(ft).back()["layout"]["data"] == c.replicas);  // all of them again
+      // Every rank of every replica has its busy time in the figures: the slow one is
+      // named across replicas, in each train line and the summary.
+      for (const auto& line : of_kind(metrics(ft), "train")) CHECK(line["slowest_rank"] == slow);
+      CHECK(metrics(ft).back()["slowest_rank"] == slow);
+      CHECK(metrics(ft).back()["slowest_busy_ms"].get<double>() >= 20);
     }
   }
 

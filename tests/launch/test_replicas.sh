@@ -7,7 +7,8 @@
 #     logs one process's losses on the same global batch, each step once;
 #  2. replica 1's worker stopped (SIGSTOP): the lighthouse kills it once its heartbeat is
 #     stale, its agent restarts it, it joins, and the run completes;
-#  3. a worker whose replica index the lighthouse does not serve fails with a clear line.
+#  3. scale-up: a job started with one replica (of up to two) is joined by the second;
+#  4. a worker whose replica index the lighthouse does not serve fails with a clear line.
 # Exit 77 (skipped) without .venv's torch. Usage: test_replicas.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -112,7 +113,40 @@ grep -q "rank 1 stopped answering (its heartbeat is stale): killed its process $
 grep -q "replica(s) 1 joined at step" "$work/stop.r0" "$work/stop.r1" || fail "replica 1 did not join again"
 tail -n 1 "$work/stop/metrics.jsonl" | grep -q '"status":"completed"' || fail "the run did not complete"
 
-# 3. A replica index the lighthouse does not serve.
+# 3. Scale-up: the job starts with one replica and may have two; replica 1 starts once
+#    replica 0 trains, joins it with its state, and the run's losses stay one process's
+#    (the global batch kept, dealt among more replicas).
+lp=$(port)
+timeout 200 "$dtrain" lighthouse "$job" --replicas 1 --max-replicas 2 --port "$lp" > "$work/up.lighthouse" 2>&1 &
+lighthouse=$!
+agent() {
+  DTRAIN_LIGHTHOUSE=127.0.0.1:$lp DTRAIN_REPLICA=$1 timeout 200 "$py" "$root/scripts/torchrun" \
+    --nproc_per_node 1 --master_port "$(port)" --no_python "$dtrain" run "$job" --run-dir "$work/up" \
+    --set train.debug_slow_rank=0 --set train.debug_slow_ms=20 > "$work/up.r$1" 2>&1
+}
+agent 0 &
+first=$!
+for _ in $(seq 1 600); do grep -q '"step":20,' "$work/up/metrics.jsonl" 2>/dev/null && break; sleep 0.1; done
+agent 1 &
+second=$!
+wait $first; rc0=$?
+wait $second; rc1=$?
+wait $lighthouse; rcl=$?
+for f in up.lighthouse up.r0 up.r1; do echo "--- $f"; tail -n 8 "$work/$f"; done
+[ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] && [ $rcl -eq 0 ] || fail "scale-up exits: agents $rc0 $rc1, lighthouse $rcl"
+grep -q "data 1 fault-tolerant replicas" "$work/up.r0" || fail "the job did not start with one replica"
+grep -q "replica(s) 1 joined at step" "$work/up.r0" || fail "replica 1 did not join the running job"
+tail -n 1 "$work/up/metrics.jsonl" | grep -q '"data":2' || fail "the run did not end with two replicas"
+$py - "$(losses "$work/one/metrics.jsonl")" "$(losses "$work/up/metrics.jsonl")" <<'PYEOF' || fail "the scaled-up run's losses are not one process's"
+import json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
+worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+print(f"scale-up: 30 logged steps, largest relative difference from one process: {worst:.2e}")
+assert worst <= 1e-5
+PYEOF
+
+# 4. A replica index the lighthouse does not serve.
 lp=$(port)
 timeout 60 "$dtrain" lighthouse "$job" --replicas 2 --port "$lp" > "$work/bad.lighthouse" 2>&1 &
 lighthouse=$!

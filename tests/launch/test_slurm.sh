@@ -58,3 +58,29 @@ grep -q "resumed at step $stopped from" "$work/rq.out" || fail "the requeued job
 last=$(tail -n 1 "$work/rq/metrics.jsonl")
 grep -q '"status":"completed"' <<<"$last" && grep -q '"steps":2000' <<<"$last" || fail "not completed: $last"
 echo "PASS: SIGUSR1 checkpoint, requeue, resume"
+
+# fault_tolerance: replicas under SLURM: a lighthouse and one srun step per replica in one
+# allocation; replica 1's task killed at step 6 (fault_tolerance.debug_kill_rank). srun
+# restarts nothing: its step fails, and replica 0 completes the run alone.
+cat > "$work/ft.sh" <<'SH'
+#!/bin/bash
+port=$((20000 + SLURM_JOB_ID % 20000 + 1))
+"$DTRAIN" lighthouse "$JOB" --replicas 2 --port $port --set fault_tolerance.mode=replicas &
+for r in 0 1; do
+  DTRAIN_LIGHTHOUSE=127.0.0.1:$port DTRAIN_REPLICA=$r srun --ntasks 1 --exact "$DTRAIN" run "$JOB" \
+    --run-dir "$RUN" --set fault_tolerance.mode=replicas --set train.max_steps=200 \
+    --set fault_tolerance.debug_kill_rank=1 --set fault_tolerance.debug_kill_step=6 &
+done
+wait
+SH
+DTRAIN=$dtrain JOB=$here/job.yaml RUN=$work/ft timeout 300 sbatch --wait --ntasks 2 \
+  --output "$work/ft.out" "$work/ft.sh"
+cat "$work/ft.out"
+ft_fail() { echo "FAIL: $1" >&2; exit 1; }
+grep -q "rank 1 (replica 1) has ended" "$work/ft.out" || ft_fail "the lighthouse did not see rank 1 end"
+grep -q "every rank has ended" "$work/ft.out" || ft_fail "the lighthouse did not end with the job"
+last=$(tail -n 1 "$work/ft/metrics.jsonl")
+grep -q '"status":"completed"' <<<"$last" && grep -q '"steps":200' <<<"$last" ||
+  ft_fail "replica 0 did not complete the run alone: $last"
+grep -q '"data":1' <<<"$last" || ft_fail "the run did not end with one replica: $last"
+echo "PASS: replicas under srun, one killed, the other completes"

@@ -49,7 +49,9 @@ class Replicas : public Lockstep {
   // admitting quorum's step.
   RunResult run(TrainParts& parts) override {
     if (set_->joining()) {
-      if (!set_->join()) {
+      // Admitted from a step past the last (the others saw its request in the last step's
+      // vote): they end without a step to hand it their state at.
+      if (!set_->join() || set_->quorum().step > parts.total_steps) {
         std::cerr << fmt::format("dtrain: replica {}: the others completed the run before it "
                                  "could join\n", replica());
         return {0, nlohmann::json()};
@@ -76,6 +78,13 @@ class Replicas : public Lockstep {
   void agree(int64_t /*n*/, torch::Tensor figures, ReduceOp op) override {
     if (mesh().world()->size() > 1) mesh().world()->all_reduce(figures, op);
     if (set_->count() > 1) set_->comm()->all_reduce(figures, op);
+  }
+  // Every rank of the job has a slot in the figures (a replica that is out leaves its own
+  // empty): the slowest rank is named across replicas.
+  RankInJob rank_in_job() const override {
+    const auto& o = set_->options();
+    const int64_t ranks = o.replicas * o.place.count;
+    return {ranks > 1 ? ranks : 0, o.world_rank(replica())};
   }
   // The replicas that summed step n's figures: the quorum that trained it, which may have
   // changed by the time they are read (two steps later).

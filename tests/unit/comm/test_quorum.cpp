@@ -215,6 +215,41 @@ TEST_SUITE("quorum") {
     CHECK(!done.get());
   }
 
+  // Scale-up: a job that started with replicas 0 and 1 of up to 4.
+  TEST_CASE("quorum: one more replica than the job started with is left out at once and admitted at the next boundary") {
+    Replicas r;
+    auto agreement = [&](int64_t m) {
+      return ReplicaAgreement(*r.store, m, 4, [&r](int64_t x) { return r.alive[x].load(); }, 10s,
+                              1ms, Place{}, /*starting=*/2);
+    };
+    auto a0 = agreement(0), a1 = agreement(1), a3 = agreement(3);
+    const auto q = ReplicaAgreement::first(2, 0);
+    CHECK(q.members == std::vector<int64_t>{0, 1});
+    auto left = std::async(std::launch::async, [&] { return a3.wait_until_left_out(); });
+    REQUIRE(left.wait_for(5s) == std::future_status::ready);  // in no quorum ever: at once
+    CHECK(left.get());
+    a3.ask_to_join();
+    auto admitted = std::async(std::launch::async, [&] { return a3.admitted(); });
+    std::thread t([&] { a1.vote(q, 0, true); });
+    CHECK(a0.vote(q, 0, true) == Decision{true, true});  // the step stands, the quorum grows
+    t.join();
+    auto n1 = std::async(std::launch::async, [&] { return a1.next(q, 1); });
+    const auto grown = a0.next(q, 1);
+    CHECK(n1.get().id == grown.id);
+    CHECK(grown.members == std::vector<int64_t>{0, 1, 3});
+    CHECK(grown.joining == std::vector<int64_t>{3});
+    CHECK(grown.source == 0);
+    const auto seen = admitted.get();
+    REQUIRE(seen);
+    CHECK(seen->id == grown.id);
+    // A replica of the first quorum, restarted, still waits for its former self to be left out.
+    auto a1again = agreement(1);
+    auto again = std::async(std::launch::async, [&] { return a1again.wait_until_left_out(); });
+    CHECK(again.wait_for(50ms) == std::future_status::timeout);
+    r.agreement(0).finished();
+    CHECK_FALSE(again.get());
+  }
+
   TEST_CASE("quorum: a live member that never votes ends the wait with an error naming it") {
     Replicas r;
     const auto q = ReplicaAgreement::first(2, 7);
