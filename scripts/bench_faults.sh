@@ -9,8 +9,9 @@
 # since the checkpoint; under replicas the step in flight, trained again inside the same
 # step), the stall (the kill to the next step logged), the time until the run is back past
 # the step it had reached, and under replicas the detection (the kill to the supervisor's
-# word, which the survivors act on) and the rejoin (the restarted process's start to its
-# joining, its state taken over the group); over the run: wall time and final accuracy
+# or the lighthouse's word, which the survivors act on) and the rejoin (the restarted
+# process's start, or its torchrun agent's word on the failure, to its joining, its state
+# taken over the group); over the run: wall time and final accuracy
 # against the uninterrupted run.
 #
 #   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
