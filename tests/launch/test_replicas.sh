@@ -58,9 +58,17 @@ wait_job() {
   wait "${pids[2]}"; rcl=$?
   for f in lighthouse r0 r1; do echo "--- $name.$f"; tail -n 25 "$work/$name.$f"; done
 }
-losses() { $py -c '
+# RUN_DIR LABEL: the run logged one process's losses (the run in $work/one), each step once.
+one_process_losses() { $py - "$work/one/metrics.jsonl" "$1/metrics.jsonl" "$2" <<'PYEOF'
 import json, sys
-print(json.dumps({l["step"]: l["loss"] for l in map(json.loads, open(sys.argv[1])) if l["kind"] == "train"}))' "$1"; }
+def losses(p): return {l["step"]: l["loss"] for l in map(json.loads, open(p)) if l["kind"] == "train"}
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
+worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+print(f"{sys.argv[3]}: 30 logged steps, largest relative difference from one process: {worst:.2e}")
+assert worst <= 1e-5
+PYEOF
+}
 
 # 1. A kill at step 6 of replica 1; one process's run is the reference.
 timeout 200 "$dtrain" run "$job" --run-dir "$work/one" --set fault_tolerance.mode=off > "$work/one.out" 2>&1 ||
@@ -79,14 +87,7 @@ grep -q "no checkpoint read" "$work/kill.r0" "$work/kill.r1" || fail "the joiner
 # replica 0's never did.
 grep -q "failed (exitcode: -9)" "$work/kill.r1" || fail "replica 1's agent did not see its worker killed"
 grep -q "failed (exitcode" "$work/kill.r0" && fail "replica 0's worker failed"
-$py - "$(losses "$work/one/metrics.jsonl")" "$(losses "$work/kill/metrics.jsonl")" <<'PYEOF' || fail "the losses are not one process's"
-import json, sys
-a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
-worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
-print(f"30 logged steps, largest relative difference from one process: {worst:.2e}")
-assert worst <= 1e-5
-PYEOF
+one_process_losses "$work/kill" kill || fail "the losses are not one process's"
 tail -n 1 "$work/kill/metrics.jsonl" | grep -q '"status":"completed"' || fail "the run did not complete"
 tail -n 1 "$work/kill/metrics.jsonl" | grep -q '"data":2' || fail "the run did not end with both replicas"
 
@@ -137,14 +138,7 @@ for f in up.lighthouse up.r0 up.r1; do echo "--- $f"; tail -n 8 "$work/$f"; done
 grep -q "data 1 fault-tolerant replicas" "$work/up.r0" || fail "the job did not start with one replica"
 grep -q "replica(s) 1 joined at step" "$work/up.r0" || fail "replica 1 did not join the running job"
 tail -n 1 "$work/up/metrics.jsonl" | grep -q '"data":2' || fail "the run did not end with two replicas"
-$py - "$(losses "$work/one/metrics.jsonl")" "$(losses "$work/up/metrics.jsonl")" <<'PYEOF' || fail "the scaled-up run's losses are not one process's"
-import json, sys
-a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
-worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
-print(f"scale-up: 30 logged steps, largest relative difference from one process: {worst:.2e}")
-assert worst <= 1e-5
-PYEOF
+one_process_losses "$work/up" scale-up || fail "the scaled-up run's losses are not one process's"
 
 # 4. A replica index the lighthouse does not serve.
 lp=$(port)
