@@ -216,6 +216,20 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   return out;
 }
 
+// One replica of a fault-tolerant job whose launcher is one of several (DTRAIN_LIGHTHOUSE
+// set): its place in the whole job, whose store the lighthouse hosts; else `launched`.
+WorldInfo replica_world(const JobConfig& cfg, const WorldInfo& launched, const Env& env) {
+  const auto lighthouse = env("DTRAIN_LIGHTHOUSE");
+  if (!lighthouse) return launched;
+  fail_if<ConfigError>(cfg.fault_tolerance.mode != "replicas", "DTRAIN_LIGHTHOUSE is set, for "
+                       "fault_tolerance.mode: replicas; this job's is {}", cfg.fault_tolerance.mode);
+  fail_if<ConfigError>(cfg.parallel.auto_layout, "parallel.auto under a lighthouse: name "
+                       "parallel.tensor and parallel.pipeline, which make a replica");
+  return lighthouse_world(launched, *lighthouse, env("DTRAIN_REPLICA").value_or(""),
+                          cfg.parallel.tensor * cfg.parallel.pipeline,
+                          std::chrono::seconds(cfg.dist.timeout_s));
+}
+
 int run_job(const JobArgs& job, const std::string& run_dir, const std::string& resume,
             bool requeue, int64_t nproc, int64_t max_restarts, int argc, char** argv) {
   auto env = process_env();
@@ -234,22 +248,12 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
-  auto world = discover_world(env, cfg.dist.port);
-  const auto lighthouse = env("DTRAIN_LIGHTHOUSE");
-  if (lighthouse) {  // one replica of a fault-tolerant job, its launcher one of several
-    fail_if<ConfigError>(cfg.fault_tolerance.mode != "replicas", "DTRAIN_LIGHTHOUSE is set, "
-                         "for fault_tolerance.mode: replicas; this job's is {}",
-                         cfg.fault_tolerance.mode);
-    fail_if<ConfigError>(cfg.parallel.auto_layout, "parallel.auto under a lighthouse: name "
-                         "parallel.tensor and parallel.pipeline, which make a replica");
-    world = lighthouse_world(world, *lighthouse, env("DTRAIN_REPLICA").value_or(""),
-                             cfg.parallel.tensor * cfg.parallel.pipeline,
-                             std::chrono::seconds(cfg.dist.timeout_s));
-  }
+  const bool one_replica = env("DTRAIN_LIGHTHOUSE").has_value();
+  auto world = replica_world(cfg, discover_world(env, cfg.dist.port), env);
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc;
   // a replica's joins its peers instead.
   const std::string resume_from =
-      resume.empty() && world.restart_count > 0 && !lighthouse ? "auto" : resume;
+      resume.empty() && world.restart_count > 0 && !one_replica ? "auto" : resume;
   const auto device = [&] {
     return plan_device(cfg, world.local_rank, world.local_world, mode_spec(cfg.parallel.mode).any_source);
   };

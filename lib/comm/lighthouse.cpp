@@ -51,6 +51,52 @@ void end_silent(c10d::Store& store, int64_t rank, const std::string& here,
                   process ? fmt::format(", process {} on {}", process->second, process->first) : ""));
 }
 
+// What the lighthouse knows of each rank of the job, from the store: whether it came (it
+// left word of its process), has ended, and was found silent. Each look says what changed.
+class RankLog {
+ public:
+  RankLog(c10::intrusive_ptr<c10d::Store> store, const LighthouseOptions& o, int64_t world)
+      : store_(std::move(store)), o_(o), live_(store_, o.silent, /*none_alive=*/true),
+        here_(this_host()), ranks_(size_t(world)) {}
+
+  // Looks at every rank once; true while one that came runs.
+  bool look() {
+    bool running = false;
+    for (int64_t r = 0; r < int64_t(ranks_.size()); ++r) running = look_at(r) || running;
+    return running;
+  }
+  bool any_came() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& k) { return k.came; });
+  }
+
+ private:
+  struct Rank {
+    bool came = false, ended = false, silent = false;
+  };
+  bool look_at(int64_t r) {
+    auto& k = ranks_[size_t(r)];
+    k.came = k.came || its_process(*store_, r).has_value();
+    if (!k.came) return false;
+    const bool ended = has_ended(*store_, r);
+    if (ended != k.ended) {
+      o_.say(fmt::format("dtrain lighthouse: rank {} (replica {}) {}", r, r / o_.replica_size,
+                         ended ? "has ended" : "runs again"));
+      k.ended = ended, k.silent = false;
+    }
+    if (!ended && !k.silent && !live_(r)) {
+      end_silent(*store_, r, here_, o_.say);
+      k.silent = true;
+    }
+    return !ended;
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  const LighthouseOptions& o_;
+  Liveness live_;
+  std::string here_;
+  std::vector<Rank> ranks_;
+};
+
 }  // namespace
 
 int serve_lighthouse(const LighthouseOptions& o) {
@@ -66,38 +112,22 @@ int serve_lighthouse(const LighthouseOptions& o) {
                     o.replica_size, most > o.replicas ? fmt::format(", up to {}", most) : "",
                     o.host, store->port(), o.host, store->port(), most - 1));
   const int64_t world = most * o.replica_size;
-  Liveness live(store, o.silent, /*none_alive=*/true);
   std::optional<JobWatch> watch;
   if (o.hang_after.count() > 0) watch.emplace(store, world, o.hang_after, o.say);
-  const std::string here = this_host();
-  std::vector<char> came(size_t(world), 0), ended(size_t(world), 0), silent(size_t(world), 0);
+  RankLog ranks(store, o, world);
   const auto started = std::chrono::steady_clock::now();
   auto last_running = started;  // when a rank that came last ran
   while (!o.stop()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (watch) watch->tick();
-    bool all_ended = true, any_came = false;  // of the ranks that came (not every may)
-    for (int64_t r = 0; r < world; ++r) {
-      const bool has = has_ended(*store, r);
-      if (!came[r] && its_process(*store, r)) came[r] = 1;
-      if (came[r] && has != bool(ended[r])) {
-        o.say(fmt::format("dtrain lighthouse: rank {} (replica {}) {}", r, r / o.replica_size,
-                          has ? "has ended" : "runs again"));
-        ended[r] = has, silent[r] = 0;
-      }
-      if (came[r] && !has && !silent[r] && !live(r)) {
-        end_silent(*store, r, here, o.say);
-        silent[r] = 1;
-      }
-      all_ended = all_ended && (!came[r] || has);
-      any_came = any_came || came[r];
-    }
-    all_ended = all_ended && any_came;
+    const bool running = ranks.look();
     const auto now = std::chrono::steady_clock::now();
-    if (!any_came && now - started > o.timeout)
-      throw DistError(fmt::format("lighthouse: no rank came within dist.timeout_s = {} s",
-                                  std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()));
-    if (!all_ended) {
+    if (!ranks.any_came()) {
+      if (now - started > o.timeout)
+        throw DistError(fmt::format("lighthouse: no rank came within dist.timeout_s = {} s",
+                                    std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()));
+      last_running = now;
+    } else if (running) {
       last_running = now;
     } else if (now - last_running > o.silent) {  // no replica restarting to join
       o.say("dtrain lighthouse: every rank has ended");
