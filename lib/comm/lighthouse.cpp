@@ -1,7 +1,6 @@
 #include "comm/lighthouse.hpp"
 
 #include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <optional>
@@ -14,6 +13,7 @@
 #include "comm/tcp_store.hpp"
 #include "comm/watch.hpp"
 #include "util/error.hpp"
+#include "util/process.hpp"
 
 namespace dtrain {
 namespace {
@@ -28,12 +28,6 @@ Served served_by(const std::vector<uint8_t>& v) {
   Served s;
   std::istringstream(std::string(v.begin(), v.end())) >> s.starting >> s.size >> s.most;
   return s;
-}
-
-std::string this_host() {
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  return host;
 }
 
 // A rank that stopped answering: killed where it runs here (its launcher restarts its
@@ -57,7 +51,7 @@ class RankLog {
  public:
   RankLog(c10::intrusive_ptr<c10d::Store> store, const LighthouseOptions& o, int64_t world)
       : store_(std::move(store)), o_(o), live_(store_, o.silent, /*none_alive=*/true),
-        here_(this_host()), ranks_(size_t(world)) {}
+        here_(host_name()), ranks_(size_t(world)) {}
 
   // Looks at every rank once; true while one that came runs.
   bool look() {

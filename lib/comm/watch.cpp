@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "util/clock.hpp"  // unix_time: heartbeats compare wall-clock times across processes
+#include "util/process.hpp"
 #include "util/units.hpp"
 
 namespace dtrain {
@@ -138,9 +139,7 @@ bool has_ended(c10d::Store& store, int64_t rank) { return !value_now(store, ende
 void leave_word(TcpStore& store, int64_t rank) {
   store.on_close(ended_key(rank), std::vector<uint8_t>{'1'});
   store.on_close(heartbeat_key(rank), {});
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const std::string word = fmt::format("{} {}", host, ::getpid());
+  const std::string word = fmt::format("{} {}", host_name(), ::getpid());
   store.set(process_key(rank), std::vector<uint8_t>(word.begin(), word.end()));
 }
 

@@ -12,6 +12,7 @@
 
 #include "util/error.hpp"
 #include "util/files.hpp"
+#include "util/process.hpp"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -125,8 +126,8 @@ EventWriter::EventWriter(const std::string& dir) {
   if (ec) throw RunDirError(fmt::format("cannot create '{}': {}", dir, ec.message()));
   for (const auto& e : fs::directory_iterator(dir, ec))
     if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path(), ec);
-  char host[256] = "localhost";
-  ::gethostname(host, sizeof host - 1);
+  std::string host = host_name();
+  if (host.empty()) host = "localhost";
   const double now = std::chrono::duration<double>(
                          std::chrono::system_clock::now().time_since_epoch()).count();
   path_ = (fs::path(dir) / fmt::format("events.out.tfevents.{}.{}", int64_t(now), host)).string();

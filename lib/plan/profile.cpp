@@ -480,9 +480,7 @@ const MachineProfile::Link* MachineProfile::link(const std::vector<Link>& links,
 
 MachineProfile measure_machine(int64_t max_ranks) {
   MachineProfile p;
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  p.host = host;
+  p.host = host_name();
   p.build = build_info();
   p.cores = usable_cpus();
   torch::NoGradGuard no_grad;

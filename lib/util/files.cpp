@@ -16,6 +16,8 @@
 
 #include <fmt/format.h>
 
+#include "util/process.hpp"
+
 namespace dtrain {
 
 namespace {
@@ -139,9 +141,7 @@ std::optional<DirLock> DirLock::try_lock(const std::string& dir, std::string& ho
     holder.erase(holder.find_last_not_of(" \n") + 1);
     return std::nullopt;
   }
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const std::string who = fmt::format("pid {} on host {}\n", ::getpid(), host);
+  const std::string who = fmt::format("pid {} on host {}\n", ::getpid(), host_name());
   // Best effort: the lock itself is what counts; the text only names the holder.
   [[maybe_unused]] const bool named =
       ::ftruncate(fd, 0) == 0 && ::pwrite(fd, who.data(), who.size(), 0) == ssize_t(who.size());

@@ -19,6 +19,12 @@ extern char** environ;
 
 namespace dtrain {
 
+std::string host_name() {
+  char host[256] = {};  // a name longer than the buffer is cut, and still ends in a null
+  ::gethostname(host, sizeof host - 1);
+  return host;
+}
+
 std::vector<char*> argv_of(std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

@@ -23,6 +23,9 @@ struct ChildResult {
 ChildResult run_child(const std::vector<std::string>& args, std::chrono::seconds timeout,
                       const std::string& log = "");
 
+// This machine's host name ("" where it cannot be read).
+std::string host_name();
+
 // `args` as main's argv: pointers into them, then a null.
 std::vector<char*> argv_of(std::vector<std::string>& args);
 
