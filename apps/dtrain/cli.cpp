@@ -248,12 +248,12 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
-  const bool one_replica = env("DTRAIN_LIGHTHOUSE").has_value();
   auto world = replica_world(cfg, discover_world(env, cfg.dist.port), env);
   // A worker torchrun restarted continues the run, as --max-restarts does under --nproc;
-  // a replica's joins its peers instead.
+  // one beside a lighthouse (a store hosted apart from the ranks) is a replica's, which
+  // joins its peers instead.
   const std::string resume_from =
-      resume.empty() && world.restart_count > 0 && !one_replica ? "auto" : resume;
+      resume.empty() && world.restart_count > 0 && !world.store_hosted ? "auto" : resume;
   const auto device = [&] {
     return plan_device(cfg, world.local_rank, world.local_world, mode_spec(cfg.parallel.mode).any_source);
   };

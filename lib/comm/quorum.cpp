@@ -93,7 +93,7 @@ bool ReplicaAgreement::wait_until_left_out() {
     newest = newest_quorum(newest);
     const auto members = newest > 0
                              ? from_record(newest, json::parse(get(quorum_key(newest)))).members
-                             : first(starting_, 0).members;
+                             : starting_quorum(0).members;
     if (std::find(members.begin(), members.end(), replica_) == members.end()) return true;
     if (stored(kFinished)) return false;
     if (Clock::now() > until)

@@ -61,6 +61,8 @@ class ReplicaAgreement {
   // The quorum the job starts in: replicas 0 to `starting` - 1, from `step` (nothing
   // stored).
   static Quorum first(int64_t starting, int64_t step);
+  // That quorum for this job's starting replicas.
+  Quorum starting_quorum(int64_t step) const { return first(starting_, step); }
 
   // This replica (restarted, or one more) asks to be in the next quorum; admitted() waits
   // for the first quorum that takes it, or returns nothing once the run has been finished

@@ -24,7 +24,7 @@ ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool join
     : opts_(std::move(opts)),
       agreement_(store, opts_.replica, opts_.replicas, opts_.live, opts_.timeout, opts_.poll,
                  opts_.place, opts_.starting),
-      quorum_(ReplicaAgreement::first(opts_.starting > 0 ? opts_.starting : opts_.replicas, step)),
+      quorum_(agreement_.starting_quorum(step)),
       comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_))),
       joining_(joining) {}
 
