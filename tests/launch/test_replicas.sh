@@ -19,6 +19,7 @@ $py -c 'import torch.distributed.run' 2>/dev/null || { echo "no torchrun at $py:
 work=$(mktemp -d /tmp/dtrain-replicas-test.XXXXXX)
 # TERM, not KILL: `timeout` passes it on to the dtrain under it.
 trap 'kill $(jobs -p) 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
+source "$here/check_run.sh"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 job=$work/job.yaml
@@ -58,17 +59,8 @@ wait_job() {
   wait "${pids[2]}"; rcl=$?
   for f in lighthouse r0 r1; do echo "--- $name.$f"; tail -n 25 "$work/$name.$f"; done
 }
-# RUN_DIR LABEL: the run logged one process's losses (the run in $work/one), each step once.
-one_process_losses() { $py - "$work/one/metrics.jsonl" "$1/metrics.jsonl" "$2" <<'PYEOF'
-import json, sys
-def losses(p): return {l["step"]: l["loss"] for l in map(json.loads, open(p)) if l["kind"] == "train"}
-a, b = losses(sys.argv[1]), losses(sys.argv[2])
-assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
-worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
-print(f"{sys.argv[3]}: 30 logged steps, largest relative difference from one process: {worst:.2e}")
-assert worst <= 1e-5
-PYEOF
-}
+# RUN_DIR: the run logged one process's losses (the run in $work/one), each step once.
+one_process_losses() { same_losses "$py" "$work/one" "$1" 30 1e-5 "one process"; }
 
 # 1. A kill at step 6 of replica 1; one process's run is the reference.
 timeout 200 "$dtrain" run "$job" --run-dir "$work/one" --set fault_tolerance.mode=off > "$work/one.out" 2>&1 ||
@@ -87,7 +79,7 @@ grep -q "no checkpoint read" "$work/kill.r0" "$work/kill.r1" || fail "the joiner
 # replica 0's never did.
 grep -q "failed (exitcode: -9)" "$work/kill.r1" || fail "replica 1's agent did not see its worker killed"
 grep -q "failed (exitcode" "$work/kill.r0" && fail "replica 0's worker failed"
-one_process_losses "$work/kill" kill || fail "the losses are not one process's"
+one_process_losses "$work/kill" || fail "the losses are not one process's"
 tail -n 1 "$work/kill/metrics.jsonl" | grep -q '"status":"completed"' || fail "the run did not complete"
 tail -n 1 "$work/kill/metrics.jsonl" | grep -q '"data":2' || fail "the run did not end with both replicas"
 
@@ -138,7 +130,7 @@ for f in up.lighthouse up.r0 up.r1; do echo "--- $f"; tail -n 8 "$work/$f"; done
 grep -q "data 1 fault-tolerant replicas" "$work/up.r0" || fail "the job did not start with one replica"
 grep -q "replica(s) 1 joined at step" "$work/up.r0" || fail "replica 1 did not join the running job"
 tail -n 1 "$work/up/metrics.jsonl" | grep -q '"data":2' || fail "the run did not end with two replicas"
-one_process_losses "$work/up" scale-up || fail "the scaled-up run's losses are not one process's"
+one_process_losses "$work/up" || fail "the scaled-up run's losses are not one process's"
 
 # 4. A replica index the lighthouse does not serve.
 lp=$(port)

@@ -30,15 +30,7 @@ cat "$work/run.out"
 [ $rc -eq 0 ] || fail "torchrun exited $rc"
 grep -q "launcher env" "$work/run.out" || fail "ranks not taken from torchrun's variables"
 check_run "$work/run" || exit 1
-$py - "$work/ref/metrics.jsonl" "$work/run/metrics.jsonl" <<'PYEOF' || fail "losses differ from --nproc 2"
-import json, sys
-def losses(p): return {l["step"]: l["loss"] for l in map(json.loads, open(p)) if l["kind"] == "train"}
-a, b = losses(sys.argv[1]), losses(sys.argv[2])
-assert len(a) == 30 and a.keys() == b.keys(), (len(a), len(b))
-worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
-print(f"30 steps, largest relative difference from --nproc 2: {worst:.2e}")
-assert worst <= 1e-6
-PYEOF
+same_losses "$py" "$work/ref" "$work/run" 30 1e-6 "--nproc 2" || fail "losses differ from --nproc 2"
 
 # 2. Kill rank 1 mid-run; torchrun restarts both workers once.
 steps=3000
