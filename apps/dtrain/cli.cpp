@@ -182,14 +182,15 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   const std::chrono::seconds heartbeat(cfg.fault_tolerance.heartbeat_s);
   if (opts.hang_after.count() <= 0) opts.hang_after = heartbeat;  // the watch beats
   JobLink link = link_job(world, opts, heartbeat);
-  const int64_t size = dims.tensor * dims.pipeline;  // ranks per replica
+  const int64_t size = replica_ranks(cfg, dims);
   const int64_t replica = world.rank / size, place = world.rank % size;
+  const int64_t replicas = dims.data / cfg.fault_tolerance.replica_data;
   // Restarted by the supervisor (its count for this replica), or by the replica's own
   // launcher (torchrun's restart count).
   const auto incarnation = process_env()("DTRAIN_FT_JOIN");
   const int64_t generation = incarnation ? std::stoll(*incarnation) : world.restart_count;
   // Restarted, or one more than the replicas that started the job (scale-up).
-  const int64_t starting = starting_replicas(*link.store, dims.data);
+  const int64_t starting = starting_replicas(*link.store, replicas);
   const bool joining = generation > 0 || replica >= starting;
   std::vector<int64_t> ranks;
   for (int64_t p = 0; p < size; ++p) ranks.push_back(replica * size + p);
@@ -197,7 +198,7 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   out.world = size == 1 ? make_local_comm()
                         : link.world(fmt::format("ft/replica/{}/{}", replica, generation), ranks);
   ReplicaSet::Options o;
-  o.replica = replica, o.replicas = dims.data, o.starting = starting;
+  o.replica = replica, o.replicas = replicas, o.starting = starting;
   o.place = {place, size};
   o.ranks = ranks;
   o.world_rank = [size, place](int64_t r) { return r * size + place; };
@@ -226,7 +227,7 @@ WorldInfo replica_world(const JobConfig& cfg, const WorldInfo& launched, const E
   fail_if<ConfigError>(cfg.parallel.auto_layout, "parallel.auto under a lighthouse: name "
                        "parallel.tensor and parallel.pipeline, which make a replica");
   return lighthouse_world(launched, *lighthouse, env("DTRAIN_REPLICA").value_or(""),
-                          cfg.parallel.tensor * cfg.parallel.pipeline,
+                          replica_ranks(cfg, {1, cfg.parallel.tensor, cfg.parallel.pipeline}),
                           std::chrono::seconds(cfg.dist.timeout_s));
 }
 
@@ -244,7 +245,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
                       workers_forked(nproc) ? start_worker_here : nullptr,
                       [nproc, cfg](int port) { return host_store(port, nproc, cfg); },
                       /*replica_size=*/cfg.fault_tolerance.mode == "replicas"
-                          ? checked.dims.tensor * checked.dims.pipeline : 0});
+                          ? replica_ranks(cfg, checked.dims) : 0});
   }
   // Parsed once; dist.port is needed to discover the world, which validation needs.
   JobConfig cfg = read_job(job, run_dir);
@@ -292,7 +293,7 @@ int run_job(const JobArgs& job, const std::string& run_dir, const std::string& r
     const auto replica = join_replicas(cfg, dims, world, comm_options());
     opts.replicas = replica.set;
     ParallelDims inside = dims;  // a replica's layout
-    inside.data = 1;
+    inside.data = cfg.fault_tolerance.replica_data;
     return run_training(cfg, inside, opts, world, replica.world).exit_code;
   }
   if (!comm) comm = connect();
@@ -543,7 +544,7 @@ int lighthouse_command(const Cli& cli) {
                        "parallel.tensor and parallel.pipeline, which make a replica");
   fail_if<ConfigError>(cli.max_replicas > 0 && cli.max_replicas < cli.replicas, "lighthouse: "
                        "--max-replicas {} is below --replicas {}", cli.max_replicas, cli.replicas);
-  const int64_t size = spec.parallel.tensor * spec.parallel.pipeline;
+  const int64_t size = replica_ranks(spec, {1, spec.parallel.tensor, spec.parallel.pipeline});
   const int64_t most = std::max(cli.max_replicas, cli.replicas);
   settle(spec, cli.replicas * size, size, false);  // the job as it starts, and at its largest
   const auto cfg = settle(spec, most * size, size, false).cfg;

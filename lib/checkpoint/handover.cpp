@@ -1,5 +1,6 @@
 #include "checkpoint/handover.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -20,7 +21,8 @@ struct Held {
   StateFile file;
   std::string name;
   torch::Tensor tensor;
-  std::optional<PartOf> part;  // of a tensor split over the replica's tensor ranks
+  std::optional<PartOf> part;    // of a tensor split over the replica's tensor ranks
+  std::optional<RangeOf> range;  // of a tensor's elements (a ZeRO shard's piece of it)
 };
 
 json placement_record(const std::optional<PartOf>& part) {
@@ -35,6 +37,35 @@ std::optional<PartOf> part_from(const json& j) {
                 j.at(3).get<int64_t>()};
 }
 
+json range_record(const std::optional<RangeOf>& range) {
+  if (!range) return nullptr;
+  return {range->offset, range->shape, range->channels_last};
+}
+
+std::optional<RangeOf> range_from(const json& j) {
+  if (j.is_null()) return std::nullopt;
+  return RangeOf{j.at(0).get<int64_t>(), j.at(1).get<std::vector<int64_t>>(), j.at(2).get<bool>()};
+}
+
+// Where a file's tensors are read back: a shard's with the whole's (the checkpoint's
+// merge of every data rank's ranges).
+StateFile read_as(StateFile file) {
+  if (file == StateFile::kOptimizerShard) return StateFile::kOptimizer;
+  if (file == StateFile::kModelShard) return StateFile::kModel;
+  return file;
+}
+
+// A range's piece as its tensor (`range.shape`, this tensor rank's part of it), the piece
+// at its place in the flat layout's order of the elements and zeros elsewhere: the
+// joiner's shard is the source's, so the scatter takes exactly the piece back.
+torch::Tensor placed(const torch::Tensor& piece, const RangeOf& range) {
+  const auto& shape = range.shape;
+  auto whole = torch::zeros({c10::multiply_integers(shape)}, piece.options());
+  whole.narrow(0, range.offset, piece.numel()).copy_(piece.reshape({-1}));
+  if (!range.channels_last) return whole.view(shape);
+  return whole.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2});  // NHWC's order
+}
+
 // A replica's state in memory. What a data rank keeps of its own (kReplica: error
 // feedback's residuals, local SGD's own optimizer) is that replica's, lost with it: a
 // joiner starts those afresh, as a component's constructor leaves them.
@@ -44,13 +75,12 @@ class MemoryWriter : public StateWriter {
   void add(StateFile file, const NamedTensors& tensors, const PartsOf& parts,
            const RangesOf& ranges) override {
     if (!writes(file)) return;
-    if (!ranges.empty())
-      throw std::logic_error("live recovery of a state sharded inside a replica (ZeRO) is not "
-                             "built yet");
     for (const auto& [name, t] : tensors) {
-      const auto it = parts.find(name);
+      const auto part = parts.find(name);
+      const auto range = ranges.find(name);
       held.push_back({file, name, t.detach(),
-                      it != parts.end() ? std::optional<PartOf>(it->second) : std::nullopt});
+                      part != parts.end() ? std::optional<PartOf>(part->second) : std::nullopt,
+                      range != ranges.end() ? std::optional<RangeOf>(range->second) : std::nullopt});
     }
   }
   void set(const std::string& key, json value) override { trainer[key] = std::move(value); }
@@ -70,27 +100,29 @@ class MemoryReader : public StateReader {
   std::vector<std::string> names(StateFile file) const override {
     std::vector<std::string> out;
     for (const auto& h : state_.held)
-      if (h.file == file) out.push_back(h.name);
+      if (read_as(h.file) == file) out.push_back(h.name);
     return out;
   }
-  // Each member at the same place in its replica: a split tensor's part is this rank's.
+  // Each member at the same place in its replica: a split tensor's part is this rank's,
+  // and a shard's range (ZeRO inside the replica) this data rank's.
   SavedTensors tensors(StateFile file) const override {
     std::map<std::string, std::vector<int64_t>> shapes;
     std::map<std::string, const Held*> by_name;
     for (const auto& h : state_.held) {
-      if (h.file != file) continue;
-      shapes[h.name] = h.part ? h.part->placement.full_shape(h.tensor.sizes().vec())
-                              : h.tensor.sizes().vec();
+      if (read_as(h.file) != file) continue;
+      const auto local = h.range ? h.range->shape : h.tensor.sizes().vec();
+      shapes[h.name] = h.part ? h.part->placement.full_shape(local) : local;
       by_name[h.name] = &h;
     }
     auto read = [by_name](const std::string& name, const Placement& placement, int64_t rank) {
       const Held& h = *by_name.at(name);
-      if (!h.part) return placement.is_split() ? placement.shard(h.tensor, rank) : h.tensor;
+      const auto t = h.range ? placed(h.tensor, *h.range) : h.tensor;
+      if (!h.part) return placement.is_split() ? placement.shard(t, rank) : t;
       const auto& p = h.part->placement;
       if (p.dim != placement.dim || p.parts != placement.parts || p.blocks != placement.blocks ||
           h.part->rank != rank)
         throw std::logic_error("live recovery: '" + name + "' is split otherwise in the source");
-      return h.tensor;
+      return t;
     };
     return SavedTensors(shapes, read, origin_);
   }
@@ -99,6 +131,9 @@ class MemoryReader : public StateReader {
   ParallelDims saved_layout() const override { return layout_; }
   ParallelDims layout() const override { return layout_; }
   void warn(const std::string&) const override {}  // kReplica's absence is by design
+  bool shard_only() const override {
+    return std::any_of(state_.held.begin(), state_.held.end(), [](const Held& h) { return bool(h.range); });
+  }
 
  private:
   const MemoryWriter& state_;
@@ -139,7 +174,8 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
     h["job"] = mine.job;
     for (const auto& held : mine.held)
       h["tensors"].push_back({int(held.file), held.name, int(held.tensor.scalar_type()),
-                              held.tensor.sizes().vec(), placement_record(held.part)});
+                              held.tensor.sizes().vec(), placement_record(held.part),
+                              range_record(held.range)});
     text = h.dump();
   }
   auto length = torch::tensor({int64_t(text.size())}, torch::kInt64);
@@ -183,7 +219,7 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
       auto t = torch::empty(shape, torch::dtype(type));
       transfers.push_back({P2POp::kRecv, t, source});
       got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,
-                          part_from(entry.at(4))});
+                          part_from(entry.at(4)), range_from(entry.at(5))});
     }
     ++i;
   }

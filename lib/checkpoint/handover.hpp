@@ -9,7 +9,8 @@
 //
 // Where a replica's own ranks split its state (tensor parallelism inside it), each rank
 // hands over its part over its place's group to the joiner's rank at the same place, whose
-// part is the same. A state sharded inside a replica (ZeRO) is refused (std::logic_error).
+// part is the same; where its data ranks shard it (ZeRO inside a replica), each hands its
+// shard's ranges to the joiner's data rank at the same place, whose shard is the same.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -386,15 +386,21 @@ struct LoggingConfig {
 struct FaultToleranceConfig {
   std::string mode = "off";
   int64_t heartbeat_s = 5;
+  int64_t replica_data = 1;
   int64_t debug_kill_rank = -1;
   int64_t debug_kill_step = 0;
 
   template <class V> void visit(V&& v) {
     v("mode", mode, Choices{"off", "replicas"},
-      "replicas: each data-parallel replica (one process, or its parallel.tensor group) may "
-      "fail alone; the others go on without a restart, the step in flight trained again by "
-      "the survivors on the same global batch (dtrain run --nproc, or a launcher a replica "
-      "beside dtrain lighthouse; mode sync; no pipeline or ZeRO inside a replica yet)");
+      "replicas: each data-parallel replica (one process, its parallel.tensor group, or "
+      "replica_data data ranks of them) may fail alone; the others go on without a restart, "
+      "the step in flight trained again by the survivors on the same global batch (dtrain run "
+      "--nproc, or a launcher a replica beside dtrain lighthouse; mode sync; no pipeline "
+      "inside a replica yet)");
+    v("replica_data", replica_data,
+      "data-parallel ranks inside each replica, which shard ZeRO's state among themselves "
+      "(parallel.zero 1 to 3; shard within, replicate across: HSDP); parallel.data counts "
+      "every data rank, so the job has parallel.data / replica_data replicas");
     v("heartbeat_s", heartbeat_s,
       "a replica whose heartbeat is older than this is voted dead (a stopped or hung process)");
     v("debug_kill_rank", debug_kill_rank,

@@ -579,6 +579,8 @@ void check_layout_and_run(const JobConfig& c) {
        "between 0 (never) and 2592000 (30 days)", c.dist.hang_report_s);
   need(c.fault_tolerance.heartbeat_s >= 1 && c.fault_tolerance.heartbeat_s <= 3600,
        "fault_tolerance.heartbeat_s", "between 1 and 3600", c.fault_tolerance.heartbeat_s);
+  need(c.fault_tolerance.replica_data >= 1, "fault_tolerance.replica_data", "at least 1",
+       c.fault_tolerance.replica_data);
   need(c.dist.port >= 0 && c.dist.port <= 65535, "dist.port", "between 0 (automatic) and 65535",
        c.dist.port);
   need(c.dist.gloo_threads >= 1 && c.dist.gloo_threads <= 64, "dist.gloo_threads",

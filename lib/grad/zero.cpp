@@ -82,20 +82,31 @@ class ReduceToOwners : public Reduction {
 class ZeroSync : public BucketedSync {
  public:
   ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
-           double bucket_mb, int64_t micro_batches)
+           double bucket_mb, int64_t micro_batches, AcrossReplicas across)
       : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, ranges_of(params, tied)),
                      data->size(), bucket_mb, micro_batches, tied, /*tensor_rank=*/0),
         data_(std::move(data)),
-        shard_(shard) {
+        shard_(shard),
+        across_(std::move(across)),
+        micro_batches_(micro_batches) {
     const int64_t cap = bucket_numel(params, bucket_mb);
     for (int64_t r = 0; r < data_->size(); ++r)
       for (int64_t at = r * shard.numel; at < (r + 1) * shard.numel; at += cap)
         pieces_.push_back({at, std::min(cap, (r + 1) * shard.numel - at), r});
   }
   Shard shard() const override { return shard_; }
+  double loss_factor() const override {
+    return across_.replicas ? across_.share() / double(micro_batches_) : BucketedSync::loss_factor();
+  }
   void finish() override {
     settle();  // the next update writes the shard being sent (a parameter no forward used)
     BucketedSync::finish();
+    if (!across_.replicas || across_.replicas->size() == 1) return;
+    // The replica's sum of this shard, summed over the replicas: after the replica's own
+    // reductions, not overlapping backward (a failure here is the step's vote to report).
+    const auto mine = params_.grad().narrow(0, shard_.offset - params_.grad_held().offset, shard_.numel);
+    across_.replicas->all_reduce(mine);
+    sent_ += ring_all_reduce_bytes(mine.numel() * mine.element_size(), across_.replicas->size());
   }
   void after_update(const torch::Tensor& skip) override {
     BucketedSync::after_update(skip);
@@ -129,6 +140,8 @@ class ZeroSync : public BucketedSync {
   }
   std::shared_ptr<Comm> data_;
   Shard shard_;
+  AcrossReplicas across_;
+  int64_t micro_batches_;
 
  private:
   struct Piece {
@@ -172,8 +185,9 @@ class Zero2Sync : public ZeroSync {
  public:
   static constexpr size_t kInFlight = size_t(kZeroInFlight);
   Zero2Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
-            double bucket_mb, int64_t micro_batches)
-      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches),
+            double bucket_mb, int64_t micro_batches, AcrossReplicas across)
+      : ZeroSync(params, std::move(data), shard, std::move(tied), bucket_mb, micro_batches,
+                 std::move(across)),
         slices_(buckets().slices()) {
     max_inflight_ = kInFlight;
     const size_t n = params.entries().size();
@@ -306,8 +320,8 @@ class Zero2Sync : public ZeroSync {
 class Zero3Sync : public Zero2Sync {
  public:
   Zero3Sync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
-            double bucket_mb, int64_t micro_batches)
-      : Zero2Sync(params, data, shard, std::move(tied), bucket_mb, micro_batches),
+            double bucket_mb, int64_t micro_batches, AcrossReplicas across)
+      : Zero2Sync(params, data, shard, std::move(tied), bucket_mb, micro_batches, std::move(across)),
         pending_(params.units().size()) {}
 
   void begin_step(int64_t step) override {
@@ -467,13 +481,15 @@ Shard update_shard(const ParallelConfig& cfg, const ParallelDims& dims, const Co
 }
 
 std::unique_ptr<GradSync> make_zero_sync(const ParallelConfig& cfg, const Mesh& mesh,
-                                         FlatParams& params, int64_t micro_batches, Tied tied) {
+                                         FlatParams& params, int64_t micro_batches, Tied tied,
+                                         AcrossReplicas across) {
   const Shard shard = update_shard(cfg, mesh.dims(), mesh.coord(), params);
+  const double mb = cfg.bucket_mb;
   if (cfg.zero == 3 && params.sharded())
-    return std::make_unique<Zero3Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+    return std::make_unique<Zero3Sync>(params, mesh.data(), shard, tied, mb, micro_batches, across);
   if (cfg.zero >= 2)
-    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
-  return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, cfg.bucket_mb, micro_batches);
+    return std::make_unique<Zero2Sync>(params, mesh.data(), shard, tied, mb, micro_batches, across);
+  return std::make_unique<ZeroSync>(params, mesh.data(), shard, tied, mb, micro_batches, across);
 }
 
 SyncCost zero_sync_cost(const ParallelConfig& cfg, const FlatShape& h, const DataGroup& group) {

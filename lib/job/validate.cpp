@@ -126,7 +126,8 @@ void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
 namespace {
 
 // fault_tolerance: replicas, as far as it is built (docs/fault-tolerance.md says what is
-// left): replicas of one process or of a tensor group, the sync mode's step.
+// left): replicas of one process, of a tensor group, or of data ranks that shard ZeRO's
+// state among themselves; the sync mode's step.
 void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   if (cfg.fault_tolerance.mode == "off") return;
   auto refuse = [](bool bad, const std::string& what) {
@@ -140,7 +141,17 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   refuse(layout.pipeline > 1,
          "pipeline stages inside a replica (parallel.pipeline above 1: its micro-batches would "
          "not split a share the survivors deal unevenly)");
-  refuse(cfg.parallel.zero > 0, "ZeRO (parallel.zero)");
+  const int64_t inside = cfg.fault_tolerance.replica_data;
+  fail_if<ConfigError>(layout.data % inside != 0, "fault_tolerance.replica_data: {} does not "
+                       "divide the {} data-parallel ranks into replicas", inside, layout.data);
+  fail_if<ConfigError>(cfg.parallel.zero > 0 && inside == 1,
+                       "parallel.zero {} with fault_tolerance.mode: replicas shards ZeRO's state "
+                       "over the data ranks inside a replica: set fault_tolerance.replica_data "
+                       "above 1 (each replica's data ranks)", cfg.parallel.zero);
+  fail_if<ConfigError>(cfg.parallel.zero == 0 && inside > 1,
+                       "fault_tolerance.replica_data: {} data ranks inside a replica shard ZeRO's "
+                       "state; without parallel.zero each data rank is a replica of its own "
+                       "(leave replica_data at 1)", inside);
 }
 
 }  // namespace

@@ -18,6 +18,12 @@ namespace dtrain {
 ParallelDims validate(const JobConfig& cfg, int64_t world_size = 1,
                       const Devices& devices = Devices::here());
 
+// The processes of one replica of a fault-tolerant job (fault_tolerance: replicas) at
+// layout `dims`: its data ranks (fault_tolerance.replica_data) x tensor x pipeline.
+inline int64_t replica_ranks(const JobConfig& cfg, const ParallelDims& dims) {
+  return cfg.fault_tolerance.replica_data * dims.tensor * dims.pipeline;
+}
+
 // `check` (validate() where none is given) at every world size an elastic job may take:
 // `min_nodes` to `max_nodes` nodes of `per_node` processes. The error names the world size
 // that fails.

@@ -40,6 +40,20 @@ std::unique_ptr<GradSync> Lockstep::make_sync(FlatParams& params, int64_t micro_
                         std::move(tied));
 }
 
+RankCost lockstep_cost(const JobConfig& cfg, const FlatShape& shape, const DataGroup& group,
+                       int64_t /*rank*/) {
+  if (cfg.fault_tolerance.mode != "replicas" || cfg.parallel.zero == 0)
+    return RankCost{grad_sync_cost(cfg.parallel, shape, group), true, ""};
+  DataGroup inside = group;
+  inside.ranks = cfg.fault_tolerance.replica_data;
+  inside.rank = group.rank % inside.ranks;
+  RankCost c{grad_sync_cost(cfg.parallel, shape, inside), true, ""};
+  c.sync.bytes = c.sync.bytes.value_or(0) +
+                 ring_all_reduce_share(4 * double(c.sync.shard), group.ranks / inside.ranks);
+  c.sync.ops += 1;
+  return c;
+}
+
 namespace {
 
 // The loop's body over a run's components.

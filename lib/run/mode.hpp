@@ -167,6 +167,12 @@ struct RankCost {
   std::string role;    // its part, for the plan's table ("" when every rank is alike)
 };
 
+// The lock-step modes' cost to a rank: the job's gradient sync over `group` (its data
+// group), or under fault_tolerance: replicas with ZeRO ZeRO's over the replica's own data
+// ranks, each shard then all-reduced across the replicas (HSDP, run/modes/replicas.cpp).
+RankCost lockstep_cost(const JobConfig& cfg, const FlatShape& shape, const DataGroup& group,
+                       int64_t rank);
+
 // What validation, the launcher and the planner ask of a mode before any process group
 // exists.
 struct ModeSpec {
@@ -186,13 +192,11 @@ struct ModeSpec {
       [](const JobConfig&, int64_t) { return std::string(); };
   // What world rank `rank` keeps and sends for its parameters: `shape` is its pipeline
   // rank's parameters (the whole model's for a rank outside the layout: those are the
-  // world's first ranks), `group` where it syncs. Default: the lock-step modes', the job's
-  // gradient sync (grad/sync_cost.hpp).
+  // world's first ranks), `group` where it syncs. Default: the lock-step modes'
+  // (lockstep_cost).
   std::function<RankCost(const JobConfig&, const FlatShape& shape, const DataGroup& group,
                          int64_t rank)>
-      cost = [](const JobConfig& cfg, const FlatShape& shape, const DataGroup& group, int64_t) {
-        return RankCost{grad_sync_cost(cfg.parallel, shape, group), true, ""};
-      };
+      cost = lockstep_cost;
   // This rank's mode: collective over `world`, whose groups it creates. `dims`: the
   // layout validate() resolved (of the trainers).
   std::function<std::unique_ptr<Mode>(const JobConfig&, const ParallelDims&,

@@ -173,6 +173,64 @@ TEST_SUITE("faults") {
     }
   }
 
+  // ZeRO inside each replica (HSDP: 2 replicas of 2 data ranks that shard the optimizer's
+  // state, under ZeRO-2 the gradient, under 3 the weights, between them; the MLP with
+  // dropout): a rank's
+  // death stops its replica, the other finishes alone on one process's losses, its two
+  // ranks now taking the whole batch; restarted, the replica rejoins, each rank taking its
+  // shard from the rank at its place (AdamW's moments and its step count), hashed alike.
+  TEST_CASE("replicas: ZeRO inside each replica: a replica killed, the other finishes; restarted, it rejoins with its shards") {
+    const auto dir = temp_dir("ft-zero");
+    struct Case {
+      int zero, rank, step;
+      bool restart;
+    };
+    // The writing replica's second rank, the other's (restarted or not), under ZeRO-1, 2
+    // and 3 (whose weights are sharded too, and handed over shard by shard).
+    for (const Case c : {Case{1, 1, 5, false}, Case{2, 2, 6, true}, Case{2, 3, 7, false},
+                         Case{1, 3, 6, true}, Case{3, 1, 6, false}, Case{3, 2, 5, true}}) {
+      const std::string name = fmt::format("z{}-k{}-s{}{}", c.zero, c.rank, c.step, c.restart ? "-join" : "");
+      CAPTURE(name);
+      Job j = ft_job(32);
+      j.model = "{arch: mlp, hidden: [64, 32], dropout: 0.2}";
+      j.optimizer = "{name: adamw, lr: 0.01, weight_decay: 0.01}";
+      j.max_steps = c.restart ? 200 : 24, j.eval_every = c.restart ? 100 : 12;
+      j.log_every = c.restart ? 10 : 1;
+      const auto job = j.write(dir, name + ".yaml");
+      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+      const auto r = e2e::dtrain(
+          fmt::format("run {} --nproc 4 --set parallel.zero={} --set fault_tolerance.replica_data=2 "
+                      "--run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
+                      "fault_tolerance.debug_kill_step={}{}{}",
+                      job, c.zero, ft, c.rank, c.step,
+                      c.restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
+                                  "train.debug_slow_ms=20" : "",
+                      kQuiet),
+          c.restart ? kExec : "");
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      const int replica = c.rank / 2;
+      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
+                                   "to {}) is stopped and the other replicas go on without it",
+                                   c.rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
+      if (c.restart) {
+        CHECK(r.err.find("replica(s) 1 joined at step") != std::string::npos);
+        CHECK(r.err.find("no checkpoint read") != std::string::npos);
+      }
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == (c.restart ? 20u : 24u));
+      check_losses_close(train_losses(one), got, 1e-5, name);
+      const auto end = metrics(ft).back();
+      CHECK(end["status"] == "completed");
+      CHECK(end["layout"]["data"] == (c.restart ? 4 : 2));  // the data ranks training at the end
+      const auto last = fmt::format("{}/checkpoints/step-{:08d}", ft, c.restart ? 200 : 24);
+      CHECK(std::filesystem::exists(last + "/optimizer.dp0.safetensors"));
+      CHECK(std::filesystem::exists(last + "/optimizer.dp1.safetensors"));
+      CHECK(e2e::dtrain("inspect " + last).code == 0);  // verified, every shard's ranges read
+    }
+  }
+
   // Compression over the replicas: lossy, so no run of another layout is its reference
   // after a failure; before it, the run is the same layout's without fault tolerance, and
   // through it (its residuals put back as the discarded step found them) it completes.
@@ -243,17 +301,22 @@ TEST_SUITE("faults") {
   TEST_CASE("replicas: what it does not run yet is refused before any worker starts") {
     const auto dir = temp_dir("ft-refuse");
     const auto job = ft_job(32).write(dir);
+    const std::string with = "fault_tolerance.mode: replicas with ";
     const std::vector<std::pair<std::string, std::string>> cases{
-        {"--nproc 4 --set parallel.pipeline=2", "pipeline stages inside a replica"},
-        {"--nproc 2 --set parallel.zero=1", "ZeRO"},
+        {"--nproc 4 --set parallel.pipeline=2", with + "pipeline stages inside a replica"},
+        {"--nproc 2 --set parallel.zero=1", "parallel.zero 1 with fault_tolerance.mode: replicas "
+                                            "shards ZeRO's state over the data ranks inside a replica"},
+        {"--nproc 4 --set fault_tolerance.replica_data=2", "without parallel.zero each data rank "
+                                                           "is a replica of its own"},
+        {"--nproc 4 --set parallel.zero=1 --set fault_tolerance.replica_data=3",
+         "fault_tolerance.replica_data: 3 does not divide the 4 data-parallel ranks"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
-         "its workers never wait for one another"},
+         with + "parallel.mode async_ps: its workers never wait for one another"},
     };
     for (const auto& [args, says] : cases) {
       CAPTURE(args);
       const auto r = e2e::dtrain("run " + job + " " + args + " --run-dir " + dir + "/run" + kQuiet);
       CHECK(r.code == 2);
-      CHECK(r.err.find("fault_tolerance.mode: replicas with") != std::string::npos);
       CHECK(r.err.find(says) != std::string::npos);
       CHECK(!std::filesystem::exists(dir + "/run"));
     }

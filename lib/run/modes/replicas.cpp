@@ -1,6 +1,7 @@
 // fault_tolerance: replicas (docs/fault-tolerance.md): the sync mode's step, each replica a
-// world of its own (one process, or its tensor group) and the data-parallel sum over the
-// replicas' set (comm/replica_set.hpp), one set per place in a replica.
+// world of its own (one process, its tensor group, or data ranks of them that shard ZeRO's
+// state: fault_tolerance.replica_data) and the data-parallel sum over the replicas' set
+// (comm/replica_set.hpp), one set per place in a replica.
 // The set votes before each update; when a replica failed, every survivor discards the
 // step and trains it again on the same global batch, each taking a share of it and its
 // loss weighted by that share's size. The quorum names the replica that writes the run
@@ -17,6 +18,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/replica_set.hpp"
+#include "grad/zero.hpp"
 #include "run/mode.hpp"
 #include "util/error.hpp"
 
@@ -29,11 +31,15 @@ class Replicas : public Lockstep {
            std::shared_ptr<ReplicaSet> set, std::vector<int64_t> job_ranks)
       : Lockstep(cfg, dims, std::move(world), false, std::move(job_ranks)), set_(std::move(set)) {}
 
+  // Over the replicas; under ZeRO, inside the replica first (each data rank's shard).
   std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches,
-                                      int64_t total_steps, Tied /*tied*/) const override {
+                                      int64_t total_steps, Tied tied) const override {
+    auto share = [this] { return double(share_size()) / double(batch()); };
+    if (cfg_.parallel.zero > 0)
+      return make_zero_sync(cfg_.parallel, mesh(), params, micro_batches, std::move(tied),
+                            {set_->comm(), share});
     return make_replica_sync(cfg_.parallel, set_->comm(), params, micro_batches, total_steps,
-                             mesh().coord().tensor,
-                             [this] { return double(share_size()) / double(batch()); });
+                             mesh().coord().tensor, share);
   }
   void bind(const TrainParts& parts) override {
     take_over_ = parts.take_over;
@@ -63,12 +69,16 @@ class Replicas : public Lockstep {
     return r;
   }
   std::string describe() const override {
-    const int64_t tensor = mesh().dims().tensor;
-    return fmt::format("data {} fault-tolerant replicas{}", set_->count(),
-                       tensor > 1 ? fmt::format(" x tensor {}", tensor) : "");
+    const auto& d = mesh().dims();
+    return fmt::format("data {} fault-tolerant replicas{}{}", set_->count(),
+                       d.data > 1 ? fmt::format(" of data {} (ZeRO-{} within)", d.data,
+                                                cfg_.parallel.zero) : "",
+                       d.tensor > 1 ? fmt::format(" x tensor {}", d.tensor) : "");
   }
+  // "data": the data ranks that train now, over every replica in the quorum.
   nlohmann::json layout() const override {
-    return {{"data", set_->count()}, {"tensor", mesh().dims().tensor}, {"pipeline", 1}};
+    return {{"data", set_->count() * mesh().dims().data}, {"tensor", mesh().dims().tensor},
+            {"pipeline", 1}};
   }
 
   // Over the replica's own ranks first (a tensor rank past the first adds no loss), then
@@ -86,17 +96,21 @@ class Replicas : public Lockstep {
     const int64_t ranks = o.replicas * o.place.count;
     return {ranks > 1 ? ranks : 0, o.world_rank(replica())};
   }
-  // The replicas that summed step n's figures: the quorum that trained it, which may have
-  // changed by the time they are read (two steps later).
+  // The data ranks that summed step n's losses: the quorum that trained it (which may have
+  // changed by the time they are read, two steps later), each replica's data ranks.
   int64_t replicas(int64_t n) const override {
     const auto it = trained_by_.find(n);
-    return it != trained_by_.end() ? it->second : set_->count();
+    return (it != trained_by_.end() ? it->second : set_->count()) * mesh().dims().data;
   }
   double loss_weight() const override {
-    return double(share_size() * set_->count()) / double(batch());
+    return double(share_size() * set_->count() * mesh().dims().data) / double(batch());
   }
+  // The replica's share dealt again among its data ranks: data rank i of D in replica k of
+  // K takes share i x K + k of K x D, whose union over i is replica k's share of K.
   ShardedSampler share(const ShardedSampler& job) const override {
-    return job.reshared(set_->index(), set_->count());
+    const int64_t inside = mesh().dims().data;
+    return job.reshared(mesh().coord().data * set_->count() + set_->index(),
+                        set_->count() * inside);
   }
   void before_step(int64_t n) override {
     const auto& ft = cfg_.fault_tolerance;

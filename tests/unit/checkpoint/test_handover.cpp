@@ -1,8 +1,8 @@
 // Live recovery (checkpoint/handover.hpp) between replicas as threads over real Gloo: a
 // joiner takes the source's weights, optimizer state and trainer entries, keeps its own
 // replica state, and ends bit-identical (the hashes say so); a member that only takes part
-// keeps its own; a joiner that loads wrong is told by the hashes; a tensor rank's part goes
-// to the rank at its place.
+// keeps its own; a joiner that loads wrong is told by the hashes; a tensor rank's part, and
+// a data rank's shard, go to the rank at its place.
 #include <doctest/doctest.h>
 
 #include <torch/torch.h>
@@ -124,16 +124,52 @@ TEST_CASE("handover: each place's part of a split state goes to the joiner's ran
   }
 }
 
-TEST_CASE("handover: a state sharded inside a replica (ZeRO) is refused, not handed over wrong") {
-  class Sharded : public Stateful {
-   public:
-    void save(StateWriter& out) const override {
-      RangesOf ranges{{"w", RangeOf{0, {4}, false}}};
-      out.add(StateFile::kOptimizerShard, {{"w", torch::zeros({2})}}, {}, ranges);
-    }
-    void load(const StateReader&) override {}
-  } sharded;
-  CHECK_THROWS_AS(state_hash({&sharded}), std::logic_error);
+// A data rank's shard of the optimizer's state (ZeRO inside a replica): its ranges of a
+// plain weight's and of a channels-last convolution's elements, in the flat layout's order
+// (NHWC for the latter), and a step count that is not a range.
+class ZeroShard : public Stateful {
+ public:
+  static constexpr int64_t kHalf = 6;  // each data rank holds half of each tensor's 12
+  ZeroShard(int64_t data_rank, double v) : at_(data_rank * kHalf) {
+    w = torch::arange(kHalf, torch::kFloat32) + v;
+    c = torch::arange(kHalf, torch::kFloat32) * 2 + v;
+    step = torch::full({}, v);
+  }
+  void save(StateWriter& out) const override {
+    RangesOf ranges{{"w.m", RangeOf{at_, {3, 4}, false}}, {"c.m", RangeOf{at_, {2, 3, 1, 2}, true}}};
+    out.add(StateFile::kOptimizerShard, {{"w.m", w}, {"c.m", c}, {"step", step}}, {}, ranges);
+  }
+  // As FlatParams::scatter_range reads them: the whole tensor's elements in the flat
+  // layout's order, this rank's range of them.
+  void load(const StateReader& in) override {
+    const auto saved = in.tensors(StateFile::kOptimizer);
+    w.copy_(saved.at("w.m", {3, 4}).reshape({-1}).narrow(0, at_, kHalf));
+    c.copy_(saved.at("c.m", {2, 3, 1, 2}).permute({0, 2, 3, 1}).contiguous().view({-1}).narrow(0, at_, kHalf));
+    step.copy_(saved.at("step", {}));
+  }
+  torch::Tensor w, c, step;
+
+ private:
+  int64_t at_;
+};
+
+TEST_CASE("handover: each data rank's shard (ZeRO inside a replica) goes to the joiner's rank at its place") {
+  for (int64_t data_rank = 0; data_rank < 2; ++data_rank) {
+    CAPTURE(data_rank);
+    test::RankFailures fails;
+    test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> group) {
+      const int64_t r = group->rank();
+      ZeroShard mine(data_rank, r == 0 ? 5.0 : -1.0);
+      const ZeroShard source(data_rank, 5.0);
+      const Handover h = hand_over({&mine}, *group, 0, /*receive=*/r == 1, ParallelDims{2, 1, 1},
+                                   "job: source");
+      if (!torch::equal(mine.w, source.w)) fails.add(r, "the weight's range");
+      if (!torch::equal(mine.c, source.c)) fails.add(r, "the channels-last range");
+      if (!torch::equal(mine.step, source.step)) fails.add(r, "the step count");
+      if (!h.identical()) fails.add(r, "not identical");
+    }, test::quick());
+    fails.check();
+  }
 }
 
 }  // namespace unit_checkpoint_handover
