@@ -1,6 +1,5 @@
 #include "checkpoint/handover.hpp"
 
-#include <algorithm>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -131,9 +130,7 @@ class MemoryReader : public StateReader {
   ParallelDims saved_layout() const override { return layout_; }
   ParallelDims layout() const override { return layout_; }
   void warn(const std::string&) const override {}  // kReplica's absence is by design
-  bool shard_only() const override {
-    return std::any_of(state_.held.begin(), state_.held.end(), [](const Held& h) { return bool(h.range); });
-  }
+  bool this_rank_only() const override { return true; }
 
  private:
   const MemoryWriter& state_;

@@ -69,9 +69,10 @@ class StateReader {
   virtual ParallelDims layout() const = 0;
   // A line for the user (rank 0 prints it): what could not be taken over, and why.
   virtual void warn(const std::string& line) const = 0;
-  // Whether a sharded state is held for this rank's shard only (a live recovery's, from the
-  // rank at the same place), not every data rank's: a tensor outside the shard is absent.
-  virtual bool shard_only() const { return false; }
+  // Whether it holds only what this rank holds of the state (a live recovery's, from the
+  // rank at the same place: its pipeline stage's tensors, its ZeRO shard's ranges), not
+  // every rank's: a tensor of another stage or shard is absent, not missing.
+  virtual bool this_rank_only() const { return false; }
   // Whether this data rank's kReplica state can be taken over: the checkpoint holds it and
   // was written at this data and pipeline size. If not, warns "`what` (why)".
   bool replica_fits(const std::string& what) const {

@@ -392,11 +392,10 @@ struct FaultToleranceConfig {
 
   template <class V> void visit(V&& v) {
     v("mode", mode, Choices{"off", "replicas"},
-      "replicas: each data-parallel replica (one process, its parallel.tensor group, or "
-      "replica_data data ranks of them) may fail alone; the others go on without a restart, "
-      "the step in flight trained again by the survivors on the same global batch (dtrain run "
-      "--nproc, or a launcher a replica beside dtrain lighthouse; mode sync; no pipeline "
-      "inside a replica yet)");
+      "replicas: each data-parallel replica (one process, or its parallel.tensor x "
+      "parallel.pipeline ranks, times replica_data) may fail alone; the others go on without "
+      "a restart, the step in flight trained again by the survivors on the same global batch "
+      "(dtrain run --nproc, or a launcher a replica beside dtrain lighthouse; mode sync)");
     v("replica_data", replica_data,
       "data-parallel ranks inside each replica, which shard ZeRO's state among themselves "
       "(parallel.zero 1 to 3; shard within, replicate across: HSDP); parallel.data counts "

@@ -159,9 +159,9 @@ class ReplicaSync : public BucketedSync {
  public:
   ReplicaSync(const ParallelConfig& cfg, const std::shared_ptr<Comm>& replicas, FlatParams& params,
               int64_t micro_batches, int64_t total_steps, int64_t tensor_rank,
-              std::function<double()> share)
+              std::function<double()> share, Tied tied)
       : BucketedSync(params, reduction(cfg, replicas, params), /*ranks=*/1, cfg.bucket_mb,
-                     micro_batches, Tied{}, tensor_rank, std::make_unique<AllReduce>(replicas),
+                     micro_batches, std::move(tied), tensor_rank, std::make_unique<AllReduce>(replicas),
                      compression_warmup_steps(cfg, total_steps)),
         share_(std::move(share)) {}
   double loss_factor() const override { return BucketedSync::loss_factor() * share_(); }
@@ -198,9 +198,9 @@ class ReplicaSync : public BucketedSync {
 std::unique_ptr<GradSync> make_replica_sync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas,
                                             FlatParams& params, int64_t micro_batches,
                                             int64_t total_steps, int64_t tensor_rank,
-                                            std::function<double()> share) {
+                                            std::function<double()> share, Tied tied) {
   return std::make_unique<ReplicaSync>(cfg, replicas, params, micro_batches, total_steps,
-                                       tensor_rank, std::move(share));
+                                       tensor_rank, std::move(share), std::move(tied));
 }
 
 std::unique_ptr<GradSync> make_grad_sync(const ParallelConfig& cfg, const Mesh& mesh,

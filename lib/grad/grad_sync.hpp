@@ -137,11 +137,12 @@ struct Tied {
 // compression_warmup_steps(cfg, total_steps)), each replica's loss scaled by its share of
 // the global batch (`share()`: this replica's now), so that the sum is the global batch's
 // mean however the survivors deal it out. A discarded step's changes to the compression's
-// residuals and PowerSGD's factors are undone. `tensor_rank`: this rank's in its replica.
+// residuals and PowerSGD's factors are undone. `tensor_rank`: this rank's in its replica;
+// `tied`: a weight tied across its pipeline stages, summed once the replicas' sum is done.
 std::unique_ptr<GradSync> make_replica_sync(const ParallelConfig& cfg, std::shared_ptr<Comm> replicas,
                                             FlatParams& params, int64_t micro_batches,
                                             int64_t total_steps, int64_t tensor_rank,
-                                            std::function<double()> share);
+                                            std::function<double()> share, Tied tied);
 
 // The strategy for a data-parallel group of `mesh`: NoSync with one data-parallel rank,
 // ZeRO's under parallel.zero (zero.hpp), a compression under parallel.compression, else

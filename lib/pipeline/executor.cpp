@@ -59,9 +59,13 @@ class Pipeline : public MicroBatchRunner {
                                    MicroBatchTimes& s,
                                    const std::function<void()>& settle) override {
     const int64_t accum = p_.grad_accum;
-    const int64_t rows = batch.y.size(0) / accum;
+    // Each stage cuts its share alike (a fault-tolerant job's survivors may deal it so that
+    // the micro-batches differ by a row: micro_slice), so a receiver knows each one's rows.
+    std::vector<MicroSlice> slices;
+    for (int64_t m = 0; m < accum; ++m) slices.push_back(micro_slice(batch.y.size(0), accum, m));
     auto micro = [&](const torch::Tensor& t, int64_t m) {
-      auto part = accum == 1 ? t : t.narrow(0, m * rows, rows);
+      const auto& sl = slices[size_t(m)];
+      auto part = accum == 1 ? t : t.narrow(0, sl.first, sl.rows);
       return part.dim() == 4 ? part.contiguous(p_.format) : part;
     };
     std::vector<torch::Tensor> losses(static_cast<size_t>(accum));
@@ -74,14 +78,16 @@ class Pipeline : public MicroBatchRunner {
       const auto t0 = Clock::now();
       auto& held = held_[{a.micro, a.chunk}];
       if (a.kind == Action::kForward) {
-        torch::Tensor x = g == 0 ? micro(batch.x, a.micro) : receive_activation(g, rows, a.micro);
+        const auto& sl = slices[size_t(a.micro)];
+        torch::Tensor x = g == 0 ? micro(batch.x, a.micro) : receive_activation(g, sl.rows, a.micro);
         if (g > 0 && x.is_floating_point()) x.requires_grad_(true);
         AutocastGuard guard(p_.dtype, p_.device.type());
-        DropoutScope draw(micro_batch_draw(p_, step, a.micro * rows, rows));
+        DropoutScope draw(micro_batch_draw(p_, step, sl.first, sl.rows));
         auto out = p_.chunks[size_t(a.chunk)]->forward(x);
         if (g == stages_ - 1) {
           Batch mb{torch::Tensor(), micro(batch.y, a.micro)};
           auto loss = p_.task->loss(out, mb, *p_.tensor, p_.label_smoothing);
+          if (sl.weight != 1.0) loss = loss * sl.weight;
           losses[size_t(a.micro)] = loss.detach();
           out = factor != 1.0 ? loss * factor : loss;
         } else {

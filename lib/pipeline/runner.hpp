@@ -78,6 +78,16 @@ class MicroBatchRunner {
 std::unique_ptr<MicroBatchRunner> make_runner(RunnerParts parts);
 std::unique_ptr<MicroBatchRunner> make_pipeline_runner(RunnerParts parts);
 
+// Micro-batch `m` of `accum` in a batch of `rows` rows: equal ones, or where a
+// fault-tolerant job's survivors dealt a share that does not split evenly, the first
+// rows % accum one row larger. Its mean loss then counts by its rows (`weight`: its
+// losses' sum over the share's, as even ones' would).
+struct MicroSlice {
+  int64_t first = 0, rows = 0;
+  double weight = 1.0;
+};
+MicroSlice micro_slice(int64_t rows, int64_t accum, int64_t m);
+
 // The dropout draw of step `step`'s micro-batch made of rows [first, first + rows) of this
 // data rank's batch.
 DropoutDraw micro_batch_draw(const RunnerParts& p, int64_t step, int64_t first, int64_t rows);

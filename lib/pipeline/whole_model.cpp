@@ -1,4 +1,5 @@
 // WholeModel (runner.hpp): every part on this rank, the micro-batches one after another.
+#include <algorithm>
 #include <chrono>
 
 #include <torch/torch.h>
@@ -21,12 +22,8 @@ class WholeModel : public MicroBatchRunner {
     const int64_t accum = p_.grad_accum, rows = batch.y.size(0);
     auto& model = *p_.chunks.front();
     std::vector<torch::Tensor> losses;
-    for (int64_t a = 0, first = 0; a < accum; ++a) {
-      // Equal micro-batches, or where a fault-tolerant job's survivors dealt a share that
-      // does not split evenly, the first rows % accum one row larger: each one's mean loss
-      // then counts by its rows (its losses' sum over the share's, as even ones' would).
-      const int64_t micro = rows / accum + (a < rows % accum ? 1 : 0);
-      const double weight = rows % accum == 0 ? 1.0 : double(micro * accum) / double(rows);
+    for (int64_t a = 0; a < accum; ++a) {
+      const auto [first, micro, weight] = micro_slice(rows, accum, a);
       Batch mb = accum == 1 ? batch : Batch{batch.x.narrow(0, first, micro),
                                             batch.y.narrow(0, first, micro)};
       if (mb.x.dim() == 4) mb.x = mb.x.contiguous(p_.format);
@@ -38,7 +35,6 @@ class WholeModel : public MicroBatchRunner {
         DropoutScope draw(micro_batch_draw(p_, step, first, micro));
         loss = p_.task->loss(model.forward(mb.x), mb, *p_.tensor, p_.label_smoothing);
       }
-      first += micro;
       if (weight != 1.0) loss = loss * weight;
       losses.push_back(loss.detach());
       if (factor != 1.0) loss = loss * factor;
@@ -68,6 +64,15 @@ class WholeModel : public MicroBatchRunner {
 };
 
 }  // namespace
+
+MicroSlice micro_slice(int64_t rows, int64_t accum, int64_t m) {
+  const int64_t even = rows / accum, over = rows % accum;
+  MicroSlice s;
+  s.first = m * even + std::min(m, over);
+  s.rows = even + (m < over ? 1 : 0);
+  s.weight = over == 0 ? 1.0 : double(s.rows * accum) / double(rows);
+  return s;
+}
 
 DropoutDraw micro_batch_draw(const RunnerParts& p, int64_t step, int64_t first, int64_t rows) {
   DropoutDraw d{p.seed, step, {}};

@@ -115,14 +115,16 @@ void check_same_model(const JobConfig& cfg, const std::vector<std::string>& mode
   fail_if<CheckpointError>(!extra.empty(), "{}: the checkpoint holds {} tensor(s) this job's "
                            "model does not have ({}); resuming needs the same model", folder,
                            extra.size(), first_few(extra));
-  fail_if<CheckpointError>(!missing.empty() && !saved.shard_only(), "{}: the checkpoint lacks {} tensor(s) of this "
+  fail_if<CheckpointError>(!missing.empty() && !saved.this_rank_only(), "{}: the checkpoint lacks {} tensor(s) of this "
                            "job's model ({})", folder, missing.size(), first_few(missing));
 }
 
 // `tensors` less the entries of a tied weight's copy (and their optimizer slots): the
-// embedding's stage saves it.
-NamedTensors without_copies(const FlatParams& params, const Tied& tied, NamedTensors tensors) {
-  if (!tied.copy) return tensors;
+// embedding's stage saves it. Not for `out` where every rank adds all it holds (a live
+// recovery's state goes to the joiner's rank at the same place: the last stage's copy too).
+NamedTensors without_copies(const FlatParams& params, const Tied& tied, NamedTensors tensors,
+                            const StateWriter& out) {
+  if (!tied.copy || out.every_rank_whole()) return tensors;
   std::vector<std::string> names;
   for (size_t i : tied.entries) names.push_back(params.entries()[i].name);
   auto is_copy = [&](const std::pair<std::string, torch::Tensor>& t) {
@@ -154,7 +156,7 @@ class WeightsSaver : public Stateful {
                                   : params.owned(params.data(), "", tensor_rank, parts, every);
     if ((tensor_rank == 0 && run_.mesh().coord().data == 0) || every)
       for (auto& b : run_.model.buffers()) model.push_back(std::move(b));
-    out.add(file, without_copies(params, run_.model.tied, std::move(model)), parts, ranges);
+    out.add(file, without_copies(params, run_.model.tied, std::move(model), out), parts, ranges);
   }
   void load(const StateReader& in) override {
     check_same_model(run_.cfg, run_.model.names, in);
@@ -186,7 +188,7 @@ class OptimizerSaver : public Stateful {
     RangesOf ranges;
     auto state = optimizer_state(*run_.optimizer, *run_.params, run_.mesh().coord().tensor, parts,
                                  ranges, out.every_rank_whole());
-    out.add(file, without_copies(*run_.params, run_.model.tied, std::move(state)), parts, ranges);
+    out.add(file, without_copies(*run_.params, run_.model.tied, std::move(state), out), parts, ranges);
   }
   void load(const StateReader& in) override {
     load_optimizer_state(*run_.optimizer, *run_.params, in.tensors(StateFile::kOptimizer),

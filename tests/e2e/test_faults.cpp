@@ -173,6 +173,64 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Pipeline stages inside each replica (a small GPT with dropout, its embedding tied to its
+  // head across the stages, 2 micro-batches a step): a stage's death stops its replica and
+  // the others finish on one process's losses. Three replicas of 18 samples leave two
+  // survivors 9 each, which the stages cut into micro-batches of 5 and 4 rows alike.
+  // Restarted, the replica's stages rejoin, each taking its part (the last stage the tied
+  // head's copy too) from the stage at its place.
+  TEST_CASE("replicas: pipeline stages inside each replica: a stage killed stops its replica; the others finish, or it rejoins") {
+    const auto dir = temp_dir("ft-pipeline");
+    struct Case {
+      int replicas, batch, rank, step;
+      bool restart;
+    };
+    // The writing replica's last stage; replica 1's last stage of three (uneven shares);
+    // replica 1's first stage, restarted.
+    for (const Case c : {Case{2, 12, 1, 5, false}, Case{3, 18, 3, 6, false}, Case{2, 12, 2, 6, true}}) {
+      const std::string name = fmt::format("r{}-k{}-s{}{}", c.replicas, c.rank, c.step,
+                                           c.restart ? "-join" : "");
+      CAPTURE(name);
+      Job j = gpt_text_job("ft", 11);
+      j.data = fmt::format("{{dataset: text, path: /usr/share/games/fortunes, batch_size: {}, "
+                           "seq_len: 32, workers: 1}}", c.batch);
+      j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
+      j.schedule = "{warmup_steps: 3, decay: cosine}";
+      j.train = "grad_accum: 2";
+      j.max_steps = c.restart ? 200 : 24, j.eval_every = c.restart ? 100 : 12;
+      j.log_every = c.restart ? 10 : 1;
+      j.extra = "fault_tolerance: {mode: replicas}\n";
+      const auto job = j.write(dir, name + ".yaml");
+      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+      const auto r = e2e::dtrain(
+          fmt::format("run {} --nproc {} --set parallel.pipeline=2 --run-dir {} --set "
+                      "fault_tolerance.debug_kill_rank={} --set fault_tolerance.debug_kill_step={}{}{}",
+                      job, 2 * c.replicas, ft, c.rank, c.step,
+                      c.restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
+                                  "train.debug_slow_ms=20" : "",
+                      kQuiet),
+          c.restart ? kExec : "");
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      const int replica = c.rank / 2;
+      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
+                                   "to {}) is stopped and the other replicas go on without it",
+                                   c.rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
+      if (c.restart) CHECK(r.err.find("replica(s) 1 joined at step") != std::string::npos);
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == (c.restart ? 20u : 24u));
+      check_losses_close(train_losses(one), got, 1e-5, name);
+      const auto end = metrics(ft).back();
+      CHECK(end["status"] == "completed");
+      CHECK(end["layout"]["data"] == (c.restart ? c.replicas : c.replicas - 1));
+      CHECK(end["layout"]["pipeline"] == 2);
+      const auto last = fmt::format("{}/checkpoints/step-{:08d}", ft, c.restart ? 200 : 24);
+      CHECK(std::filesystem::exists(last + "/model.pp0.safetensors"));
+      CHECK(std::filesystem::exists(last + "/model.pp1.safetensors"));
+    }
+  }
+
   // ZeRO inside each replica (HSDP: 2 replicas of 2 data ranks that shard the optimizer's
   // state, under ZeRO-2 the gradient, under 3 the weights, between them; the MLP with
   // dropout): a rank's
@@ -303,13 +361,13 @@ TEST_SUITE("faults") {
     const auto job = ft_job(32).write(dir);
     const std::string with = "fault_tolerance.mode: replicas with ";
     const std::vector<std::pair<std::string, std::string>> cases{
-        {"--nproc 4 --set parallel.pipeline=2", with + "pipeline stages inside a replica"},
         {"--nproc 2 --set parallel.zero=1", "parallel.zero 1 with fault_tolerance.mode: replicas "
                                             "shards ZeRO's state over the data ranks inside a replica"},
         {"--nproc 4 --set fault_tolerance.replica_data=2", "without parallel.zero each data rank "
                                                            "is a replica of its own"},
         {"--nproc 4 --set parallel.zero=1 --set fault_tolerance.replica_data=3",
          "fault_tolerance.replica_data: 3 does not divide the 4 data-parallel ranks"},
+        {"--nproc 2 --set parallel.mode=local_sgd", with + "parallel.mode local_sgd (sync only)"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
          with + "parallel.mode async_ps: its workers never wait for one another"},
     };

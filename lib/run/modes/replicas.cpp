@@ -1,6 +1,7 @@
 // fault_tolerance: replicas (docs/fault-tolerance.md): the sync mode's step, each replica a
-// world of its own (one process, its tensor group, or data ranks of them that shard ZeRO's
-// state: fault_tolerance.replica_data) and the data-parallel sum over the replicas' set
+// world of its own (one process, its tensor and pipeline ranks, and data ranks of them that
+// shard ZeRO's state: fault_tolerance.replica_data) and the data-parallel sum over the
+// replicas' set
 // (comm/replica_set.hpp), one set per place in a replica.
 // The set votes before each update; when a replica failed, every survivor discards the
 // step and trains it again on the same global batch, each taking a share of it and its
@@ -39,7 +40,7 @@ class Replicas : public Lockstep {
       return make_zero_sync(cfg_.parallel, mesh(), params, micro_batches, std::move(tied),
                             {set_->comm(), share});
     return make_replica_sync(cfg_.parallel, set_->comm(), params, micro_batches, total_steps,
-                             mesh().coord().tensor, share);
+                             mesh().coord().tensor, share, std::move(tied));
   }
   void bind(const TrainParts& parts) override {
     take_over_ = parts.take_over;
@@ -70,15 +71,16 @@ class Replicas : public Lockstep {
   }
   std::string describe() const override {
     const auto& d = mesh().dims();
-    return fmt::format("data {} fault-tolerant replicas{}{}", set_->count(),
+    return fmt::format("data {} fault-tolerant replicas{}{}{}", set_->count(),
                        d.data > 1 ? fmt::format(" of data {} (ZeRO-{} within)", d.data,
                                                 cfg_.parallel.zero) : "",
-                       d.tensor > 1 ? fmt::format(" x tensor {}", d.tensor) : "");
+                       d.tensor > 1 ? fmt::format(" x tensor {}", d.tensor) : "",
+                       d.pipeline > 1 ? fmt::format(" x pipeline {}", d.pipeline) : "");
   }
   // "data": the data ranks that train now, over every replica in the quorum.
   nlohmann::json layout() const override {
     return {{"data", set_->count() * mesh().dims().data}, {"tensor", mesh().dims().tensor},
-            {"pipeline", 1}};
+            {"pipeline", mesh().dims().pipeline}};
   }
 
   // Over the replica's own ranks first (a tensor rank past the first adds no loss), then

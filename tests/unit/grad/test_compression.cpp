@@ -233,7 +233,7 @@ TEST_CASE("compression: a step the replicas discard leaves the residuals and fac
       cfg.compression = how;
       cfg.compression_warmup = "0";
       auto sync = make_replica_sync(cfg, comm, flat, /*micro_batches=*/1, /*total_steps=*/10,
-                                    /*tensor_rank=*/0, [] { return 0.5; });
+                                    /*tensor_rank=*/0, [] { return 0.5; }, Tied{});
       // Step n's summed gradient over both ranks, each with inputs of its own.
       auto step = [&](int64_t n) {
         sync->begin_step(n);
