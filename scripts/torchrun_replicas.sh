@@ -6,8 +6,8 @@
 # else 4.
 #   scripts/torchrun_replicas.sh --replicas N [--max-restarts R] [--python PY] DTRAIN JOB \
 #                                [dtrain run options: --run-dir DIR, --set k=v, ...]
-# Each replica is parallel.tensor x parallel.pipeline workers of the job (--set applies to
-# the lighthouse too). PY: a Python with torch (default .venv's, scripts/setup.sh --test).
+# Each replica is fault_tolerance.replica_data x parallel.tensor x parallel.pipeline workers
+# of the job (--set applies to the lighthouse too). PY: a Python with torch (default .venv's, scripts/setup.sh --test).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 replicas=2 restarts=10 py=$root/.venv/bin/python
@@ -31,14 +31,22 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 [ -n "$run_dir" ] || { echo "torchrun_replicas.sh: pass --run-dir (the replicas share it)" >&2; exit 2; }
 port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-size=$("$dtrain" config "$job" ${sets[@]+"${sets[@]}"} | awk '
-  /^parallel:/ {p = 1; next} /^[a-z]/ {p = 0}
-  p && $1 == "tensor:" {t = $2} p && $1 == "pipeline:" {q = $2}
-  END {print (t ? t : 1) * (q ? q : 1)}')
 lp=$(port)
-"$dtrain" lighthouse "$job" --replicas "$replicas" --port "$lp" ${sets[@]+"${sets[@]}"} &
+# The lighthouse names the replica size it serves (fault_tolerance.replica_data x
+# parallel.tensor x parallel.pipeline) as it starts; each agent starts that many workers.
+said=$(mktemp)
+"$dtrain" lighthouse "$job" --replicas "$replicas" --port "$lp" ${sets[@]+"${sets[@]}"} \
+  2> >(tee "$said" >&2) &
 lighthouse=$!
-trap 'kill $(jobs -p) 2>/dev/null' EXIT
+size="" tries=0
+while [ -z "$size" ] && [ $((tries++)) -lt 300 ]; do
+  size=$(sed -n 's/^dtrain lighthouse: [0-9]* replica(s) of \([0-9]*\) rank(s).*/\1/p' "$said")
+  [ -n "$size" ] && break
+  kill -0 "$lighthouse" 2>/dev/null || { wait "$lighthouse"; exit $?; }
+  sleep 0.1
+done
+[ -n "$size" ] || { echo "torchrun_replicas.sh: the lighthouse did not start" >&2; kill "$lighthouse"; exit 4; }
+trap 'kill $(jobs -p) 2>/dev/null; rm -f "$said"' EXIT
 agents=()
 for ((r = 0; r < replicas; r++)); do
   DTRAIN_LIGHTHOUSE=127.0.0.1:$lp DTRAIN_REPLICA=$r "$py" "$root/scripts/torchrun" \
@@ -49,5 +57,6 @@ done
 for a in "${agents[@]}"; do wait "$a"; done
 wait "$lighthouse"
 trap - EXIT
+rm -f "$said"
 tail -n 1 "$run_dir/metrics.jsonl" 2>/dev/null | grep -q '"status":"completed"' && exit 0
 exit 4

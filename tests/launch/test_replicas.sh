@@ -8,7 +8,11 @@
 #  2. replica 1's worker stopped (SIGSTOP): the lighthouse kills it once its heartbeat is
 #     stale, its agent restarts it, it joins, and the run completes;
 #  3. scale-up: a job started with one replica (of up to two) is joined by the second;
-#  4. a worker whose replica index the lighthouse does not serve fails with a clear line.
+#  4. a worker whose replica index the lighthouse does not serve fails with a clear line;
+#  5. ZeRO-2 inside each replica of 2 data ranks (HSDP), started by
+#     scripts/torchrun_replicas.sh (each agent as many workers as the lighthouse's replica
+#     size): a rank of replica 1 killed, the replica restarted, its shards taken from
+#     replica 0's ranks at their places, one process's losses.
 # Exit 77 (skipped) without .venv's torch. Usage: test_replicas.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -143,4 +147,19 @@ cat "$work/bad.out"
 kill "$lighthouse"; wait "$lighthouse"
 [ $rc -eq 2 ] || fail "a replica index out of range exited $rc, not 2"
 grep -q "DTRAIN_REPLICA: expected a replica from 0 to 1" "$work/bad.out" || fail "no clear line for DTRAIN_REPLICA"
+# 5. HSDP through the script; the global batch a multiple of its 4 data ranks.
+timeout 200 "$dtrain" run "$job" --run-dir "$work/one32" --set fault_tolerance.mode=off \
+  --set data.batch_size=32 > "$work/one32.out" 2>&1 || { cat "$work/one32.out"; fail "the one-process run failed"; }
+timeout 200 "$root/scripts/torchrun_replicas.sh" --replicas 2 --max-restarts 1 --python "$py" "$dtrain" "$job" \
+  --run-dir "$work/hsdp" --set data.batch_size=32 --set parallel.zero=2 \
+  --set fault_tolerance.replica_data=2 --set fault_tolerance.debug_kill_rank=3 \
+  --set fault_tolerance.debug_kill_step=6 --set train.debug_slow_rank=0 --set train.debug_slow_ms=20 \
+  > "$work/hsdp.out" 2>&1
+rc=$?
+grep -v '"step"\|step [0-9]' "$work/hsdp.out" | tail -n 25
+[ $rc -eq 0 ] || fail "torchrun_replicas.sh exited $rc"
+grep -q "2 replica(s) of 2 rank(s)" "$work/hsdp.out" || fail "the lighthouse did not serve replicas of 2 ranks"
+grep -q "replica(s) 1 joined at step" "$work/hsdp.out" || fail "replica 1 did not join with its shards"
+same_losses "$py" "$work/one32" "$work/hsdp" 30 1e-5 "one process" || fail "the HSDP run's losses are not one process's"
+tail -n 1 "$work/hsdp/metrics.jsonl" | grep -q '"data":4' || fail "the run did not end with both replicas' 4 data ranks"
 echo "PASS"
