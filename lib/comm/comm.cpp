@@ -259,29 +259,31 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   }
 
  private:
+  // Holds what it reports with, not the group: a fault-tolerant job drops a failed group
+  // (comm/replica_comm.hpp) while the step's other operations on it are still to be waited.
   class WorkPending : public Pending {
    public:
-    WorkPending(const C10dComm* comm, const char* op, c10::intrusive_ptr<c10d::Work> work,
+    WorkPending(const C10dComm& comm, const char* op, c10::intrusive_ptr<c10d::Work> work,
                 std::vector<torch::Tensor> keep, double divide, torch::Tensor back, WaitedOp what)
-        : comm_(comm), op_(op), work_(std::move(work)), keep_(std::move(keep)),
+        : ctx_(comm.ctx_), name_(comm.name_), op_(op), work_(std::move(work)), keep_(std::move(keep)),
           divide_(divide), back_(std::move(back)), what_(std::move(what)) {}
     void wait() override {
-      Watch::Waiting watched(comm_->ctx_->watch.get(), what_);
+      Watch::Waiting watched(ctx_->watch.get(), what_);
       bool done = false;
       try {
-        done = work_->wait(
-            std::chrono::duration_cast<std::chrono::milliseconds>(comm_->ctx_->opts.timeout));
+        done = work_->wait(std::chrono::duration_cast<std::chrono::milliseconds>(ctx_->opts.timeout));
       } catch (...) {
-        throw comm_->failure(op_, describe(std::current_exception()));
+        throw failure_in(*ctx_, name_, op_, describe(std::current_exception()));
       }
-      if (!done) throw comm_->failure(op_, "did not complete");
+      if (!done) throw failure_in(*ctx_, name_, op_, "did not complete");
       if (divide_ != 1.0)
         for (auto& t : keep_) t.div_(divide_);
       if (back_.defined()) back_.copy_(keep_[0]);  // a staged CPU tensor gets the result
     }
 
    private:
-    const C10dComm* comm_;
+    std::shared_ptr<GroupContext> ctx_;
+    std::string name_;
     const char* op_;
     c10::intrusive_ptr<c10d::Work> work_;
     std::vector<torch::Tensor> keep_;  // the buffers must outlive the operation
@@ -301,7 +303,7 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
       what = {op, name_, members_, peer < 0 ? watch->post(name_) : 0,
               keep.empty() ? 0 : bytes(keep[0]), peer < 0 ? -1 : members_->at(size_t(peer))};
     }
-    return std::make_unique<WorkPending>(this, op, std::move(w), std::move(keep), divide,
+    return std::make_unique<WorkPending>(*this, op, std::move(w), std::move(keep), divide,
                                          std::move(back), std::move(what));
   }
 
@@ -346,7 +348,11 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   }
 
   DistError failure(const char* op, const std::string& why) const {
-    const std::string group = name_ == "world" ? "" : fmt::format(" ({} group)", name_);
+    return failure_in(*ctx_, name_, op, why);
+  }
+  static DistError failure_in(const GroupContext& ctx, const std::string& name, const char* op,
+                              const std::string& why) {
+    const std::string group = name == "world" ? "" : fmt::format(" ({} group)", name);
     // Say which it was when the error says so: waiting out dist.timeout_s means a stalled
     // peer; a closed or reset connection means a peer that died.
     std::string lower;
@@ -355,13 +361,13 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     const std::string cause =
         has("timed out") || has("timeout")
             ? fmt::format("no answer within dist.timeout_s = {} s; a peer rank stalled",
-                          ctx_->opts.timeout.count())
+                          ctx.opts.timeout.count())
         : has("closed") || has("reset") || has("broken pipe") || has("end of file") ||
                 has("connection refused")
             ? std::string("a peer rank closed its connection; it may have died")
             : fmt::format("a peer rank may have died or stalled; timeout {} s",
-                          ctx_->opts.timeout.count());
-    return DistError(fmt::format("rank {}: {}{} failed ({}): {}", ctx_->world_rank, op, group,
+                          ctx.opts.timeout.count());
+    return DistError(fmt::format("rank {}: {}{} failed ({}): {}", ctx.world_rank, op, group,
                                  cause, why));
   }
 
