@@ -150,8 +150,13 @@ void build_training(Run& run) {
     flat.units.push_back(chunk->units());
   }
   run.params = std::make_unique<FlatParams>(modules, flat);
-  init_parameters(*run.params, run.model.spec->init(cfg.model), uint64_t(cfg.seed),
-                  run.mesh().coord().tensor);
+  // A replica that joins takes every weight from a peer (run/modes/replicas.cpp): drawing
+  // them first would only delay its rejoin (a pass of random draws over all of them).
+  if (mode.state_from_peer())
+    run.params->data().zero_();
+  else
+    init_parameters(*run.params, run.model.spec->init(cfg.model), uint64_t(cfg.seed),
+                    run.mesh().coord().tensor);
   run.model.tied = find_tied(run.model, *run.params, run.mesh());
   run.optimizer = make_optimizer(cfg.optimizer, *run.params, mode.update_shard(*run.params));
   run.sync = mode.make_sync(*run.params, cfg.train.grad_accum, run.total_steps, run.model.tied);
