@@ -29,6 +29,51 @@ Job ft_job(int64_t batch) {
   return j;
 }
 
+// A job of replicas of two ranks each (`procs` of them in all, `args` making the replica's
+// layout) whose rank `rank` is killed at `step`: its replica stopped, and where `restart`
+// started again to rejoin (200 steps, every step 20 ms longer so that the run outlasts the
+// new processes' start; else 24). Checks the supervisor's words, the join, one process's
+// losses on every logged step and the run's completion; returns the run's directory.
+std::string kill_a_pair(const std::string& dir, Job j, int procs, const std::string& args,
+                        int rank, int step, bool restart) {
+  const std::string name = fmt::format("p{}-k{}-s{}{}", procs, rank, step, restart ? "-join" : "");
+  CAPTURE(name);
+  j.max_steps = restart ? 200 : 24, j.eval_every = restart ? 100 : 12;
+  j.log_every = restart ? 10 : 1;
+  j.extra = "fault_tolerance: {mode: replicas}\n";
+  const auto job = j.write(dir, name + ".yaml");
+  const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+  run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+  const auto r = e2e::dtrain(
+      fmt::format("run {} --nproc {} {} --run-dir {} --set fault_tolerance.debug_kill_rank={} "
+                  "--set fault_tolerance.debug_kill_step={}{}{}",
+                  job, procs, args, ft, rank, step,
+                  restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
+                            "train.debug_slow_ms=20" : "",
+                  kQuiet),
+      restart ? kExec : "");
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  const int replica = rank / 2;
+  CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
+                               "to {}) is stopped and the other replicas go on without it",
+                               rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
+  if (restart) {
+    CHECK(r.err.find(fmt::format("replica(s) {} joined at step", replica)) != std::string::npos);
+    CHECK(r.err.find("no checkpoint read") != std::string::npos);
+  }
+  const auto got = train_losses(ft);
+  REQUIRE(got.size() == (restart ? 20u : 24u));
+  check_losses_close(train_losses(one), got, 1e-5, name);
+  CHECK(metrics(ft).back()["status"] == "completed");
+  return ft;
+}
+
+// The run's last checkpoint (after 24 steps, or 200 where restarted).
+std::string last_checkpoint(const std::string& run, bool restart) {
+  return fmt::format("{}/checkpoints/step-{:08d}", run, restart ? 200 : 24);
+}
+
 }  // namespace
 
 TEST_SUITE("faults") {
@@ -133,41 +178,14 @@ TEST_SUITE("faults") {
     };
     // The writing replica's second rank, the other's second, the other's first restarted.
     for (const Case c : {Case{1, 5, false}, Case{3, 6, false}, Case{2, 6, true}}) {
-      const std::string name = fmt::format("k{}-s{}{}", c.rank, c.step, c.restart ? "-join" : "");
-      CAPTURE(name);
       Job j = gpt_text_job("ft", 11);
       j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
       j.schedule = "{warmup_steps: 3, decay: cosine}";
-      j.max_steps = c.restart ? 200 : 24, j.eval_every = c.restart ? 100 : 12;
-      j.log_every = c.restart ? 10 : 1;
-      j.extra = "fault_tolerance: {mode: replicas}\n";
-      const auto job = j.write(dir, name + ".yaml");
-      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
-      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
-      // Restarted: every step 20 ms longer, so the run outlasts the new processes' start.
-      const auto r = e2e::dtrain(
-          fmt::format("run {} --nproc 4 --set parallel.tensor=2 --run-dir {} --set "
-                      "fault_tolerance.debug_kill_rank={} --set fault_tolerance.debug_kill_step={}{}{}",
-                      job, ft, c.rank, c.step,
-                      c.restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
-                                  "train.debug_slow_ms=20" : "",
-                      kQuiet),
-          c.restart ? kExec : "");
-      INFO(r.err);
-      REQUIRE(r.code == 0);
-      const int replica = c.rank / 2;
-      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
-                                   "to {}) is stopped and the other replicas go on without it",
-                                   c.rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
-      if (c.restart) CHECK(r.err.find("replica(s) 1 joined at step") != std::string::npos);
-      const auto got = train_losses(ft);
-      REQUIRE(got.size() == (c.restart ? 20u : 24u));
-      check_losses_close(train_losses(one), got, 1e-5, name);
+      const auto ft = kill_a_pair(dir, j, 4, "--set parallel.tensor=2", c.rank, c.step, c.restart);
       const auto end = metrics(ft).back();
-      CHECK(end["status"] == "completed");
       CHECK(end["layout"]["data"] == (c.restart ? 2 : 1));
       CHECK(end["layout"]["tensor"] == 2);
-      const auto last = fmt::format("{}/checkpoints/step-{:08d}", ft, c.restart ? 200 : 24);
+      const auto last = last_checkpoint(ft, c.restart);
       CHECK(std::filesystem::exists(last + "/model.tp0.safetensors"));
       CHECK(std::filesystem::exists(last + "/model.tp1.safetensors"));
     }
@@ -188,44 +206,18 @@ TEST_SUITE("faults") {
     // The writing replica's last stage; replica 1's last stage of three (uneven shares);
     // replica 1's first stage, restarted.
     for (const Case c : {Case{2, 12, 1, 5, false}, Case{3, 18, 3, 6, false}, Case{2, 12, 2, 6, true}}) {
-      const std::string name = fmt::format("r{}-k{}-s{}{}", c.replicas, c.rank, c.step,
-                                           c.restart ? "-join" : "");
-      CAPTURE(name);
       Job j = gpt_text_job("ft", 11);
       j.data = fmt::format("{{dataset: text, path: /usr/share/games/fortunes, batch_size: {}, "
                            "seq_len: 32, workers: 1}}", c.batch);
       j.optimizer = "{name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.001}";
       j.schedule = "{warmup_steps: 3, decay: cosine}";
       j.train = "grad_accum: 2";
-      j.max_steps = c.restart ? 200 : 24, j.eval_every = c.restart ? 100 : 12;
-      j.log_every = c.restart ? 10 : 1;
-      j.extra = "fault_tolerance: {mode: replicas}\n";
-      const auto job = j.write(dir, name + ".yaml");
-      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
-      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
-      const auto r = e2e::dtrain(
-          fmt::format("run {} --nproc {} --set parallel.pipeline=2 --run-dir {} --set "
-                      "fault_tolerance.debug_kill_rank={} --set fault_tolerance.debug_kill_step={}{}{}",
-                      job, 2 * c.replicas, ft, c.rank, c.step,
-                      c.restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
-                                  "train.debug_slow_ms=20" : "",
-                      kQuiet),
-          c.restart ? kExec : "");
-      INFO(r.err);
-      REQUIRE(r.code == 0);
-      const int replica = c.rank / 2;
-      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
-                                   "to {}) is stopped and the other replicas go on without it",
-                                   c.rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
-      if (c.restart) CHECK(r.err.find("replica(s) 1 joined at step") != std::string::npos);
-      const auto got = train_losses(ft);
-      REQUIRE(got.size() == (c.restart ? 20u : 24u));
-      check_losses_close(train_losses(one), got, 1e-5, name);
+      const auto ft = kill_a_pair(dir, j, 2 * c.replicas, "--set parallel.pipeline=2", c.rank,
+                                  c.step, c.restart);
       const auto end = metrics(ft).back();
-      CHECK(end["status"] == "completed");
       CHECK(end["layout"]["data"] == (c.restart ? c.replicas : c.replicas - 1));
       CHECK(end["layout"]["pipeline"] == 2);
-      const auto last = fmt::format("{}/checkpoints/step-{:08d}", ft, c.restart ? 200 : 24);
+      const auto last = last_checkpoint(ft, c.restart);
       CHECK(std::filesystem::exists(last + "/model.pp0.safetensors"));
       CHECK(std::filesystem::exists(last + "/model.pp1.safetensors"));
     }
@@ -233,10 +225,10 @@ TEST_SUITE("faults") {
 
   // ZeRO inside each replica (HSDP: 2 replicas of 2 data ranks that shard the optimizer's
   // state, under ZeRO-2 the gradient, under 3 the weights, between them; the MLP with
-  // dropout): a rank's
-  // death stops its replica, the other finishes alone on one process's losses, its two
-  // ranks now taking the whole batch; restarted, the replica rejoins, each rank taking its
-  // shard from the rank at its place (AdamW's moments and its step count), hashed alike.
+  // dropout): a rank's death stops its replica, the other finishes alone on one process's
+  // losses, its two ranks now taking the whole batch; restarted, the replica rejoins, each
+  // rank taking its shard from the rank at its place (AdamW's moments and its step count),
+  // hashed alike.
   TEST_CASE("replicas: ZeRO inside each replica: a replica killed, the other finishes; restarted, it rejoins with its shards") {
     const auto dir = temp_dir("ft-zero");
     struct Case {
@@ -247,42 +239,16 @@ TEST_SUITE("faults") {
     // and 3 (whose weights are sharded too, and handed over shard by shard).
     for (const Case c : {Case{1, 1, 5, false}, Case{2, 2, 6, true}, Case{2, 3, 7, false},
                          Case{1, 3, 6, true}, Case{3, 1, 6, false}, Case{3, 2, 5, true}}) {
-      const std::string name = fmt::format("z{}-k{}-s{}{}", c.zero, c.rank, c.step, c.restart ? "-join" : "");
-      CAPTURE(name);
+      CAPTURE(c.zero);
       Job j = ft_job(32);
       j.model = "{arch: mlp, hidden: [64, 32], dropout: 0.2}";
       j.optimizer = "{name: adamw, lr: 0.01, weight_decay: 0.01}";
-      j.max_steps = c.restart ? 200 : 24, j.eval_every = c.restart ? 100 : 12;
-      j.log_every = c.restart ? 10 : 1;
-      const auto job = j.write(dir, name + ".yaml");
-      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
-      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
-      const auto r = e2e::dtrain(
-          fmt::format("run {} --nproc 4 --set parallel.zero={} --set fault_tolerance.replica_data=2 "
-                      "--run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
-                      "fault_tolerance.debug_kill_step={}{}{}",
-                      job, c.zero, ft, c.rank, c.step,
-                      c.restart ? " --max-restarts 1 --set train.debug_slow_rank=0 --set "
-                                  "train.debug_slow_ms=20" : "",
-                      kQuiet),
-          c.restart ? kExec : "");
-      INFO(r.err);
-      REQUIRE(r.code == 0);
-      const int replica = c.rank / 2;
-      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); replica {} (ranks {} "
-                                   "to {}) is stopped and the other replicas go on without it",
-                                   c.rank, replica, 2 * replica, 2 * replica + 1)) != std::string::npos);
-      if (c.restart) {
-        CHECK(r.err.find("replica(s) 1 joined at step") != std::string::npos);
-        CHECK(r.err.find("no checkpoint read") != std::string::npos);
-      }
-      const auto got = train_losses(ft);
-      REQUIRE(got.size() == (c.restart ? 20u : 24u));
-      check_losses_close(train_losses(one), got, 1e-5, name);
-      const auto end = metrics(ft).back();
-      CHECK(end["status"] == "completed");
-      CHECK(end["layout"]["data"] == (c.restart ? 4 : 2));  // the data ranks training at the end
-      const auto last = fmt::format("{}/checkpoints/step-{:08d}", ft, c.restart ? 200 : 24);
+      const auto ft = kill_a_pair(dir, j, 4,
+                                  fmt::format("--set parallel.zero={} --set "
+                                              "fault_tolerance.replica_data=2", c.zero),
+                                  c.rank, c.step, c.restart);
+      CHECK(metrics(ft).back()["layout"]["data"] == (c.restart ? 4 : 2));  // the data ranks at the end
+      const auto last = last_checkpoint(ft, c.restart);
       CHECK(std::filesystem::exists(last + "/optimizer.dp0.safetensors"));
       CHECK(std::filesystem::exists(last + "/optimizer.dp1.safetensors"));
       CHECK(e2e::dtrain("inspect " + last).code == 0);  // verified, every shard's ranges read
