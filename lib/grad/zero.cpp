@@ -84,11 +84,12 @@ class ZeroSync : public BucketedSync {
   ZeroSync(FlatParams& params, std::shared_ptr<Comm> data, Shard shard, Tied tied,
            double bucket_mb, int64_t micro_batches, AcrossReplicas across)
       : BucketedSync(params, std::make_unique<ReduceToOwners>(data, shard.numel, ranges_of(params, tied)),
-                     data->size(), bucket_mb, micro_batches, tied, /*tensor_rank=*/0),
+                     // Across replicas the loss factor is the share's, not the data ranks'.
+                     across.replicas ? 1 : data->size(), bucket_mb, micro_batches, tied,
+                     /*tensor_rank=*/0),
         data_(std::move(data)),
         shard_(shard),
-        across_(std::move(across)),
-        micro_batches_(micro_batches) {
+        across_(std::move(across)) {
     const int64_t cap = bucket_numel(params, bucket_mb);
     for (int64_t r = 0; r < data_->size(); ++r)
       for (int64_t at = r * shard.numel; at < (r + 1) * shard.numel; at += cap)
@@ -96,7 +97,7 @@ class ZeroSync : public BucketedSync {
   }
   Shard shard() const override { return shard_; }
   double loss_factor() const override {
-    return across_.replicas ? across_.share() / double(micro_batches_) : BucketedSync::loss_factor();
+    return BucketedSync::loss_factor() * (across_.replicas ? across_.share() : 1.0);
   }
   void finish() override {
     settle();  // the next update writes the shard being sent (a parameter no forward used)
@@ -141,7 +142,6 @@ class ZeroSync : public BucketedSync {
   std::shared_ptr<Comm> data_;
   Shard shard_;
   AcrossReplicas across_;
-  int64_t micro_batches_;
 
  private:
   struct Piece {

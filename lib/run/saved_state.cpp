@@ -115,8 +115,9 @@ void check_same_model(const JobConfig& cfg, const std::vector<std::string>& mode
   fail_if<CheckpointError>(!extra.empty(), "{}: the checkpoint holds {} tensor(s) this job's "
                            "model does not have ({}); resuming needs the same model", folder,
                            extra.size(), first_few(extra));
-  fail_if<CheckpointError>(!missing.empty() && !saved.this_rank_only(), "{}: the checkpoint lacks {} tensor(s) of this "
-                           "job's model ({})", folder, missing.size(), first_few(missing));
+  fail_if<CheckpointError>(!missing.empty() && !saved.this_rank_only(),
+                           "{}: the checkpoint lacks {} tensor(s) of this job's model ({})",
+                           folder, missing.size(), first_few(missing));
 }
 
 // `tensors` less the entries of a tied weight's copy (and their optimizer slots): the

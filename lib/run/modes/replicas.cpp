@@ -1,8 +1,7 @@
 // fault_tolerance: replicas (docs/fault-tolerance.md): the sync mode's step, each replica a
 // world of its own (one process, its tensor and pipeline ranks, and data ranks of them that
 // shard ZeRO's state: fault_tolerance.replica_data) and the data-parallel sum over the
-// replicas' set
-// (comm/replica_set.hpp), one set per place in a replica.
+// replicas' set (comm/replica_set.hpp), one set per place in a replica.
 // The set votes before each update; when a replica failed, every survivor discards the
 // step and trains it again on the same global batch, each taking a share of it and its
 // loss weighted by that share's size. The quorum names the replica that writes the run
