@@ -46,11 +46,11 @@ int64_t ReplicaSet::index() const {
   return std::find(m.begin(), m.end(), opts_.replica) - m.begin();
 }
 
-bool ReplicaSet::commit(int64_t n) {
+bool ReplicaSet::commit(int64_t n, int64_t again) {
   const Decision d = agreement_.vote(quorum_, n, !comm_->failed());
   if (!d.reform) return d.commit;
   const std::string why = comm_->failed() ? comm_->error() : "a member was silent";
-  quorum_ = agreement_.next(quorum_, d.commit ? n + 1 : n);
+  quorum_ = agreement_.next(quorum_, d.commit ? n + 1 : again);
   if (index() == count())
     throw DistError(fmt::format("fault tolerance: replica {} was left out of quorum {} at step "
                                 "{}: its peers voted it dead ({})",

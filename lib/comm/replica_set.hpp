@@ -68,10 +68,12 @@ class ReplicaSet {
   int64_t count() const { return int64_t(quorum_.members.size()); }
 
   // The members' vote on step n (this one's: whether comm() failed). True: apply the
-  // update. False: the step is discarded, the quorum has changed, and step n is trained
-  // again by the new members. DistError when this replica is no longer a member (its
+  // update. False: the step is discarded, the quorum has changed, and the new members
+  // train again from step `again` (n, or an earlier step whose state they went back to:
+  // local SGD's last average). DistError when this replica is no longer a member (its
   // peers voted it dead) or an agreement timed out.
-  bool commit(int64_t n);
+  bool commit(int64_t n, int64_t again);
+  bool commit(int64_t n) { return commit(n, n); }
 
  private:
   Options opts_;

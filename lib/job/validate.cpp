@@ -127,7 +127,7 @@ namespace {
 
 // fault_tolerance: replicas, as far as it is built (docs/fault-tolerance.md says what is
 // left): replicas of one process, of tensor and pipeline ranks, and of data ranks that
-// shard ZeRO's state among themselves; the sync mode's step.
+// shard ZeRO's state among themselves; the sync mode's step, or local SGD's.
 void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   if (cfg.fault_tolerance.mode == "off") return;
   auto refuse = [](bool bad, const std::string& what) {
@@ -137,7 +137,6 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   refuse(cfg.parallel.mode == "async_ps",
          "parallel.mode async_ps: its workers never wait for one another, and a failed one "
          "stops the job and restarts it from the latest checkpoint (--max-restarts) like any rank");
-  refuse(cfg.parallel.mode != "sync", "parallel.mode " + cfg.parallel.mode + " (sync only)");
   const int64_t inside = cfg.fault_tolerance.replica_data;
   fail_if<ConfigError>(layout.data % inside != 0, "fault_tolerance.replica_data: {} does not "
                        "divide the {} data-parallel ranks into replicas", inside, layout.data);

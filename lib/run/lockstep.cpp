@@ -66,7 +66,8 @@ class RunBody : public LoopBody {
         parts_{run.runner,  run.sync, run.params,     run.optimizer, run.scaler,
                mode.mesh(), mode,     run.model.tied, run.cfg,       run.total_steps,
                run.device},
-        mode_(mode) {
+        mode_(mode),
+        next_(run.log.state().step + 1) {
     run.runner.deal(share_.rank(), share_.ranks());
   }
 
@@ -74,17 +75,22 @@ class RunBody : public LoopBody {
     mode_.mesh().world()->note_step(n);
     for (;;) {
       mode_.before_step(n);  // again for a step trained again: its new quorum may admit
-      // The survivors of a failed replica deal the global batch anew (fault tolerance).
+      // The survivors of a failed replica deal the global batch anew (fault tolerance),
+      // from where the loop is: a step after the last one, where it went back.
       if (const auto share = mode_.share(run_.sampler);
-          share.rank() != share_.rank() || share.ranks() != share_.ranks())
+          share.rank() != share_.rank() || share.ranks() != share_.ranks() || n != next_)
         share_ = share, loader_ = load(share_, n - 1), run_.runner.deal(share.rank(), share.ranks());
       double wait_ms = 0;
       Batch batch = loader_->next(&wait_ms);
       auto p = train_step(parts_, n, batch, wait_ms, logged, kept, apart_diverged());
-      if (!p.discarded) return p;
+      if (!p.discarded || p.back_to >= 0) {  // going back is the loop's
+        next_ = p.discarded ? -1 : n + 1;
+        return p;
+      }
       loader_ = load(share_, n - 1);  // step n's batch again
     }
   }
+  bool may_go_back() const override { return mode_.may_go_back(); }
   StepStats read(PendingStep& p) override {
     return read_step(parts_, p, apart_diverged(), run_.log.state().skipped_in_a_row);
   }
@@ -121,6 +127,7 @@ class RunBody : public LoopBody {
   std::unique_ptr<Loader> loader_;
   StepParts parts_;
   Lockstep& mode_;
+  int64_t next_;  // the step the loader's next batch is for (-1: none)
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <csignal>
 #include <deque>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -27,7 +28,7 @@ constexpr size_t kReadLag = 2;
 class StepReader {
  public:
   StepReader(LoopBody& body, RunLog& log, const Cadence& cadence, const JobConfig& cfg)
-      : body_(body), log_(log), cadence_(cadence), cfg_(cfg) {}
+      : body_(body), log_(log), cadence_(cadence), cfg_(cfg), holds_(body.may_go_back()) {}
 
   void queue(PendingStep p) {
     pending_.push_back(std::move(p));
@@ -40,6 +41,14 @@ class StepReader {
   // evaluation, a checkpoint, the end.
   void read_all() {
     while (!pending_.empty()) read_oldest();
+  }
+  // The steps after `step` discarded (the ranks went back to it): forgotten, read or not.
+  // Their time is the next recorded step's, as a step trained again carries its first try.
+  void go_back(int64_t step) {
+    while (!pending_.empty() && pending_.back().step > step) pending_.pop_back();
+    if (held_.empty() || held_.front().step <= step) return;
+    mark_ = held_mark_;
+    held_.clear();
   }
   // Runs `what` (an evaluation, a checkpoint) outside every step's time.
   template <class F>
@@ -56,20 +65,37 @@ class StepReader {
     StepStats s = body_.read(p);
     const auto finished = p.finished_at.value_or(Clock::now());
     s.step_ms = std::chrono::duration<double, std::milli>(finished - mark_).count();
+    const auto previous_mark = mark_;
     mark_ = finished;
     if (s.nonfinite)
       if (auto end = log_.nonfinite(p.step, body_.culprit(p.step, s), cadence_.meets(p.step)))
         log_.diverge(*end);
     const double lr = lr_at(cfg_.schedule, cfg_.optimizer.lr, p.step, cadence_.total_steps);
+    if (holds_ && !cadence_.meets(p.step)) {  // recorded once the next meeting stands
+      if (held_.empty()) held_mark_ = previous_mark;
+      held_.push_back({p.step, s, lr});
+      return;
+    }
+    for (const auto& h : held_) log_.record(h.step, h.stats, h.lr, cadence_.should_log(h.step));
+    held_.clear();
     log_.record(p.step, s, lr, cadence_.should_log(p.step));
   }
+
+  struct Held {
+    int64_t step;
+    StepStats stats;
+    double lr;
+  };
 
   LoopBody& body_;
   RunLog& log_;
   const Cadence& cadence_;
   const JobConfig& cfg_;
+  const bool holds_;
   std::deque<PendingStep> pending_;  // queued, not read yet: oldest first
+  std::vector<Held> held_;           // read, not recorded yet (holds_): oldest first
   Clock::time_point mark_ = Clock::now();  // the last step's finish, moved on past the rest
+  Clock::time_point held_mark_;            // mark_ before the first held step was read
 };
 
 }  // namespace
@@ -84,7 +110,14 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
       const int64_t n = st.step + 1;
       const bool eval_now = cadence.should_eval(n), save_now = cadence.should_save(n);
       if (cadence.rejoins(n)) reader.read_all();
-      reader.queue(body.step(n, cadence.should_log(n), eval_now || save_now));
+      PendingStep p = body.step(n, cadence.should_log(n), eval_now || save_now);
+      if (p.back_to >= 0) {  // discarded back to an earlier meeting: train from there again
+        reader.go_back(p.back_to);
+        st.step = p.back_to;
+        if (st.diverged_at > st.step) st.diverged_at = 0;
+        continue;
+      }
+      reader.queue(std::move(p));
       st.step = n;
       if (eval_now || save_now || log.stop_voted() || cadence.parts(n)) reader.read_all();
       if (eval_now) reader.not_training([&] { body.evaluate(n); });

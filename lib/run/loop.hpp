@@ -7,6 +7,11 @@
 // non-finite step (an evaluation, a checkpoint, the end) and where the ranks meet after
 // steps apart (local SGD), where every pending step is read first.
 //
+// Where a meeting may send the ranks back (LoopBody::may_go_back), a step between meetings
+// is recorded (its line written) once the next meeting stands; one that sends them back
+// takes the steps since the earlier meeting with it, unrecorded, and the loop trains them
+// again: the lines and the summary hold each step once, as it stood.
+//
 // Under checkpoint.async a checkpoint is written while the next steps run, and committed
 // where the ranks meet once all have written; the last step's and a stop's are written at
 // once, after the one in flight.
@@ -42,6 +47,9 @@ class LoopBody {
   virtual void finish_save() {}
   // A stop signal's end, after its checkpoint: the run's result.
   virtual RunResult stop(int sig) = 0;
+  // Whether a step where the ranks meet may come back discarded with every step since an
+  // earlier meeting (PendingStep::back_to; local SGD under fault tolerance).
+  virtual bool may_go_back() const { return false; }
 };
 
 // Runs steps start + 1 .. total of `body` at `cadence`, recording them in `log`; the step

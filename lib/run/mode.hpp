@@ -126,9 +126,18 @@ class Lockstep : public Mode {
     int64_t ranks = 0, rank = 0;
   };
   virtual RankInJob rank_in_job() const;
-  // After step n's update (local SGD averages the replicas where they meet). Returns the
-  // bytes this rank sent.
-  virtual int64_t after_update(int64_t /*n*/) { return 0; }
+  // After step n's update (local SGD averages the replicas where they meet): the bytes
+  // this rank sent, and where a failure since the ranks last met discarded the steps
+  // since then (local SGD under fault tolerance), the step whose state the ranks hold
+  // again: they train the steps after it again.
+  struct AfterUpdate {
+    int64_t bytes = 0;
+    int64_t back_to = -1;  // -1: step n stands
+  };
+  virtual AfterUpdate after_update(int64_t /*n*/) { return {}; }
+  // Whether after_update may send the ranks back: then a step between meetings is
+  // recorded (its line written) only once the meeting after it stands.
+  virtual bool may_go_back() const { return false; }
   // How the ranks are apart between meetings, in messages ("" when they always meet).
   virtual std::string apart() const { return ""; }
   // Before step n (from 1) is trained, and again before each time it is trained again.

@@ -264,8 +264,14 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   // 5. clip by the global norm (and fp16's unscaling, in the same multiply), and update
   const torch::Tensor skip = update(parts, p, figures, norm, scale);
   parts.sync.after_update(skip);
-  s.comm_bytes = parts.sync.bytes_per_step() + parts.mode.after_update(n) + model_traffic(parts.mesh);
+  const auto after = parts.mode.after_update(n);
   parts.params.zero_grad();
+  if (after.back_to >= 0) {  // a replica failed since the ranks last met: back to there
+    p.discarded = true;
+    p.back_to = after.back_to;
+    return p;
+  }
+  s.comm_bytes = parts.sync.bytes_per_step() + after.bytes + model_traffic(parts.mesh);
   settle();
   s.optim_ms = ms_since(t_opt);
   return p;  // its step_ms is the loop's to measure: the host's time here is not the device's

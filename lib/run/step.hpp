@@ -61,6 +61,9 @@ struct PendingStep {
   // A replica failed during it (fault tolerance): nothing of it was applied, and it is
   // trained again (Lockstep::commit).
   bool discarded = false;
+  // Discarded with every step since this one, whose state the ranks hold again (local SGD
+  // under fault tolerance: Lockstep::after_update); -1 when only the step itself is.
+  int64_t back_to = -1;
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
   // When the host first saw the step finished (the loop's clock for its step time).
   std::optional<std::chrono::steady_clock::time_point> finished_at;

@@ -284,6 +284,92 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Local SGD over the replicas: they vote where they meet, so a replica that dies between
+  // averages takes the interval since the last one with it, and the survivors train it
+  // again from that average. The reference is local SGD itself without fault tolerance: at
+  // the job's replicas up to that average, then resumed from its checkpoint at one replica
+  // fewer (the checkpoint holds the averaged optimizer state too, so the resume is exact).
+  TEST_CASE("replicas: local SGD: an interval a replica died in is trained again from the last average, as by a smaller world") {
+    const auto dir = temp_dir("ft-local");
+    struct Case {
+      int replicas, rank, step, local_after, back_to;
+      bool gpt = false;  // 2 replicas of tensor 2, a small GPT with dropout
+    };
+    // Mid-interval, the writer as an average's step starts, in the synchronous start (the
+    // step alone trained again, as the sync mode does), 4 replicas, tensor 2 inside each.
+    for (const Case& c : {Case{3, 2, 6, 0, 4}, Case{3, 0, 8, 0, 4}, Case{3, 1, 3, 4, 2},
+                          Case{4, 3, 10, 0, 8}, Case{2, 2, 7, 0, 4, true}}) {
+      const std::string name = fmt::format("r{}-k{}-s{}-l{}{}", c.replicas, c.rank, c.step,
+                                           c.local_after, c.gpt ? "-gpt" : "");
+      CAPTURE(name);
+      Job j = ft_job(24);
+      j.optimizer = "{name: adamw, lr: 0.01}";
+      j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
+      j.parallel = fmt::format("{{mode: local_sgd, average_every: 4, local_after: {}, "
+                               "average_optimizer: true{}}}", c.local_after,
+                               c.gpt ? ", tensor: 2" : "");
+      j.checkpoint = "{every_steps: 2, keep_last: 20}";
+      if (c.gpt) {
+        j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+        j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
+                 " workers: 1}";
+      }
+      const auto job = j.write(dir, name + ".yaml");
+      const int per = c.gpt ? 2 : 1;  // ranks per replica
+      const auto ft = dir + "/" + name + "-ft", ref = dir + "/" + name + "-ref",
+                 smaller = dir + "/" + name + "-smaller";
+      const auto r = e2e::dtrain(fmt::format(
+          "run {} --nproc {} --run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
+          "fault_tolerance.debug_kill_step={}{}", job, c.replicas * per, ft, c.rank, c.step, kQuiet));
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      const bool interval = c.step > c.local_after;
+      CHECK((r.err.find(fmt::format("steps {} to {} discarded: a replica failed before the "
+                                    "replicas met (local SGD)", c.back_to + 1,
+                                    (c.step - 1) / 4 * 4 + 4)) != std::string::npos) == interval);
+      const std::string plain = " --set fault_tolerance.mode=off" + std::string(kQuiet);
+      run_ok(fmt::format("run {} --nproc {} --run-dir {}{}", job, c.replicas * per, ref, plain));
+      std::filesystem::copy(ref, smaller, std::filesystem::copy_options::recursive);
+      run_ok(fmt::format("run {} --nproc {} --run-dir {} --resume {}/checkpoints/step-{:08d}{}", job,
+                         (c.replicas - 1) * per, smaller, smaller, c.back_to, plain));
+      const auto got = train_losses(ft);
+      auto before = train_losses(ref), after = train_losses(smaller);
+      before.erase(before.upper_bound(c.back_to), before.end());
+      after.erase(after.begin(), after.upper_bound(c.back_to));
+      check_losses_close(before, got, 1e-6, name + " before");
+      check_losses_close(after, got, 1e-6, name + " after");
+      CHECK(of_kind(metrics(ft), "train").size() == 16);  // each step's line once, as it stood
+      CHECK(metrics(ft).back()["status"] == "completed");
+      CHECK(metrics(ft).back()["layout"]["data"] == c.replicas - 1);
+    }
+  }
+
+  // Restarted, the replica joins where the others meet, with their average.
+  TEST_CASE("replicas: local SGD: a killed replica restarts and joins at an average with its peers' state") {
+    const auto dir = temp_dir("ft-local-join");
+    Job j = ft_job(24);
+    j.max_steps = 200, j.eval_every = 100, j.log_every = 10;
+    j.parallel = "{mode: local_sgd, average_every: 4}";
+    const auto job = j.write(dir);
+    const auto ft = dir + "/ft";
+    const auto r = e2e::dtrain(fmt::format(
+        "run {} --nproc 3 --max-restarts 1 --run-dir {} --set fault_tolerance.debug_kill_rank=1 "
+        "--set fault_tolerance.debug_kill_step=6 --set train.debug_slow_rank=0 --set "
+        "train.debug_slow_ms=20{}", job, ft, kQuiet), kExec);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err.find("steps 5 to 8 discarded") != std::string::npos);
+    const auto at = r.err.find("replica(s) 1 joined at step ");
+    REQUIRE(at != std::string::npos);
+    const int joined = std::atoi(r.err.c_str() + at + std::string("replica(s) 1 joined at step ").size());
+    CHECK(joined > 8);
+    CHECK((joined - 1) % 4 == 0);  // after an average
+    CHECK(r.err.find("no checkpoint read") != std::string::npos);
+    CHECK(of_kind(metrics(ft), "train").size() == 20);
+    CHECK(metrics(ft).back()["status"] == "completed");
+    CHECK(metrics(ft).back()["layout"]["data"] == 3);
+  }
+
   TEST_CASE("replicas: a stopped replica (SIGSTOP) is killed within its heartbeat's timeout and replaced") {
     const auto dir = temp_dir("ft-stop");
     Job j = ft_job(30);
@@ -334,7 +420,6 @@ TEST_SUITE("faults") {
                                                            "is a replica of its own"},
         {"--nproc 4 --set parallel.zero=1 --set fault_tolerance.replica_data=3",
          "fault_tolerance.replica_data: 3 does not divide the 4 data-parallel ranks"},
-        {"--nproc 2 --set parallel.mode=local_sgd", with + "parallel.mode local_sgd (sync only)"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
          with + "parallel.mode async_ps: its workers never wait for one another"},
     };

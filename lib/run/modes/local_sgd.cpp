@@ -7,17 +7,18 @@
 #include "optim/optimizer.hpp"
 #include "run/mode.hpp"
 #include "run/model_parts.hpp"
+#include "run/modes/local_sgd.hpp"
 
 namespace dtrain {
-namespace {
 
-// Whether step n (from 1) steps each data replica on its own gradient: past the
-// synchronous start.
 bool steps_locally(const ParallelConfig& cfg, int64_t n) { return n > cfg.local_after; }
 
-// The gradient: `sync` (the data group's) for the synchronous steps, then `local` (this
-// replica's own: NoSync, whose factor takes the mean over the replica's share of the
-// batch). While local, `sync`'s hooks are disarmed, so its buckets launch nothing.
+bool local_sgd_meets(const ParallelConfig& cfg, int64_t n, int64_t total) {
+  return !steps_locally(cfg, n) || (n - cfg.local_after) % cfg.average_every == 0 || n == total;
+}
+
+namespace {
+
 class LocalSync : public GradSync {
  public:
   LocalSync(const ParallelConfig& cfg, std::unique_ptr<GradSync> sync,
@@ -34,6 +35,7 @@ class LocalSync : public GradSync {
   }
   void finish() override { active_->finish(); }
   void after_update(const torch::Tensor& skip) override { active_->after_update(skip); }
+  void discard() override { active_->discard(); }
   int64_t bytes_per_step() const override { return active_->bytes_per_step(); }
 
  private:
@@ -42,15 +44,45 @@ class LocalSync : public GradSync {
   GradSync* active_;
 };
 
+}  // namespace
+
+std::unique_ptr<GradSync> make_local_sync(const ParallelConfig& cfg, std::unique_ptr<GradSync> sync,
+                                          std::unique_ptr<GradSync> local) {
+  return std::make_unique<LocalSync>(cfg, std::move(sync), std::move(local));
+}
+
+std::vector<torch::Tensor> averaged_state(const ParallelConfig& cfg, const FlatParams& params,
+                                          const std::vector<torch::Tensor>& buffers,
+                                          const Optimizer& optimizer) {
+  std::vector<torch::Tensor> all{params.data()};
+  for (const auto& b : buffers) all.push_back(b);
+  if (cfg.average_optimizer)
+    for (const auto& [name, slot] : optimizer.slots()) all.push_back(slot);
+  return all;
+}
+
+int64_t average_over(Comm& group, const std::vector<torch::Tensor>& tensors, double weight,
+                     bool even) {
+  torch::NoGradGuard no_grad;
+  int64_t bytes = 0;
+  auto pending = std::make_unique<PendingAll>();
+  for (const auto& t : tensors) {
+    bytes += ring_all_reduce_bytes(t.numel() * t.element_size(), group.size());
+    if (!even) t.mul_(weight);
+    pending->parts.push_back(group.all_reduce_async(t, even ? ReduceOp::kAvg : ReduceOp::kSum));
+  }
+  pending->wait();
+  return bytes;
+}
+
+namespace {
+
 class LocalSgd : public Lockstep, public Stateful {
  public:
   LocalSgd(const JobConfig& cfg, const ParallelDims& dims, std::shared_ptr<Comm> world)
       : Lockstep(cfg, dims, std::move(world), /*replica_group=*/true) {}
 
-  bool meets(int64_t n) const override {
-    const auto& p = cfg_.parallel;
-    return !steps_locally(p, n) || (n - p.local_after) % p.average_every == 0 || n == total_steps_;
-  }
+  bool meets(int64_t n) const override { return local_sgd_meets(cfg_.parallel, n, total_steps_); }
   Comm& figures_group(int64_t n) const override {
     return meets(n) ? *mesh_.world() : *mesh_.replica();
   }
@@ -61,7 +93,7 @@ class LocalSgd : public Lockstep, public Stateful {
 
   std::unique_ptr<GradSync> make_sync(FlatParams& params, int64_t micro_batches, int64_t,
                                       Tied tied) const override {
-    return std::make_unique<LocalSync>(
+    return make_local_sync(
         cfg_.parallel, make_all_reduce_sync(cfg_.parallel, mesh_, params, micro_batches, tied),
         make_no_sync(params, micro_batches, tied));
   }
@@ -76,22 +108,11 @@ class LocalSgd : public Lockstep, public Stateful {
 
   // Where the replicas meet after local steps: the average of the parameters, the
   // buffers and, when asked, the optimizer's slots.
-  int64_t after_update(int64_t n) override {
-    if (!steps_locally(cfg_.parallel, n) || !meets(n)) return 0;
-    auto& data = *mesh_.data();
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> all{params_->data()};
-    for (const auto& b : buffers_) all.push_back(b);
-    if (cfg_.parallel.average_optimizer)
-      for (const auto& [name, slot] : optimizer_->slots()) all.push_back(slot);
-    int64_t bytes = 0;
-    auto pending = std::make_unique<PendingAll>();
-    for (const auto& t : all) {
-      bytes += ring_all_reduce_bytes(t.numel() * t.element_size(), data.size());
-      pending->parts.push_back(data.all_reduce_async(t, ReduceOp::kAvg));
-    }
-    pending->wait();
-    return bytes;
+  AfterUpdate after_update(int64_t n) override {
+    if (!steps_locally(cfg_.parallel, n) || !meets(n)) return {};
+    return {average_over(*mesh_.data(),
+                         averaged_state(cfg_.parallel, *params_, buffers_, *optimizer_), 1.0,
+                         /*even=*/true)};
   }
 
   Stateful* state() override { return cfg_.parallel.average_optimizer ? nullptr : this; }

@@ -31,6 +31,7 @@ class StandIn : public LoopBody {
   std::vector<std::string> saves;  // under checkpoint.async: "bgN", "syncN", "pollN", "wait"
   std::map<int64_t, double> loss;  // steps with another loss (NaN: non-finite)
   int64_t stop_vote_at = 0;        // a step whose figures say a rank was asked to stop
+  std::map<int64_t, int64_t> back; // a meeting's step that sends the ranks back (once) to a step
   int stopped_with = 0;
   RunState* state = nullptr;       // given: each save sets its last_saved, as a run's does
 
@@ -38,8 +39,13 @@ class StandIn : public LoopBody {
     stepped.push_back(n);
     PendingStep p;
     p.step = n;
+    if (const auto it = back.find(n); it != back.end()) {
+      p.discarded = true, p.back_to = it->second;
+      back.erase(it);
+    }
     return p;
   }
+  bool may_go_back() const override { return true; }
   StepStats read(PendingStep& p) override {
     read_steps.push_back(p.step);
     StepStats s;
@@ -150,6 +156,25 @@ TEST_CASE("loop: a resumed run starts after its step; where the ranks do not mee
   CHECK(body.stepped == std::vector<int64_t>{6, 7, 8, 9, 10, 11, 12});
   CHECK(body.evaluated == std::vector<int64_t>{6, 9, 12});
   CHECK(body.saved == std::vector<std::pair<int64_t, bool>>{{12, true}});
+}
+
+TEST_CASE("loop: a meeting that sends the ranks back: the steps since the last one trained again, each line once") {
+  test::TempDir dir;
+  const auto cfg = job(/*log_every=*/1, /*eval_every=*/0, /*save_every=*/4);
+  Logged l(cfg, dir.path().string(), 12);
+  StandIn body;
+  body.back = {{8, 4}, {12, 8}};  // local SGD's averages at 4, 8, 12: two of them fail once
+  const Cadence cadence{cfg, 100, 12, [](int64_t n) { return n % 4 == 0; }};
+  lockstep_loop(body, l.log, cadence, 12, cfg);
+  CHECK(body.stepped == std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11, 12,
+                                             9, 10, 11, 12});
+  // Nothing of a discarded interval is saved or recorded: the lines hold steps 1 to 12 once.
+  CHECK(body.saved == std::vector<std::pair<int64_t, bool>>{{4, false}, {8, false}, {12, true}});
+  std::vector<int64_t> train;
+  for (const auto& line : lines(dir.path().string() + "/metrics.jsonl"))
+    if (line["kind"] == "train") train.push_back(line["step"].get<int64_t>());
+  CHECK(train == std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12});
+  CHECK(l.log.state().step == 12);
 }
 
 TEST_CASE("loop: train.on_nonfinite: skip goes on, stop ends the run with its summary") {
