@@ -387,6 +387,7 @@ struct FaultToleranceConfig {
   std::string mode = "off";
   int64_t heartbeat_s = 5;
   int64_t replica_data = 1;
+  std::string batch = "keep";
   int64_t debug_kill_rank = -1;
   int64_t debug_kill_step = 0;
 
@@ -400,6 +401,12 @@ struct FaultToleranceConfig {
       "data-parallel ranks inside each replica, which shard ZeRO's state among themselves "
       "(parallel.zero 1 to 3; shard within, replicate across: HSDP); parallel.data counts "
       "every data rank, so the job has parallel.data / replica_data replicas");
+    v("batch", batch, Choices{"keep", "shrink"},
+      "what a replica's failure does to the global batch: keep (the survivors deal its share "
+      "among themselves: the same batch and learning rate) or shrink (each keeps its own "
+      "share: the batch shrinks by the failed replica's, the learning rate with it, "
+      "linearly, and the epoch's remaining samples go in the smaller batches); a joiner "
+      "brings it back (sync mode)");
     v("heartbeat_s", heartbeat_s,
       "a replica whose heartbeat is older than this is voted dead (a stopped or hung process)");
     v("debug_kill_rank", debug_kill_rank,

@@ -37,18 +37,18 @@ std::shared_ptr<const EpochOrder> Loader::order_for(int64_t epoch) {
   auto order = std::make_shared<const EpochOrder>(sampler_.epoch_order(epoch));
   lock.lock();
   // Epochs behind the consumer are finished with.
-  const int64_t current = next_take_ / sampler_.steps_per_epoch();
+  const int64_t current = sampler_.at(next_take_).epoch;
   for (auto o = orders_.begin(); o != orders_.end();)
     o = o->first < current ? orders_.erase(o) : std::next(o);
   return orders_.emplace(epoch, order).first->second;
 }
 
 Batch Loader::make(int64_t global_step) {
-  const int64_t spe = sampler_.steps_per_epoch();
-  auto order = order_for(global_step / spe);
-  const auto indices = sampler_.rank_indices(*order, global_step % spe);
+  const BatchAt at = sampler_.at(global_step);
+  auto order = order_for(at.epoch);
+  const auto indices = sampler_.rank_indices(*order, at.position);
   Batch b = data_.gather(indices);
-  if (!augment_.empty()) b.x = augment_.apply(b.x, indices, global_step / spe);
+  if (!augment_.empty()) b.x = augment_.apply(b.x, indices, at.epoch);
   if (pin_) b = {b.x.pin_memory(), b.y.pin_memory()};
   return b;
 }

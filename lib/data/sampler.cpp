@@ -79,12 +79,42 @@ EpochOrder ShardedSampler::epoch_order(int64_t epoch) const {
   return EpochOrder(size_, shuffle_, seed_, epoch);
 }
 
-torch::Tensor ShardedSampler::rank_indices(const EpochOrder& order, int64_t step) const {
+torch::Tensor ShardedSampler::rank_indices(const EpochOrder& order, int64_t position) const {
   auto out = torch::empty({rank_batch()}, torch::kInt64);
   auto* p = out.data_ptr<int64_t>();
-  const int64_t base = step * global_batch_;
-  for (int64_t i = 0; i < rank_batch(); ++i) p[i] = order.at(base + rank_ + i * ranks_);
+  for (int64_t i = 0; i < rank_batch(); ++i) p[i] = order.at(position + rank_ + i * ranks_);
   return out;
+}
+
+BatchAt ShardedSampler::at(int64_t step) const {
+  const int64_t i = step - course_.step;
+  fail_if<std::logic_error>(i < 0, "step {} before the sampler's course (from step {})", step,
+                            course_.step);
+  // The whole batches left in the course's first epoch, then whole epochs of them.
+  const int64_t first = (size_ - course_.at.position) / global_batch_;
+  if (i < first) return {course_.at.epoch, course_.at.position + i * global_batch_};
+  const int64_t later = i - first, per_epoch = steps_per_epoch();
+  return {course_.at.epoch + 1 + later / per_epoch, (later % per_epoch) * global_batch_};
+}
+
+ShardedSampler ShardedSampler::continued(int64_t step, int64_t global_batch) const {
+  return on_course({step, at(step)}, global_batch);
+}
+
+ShardedSampler ShardedSampler::on_course(const Course& course, int64_t global_batch) const {
+  fail_if<std::logic_error>(global_batch < 1 || global_batch > size_,
+                            "a global batch of {} over {} samples", global_batch, size_);
+  ShardedSampler out = *this;
+  out.global_batch_ = global_batch;
+  out.rank_ = 0, out.ranks_ = 1;
+  out.course_ = course;
+  return out;
+}
+
+bool ShardedSampler::same_shares(const ShardedSampler& o) const {
+  return rank_ == o.rank_ && ranks_ == o.ranks_ && global_batch_ == o.global_batch_ &&
+         course_.step == o.course_.step && course_.at.epoch == o.course_.at.epoch &&
+         course_.at.position == o.course_.at.position;
 }
 
 }  // namespace dtrain

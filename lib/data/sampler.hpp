@@ -3,6 +3,12 @@
 // order[s*B, (s+1)*B); data-parallel rank r of D takes elements r, r+D, r+2D, ... of it.
 // So D ranks together see exactly the batch one rank would, and any position
 // (epoch, step) can be recomputed on resume without replaying the epoch.
+//
+// A fault-tolerant job whose batch shrinks with its replicas (fault_tolerance.batch:
+// shrink) goes on from a step in batches of another size: the rest of that step's epoch in
+// the new batches (a tail too small for one dropped, as an epoch's always is), then whole
+// epochs of them (a course: ShardedSampler::continued). Each sample of an epoch is still
+// taken once, and a step's place is still computed, not replayed.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -34,6 +40,19 @@ class EpochOrder {
   int half_bits_ = 0;
 };
 
+// Where a step's global batch lies: the epoch, and the place of its first sample in that
+// epoch's order.
+struct BatchAt {
+  int64_t epoch = 0, position = 0;
+};
+
+// Where the sampler's global batches of its size begin: at (0-based) step `step`, at
+// `at`. A job's sampler begins at step 0, at the start of epoch 0.
+struct Course {
+  int64_t step = 0;
+  BatchAt at;
+};
+
 class ShardedSampler {
  public:
   ShardedSampler(int64_t dataset_size, int64_t global_batch, bool shuffle, uint64_t seed,
@@ -52,16 +71,29 @@ class ShardedSampler {
   // exactly the global batch, each sample once.
   ShardedSampler reshared(int64_t rank, int64_t ranks) const;
 
+  int64_t global_batch() const { return global_batch_; }
+  // From (0-based) step `step` on, global batches of `global_batch` samples, the first at
+  // this sampler's place for that step (the same shares: rank 0 of 1 until reshared).
+  ShardedSampler continued(int64_t step, int64_t global_batch) const;
+  const Course& course() const { return course_; }
+  // The same order on the course `course` (a saved one), in batches of `global_batch`.
+  ShardedSampler on_course(const Course& course, int64_t global_batch) const;
+  // Whether `other` deals the same batches the same way (rank, ranks, batch, course).
+  bool same_shares(const ShardedSampler& other) const;
+
+  // Where (0-based) step `step`'s global batch lies.
+  BatchAt at(int64_t step) const;
   // The epoch's order of sample indices (identical on every rank).
   EpochOrder epoch_order(int64_t epoch) const;
-  // This rank's indices for `step` of the epoch whose order is given.
-  torch::Tensor rank_indices(const EpochOrder& order, int64_t step) const;
+  // This rank's indices of the global batch at `position` of the epoch whose order is given.
+  torch::Tensor rank_indices(const EpochOrder& order, int64_t position) const;
 
  private:
   int64_t size_, global_batch_;
   bool shuffle_;
   uint64_t seed_;
   int64_t rank_, ranks_;
+  Course course_;
 };
 
 }  // namespace dtrain

@@ -129,6 +129,9 @@ namespace {
 // left): replicas of one process, of tensor and pipeline ranks, and of data ranks that
 // shard ZeRO's state among themselves; the sync mode's step, or local SGD's.
 void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
+  fail_if<ConfigError>(cfg.fault_tolerance.mode == "off" && cfg.fault_tolerance.batch != "keep",
+                       "fault_tolerance.batch: {} says what a replica's failure does to the "
+                       "batch: it needs fault_tolerance.mode: replicas", cfg.fault_tolerance.batch);
   if (cfg.fault_tolerance.mode == "off") return;
   auto refuse = [](bool bad, const std::string& what) {
     fail_if<ConfigError>(bad, "fault_tolerance.mode: replicas with {} is not supported{}", what,
@@ -137,6 +140,9 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   refuse(cfg.parallel.mode == "async_ps",
          "parallel.mode async_ps: its workers never wait for one another, and a failed one "
          "stops the job and restarts it from the latest checkpoint (--max-restarts) like any rank");
+  refuse(cfg.fault_tolerance.batch == "shrink" && cfg.parallel.mode == "local_sgd",
+         "fault_tolerance.batch: shrink under parallel.mode local_sgd (each replica steps on its "
+         "own share already: use keep)");
   const int64_t inside = cfg.fault_tolerance.replica_data;
   fail_if<ConfigError>(layout.data % inside != 0, "fault_tolerance.replica_data: {} does not "
                        "divide the {} data-parallel ranks into replicas", inside, layout.data);

@@ -78,7 +78,7 @@ class RunBody : public LoopBody {
       // The survivors of a failed replica deal the global batch anew (fault tolerance),
       // from where the loop is: a step after the last one, where it went back.
       if (const auto share = mode_.share(run_.sampler);
-          share.rank() != share_.rank() || share.ranks() != share_.ranks() || n != next_)
+          !share.same_shares(share_) || n != next_)
         share_ = share, loader_ = load(share_, n - 1), run_.runner.deal(share.rank(), share.ranks());
       double wait_ms = 0;
       Batch batch = loader_->next(&wait_ms);

@@ -150,6 +150,9 @@ class Lockstep : public Mode {
   // How much this rank's loss counts in the figures' sum over replicas(n) (its share's size
   // against an even share's: 1 unless the shares are uneven).
   virtual double loss_weight() const { return 1.0; }
+  // The global batch now against data.batch_size (fault_tolerance.batch: shrink: the
+  // survivors' shares only); the learning rate is scaled by it.
+  virtual double batch_scale() const { return 1.0; }
 
   // The job's mesh over `world`; ZeRO's flat layout and gradient sync.
   // `job_ranks`: the world's ranks in the job, where it is not the job's (a fault-tolerant

@@ -17,6 +17,7 @@ namespace dtrain {
 
 void Window::add(const StepStats& s) {
   steps += 1;
+  batches += s.batch_scale;
   data_wait_ms += s.data_wait_ms;
   forward_ms += s.forward_ms;
   backward_ms += s.backward_ms;
@@ -192,7 +193,7 @@ void RunLog::write_summary(const nlohmann::json& summary) const {
 nlohmann::json RunLog::train_line(int64_t n, const StepStats& last, double lr) const {
   const Window& w = window_;
   const double steps = double(w.steps);
-  const double samples_per_s = steps * double(cfg_.data.batch_size) / (w.step_ms / 1000);
+  const double samples_per_s = w.batches * double(cfg_.data.batch_size) / (w.step_ms / 1000);
   // The phases: the window's means, or on a GPU the logged step's own (only it waited for
   // the device; the others' phase times are the host's launch times).
   auto phase = [&](double window_sum, double last_step) {

@@ -54,6 +54,9 @@ struct RunState {
 // named otherwise.
 struct StepStats {
   double loss = 0;             // mean over the global batch
+  // The step's global batch against data.batch_size, its learning rate scaled alike: below
+  // 1 after a failure under fault_tolerance.batch: shrink.
+  double batch_scale = 1;
   double grad_norm = 0;        // NaN when not computed this step
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0;
   int64_t comm_bytes = 0;      // what this rank sent for the step
@@ -98,6 +101,7 @@ struct RankTimes {
 // Sums over one logging window of steps.
 struct Window {
   int64_t steps = 0;
+  double batches = 0;  // the steps' global batches, in data.batch_size's
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0,
          step_ms = 0;
   int64_t comm_bytes = 0;

@@ -284,6 +284,85 @@ TEST_SUITE("faults") {
     }
   }
 
+  // fault_tolerance.batch: shrink: each survivor keeps its own share, so the global batch
+  // loses the failed replica's and the learning rate shrinks with it. Killed at the first
+  // step, the run is a one-process run of the smaller batch at the scaled rate from the
+  // start (the learning rate's schedule is linear in its base, and the sampler deals the
+  // smaller batches from the epoch's start); killed later, it is the job's run until then
+  // and trains at the scaled rate after.
+  TEST_CASE("replicas: batch shrink: the survivors keep their shares; the batch and the learning rate shrink") {
+    const auto dir = temp_dir("ft-shrink");
+    Job j = ft_job(24);
+    j.extra = "fault_tolerance: {mode: replicas, batch: shrink}\n";
+    const auto job = j.write(dir);
+    const std::string one = " --set fault_tolerance.mode=off --set fault_tolerance.batch=keep";
+    // At step 1: against one process at batch 16 and 2/3 of the learning rate.
+    run_ok("run " + job + " --run-dir " + dir + "/small" + one +
+           " --set data.batch_size=16 --set optimizer.lr=0.033333333333333333");
+    auto r = e2e::dtrain(fmt::format("run {} --nproc 3 --run-dir {}/first --set "
+                                     "fault_tolerance.debug_kill_rank=2 --set "
+                                     "fault_tolerance.debug_kill_step=1{}", job, dir, kQuiet));
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    check_losses_close(train_losses(dir + "/small"), train_losses(dir + "/first"), 1e-5, "at step 1");
+    // At step 9: the job's run until then, 2/3 of its learning rate after.
+    run_ok("run " + job + " --run-dir " + dir + "/whole" + one);
+    r = e2e::dtrain(fmt::format("run {} --nproc 3 --run-dir {}/later --set "
+                                "fault_tolerance.debug_kill_rank=1 --set "
+                                "fault_tolerance.debug_kill_step=9{}", job, dir, kQuiet));
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    auto ref = train_losses(dir + "/whole");
+    const auto got = train_losses(dir + "/later");
+    REQUIRE(got.size() == 24);
+    check_losses_close({ref.begin(), ref.find(9)}, got, 1e-5, "before the kill");
+    const auto lines = of_kind(metrics(dir + "/later"), "train"),
+               whole = of_kind(metrics(dir + "/whole"), "train");
+    for (size_t i = 0; i < lines.size(); ++i) {
+      const int64_t step = lines[i]["step"].get<int64_t>();
+      CAPTURE(step);
+      const double want = whole[i]["lr"].get<double>() * (step < 9 ? 1.0 : 2.0 / 3.0);
+      CHECK(lines[i]["lr"].get<double>() == doctest::Approx(want).epsilon(1e-9));
+    }
+    CHECK(metrics(dir + "/later").back()["layout"]["data"] == 2);
+    // The course its batches take is in the checkpoint: a resume goes on from there.
+    const auto trainer = nlohmann::json::parse(
+        slurp(dir + "/later/checkpoints/step-00000024/trainer.json"));
+    CHECK(trainer["data_course"]["step"] == 8);
+    CHECK(trainer["data_course"]["global_batch"] == 16);
+    CHECK(trainer["data_course"]["position"] == 8 * 24);
+  }
+
+  // A joiner brings its share back: the batch and the learning rate are the job's again.
+  TEST_CASE("replicas: batch shrink: a restarted replica's join restores the batch") {
+    const auto dir = temp_dir("ft-shrink-join");
+    Job j = ft_job(16);
+    j.max_steps = 200, j.eval_every = 100, j.log_every = 10;
+    j.extra = "fault_tolerance: {mode: replicas, batch: shrink}\n";
+    const auto job = j.write(dir);
+    run_ok("run " + job + " --run-dir " + dir + "/one --set fault_tolerance.mode=off --set "
+           "fault_tolerance.batch=keep");
+    const auto r = e2e::dtrain(fmt::format(
+        "run {} --nproc 2 --max-restarts 1 --run-dir {}/ft --set fault_tolerance.debug_kill_rank=1 "
+        "--set fault_tolerance.debug_kill_step=6 --set train.debug_slow_rank=0 --set "
+        "train.debug_slow_ms=20{}", job, dir, kQuiet), kExec);
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    const std::string said = "replica(s) 1 joined at step ";
+    const auto at = r.err.find(said);
+    REQUIRE(at != std::string::npos);
+    const int joined = std::atoi(r.err.c_str() + at + said.size());
+    const auto got = of_kind(metrics(dir + "/ft"), "train"), one = of_kind(metrics(dir + "/one"), "train");
+    REQUIRE(got.size() == 20);
+    for (size_t i = 0; i + 1 < got.size(); ++i) {  // the last step's rate is 0
+      const int64_t step = got[i]["step"].get<int64_t>();
+      CAPTURE(step);
+      const double scale = step >= 6 && step < joined ? 0.5 : 1.0;
+      CHECK(got[i]["lr"].get<double>() == doctest::Approx(one[i]["lr"].get<double>() * scale).epsilon(1e-9));
+    }
+    CHECK(metrics(dir + "/ft").back()["layout"]["data"] == 2);
+  }
+
   // Local SGD over the replicas: they vote where they meet, so a replica that dies between
   // averages takes the interval since the last one with it, and the survivors train it
   // again from that average. The reference is local SGD itself without fault tolerance: at
@@ -420,6 +499,11 @@ TEST_SUITE("faults") {
                                                            "is a replica of its own"},
         {"--nproc 4 --set parallel.zero=1 --set fault_tolerance.replica_data=3",
          "fault_tolerance.replica_data: 3 does not divide the 4 data-parallel ranks"},
+        {"--set fault_tolerance.mode=off --set fault_tolerance.batch=shrink",
+         "fault_tolerance.batch: shrink says what a replica's failure does to the batch: it needs "
+         "fault_tolerance.mode: replicas"},
+        {"--nproc 2 --set fault_tolerance.batch=shrink --set parallel.mode=local_sgd",
+         with + "fault_tolerance.batch: shrink under parallel.mode local_sgd"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
          with + "parallel.mode async_ps: its workers never wait for one another"},
     };

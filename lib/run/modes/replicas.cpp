@@ -33,7 +33,9 @@ void Replicas::bind(const TrainParts& parts) {
   take_over_ = parts.take_over;
   hand_over_ = parts.hand_over;
   log_ = &parts.log;
-  job_sampler_.emplace(parts.sampler);
+  course_.emplace(parts.sampler);
+  const auto& o = set_->options();
+  rank_batch_ = batch() / ((o.starting > 0 ? o.starting : o.replicas) * mesh().dims().data);
 }
 
 bool Replicas::writes_files() const {
@@ -90,10 +92,34 @@ double Replicas::loss_weight() const {
   return double(share_size() * set_->count() * mesh().dims().data) / double(batch());
 }
 
+double Replicas::batch_scale() const {
+  return double(batch()) / double(cfg_.data.batch_size);
+}
+
+Stateful* Replicas::state() { return shrinks() ? &course_state_ : nullptr; }
+
+void Replicas::CourseState::save(StateWriter& out) const {
+  const Course& c = r_.course_->course();
+  out.set("data_course", {{"step", c.step}, {"epoch", c.at.epoch}, {"position", c.at.position},
+                          {"global_batch", r_.batch()}});
+}
+
+// A checkpoint of a job that kept its batch has none: its batches lie where a job's do.
+void Replicas::CourseState::load(const StateReader& in) {
+  const auto& t = in.trainer();
+  if (!t.contains("data_course")) return;
+  const auto& c = t.at("data_course");
+  r_.course_ = r_.course_->on_course(
+      Course{c.at("step").get<int64_t>(), {c.at("epoch").get<int64_t>(), c.at("position").get<int64_t>()}},
+      c.at("global_batch").get<int64_t>());
+}
+
+// Under shrink the sampler's course is the job's until the quorum changes: it goes on in
+// the members' batches from there.
 ShardedSampler Replicas::share(const ShardedSampler& job) const {
   const int64_t inside = mesh().dims().data;
-  return job.reshared(mesh().coord().data * set_->count() + set_->index(),
-                      set_->count() * inside);
+  return (shrinks() ? *course_ : job)
+      .reshared(mesh().coord().data * set_->count() + set_->index(), set_->count() * inside);
 }
 
 void Replicas::before_step(int64_t n) {
@@ -102,6 +128,10 @@ void Replicas::before_step(int64_t n) {
       n == ft.debug_kill_step)
     std::raise(SIGKILL);
   if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
+  // The members' batch from this step on (a joiner's course is its source's, so each
+  // member continues the same one alike).
+  const int64_t members_batch = set_->count() * mesh().dims().data * rank_batch_;
+  if (shrinks() && batch() != members_batch) course_ = course_->continued(n - 1, members_batch);
 }
 
 bool Replicas::vote(int64_t n, int64_t again) {

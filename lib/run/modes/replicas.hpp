@@ -8,6 +8,10 @@
 // directory (the first one's lowest, for as long as it lives); when it fails, the lowest
 // survivor takes over. Under parallel.mode: local_sgd the replicas step alone between
 // averages (modes/local_replicas.cpp, on top of this).
+// Under fault_tolerance.batch: shrink each data rank keeps its own share's size instead, so
+// the global batch is the members' shares (and the learning rate scaled with it): the
+// job's sampler continued in those batches from the step the quorum changed at, the course
+// kept in checkpoints and handed to joiners.
 #pragma once
 #include <functional>
 #include <map>
@@ -51,6 +55,8 @@ class Replicas : public Lockstep {
   // changed by the time they are read, two steps later), each replica's data ranks.
   int64_t replicas(int64_t n) const override;
   double loss_weight() const override;
+  double batch_scale() const override;
+  Stateful* state() override;
   // The replica's share dealt again among its data ranks: data rank i of D in replica k of
   // K takes share i x K + k of K x D, whose union over i is replica k's share of K.
   ShardedSampler share(const ShardedSampler& job) const override;
@@ -72,8 +78,20 @@ class Replicas : public Lockstep {
   int64_t replica() const { return set_->replica(); }
   // Once per quorum that admitted replicas: the source's state into theirs, over the set.
   void receive_or_send_state();
-  int64_t batch() const { return cfg_.data.batch_size; }
-  int64_t share_size() const { return share(*job_sampler_).rank_batch(); }
+  // The global batch now: the job's, or under shrink the members' shares.
+  int64_t batch() const { return course_->global_batch(); }
+  int64_t share_size() const { return share(*course_).rank_batch(); }
+  bool shrinks() const { return cfg_.fault_tolerance.batch == "shrink"; }
+  // The course's state (fault_tolerance.batch: shrink): where its batches began.
+  class CourseState : public Stateful {
+   public:
+    explicit CourseState(Replicas& r) : r_(r) {}
+    void save(StateWriter& out) const override;
+    void load(const StateReader& in) override;
+
+   private:
+    Replicas& r_;
+  };
 
   std::shared_ptr<ReplicaSet> set_;
   bool restarted_;  // started to join (a debug_kill_rank does not kill itself again)
@@ -81,7 +99,10 @@ class Replicas : public Lockstep {
   std::function<Handover(Comm&, int64_t, bool)> hand_over_;
   RunLog* log_ = nullptr;
   int64_t handed_ = -1;  // the last quorum whose joiners took their state
-  std::optional<ShardedSampler> job_sampler_;  // the job's, once bound
+  // The job's sampler once bound; under shrink continued in the members' batches.
+  std::optional<ShardedSampler> course_;
+  int64_t rank_batch_ = 0;  // under shrink: a data rank's share, as the job started
+  CourseState course_state_{*this};
   std::map<int64_t, int64_t> trained_by_;      // step -> its quorum's size, the last few
 };
 

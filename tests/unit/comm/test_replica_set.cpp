@@ -87,7 +87,7 @@ std::vector<torch::Tensor> train(const Problem& pb, int64_t replicas, std::vecto
         if (tries > 3) return fails.add(r, fmt::format("step {} tried 4 times", n));
         if (dies(n, false)) return alive[size_t(r)].store(false);
         const ShardedSampler share = pb.sampler.reshared(set.index(), set.count());
-        const auto idx = share.rank_indices(share.epoch_order(0), n - 1);
+        const auto idx = share.rank_indices(share.epoch_order(0), (n - 1) * kBatch);
         // This share's mean, weighted by its size: their sum is the global batch's mean.
         auto g = pb.grad(w, idx) * (double(idx.numel()) / kBatch);
         set.comm()->all_reduce(g);

@@ -25,7 +25,7 @@ TensorDataset arange_dataset(int64_t n) {
 // What global step g must hold, computed from the sampler directly (no Loader involved).
 Batch expected(const TensorDataset& data, const ShardedSampler& s, int64_t g) {
   const int64_t spe = s.steps_per_epoch();
-  return data.gather(s.rank_indices(s.epoch_order(g / spe), g % spe));
+  return data.gather(s.rank_indices(s.epoch_order(g / spe), g % spe * s.global_batch()));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -108,7 +109,52 @@ TEST_CASE("sampler: shuffle=false is the identity every epoch") {
   ShardedSampler s(17, 4, /*shuffle=*/false, 42);
   CHECK(list(s.epoch_order(0)) == iota(17));
   CHECK(list(s.epoch_order(5)) == iota(17));
-  CHECK(to_vec(s.rank_indices(s.epoch_order(0), 2)) == std::vector<int64_t>{8, 9, 10, 11});
+  CHECK(to_vec(s.rank_indices(s.epoch_order(0), /*position=*/8)) == std::vector<int64_t>{8, 9, 10, 11});
+}
+
+TEST_CASE("sampler: a job's steps lie at step x batch of epoch step / steps_per_epoch") {
+  const ShardedSampler s(103, 10, true, 7);
+  for (int64_t step : {0, 1, 9, 10, 11, 25, 99}) {
+    CAPTURE(step);
+    CHECK(s.at(step).epoch == step / 10);
+    CHECK(s.at(step).position == step % 10 * 10);
+  }
+}
+
+// fault_tolerance.batch: shrink: the replicas that train deal batches of their number's
+// size; every sample of an epoch is taken once, whatever the batch did meanwhile, and an
+// epoch ends only where its rest is smaller than a batch (that tail dropped, as always).
+TEST_CASE("sampler: a course of changing batches takes each sample of an epoch once") {
+  const int64_t size = 100;
+  const ShardedSampler job(size, 12, true, 3);
+  // Three replicas of 4 samples, two from step 5, one from 9, three again from 30.
+  const std::map<int64_t, int64_t> changes{{5, 8}, {9, 4}, {30, 12}};
+  ShardedSampler course = job;
+  std::map<int64_t, std::vector<int64_t>> seen;  // epoch -> samples taken
+  int64_t last_epoch = 0, last_batch = 12;
+  std::map<int64_t, int64_t> batch_at_end;       // epoch -> the batch it ended at
+  for (int64_t step = 0; step < 60; ++step) {
+    if (changes.count(step)) course = course.continued(step, changes.at(step));
+    const int64_t k = course.global_batch() / 4;
+    const BatchAt at = course.at(step);
+    if (at.epoch != last_epoch) batch_at_end[last_epoch] = last_batch, last_epoch = at.epoch;
+    last_batch = course.global_batch();
+    const EpochOrder order = course.epoch_order(at.epoch);
+    for (int64_t r = 0; r < k; ++r)
+      for (int64_t i : to_vec(course.reshared(r, k).rank_indices(order, at.position)))
+        seen[at.epoch].push_back(i);
+  }
+  REQUIRE(batch_at_end.size() >= 3);
+  for (const auto& [epoch, batch] : batch_at_end) {
+    CAPTURE(epoch);
+    auto taken = seen.at(epoch);
+    std::sort(taken.begin(), taken.end());
+    CHECK(std::adjacent_find(taken.begin(), taken.end()) == taken.end());  // none twice
+    CHECK(int64_t(taken.size()) > size - batch);  // only a tail smaller than a batch left
+  }
+  // The shrunk course's first step is where the job's own step 5 lies.
+  CHECK(job.continued(5, 8).at(5).position == job.at(5).position);
+  CHECK(job.continued(5, 8).at(6).position == job.at(5).position + 8);
 }
 
 TEST_CASE("sampler: steps_per_epoch drops the incomplete tail") {
@@ -134,7 +180,7 @@ TEST_CASE("sampler: D ranks together take exactly the global batch, disjointly")
         std::vector<int64_t> all;
         for (int64_t r = 0; r < d; ++r) {
           CHECK(ranks[r].rank_batch() == b / d);
-          auto mine = to_vec(ranks[r].rank_indices(ranks[r].epoch_order(epoch), step));
+          auto mine = to_vec(ranks[r].rank_indices(ranks[r].epoch_order(epoch), step * b));
           CHECK(mine.size() == static_cast<size_t>(b / d));
           // The documented interleave: rank r takes elements r, r+D, ... of the global batch.
           for (size_t i = 0; i < mine.size(); ++i)
@@ -162,7 +208,7 @@ TEST_CASE("sampler: a batch re-shared among survivors that do not divide it") {
     std::vector<int64_t> all, sizes;
     for (int64_t r = 0; r < d; ++r) {
       const auto share = four.reshared(r, d);
-      auto mine = to_vec(share.rank_indices(share.epoch_order(2), /*step=*/3));
+      auto mine = to_vec(share.rank_indices(share.epoch_order(2), /*position=*/3 * b));
       CHECK(int64_t(mine.size()) == share.rank_batch());
       sizes.push_back(share.rank_batch());
       for (size_t i = 0; i < mine.size(); ++i)
