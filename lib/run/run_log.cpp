@@ -67,6 +67,7 @@ void RunLog::record(int64_t n, const StepStats& s, double lr, bool logged,
   window_.add(s);
   busy_.add(s.rank_busy_ms);
   step_ms_.push_back(s.step_ms);
+  step_batches_.push_back(s.batch_scale);
   data_wait_ms_ += s.data_wait_ms;
   state_.bytes_sent += s.comm_bytes;
   if (logged) {
@@ -238,9 +239,10 @@ nlohmann::json RunLog::summary(const std::string& status) const {
   const size_t n = step_ms_.size();
   const size_t warm = std::min<size_t>(20, n / 5);
   double ms = 0;
-  for (size_t i = warm; i < n; ++i) ms += step_ms_[i];
+  double batches = 0;  // in data.batch_size's (a batch that shrank with its replicas counts less)
+  for (size_t i = warm; i < n; ++i) ms += step_ms_[i], batches += step_batches_[i];
   const double batch = double(cfg_.data.batch_size);
-  const double steady = ms > 0 ? double(n - warm) * batch / (ms / 1000) : 0;
+  const double steady = ms > 0 ? batches * batch / (ms / 1000) : 0;
   std::vector<double> sorted(step_ms_.begin() + long(warm), step_ms_.end());
   std::sort(sorted.begin(), sorted.end());
   const auto& st = state_;

@@ -214,6 +214,7 @@ class RunLog {
   RunState state_;
   Window window_;
   std::vector<double> step_ms_;  // this process's steps, for the steady-state rate
+  std::vector<double> step_batches_;  // and their batches (StepStats::batch_scale)
   RankTimes busy_;               // this process's steps, each rank's busy time
   double data_wait_ms_ = 0;
   double stall_ms_ = 0;          // checkpoint_stalled's, over the run
