@@ -257,6 +257,8 @@ struct ParallelConfig {
   int64_t average_every = 8;
   int64_t local_after = 0;
   bool average_optimizer = false;
+  double outer_lr = 1.0;
+  double outer_momentum = 0.0;
   bool auto_layout = false;
 
   template <class V> void visit(V&& v) {
@@ -305,6 +307,12 @@ struct ParallelConfig {
     v("average_optimizer", average_optimizer,
       "local_sgd: average the optimizer state (momentum, Adam's moments) with the parameters; "
       "else each replica keeps its own");
+    v("outer_lr", outer_lr,
+      "local_sgd: DiLoCo's outer step where the replicas meet: the parameters they last met "
+      "at move by an SGD step of this rate along (those - the replicas' average); 1 with "
+      "outer_momentum 0 takes the average itself (plain local SGD; DiLoCo: 0.7)");
+    v("outer_momentum", outer_momentum,
+      "local_sgd: the outer step's Nesterov momentum (DiLoCo: 0.9; 0 = none)");
   }
 };
 

@@ -559,6 +559,9 @@ void check_layout_and_run(const JobConfig& c) {
   need(p.staleness >= 0, "parallel.staleness", ">= 0", p.staleness);
   need(p.average_every >= 1, "parallel.average_every", ">= 1", p.average_every);
   need(p.local_after >= 0, "parallel.local_after", ">= 0", p.local_after);
+  need(std::isfinite(p.outer_lr) && p.outer_lr > 0, "parallel.outer_lr", "> 0", p.outer_lr);
+  need(p.outer_momentum >= 0 && p.outer_momentum < 1, "parallel.outer_momentum", "in [0, 1)",
+       p.outer_momentum);
 
   const auto& pr = c.precision;
   if (pr.loss_scale != "dynamic") {

@@ -114,8 +114,7 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
       PendingStep p = body.step(n, cadence.should_log(n), eval_now || save_now);
       if (p.back_to >= 0) {  // discarded back to an earlier meeting: train from there again
         reader.go_back(p.back_to);
-        st.step = p.back_to;
-        if (st.diverged_at > st.step) st.diverged_at = 0;
+        log.went_back(p.back_to);
         continue;
       }
       reader.queue(std::move(p));

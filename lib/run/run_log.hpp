@@ -165,6 +165,12 @@ class RunLog {
   std::optional<Divergence> nonfinite(int64_t n, const Culprit& c, bool meets);
   // The summary ("diverged") and DivergedError: nothing from that step on was checkpointed.
   [[noreturn]] void diverge(const Divergence& d);
+  // The ranks went back to step n (PendingStep::back_to): the steps after it, discarded,
+  // are trained again; a divergence remembered among them is forgotten.
+  void went_back(int64_t n) {
+    state_.step = n;
+    if (state_.diverged_at > n) state_.diverged_at = 0;
+  }
   // Whether a read step said some rank was asked to stop.
   bool stop_voted() const { return stop_; }
 

@@ -120,9 +120,10 @@ void check_same_model(const JobConfig& cfg, const std::vector<std::string>& mode
                            folder, missing.size(), first_few(missing));
 }
 
-// `tensors` less the entries of a tied weight's copy (and their optimizer slots): the
-// embedding's stage saves it. Not for `out` where every rank adds all it holds (a live
-// recovery's state goes to the joiner's rank at the same place: the last stage's copy too).
+}  // namespace
+
+// A live recovery's state goes to the joiner's rank at the same place: the last stage's
+// copy too.
 NamedTensors without_copies(const FlatParams& params, const Tied& tied, NamedTensors tensors,
                             const StateWriter& out) {
   if (!tied.copy || out.every_rank_whole()) return tensors;
@@ -136,6 +137,8 @@ NamedTensors without_copies(const FlatParams& params, const Tied& tied, NamedTen
   tensors.erase(std::remove_if(tensors.begin(), tensors.end(), is_copy), tensors.end());
   return tensors;
 }
+
+namespace {
 
 // The model's parameters (each rank its stage's, of split ones its tensor rank's part,
 // replicated ones from tensor rank 0) and buffers. A resume continues the same model.

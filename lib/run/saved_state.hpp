@@ -11,6 +11,7 @@
 #include <torch/types.h>
 
 #include "checkpoint/stateful.hpp"
+#include "grad/grad_sync.hpp"
 
 namespace dtrain {
 
@@ -31,6 +32,11 @@ SavedTrainer read_trainer_state(const nlohmann::json& trainer, const std::string
 // same model: checked first), the counters (the same global batch and data), the
 // optimizer, the loss scaler, the random generators. They refer to `run`'s components.
 std::vector<std::unique_ptr<Stateful>> run_savers(Run& run);
+
+// `tensors` less the entries of a tied weight's copy (and their slots): the embedding's
+// stage saves it. Not for `out` where every rank adds all it holds (a live recovery's).
+NamedTensors without_copies(const FlatParams& params, const Tied& tied, NamedTensors tensors,
+                            const StateWriter& out);
 
 // model.init_from: a fresh run's weights (parameters and buffers) from a checkpoint or a
 // safetensors file, by name, each rank taking its part. Strict: every tensor of the model

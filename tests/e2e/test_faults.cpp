@@ -372,21 +372,26 @@ TEST_SUITE("faults") {
     const auto dir = temp_dir("ft-local");
     struct Case {
       int replicas, rank, step, local_after, back_to;
-      bool gpt = false;  // 2 replicas of tensor 2, a small GPT with dropout
+      bool gpt = false;     // 2 replicas of tensor 2, a small GPT with dropout
+      bool diloco = false;  // DiLoCo's outer step: its momentum put back with the rest
     };
     // Mid-interval, the writer as an average's step starts, in the synchronous start (the
-    // step alone trained again, as the sync mode does), 4 replicas, tensor 2 inside each.
+    // step alone trained again, as the sync mode does), 4 replicas, tensor 2 inside each,
+    // DiLoCo (a failure after two outer steps: their momentum put back with the rest).
     for (const Case& c : {Case{3, 2, 6, 0, 4}, Case{3, 0, 8, 0, 4}, Case{3, 1, 3, 4, 2},
-                          Case{4, 3, 10, 0, 8}, Case{2, 2, 7, 0, 4, true}}) {
-      const std::string name = fmt::format("r{}-k{}-s{}-l{}{}", c.replicas, c.rank, c.step,
-                                           c.local_after, c.gpt ? "-gpt" : "");
+                          Case{4, 3, 10, 0, 8}, Case{2, 2, 7, 0, 4, true},
+                          Case{3, 2, 10, 0, 8, false, true}}) {
+      const std::string name = fmt::format("r{}-k{}-s{}-l{}{}{}", c.replicas, c.rank, c.step,
+                                           c.local_after, c.gpt ? "-gpt" : "",
+                                           c.diloco ? "-diloco" : "");
       CAPTURE(name);
       Job j = ft_job(24);
       j.optimizer = "{name: adamw, lr: 0.01}";
       j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
       j.parallel = fmt::format("{{mode: local_sgd, average_every: 4, local_after: {}, "
-                               "average_optimizer: true{}}}", c.local_after,
-                               c.gpt ? ", tensor: 2" : "");
+                               "average_optimizer: true{}{}}}", c.local_after,
+                               c.gpt ? ", tensor: 2" : "",
+                               c.diloco ? ", outer_lr: 0.7, outer_momentum: 0.9" : "");
       j.checkpoint = "{every_steps: 2, keep_last: 20}";
       if (c.gpt) {
         j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";

@@ -157,6 +157,43 @@ TEST_SUITE("modes") {
                          "checkpoint was written at data size 2") != std::string::npos);
   }
 
+  // DiLoCo: where the replicas meet, an outer Nesterov step along (last meeting's parameters
+  // - the average). Its arithmetic is the unit test's (tests/unit/run/test_outer_step.cpp);
+  // here: it changes the run from the first average on, and its momentum is in the
+  // checkpoint, so a resume is exact.
+  TEST_CASE("local_sgd with DiLoCo's outer step: apart from the plain average, its momentum resumed exactly") {
+    auto dir = temp_dir("modes-diloco");
+    const auto path = job(dir, "{name: adamw, lr: 0.003, weight_decay: 0.01}");
+    const std::string local = " --set parallel.mode=local_sgd --set parallel.average_every=4"
+                              " --set parallel.local_after=2 --set checkpoint.every_steps=5"
+                              " --set checkpoint.keep_last=10" + std::string(kQuiet);
+    const std::string diloco = local + " --set parallel.outer_lr=0.7 --set parallel.outer_momentum=0.9";
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/plain" + local);
+    run_ok("run " + path + " --nproc 2 --run-dir " + dir + "/whole" + diloco);
+    const auto plain = train_losses(dir + "/plain"), whole = train_losses(dir + "/whole");
+    REQUIRE(whole.size() == 24);
+    for (int64_t step = 1; step <= 6; ++step) CHECK(whole.at(step) == plain.at(step));  // the first average is after 6
+    CHECK(whole.at(7) != plain.at(7));
+    {
+      dtrain::CheckpointReader reader(dir + "/whole/checkpoints/step-00000010");
+      bool held = false;
+      for (auto& [name, t] : reader.all("optimizer")) held = held || name == "1.weight.outer_momentum";
+      CHECK(held);
+    }
+    const auto legs = dir + "/legs";
+    run_ok("run " + path + " --nproc 2 --run-dir " + legs + diloco + " --set train.max_steps=10");
+    const auto second = e2e::dtrain("run " + path + " --nproc 2 --run-dir " + legs + " --resume auto" + diloco);
+    INFO(second.err);
+    REQUIRE(second.code == 0);
+    CHECK(second.err.find("outer momentum") == std::string::npos);  // no warning: it was there
+    const auto got = train_losses(legs);
+    REQUIRE(got.size() == 24);
+    for (const auto& [step, loss] : whole) {
+      INFO("step " << step);
+      CHECK(got.at(step) == loss);
+    }
+  }
+
   TEST_CASE("local_sgd on a GPT at data 2 x pipeline 2 x tensor 2: sync at every step, exact resume") {
     REQUIRE_MESSAGE(std::filesystem::exists("/usr/share/games/fortunes"), "apt-get install fortunes");
     auto dir = temp_dir("modes-gpt");

@@ -10,6 +10,9 @@
 // global batches dealt among the survivors. So no sample is lost or seen twice, and the
 // interval is local SGD's over the survivors: what a run of the smaller world from that
 // average gives. A replica that joins does so where the others meet, with their average.
+// DiLoCo's outer step (OuterStep) starts from that same kept copy.
+#include <optional>
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -21,15 +24,17 @@
 namespace dtrain {
 namespace {
 
-// What a replica holds at an average, to go back to.
+// What a replica holds at an average, to go back to; its parameters are DiLoCo's outer
+// copy, which the outer step starts from.
 struct OuterCopy {
   int64_t step = -1;  // the average's step (-1: none kept)
   torch::Tensor params;
   std::vector<torch::Tensor> buffers, slots;
   NamedTensors scalars;
+  torch::Tensor momentum;  // the outer step's
 };
 
-class LocalReplicas : public Replicas {
+class LocalReplicas : public Replicas, public Stateful {
  public:
   using Replicas::Replicas;
 
@@ -57,6 +62,16 @@ class LocalReplicas : public Replicas {
     total_steps_ = parts.total_steps;
     float_buffers_ = parts.model.float_buffers();
     for (const auto& [name, b] : parts.model.buffers()) buffers_.push_back(b);
+    tied_ = &parts.model.tied;
+    outer_.emplace(cfg_.parallel, parts.params.data());
+  }
+  // The outer step's momentum, with the optimizer's state (the same on every replica).
+  Stateful* state() override { return outer_->buffer().defined() ? this : nullptr; }
+  void save(StateWriter& out) const override {
+    outer_->save(out, *params_, *tied_, mesh().coord().tensor);
+  }
+  void load(const StateReader& in) override {
+    outer_->load(in, *params_, *tied_, mesh().coord().tensor);
   }
 
   // Between averages each replica's figures are its own.
@@ -84,6 +99,7 @@ class LocalReplicas : public Replicas {
     if (s.count() > 1)
       bytes = average_over(*s.comm(), averaged_state(cfg_.parallel, *params_, float_buffers_, *optimizer_),
                            batch_share(), cfg_.data.batch_size % s.count() == 0);
+    if (outer_->active()) outer_->step(params_->data(), kept_.params);
     if (vote(n, kept_.step + 1)) return {bytes};
     restore();
     log().say(fmt::format("steps {} to {} discarded: a replica failed before the replicas met "
@@ -102,6 +118,7 @@ class LocalReplicas : public Replicas {
     for (const auto& [name, slot] : optimizer_->slots()) kept_.slots.push_back(slot.clone());
     kept_.scalars.clear();
     for (const auto& [name, t] : optimizer_->scalars()) kept_.scalars.emplace_back(name, t.clone());
+    if (outer_->buffer().defined()) kept_.momentum = outer_->buffer().clone();
   }
   void restore() {
     torch::NoGradGuard no_grad;
@@ -110,13 +127,16 @@ class LocalReplicas : public Replicas {
     const auto slots = optimizer_->slots();
     for (size_t i = 0; i < slots.size(); ++i) slots[i].second.copy_(kept_.slots[i]);
     optimizer_->load_scalars(kept_.scalars);
+    if (kept_.momentum.defined()) outer_->buffer().copy_(kept_.momentum);
   }
 
   FlatParams* params_ = nullptr;
   Optimizer* optimizer_ = nullptr;
   int64_t total_steps_ = 0;
   std::vector<torch::Tensor> buffers_, float_buffers_;
+  const Tied* tied_ = nullptr;
   int64_t now_ = 0;  // the step being trained
+  std::optional<OuterStep> outer_;
   OuterCopy kept_;
 };
 

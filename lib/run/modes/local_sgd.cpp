@@ -1,6 +1,9 @@
 // parallel.mode: local_sgd, local SGD with a synchronous start (docs/modes.md). Gloo's
 // ring all-reduce leaves the same bits on every rank, so after an average the replicas are
 // equal, not just close: where they meet, a checkpoint resumes exactly.
+#include <algorithm>
+#include <optional>
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -8,6 +11,7 @@
 #include "run/mode.hpp"
 #include "run/model_parts.hpp"
 #include "run/modes/local_sgd.hpp"
+#include "run/saved_state.hpp"
 
 namespace dtrain {
 
@@ -61,6 +65,45 @@ std::vector<torch::Tensor> averaged_state(const ParallelConfig& cfg, const FlatP
   return all;
 }
 
+OuterStep::OuterStep(const ParallelConfig& cfg, const torch::Tensor& like)
+    : lr_(cfg.outer_lr), momentum_(cfg.outer_momentum) {
+  if (momentum_ > 0) buffer_ = torch::zeros_like(like);
+}
+
+void OuterStep::step(const torch::Tensor& params, const torch::Tensor& outer) {
+  torch::NoGradGuard no_grad;
+  auto delta = outer - params;  // the pseudo-gradient
+  if (momentum_ > 0) {
+    buffer_.mul_(momentum_).add_(delta);
+    delta.add_(buffer_, momentum_);  // Nesterov's look-ahead
+  }
+  params.copy_(outer).sub_(delta, lr_);
+}
+
+void OuterStep::save(StateWriter& out, const FlatParams& params, const Tied& tied,
+                     int64_t tensor_rank) const {
+  if (!buffer_.defined() || !out.writes(StateFile::kOptimizer)) return;
+  PartsOf parts;
+  auto named = params.owned(buffer_, ".outer_momentum", tensor_rank, parts, out.every_rank_whole());
+  out.add(StateFile::kOptimizer, without_copies(params, tied, std::move(named), out), parts);
+}
+
+void OuterStep::load(const StateReader& in, const FlatParams& params, const Tied& /*tied*/,
+                     int64_t tensor_rank) {
+  if (!buffer_.defined()) return;
+  const auto names = in.names(StateFile::kOptimizer);
+  const std::string suffix = ".outer_momentum";
+  const bool held = std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+    return n.size() > suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+  });
+  if (!held) {
+    in.warn("warning: parallel.outer_momentum: " + in.folder() + " holds no outer momentum "
+            "(written without it): it starts at 0");
+    return;
+  }
+  params.scatter_full(buffer_, suffix, in.tensors(StateFile::kOptimizer), tensor_rank);
+}
+
 int64_t average_over(Comm& group, const std::vector<torch::Tensor>& tensors, double weight,
                      bool even) {
   torch::NoGradGuard no_grad;
@@ -104,22 +147,35 @@ class LocalSgd : public Lockstep, public Stateful {
     tied_ = &run.model.tied;
     total_steps_ = run.total_steps;
     buffers_ = run.model.float_buffers();
+    outer_.emplace(cfg_.parallel, run.params.data());
   }
 
+  // Under DiLoCo's outer step an interval starts from a copy of where the replicas met.
+  void before_step(int64_t n) override {
+    if (!outer_->active() || !steps_locally(cfg_.parallel, n) || !meets(n - 1)) return;
+    if (outer_copy_.defined()) outer_copy_.copy_(params_->data());
+    else outer_copy_ = params_->data().clone();
+  }
   // Where the replicas meet after local steps: the average of the parameters, the
-  // buffers and, when asked, the optimizer's slots.
+  // buffers and, when asked, the optimizer's slots; then the outer step, if any.
   AfterUpdate after_update(int64_t n) override {
     if (!steps_locally(cfg_.parallel, n) || !meets(n)) return {};
-    return {average_over(*mesh_.data(),
-                         averaged_state(cfg_.parallel, *params_, buffers_, *optimizer_), 1.0,
-                         /*even=*/true)};
+    const int64_t bytes = average_over(
+        *mesh_.data(), averaged_state(cfg_.parallel, *params_, buffers_, *optimizer_), 1.0,
+        /*even=*/true);
+    if (outer_->active()) outer_->step(params_->data(), outer_copy_);
+    return {bytes};
   }
 
-  Stateful* state() override { return cfg_.parallel.average_optimizer ? nullptr : this; }
+  Stateful* state() override {
+    return cfg_.parallel.average_optimizer && !outer_->buffer().defined() ? nullptr : this;
+  }
   // Each data replica's own optimizer state, per data rank ("local_" + slot), restored at
-  // the same data and pipeline size; else every replica starts from data rank 0's.
+  // the same data and pipeline size; else every replica starts from data rank 0's. And
+  // the outer step's momentum, the same on every replica.
   void save(StateWriter& out) const override {
-    if (optimizer_->slots().empty()) return;  // plain SGD
+    outer_->save(out, *params_, *tied_, mesh_.coord().tensor);
+    if (cfg_.parallel.average_optimizer || optimizer_->slots().empty()) return;  // plain SGD
     NamedTensors tensors;
     PartsOf parts;
     for (const auto& [slot, flat] : optimizer_->slots())
@@ -129,7 +185,8 @@ class LocalSgd : public Lockstep, public Stateful {
     out.add(StateFile::kReplica, tensors, parts);
   }
   void load(const StateReader& in) override {
-    if (optimizer_->slots().empty()) return;
+    outer_->load(in, *params_, *tied_, mesh_.coord().tensor);
+    if (cfg_.parallel.average_optimizer || optimizer_->slots().empty()) return;
     if (!in.replica_fits("warning: parallel.mode: local_sgd: each data replica's optimizer "
                          "state starts from data rank 0's"))
       return;
@@ -144,6 +201,8 @@ class LocalSgd : public Lockstep, public Stateful {
   const Tied* tied_ = nullptr;
   int64_t total_steps_ = 0;
   std::vector<torch::Tensor> buffers_;
+  std::optional<OuterStep> outer_;
+  torch::Tensor outer_copy_;  // where the replicas last met (under an outer step)
 };
 
 // What needs every data replica at every step.

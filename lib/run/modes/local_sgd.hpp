@@ -8,6 +8,7 @@
 
 #include <torch/types.h>
 
+#include "checkpoint/stateful.hpp"
 #include "comm/comm.hpp"
 #include "config/config.hpp"
 #include "grad/grad_sync.hpp"
@@ -34,6 +35,31 @@ std::unique_ptr<GradSync> make_local_sync(const ParallelConfig& cfg, std::unique
 std::vector<torch::Tensor> averaged_state(const ParallelConfig& cfg, const FlatParams& params,
                                           const std::vector<torch::Tensor>& buffers,
                                           const Optimizer& optimizer);
+// DiLoCo's outer step (parallel.outer_lr, parallel.outer_momentum; Douillard et al. 2023):
+// where the replicas meet, the difference of the parameters they last met at (the outer
+// copy) from their average is a gradient, the pseudo-gradient, and an SGD step with
+// Nesterov momentum along it (torch.optim.SGD's, nesterov=True) from the outer copy gives
+// the parameters every replica goes on from. At rate 1 without momentum that is the
+// average itself: plain local SGD, which takes no step and keeps nothing.
+class OuterStep {
+ public:
+  // `like`: the flat parameters, which the momentum is laid out as.
+  OuterStep(const ParallelConfig& cfg, const torch::Tensor& like);
+  bool active() const { return lr_ != 1.0 || momentum_ > 0; }
+  // `params` holds the replicas' average, `outer` the parameters they last met at: both
+  // end as the step's result (the next interval's outer copy).
+  void step(const torch::Tensor& params, const torch::Tensor& outer);
+  // Nesterov's buffer, over the flat parameters (undefined without momentum): the state
+  // a checkpoint and a joiner take, with the optimizer's (kOptimizer, "<name>.outer_momentum").
+  const torch::Tensor& buffer() const { return buffer_; }
+  void save(StateWriter& out, const FlatParams& params, const Tied& tied, int64_t tensor_rank) const;
+  void load(const StateReader& in, const FlatParams& params, const Tied& tied, int64_t tensor_rank);
+
+ private:
+  double lr_, momentum_;
+  torch::Tensor buffer_;
+};
+
 // Their average over `group`, in place; each member's weighted by `weight` (its share of
 // the global batch) where the shares differ, else the plain mean (the same bits on every
 // member: Gloo's ring leaves them so). Returns the bytes this rank sent.
