@@ -16,13 +16,15 @@
 #
 #   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
 #                           [--save-every N] [--launchers "nproc torchrun replicas lighthouse"]
-#                           [--signal KILL|STOP]
+#                           [--signal KILL|STOP] [--mode sync|local_sgd]
 # Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
 # steps, mlp 20000 steps (gpt 1200; gpt2, GPT-2 small's 124M weights at a 256-token
 # context and one window per process, which a CPU trains in seconds a step: 40), the
 # paths nproc, torchrun and replicas, SIGKILL (SIGSTOP: a hung worker,
 # which the restart paths notice only at dist.timeout_s). torchrun needs scripts/setup.sh
-# --test (.venv's torch). DTRAIN_BIN=PATH benchmarks another binary. Results:
+# --test (.venv's torch). --mode local_sgd trains every run as local SGD (averages every 8
+# steps): under replicas a failure between averages costs the interval since the last one.
+# DTRAIN_BIN=PATH benchmarks another binary. Results:
 # $OUT_DIR/faults.jsonl.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -39,9 +41,10 @@ while [ $# -gt 0 ]; do
     --save-every) SAVE_EVERY=$2; shift 2 ;;
     --launchers) LAUNCHERS=$2; shift 2 ;;
     --signal) SIGNAL=$2; shift 2 ;;
+    --mode) MODE=$2; shift 2 ;;
     *) echo "usage: scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S]" \
             "[--steps N] [--save-every N] [--launchers \"nproc torchrun replicas\"]" \
-            "[--signal KILL|STOP]" >&2; exit 2 ;;
+            "[--signal KILL|STOP] [--mode sync|local_sgd]" >&2; exit 2 ;;
   esac
 done
 case "$MODEL" in
@@ -61,6 +64,11 @@ mkdir -p "$OUT_DIR"
 SETS=(--set train.max_steps="$STEPS" --set train.log_every=1 --set train.eval_every="$STEPS"
       --set checkpoint.every_steps="$SAVE_EVERY" --set checkpoint.keep_last=2
       --set logging.progress=off --set dist.timeout_s=30 ${MODEL_SETS[@]+"${MODEL_SETS[@]}"})
+case "${MODE:-sync}" in
+  sync) ;;
+  local_sgd) SETS+=(--set parallel.mode=local_sgd --set parallel.average_every=8) ;;
+  *) echo "bench_faults.sh: --mode is sync or local_sgd" >&2; exit 2 ;;
+esac
 export OMP_NUM_THREADS=1
 
 # LAUNCHER RUN_DIR MAX_RESTARTS: the job's command line under that launcher.
@@ -103,7 +111,7 @@ run_job() {
   $(command_for "$launcher" "$dir" 1000) "${SETS[@]}" 2>&1 |
     while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$dir.log" &
   local job="" next=$(( $(date +%s) + every ))
-  for _ in $(seq 100); do  # the launcher's process, the oldest with this run directory
+  for _ in $(seq 600); do  # the launcher's process, the oldest with this run directory
     job=$(pgrep -o -f -- "--run-dir $dir " || true)
     [ -n "$job" ] && break
     sleep 0.1
@@ -129,7 +137,7 @@ run_job() {
 # RUN_DIR LABEL: one JSON line of figures from the run's metrics and kills.
 figures() {
   "$PY" - "$1" "$2" <<'EOF'
-import json, sys
+import json, re, sys
 d, label = sys.argv[1], sys.argv[2]
 lines = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
 train = [l for l in lines if l["kind"] == "train"]
@@ -155,6 +163,12 @@ noticed = [t for t, l in said if "the other replicas go on" in l or ") has ended
 restarted = [t for t, l in said if "restarts to join them" in l or "failed (exitcode" in l]
 joined = [t for t, l in said if "joined at step" in l]
 detect = [min([n for n in noticed if n >= t], default=t) - t for t, _ in kills] if noticed else []
+# Local SGD under replicas: a failure discards the interval since the last average, whose
+# lines were never written; the survivors say which steps they train again.
+discarded = [int(m.group(2)) - int(m.group(1)) + 1
+             for _, l in said for m in [re.search(r"steps (\d+) to (\d+) discarded", l)] if m]
+if discarded:
+    lost = discarded
 rejoin = [min([j for j in joined if j >= r], default=r) - r for r in restarted if any(j >= r for j in joined)]
 print(json.dumps({"run": label, "failures": len(kills), "steps": max(l["step"] for l in train),
                   "lost_steps_per_failure": mean(lost), "stall_s_per_failure": mean(stall),

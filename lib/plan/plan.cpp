@@ -669,9 +669,15 @@ Plan plan_job(const JobConfig& cfg, int64_t world, const MachineProfile* profile
 
 std::string plan_table(const JobConfig& cfg, const Plan& plan) {
   const auto& p = cfg.parallel;
+  // Under fault tolerance the data ranks are replicas (of replica_data each: HSDP).
+  const int64_t inside = cfg.fault_tolerance.replica_data;
+  const std::string replicas =
+      cfg.fault_tolerance.mode != "replicas" ? ""
+      : inside > 1 ? fmt::format(" ({} fault-tolerant replicas of data {})", plan.dims.data / inside, inside)
+                   : fmt::format(" ({} fault-tolerant replicas)", plan.dims.data);
   std::string out = fmt::format(
-      "{} process(es): {}{}, zero {}, {} micro-batch(es) of {} sample(s){}, {}\n",
-      plan.world, plan.dims.str(),
+      "{} process(es): {}{}{}, zero {}, {} micro-batch(es) of {} sample(s){}, {}\n",
+      plan.world, plan.dims.str(), replicas,
       plan.world > plan.dims.world() ? fmt::format(" + {} server(s)", plan.world - plan.dims.world()) : "",
       p.zero, cfg.train.grad_accum,
       cfg.data.batch_size / (plan.dims.data * cfg.train.grad_accum),

@@ -68,7 +68,7 @@ std::string Replicas::describe() const {
 }
 
 nlohmann::json Replicas::layout() const {
-  return {{"data", set_->count() * mesh().dims().data}, {"tensor", mesh().dims().tensor},
+  return {{"data", data_ranks()}, {"tensor", mesh().dims().tensor},
           {"pipeline", mesh().dims().pipeline}};
 }
 
@@ -85,11 +85,11 @@ Lockstep::RankInJob Replicas::rank_in_job() const {
 
 int64_t Replicas::replicas(int64_t n) const {
   const auto it = trained_by_.find(n);
-  return (it != trained_by_.end() ? it->second : set_->count()) * mesh().dims().data;
+  return it != trained_by_.end() ? it->second * mesh().dims().data : data_ranks();
 }
 
 double Replicas::loss_weight() const {
-  return double(share_size() * set_->count() * mesh().dims().data) / double(batch());
+  return double(share_size() * data_ranks()) / double(batch());
 }
 
 double Replicas::batch_scale() const {
@@ -117,9 +117,8 @@ void Replicas::CourseState::load(const StateReader& in) {
 // Under shrink the sampler's course is the job's until the quorum changes: it goes on in
 // the members' batches from there.
 ShardedSampler Replicas::share(const ShardedSampler& job) const {
-  const int64_t inside = mesh().dims().data;
   return (shrinks() ? *course_ : job)
-      .reshared(mesh().coord().data * set_->count() + set_->index(), set_->count() * inside);
+      .reshared(mesh().coord().data * set_->count() + set_->index(), data_ranks());
 }
 
 void Replicas::before_step(int64_t n) {
@@ -130,7 +129,7 @@ void Replicas::before_step(int64_t n) {
   if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
   // The members' batch from this step on (a joiner's course is its source's, so each
   // member continues the same one alike).
-  const int64_t members_batch = set_->count() * mesh().dims().data * rank_batch_;
+  const int64_t members_batch = data_ranks() * rank_batch_;
   if (shrinks() && batch() != members_batch) course_ = course_->continued(n - 1, members_batch);
 }
 

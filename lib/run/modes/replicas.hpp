@@ -76,6 +76,8 @@ class Replicas : public Lockstep {
 
  private:
   int64_t replica() const { return set_->replica(); }
+  // The data ranks that train now: each member's.
+  int64_t data_ranks() const { return set_->count() * mesh().dims().data; }
   // Once per quorum that admitted replicas: the source's state into theirs, over the set.
   void receive_or_send_state();
   // The global batch now: the job's, or under shrink the members' shares.

@@ -13,7 +13,7 @@ namespace unit_plan_replicas {
 
 using namespace dtrain;
 
-RankPlan planned(std::vector<std::string> overrides, int64_t world) {
+JobConfig job(std::vector<std::string> overrides) {
   overrides.push_back("train.threads=1");
   JobConfig cfg = parse_job(
       "data: {dataset: synthetic, samples: 256, input_shape: [1, 8, 8], classes: 4, batch_size: 32}\n"
@@ -21,7 +21,11 @@ RankPlan planned(std::vector<std::string> overrides, int64_t world) {
       "optimizer: {name: sgd, lr: 0.1, momentum: 0.9}\n",
       "replicas.yaml", overrides);
   resolve(cfg);
-  return plan_rank(cfg, world, /*rank=*/1);
+  return cfg;
+}
+
+RankPlan planned(std::vector<std::string> overrides, int64_t world) {
+  return plan_rank(job(std::move(overrides)), world, /*rank=*/1);
 }
 
 TEST_CASE("plan: ZeRO inside fault-tolerant replicas shards over a replica and adds the shard's all-reduce across them") {
@@ -37,6 +41,19 @@ TEST_CASE("plan: ZeRO inside fault-tolerant replicas shards over a replica and a
   REQUIRE(hsdp.comm_bytes);
   REQUIRE(one.comm_bytes);
   CHECK(*hsdp.comm_bytes - *one.comm_bytes == doctest::Approx(one.memory.optimizer));
+}
+
+TEST_CASE("plan: the table's first line names the replicas, and what each holds") {
+  auto first_line = [](const JobConfig& cfg, int64_t world) {
+    const auto table = plan_table(cfg, plan_job(cfg, world));
+    return table.substr(0, table.find('\n'));
+  };
+  CHECK(first_line(job({"fault_tolerance.mode=replicas"}), 3).find(
+            "data 3 x tensor 1 x pipeline 1 (3 fault-tolerant replicas)") != std::string::npos);
+  CHECK(first_line(job({"parallel.zero=1", "fault_tolerance.mode=replicas",
+                        "fault_tolerance.replica_data=2"}), 4)
+            .find("(2 fault-tolerant replicas of data 2)") != std::string::npos);
+  CHECK(first_line(job({}), 2).find("replicas") == std::string::npos);
 }
 
 }  // namespace unit_plan_replicas
