@@ -12,7 +12,10 @@
 #  5. ZeRO-2 inside each replica of 2 data ranks (HSDP), started by
 #     scripts/torchrun_replicas.sh (each agent as many workers as the lighthouse's replica
 #     size): a rank of replica 1 killed, the replica restarted, its shards taken from
-#     replica 0's ranks at their places, one process's losses.
+#     replica 0's ranks at their places, one process's losses;
+#  6. local SGD (averages every 4 steps) under the same two agents: replica 1's worker
+#     killed at step 6, replica 0 discards the interval since the average after step 4 and
+#     trains it again alone, replica 1 restarts and joins at an average, each line once.
 # Exit 77 (skipped) without .venv's torch. Usage: test_replicas.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -162,4 +165,18 @@ grep -q "2 replica(s) of 2 rank(s)" "$work/hsdp.out" || fail "the lighthouse did
 grep -q "replica(s) 1 joined at step" "$work/hsdp.out" || fail "replica 1 did not join with its shards"
 same_losses "$py" "$work/one32" "$work/hsdp" 30 1e-5 "one process" || fail "the HSDP run's losses are not one process's"
 tail -n 1 "$work/hsdp/metrics.jsonl" | grep -q '"data":4' || fail "the run did not end with both replicas' 4 data ranks"
+
+# 6. Local SGD: the interval a replica died in trained again, then its rejoin at an average.
+run_job local --set parallel.mode=local_sgd --set parallel.average_every=4 --set train.max_steps=300 \
+  --set fault_tolerance.debug_kill_rank=1 --set fault_tolerance.debug_kill_step=6 \
+  --set train.debug_slow_rank=0 --set train.debug_slow_ms=20
+wait_job local
+[ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] && [ $rcl -eq 0 ] || fail "exits: agents $rc0 $rc1, lighthouse $rcl"
+grep -q "steps 5 to 8 discarded: a replica failed before the replicas met (local SGD)" "$work/local.r0" ||
+  fail "replica 0 did not train the interval again"
+joined=$(grep -ho "replica(s) 1 joined at step [0-9]*" "$work/local.r0" "$work/local.r1" | head -n 1 | grep -o '[0-9]*$')
+[ -n "$joined" ] || fail "replica 1 did not join"
+[ $(( (joined - 1) % 4 )) -eq 0 ] || fail "replica 1 joined at step $joined, not after an average"
+[ "$(grep -c '"kind":"train"' "$work/local/metrics.jsonl")" -eq 30 ] || fail "not every train line once"
+tail -n 1 "$work/local/metrics.jsonl" | grep -q '"status":"completed"' || fail "the local SGD run did not complete"
 echo "PASS"
