@@ -69,6 +69,13 @@ std::string kill_a_pair(const std::string& dir, Job j, int procs, const std::str
   return ft;
 }
 
+// The step replica `replica` joined at, as the writer said it (0: it did not join).
+int joined_at(const std::string& err, int replica) {
+  const std::string said = fmt::format("replica(s) {} joined at step ", replica);
+  const auto at = err.find(said);
+  return at == std::string::npos ? 0 : std::atoi(err.c_str() + at + said.size());
+}
+
 // The run's last checkpoint (after 24 steps, or 200 where restarted).
 std::string last_checkpoint(const std::string& run, bool restart) {
   return fmt::format("{}/checkpoints/step-{:08d}", run, restart ? 200 : 24);
@@ -348,10 +355,8 @@ TEST_SUITE("faults") {
         "train.debug_slow_ms=20{}", job, dir, kQuiet), kExec);
     INFO(r.err);
     REQUIRE(r.code == 0);
-    const std::string said = "replica(s) 1 joined at step ";
-    const auto at = r.err.find(said);
-    REQUIRE(at != std::string::npos);
-    const int joined = std::atoi(r.err.c_str() + at + said.size());
+    const int joined = joined_at(r.err, 1);
+    REQUIRE(joined > 0);
     const auto got = of_kind(metrics(dir + "/ft"), "train"), one = of_kind(metrics(dir + "/one"), "train");
     REQUIRE(got.size() == 20);
     for (size_t i = 0; i + 1 < got.size(); ++i) {  // the last step's rate is 0
@@ -443,9 +448,7 @@ TEST_SUITE("faults") {
     INFO(r.err);
     REQUIRE(r.code == 0);
     CHECK(r.err.find("steps 5 to 8 discarded") != std::string::npos);
-    const auto at = r.err.find("replica(s) 1 joined at step ");
-    REQUIRE(at != std::string::npos);
-    const int joined = std::atoi(r.err.c_str() + at + std::string("replica(s) 1 joined at step ").size());
+    const int joined = joined_at(r.err, 1);
     CHECK(joined > 8);
     CHECK((joined - 1) % 4 == 0);  // after an average
     CHECK(r.err.find("no checkpoint read") != std::string::npos);
