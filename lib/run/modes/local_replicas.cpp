@@ -71,7 +71,7 @@ class LocalReplicas : public Replicas, public Stateful {
     outer_->save(out, *params_, *tied_, mesh().coord().tensor);
   }
   void load(const StateReader& in) override {
-    outer_->load(in, *params_, *tied_, mesh().coord().tensor);
+    outer_->load(in, *params_, mesh().coord().tensor);
   }
 
   // Between averages each replica's figures are its own.
@@ -88,7 +88,7 @@ class LocalReplicas : public Replicas, public Stateful {
   void before_step(int64_t n) override {
     Replicas::before_step(n);
     now_ = n;
-    if (steps_locally(cfg_.parallel, n) && meets(n - 1) && kept_.step != n - 1) keep(n - 1);
+    if (starts_interval(cfg_.parallel, n, total_steps_) && kept_.step != n - 1) keep(n - 1);
   }
   // The synchronous start votes as the sync mode does; an interval where its replicas meet.
   bool commit(int64_t n) override { return steps_locally(cfg_.parallel, n) || vote(n, n); }

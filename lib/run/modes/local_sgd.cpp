@@ -12,6 +12,7 @@
 #include "run/model_parts.hpp"
 #include "run/modes/local_sgd.hpp"
 #include "run/saved_state.hpp"
+#include "util/strings.hpp"
 
 namespace dtrain {
 
@@ -19,6 +20,10 @@ bool steps_locally(const ParallelConfig& cfg, int64_t n) { return n > cfg.local_
 
 bool local_sgd_meets(const ParallelConfig& cfg, int64_t n, int64_t total) {
   return !steps_locally(cfg, n) || (n - cfg.local_after) % cfg.average_every == 0 || n == total;
+}
+
+bool starts_interval(const ParallelConfig& cfg, int64_t n, int64_t total) {
+  return steps_locally(cfg, n) && local_sgd_meets(cfg, n - 1, total);
 }
 
 namespace {
@@ -88,14 +93,12 @@ void OuterStep::save(StateWriter& out, const FlatParams& params, const Tied& tie
   out.add(StateFile::kOptimizer, without_copies(params, tied, std::move(named), out), parts);
 }
 
-void OuterStep::load(const StateReader& in, const FlatParams& params, const Tied& /*tied*/,
-                     int64_t tensor_rank) {
+void OuterStep::load(const StateReader& in, const FlatParams& params, int64_t tensor_rank) {
   if (!buffer_.defined()) return;
   const auto names = in.names(StateFile::kOptimizer);
   const std::string suffix = ".outer_momentum";
-  const bool held = std::any_of(names.begin(), names.end(), [&](const std::string& n) {
-    return n.size() > suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
-  });
+  const bool held = std::any_of(names.begin(), names.end(),
+                                [&](const std::string& n) { return ends_with(n, suffix); });
   if (!held) {
     in.warn("warning: parallel.outer_momentum: " + in.folder() + " holds no outer momentum "
             "(written without it): it starts at 0");
@@ -152,7 +155,7 @@ class LocalSgd : public Lockstep, public Stateful {
 
   // Under DiLoCo's outer step an interval starts from a copy of where the replicas met.
   void before_step(int64_t n) override {
-    if (!outer_->active() || !steps_locally(cfg_.parallel, n) || !meets(n - 1)) return;
+    if (!outer_->active() || !starts_interval(cfg_.parallel, n, total_steps_)) return;
     if (outer_copy_.defined()) outer_copy_.copy_(params_->data());
     else outer_copy_ = params_->data().clone();
   }
@@ -185,7 +188,7 @@ class LocalSgd : public Lockstep, public Stateful {
     out.add(StateFile::kReplica, tensors, parts);
   }
   void load(const StateReader& in) override {
-    outer_->load(in, *params_, *tied_, mesh_.coord().tensor);
+    outer_->load(in, *params_, mesh_.coord().tensor);
     if (cfg_.parallel.average_optimizer || optimizer_->slots().empty()) return;
     if (!in.replica_fits("warning: parallel.mode: local_sgd: each data replica's optimizer "
                          "state starts from data rank 0's"))

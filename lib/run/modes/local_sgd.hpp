@@ -23,6 +23,9 @@ bool steps_locally(const ParallelConfig& cfg, int64_t n);
 // Whether the replicas meet after step n of `total`: after each synchronous step, every
 // parallel.average_every local steps, and after the last.
 bool local_sgd_meets(const ParallelConfig& cfg, int64_t n, int64_t total);
+// Whether step n is the first local step after a meeting: its interval starts from the
+// replicas' state there (DiLoCo's outer copy; what a failed interval goes back to).
+bool starts_interval(const ParallelConfig& cfg, int64_t n, int64_t total);
 
 // The gradient: `sync` (over the data replicas) for the synchronous steps, then `local`
 // (this replica's own, whose factor takes the mean over the replica's share of the batch).
@@ -35,6 +38,12 @@ std::unique_ptr<GradSync> make_local_sync(const ParallelConfig& cfg, std::unique
 std::vector<torch::Tensor> averaged_state(const ParallelConfig& cfg, const FlatParams& params,
                                           const std::vector<torch::Tensor>& buffers,
                                           const Optimizer& optimizer);
+// Their average over `group`, in place; each member's weighted by `weight` (its share of
+// the global batch) where the shares differ, else the plain mean (the same bits on every
+// member: Gloo's ring leaves them so). Returns the bytes this rank sent.
+int64_t average_over(Comm& group, const std::vector<torch::Tensor>& tensors, double weight,
+                     bool even);
+
 // DiLoCo's outer step (parallel.outer_lr, parallel.outer_momentum; Douillard et al. 2023):
 // where the replicas meet, the difference of the parameters they last met at (the outer
 // copy) from their average is a gradient, the pseudo-gradient, and an SGD step with
@@ -46,24 +55,18 @@ class OuterStep {
   // `like`: the flat parameters, which the momentum is laid out as.
   OuterStep(const ParallelConfig& cfg, const torch::Tensor& like);
   bool active() const { return lr_ != 1.0 || momentum_ > 0; }
-  // `params` holds the replicas' average, `outer` the parameters they last met at: both
-  // end as the step's result (the next interval's outer copy).
+  // `params` holds the replicas' average and ends as the step's result; `outer`, the
+  // parameters they last met at, is left as it is (a failed interval goes back to it).
   void step(const torch::Tensor& params, const torch::Tensor& outer);
   // Nesterov's buffer, over the flat parameters (undefined without momentum): the state
   // a checkpoint and a joiner take, with the optimizer's (kOptimizer, "<name>.outer_momentum").
   const torch::Tensor& buffer() const { return buffer_; }
   void save(StateWriter& out, const FlatParams& params, const Tied& tied, int64_t tensor_rank) const;
-  void load(const StateReader& in, const FlatParams& params, const Tied& tied, int64_t tensor_rank);
+  void load(const StateReader& in, const FlatParams& params, int64_t tensor_rank);
 
  private:
   double lr_, momentum_;
   torch::Tensor buffer_;
 };
-
-// Their average over `group`, in place; each member's weighted by `weight` (its share of
-// the global batch) where the shares differ, else the plain mean (the same bits on every
-// member: Gloo's ring leaves them so). Returns the bytes this rank sent.
-int64_t average_over(Comm& group, const std::vector<torch::Tensor>& tensors, double weight,
-                     bool even);
 
 }  // namespace dtrain
