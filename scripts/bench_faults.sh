@@ -11,8 +11,9 @@
 # the step it had reached, and under replicas the detection (the kill to the supervisor's
 # or the lighthouse's word, which the survivors act on) and the rejoin (the restarted
 # process's start, or its torchrun agent's word on the failure, to its joining, its state
-# taken over the group); over the run: wall time and final accuracy
-# against the uninterrupted run.
+# taken over the group; and its parts, as the joiner says them: its start and build, the
+# wait for the others' vote, the state's transfer and load, its hash); over the run: wall
+# time and final accuracy against the uninterrupted run.
 #
 #   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
 #                           [--save-every N] [--launchers "nproc torchrun replicas lighthouse"]
@@ -170,10 +171,17 @@ discarded = [int(m.group(2)) - int(m.group(1)) + 1
 if discarded:
     lost = discarded
 rejoin = [min([j for j in joined if j >= r], default=r) - r for r in restarted if any(j >= r for j in joined)]
+# Where each rejoin's time went, as the joiner says: its start and build, the wait for the
+# others' vote, the state's transfer and load, its hash.
+parts = [m.groups() for _, l in said
+         for m in [re.search(r"built in ([\d.]+) s, admitted ([\d.]+) s later.* in ([\d.]+) s, "
+                             r"hashed it in ([\d.]+) s", l)] if m]
+rejoin_parts = {k: mean([float(p[i]) for p in parts])
+                for i, k in enumerate(["built", "admitted", "state", "hash"])} if parts else None
 print(json.dumps({"run": label, "failures": len(kills), "steps": max(l["step"] for l in train),
                   "lost_steps_per_failure": mean(lost), "stall_s_per_failure": mean(stall),
                   "back_past_s_per_failure": mean(back), "detect_s": mean(detect),
-                  "rejoin_s": mean(rejoin),
+                  "rejoin_s": mean(rejoin), "rejoin_parts_s": rejoin_parts,
                   "wall_s": round(lines[-1]["time"] - start, 1),
                   "accuracy": evals[-1].get("accuracy") if evals else None,
                   "eval_loss": evals[-1].get("loss") if evals else None}))
@@ -206,4 +214,8 @@ cols = ["run", "failures", "steps", "lost_steps_per_failure", "stall_s_per_failu
 print("  ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
 for r in rows:
     print("  ".join(f"{str(r[c]):>24}" if i == 0 else f"{str(r[c]):>12}" for i, c in enumerate(cols)))
+for r in rows:
+    if r.get("rejoin_parts_s"):
+        print(f"{r['run']}: a rejoin's parts, s: " +
+              ", ".join(f"{k} {v}" for k, v in r["rejoin_parts_s"].items()))
 EOF

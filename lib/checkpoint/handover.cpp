@@ -1,5 +1,6 @@
 #include "checkpoint/handover.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -9,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "util/clock.hpp"
 #include "util/hash.hpp"
 
 namespace dtrain {
@@ -144,25 +146,31 @@ MemoryWriter saved(const std::vector<Stateful*>& parts) {
   return out;
 }
 
+// A tensor's bytes from `h`, hashed in pieces of 4 MiB side by side on the intra-op
+// threads and the pieces' hashes folded in order: the same value whatever the threads.
+uint64_t tensor_hash(const torch::Tensor& tensor, uint64_t h) {
+  const auto t = tensor.to(torch::kCPU).contiguous();
+  const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+  const size_t n = size_t(t.numel()) * t.element_size();
+  constexpr size_t kPiece = size_t(4) << 20;
+  std::vector<uint64_t> pieces((n + kPiece - 1) / kPiece);
+  at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (auto k = size_t(begin); k < size_t(end); ++k)
+      pieces[k] = bytes_hash(bytes + k * kPiece, std::min(kPiece, n - k * kPiece), k);
+  });
+  for (uint64_t piece : pieces) h = splitmix64_mix(h ^ piece);
+  return splitmix64_mix(h ^ n);
+}
+
 uint64_t hash_of(const MemoryWriter& state) {
   uint64_t h = fnv1a(state.trainer.dump());
-  for (const auto& held : state.held) {
-    h = splitmix64_mix(h ^ fnv1a(held.name));
-    const auto t = held.tensor.to(torch::kCPU).contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
-    const size_t n = size_t(t.numel()) * t.element_size();
-    size_t i = 0;
-    for (uint64_t word; i + 8 <= n; i += 8) {
-      std::memcpy(&word, bytes + i, 8);
-      h = splitmix64_mix(h ^ word);
-    }
-    for (; i < n; ++i) h = splitmix64_mix(h ^ bytes[i]);
-  }
+  for (const auto& held : state.held)
+    h = tensor_hash(held.tensor, splitmix64_mix(h ^ fnv1a(held.name)));
   return h;
 }
 
-// `source`'s header (every tensor's file, name, type and shape; the trainer entries) on
-// every member.
+// `source`'s header (every tensor's file, name, type, shape and split, and whether it is on
+// a GPU; the trainer entries) on every member.
 json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
   std::string text;
   if (group.rank() == source) {
@@ -172,7 +180,7 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
     for (const auto& held : mine.held)
       h["tensors"].push_back({int(held.file), held.name, int(held.tensor.scalar_type()),
                               held.tensor.sizes().vec(), placement_record(held.part),
-                              range_record(held.range)});
+                              range_record(held.range), held.tensor.is_cuda()});
     text = h.dump();
   }
   auto length = torch::tensor({int64_t(text.size())}, torch::kInt64);
@@ -189,7 +197,8 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
 uint64_t state_hash(const std::vector<Stateful*>& parts) { return hash_of(saved(parts)); }
 
 Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
-                   bool receive, const ParallelDims& layout, const std::string& config_yaml) {
+                   bool receive, const ParallelDims& layout, const std::string& config_yaml,
+                   c10::Device device) {
   const bool sends = group.rank() == source, takes = receive && !sends;
   // Who takes the state: the tensors go to them alone, from the source, each its own
   // copy (a member that keeps its own state neither receives nor hashes gigabytes).
@@ -203,31 +212,43 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
   MemoryWriter got;
   got.trainer = header.at("trainer");
   got.job = header.at("job").get<std::string>();
+  Handover out;
   std::vector<P2POp> transfers;
   size_t i = 0;
   for (const auto& entry : header.value("tensors", json::array())) {
     const auto shape = entry.at(3).get<std::vector<int64_t>>();
     const auto type = torch::ScalarType(entry.at(2).get<int>());
     if (sends && !joiners.empty()) {
-      const auto t = state.held[i].tensor.to(torch::kCPU).contiguous();  // one copy for all
+      // One for all joiners; on the device it is on (a group stages it where it must).
+      const auto t = state.held[i].tensor.contiguous();
       for (int64_t j : joiners) transfers.push_back({P2POp::kSend, t, j});
     }
     if (takes) {
-      auto t = torch::empty(shape, torch::dtype(type));
+      // Where the source keeps it: a GPU's state straight onto this rank's GPU.
+      const bool on_device = entry.at(6).get<bool>() && device.is_cuda();
+      auto t = torch::empty(shape, torch::dtype(type).device(on_device ? device : torch::kCPU));
       transfers.push_back({P2POp::kRecv, t, source});
+      out.bytes += t.numel() * t.element_size();
       got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,
                           part_from(entry.at(4)), range_from(entry.at(5))});
     }
     ++i;
   }
-  if (!transfers.empty()) group.exchange_async(std::move(transfers))->wait();
+  const auto started = Clock::now();
+  std::unique_ptr<Pending> moving;
+  if (!transfers.empty()) moving = group.exchange_async(std::move(transfers));
+  // The joiners' state as loaded, against the source's (0 where it is neither): the
+  // source hashes what it sends while it goes (nothing changes it meanwhile).
+  if (sends) out.mine = hash_of(state);
+  if (moving) moving->wait();
   if (takes) {
     const MemoryReader reader(got, layout, source);
     for (auto* p : parts) p->load(reader);
+    out.seconds = ms_since(started) / 1e3;
+    const auto hashing = Clock::now();
+    out.mine = state_hash(parts);
+    out.hash_seconds = ms_since(hashing) / 1e3;
   }
-  // The joiners' state as saved now, against the source's (0 where it is neither).
-  Handover out;
-  out.mine = sends || takes ? state_hash(parts) : 0;
   const auto all = group.all_gather(torch::tensor({int64_t(out.mine)}, torch::kInt64));
   out.source = uint64_t(all[size_t(source)].item<int64_t>());
   return out;

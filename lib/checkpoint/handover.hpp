@@ -4,8 +4,8 @@
 // memory as it would into a checkpoint (checkpoint/stateful.hpp), broadcasts a header of
 // names, types and shapes and sends each tensor to each joiner; the joiners load them back
 // in the same order, the other members take part in the header's collectives only and keep
-// their own. Afterwards the source and the joiners hash their state as saved again: a
-// joiner whose hash is not the source's must not train.
+// their own. The source hashes the state it sends as it goes, the joiners theirs once
+// loaded: a joiner whose hash is not the source's must not train.
 //
 // Where a replica's own ranks split its state (tensor parallelism inside it), each rank
 // hands over its part over its place's group to the joiner's rank at the same place, whose
@@ -22,19 +22,24 @@
 namespace dtrain {
 
 // The hashes a hand-over ends with: this member's state's (where it sent or took the state;
-// 0 for a member that only took part) and the source's.
+// 0 for a member that only took part) and the source's; and, for a joiner, what it took
+// and how long taking (the transfer and the load) and hashing it lasted.
 struct Handover {
   uint64_t mine = 0, source = 0;
+  int64_t bytes = 0;
+  double seconds = 0, hash_seconds = 0;
   bool identical() const { return mine == source; }
 };
 
 // Collective over `group`: the `parts` of group rank `source` into those of the members
 // that `receive`. `layout`: the replicas' (the same on both sides); `config_yaml`: this
 // member's resolved job, the source's checked by the joiners as a resume checks a
-// checkpoint's. A failure of the group's collectives may show as an exception or as a
-// garbled result: the caller knows its group.
+// checkpoint's; `device`: this rank's, where a joiner takes what the source keeps on a GPU.
+// A failure of the group's collectives may show as an exception or as a garbled result:
+// the caller knows its group.
 Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t source,
-                   bool receive, const ParallelDims& layout, const std::string& config_yaml);
+                   bool receive, const ParallelDims& layout, const std::string& config_yaml,
+                   c10::Device device = c10::Device(c10::kCPU));
 
 // The hash of `parts`' state as a checkpoint would save it: tensors' bytes and the
 // trainer entries, in order.

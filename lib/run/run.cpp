@@ -51,7 +51,7 @@ TrainParts train_parts(Run& run) {
           [&run](Comm& group, int64_t source, bool receive) {
             run.sync->settle();  // ZeRO's parameters, still on their way (as for a checkpoint)
             return hand_over(run.stateful(), group, source, receive, run.mesh().dims(),
-                             to_yaml(run.cfg));
+                             to_yaml(run.cfg), run.device());
           }};
 }
 

@@ -9,6 +9,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -18,6 +21,23 @@
 extern char** environ;
 
 namespace dtrain {
+
+double process_age_s() {
+  // /proc/self/stat's 22nd field, after the command's parenthesised name: the start, in
+  // clock ticks since boot; /proc/uptime's first, seconds since boot.
+  std::ifstream stat("/proc/self/stat"), uptime("/proc/uptime");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto name_end = text.rfind(')');
+  double up = 0;
+  if (name_end == std::string::npos || !(uptime >> up)) return -1;
+  std::istringstream fields(text.substr(name_end + 2));
+  std::string field;
+  for (int k = 3; k < 22 && fields >> field; ++k) {}
+  unsigned long long start = 0;
+  const long ticks = ::sysconf(_SC_CLK_TCK);
+  if (!(fields >> start) || ticks <= 0) return -1;
+  return up - double(start) / double(ticks);
+}
 
 std::string host_name() {
   char host[256] = {};  // a name longer than the buffer is cut, and still ends in a null

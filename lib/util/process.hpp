@@ -23,6 +23,10 @@ struct ChildResult {
 ChildResult run_child(const std::vector<std::string>& args, std::chrono::seconds timeout,
                       const std::string& log = "");
 
+// Seconds since this process began (its fork: a launcher's restart), from /proc; -1 where
+// that cannot be read.
+double process_age_s();
+
 // This machine's host name ("" where it cannot be read).
 std::string host_name();
 

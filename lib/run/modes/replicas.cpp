@@ -9,7 +9,9 @@
 #include <fmt/ranges.h>
 
 #include "grad/zero.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
+#include "util/process.hpp"
 
 namespace dtrain {
 
@@ -46,12 +48,24 @@ RunResult Replicas::run(TrainParts& parts) {
   if (set_->joining()) {
     // Admitted from a step past the last (the others saw its request in the last step's
     // vote): they end without a step to hand it their state at.
+    const double built = process_age_s();
+    const auto asked = Clock::now();
     if (!set_->join() || set_->quorum().step > parts.total_steps) {
       std::cerr << fmt::format("dtrain: replica {}: the others completed the run before it "
                                "could join\n", replica());
       return {0, nlohmann::json()};
     }
-    receive_or_send_state();
+    const double waited = ms_since(asked) / 1e3;
+    const Handover h = receive_or_send_state();
+    // Where a rejoin's time goes (docs/fault-tolerance.md): the start and build, the wait
+    // for the step boundary the others admit it at, the state's transfer and its check.
+    if (mesh().rank() == 0)
+      std::cerr << fmt::format("dtrain: replica {} joined at step {}, {:.2f} s after its "
+                               "process began: built in {:.2f} s, admitted {:.2f} s later "
+                               "(the others' next vote), took {:.2f} GB of state in {:.2f} s, "
+                               "hashed it in {:.2f} s\n", replica(), set_->quorum().step,
+                               process_age_s(), built, waited, double(h.bytes) / 1e9,
+                               h.seconds, h.hash_seconds);
   }
   RunResult r = Lockstep::run(parts);
   if (r.exit_code == 0) set_->finished();
@@ -144,9 +158,9 @@ bool Replicas::vote(int64_t n, int64_t again) {
 
 // A failure on the way (a member gone) fails the joiners, which cannot train without the
 // state; the others go on, and the next step's vote forms a quorum without the dead.
-void Replicas::receive_or_send_state() {
+Handover Replicas::receive_or_send_state() {
   const Quorum& q = set_->quorum();
-  if (q.joining.empty() || handed_ == q.id) return;
+  if (q.joining.empty() || handed_ == q.id) return {};
   handed_ = q.id;
   const auto& m = q.members;
   const int64_t source = std::find(m.begin(), m.end(), q.source) - m.begin();
@@ -161,7 +175,7 @@ void Replicas::receive_or_send_state() {
   if (comm.failed()) {
     fail_if<DistError>(joins, "live recovery: replica {} could not take its state from "
                        "replica {}: {}", replica(), q.source, comm.error());
-    return;
+    return {};
   }
   fail_if<DistError>(joins && !h.identical(),
                      "live recovery: the state replica {} took from replica {} hashes to "
@@ -170,6 +184,7 @@ void Replicas::receive_or_send_state() {
   log_->say(fmt::format("replica(s) {} joined at step {}: state from replica {} over the "
                         "group, no checkpoint read (hash {:016x})",
                         fmt::join(q.joining, ", "), q.step, q.source, h.source));
+  return h;
 }
 
 std::unique_ptr<Mode> make_replicas_mode(const JobConfig& cfg, const ParallelDims& dims,

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/handover.hpp"
 #include "comm/replica_set.hpp"
 #include "run/mode.hpp"
 
@@ -78,8 +79,9 @@ class Replicas : public Lockstep {
   int64_t replica() const { return set_->replica(); }
   // The data ranks that train now: each member's.
   int64_t data_ranks() const { return set_->count() * mesh().dims().data; }
-  // Once per quorum that admitted replicas: the source's state into theirs, over the set.
-  void receive_or_send_state();
+  // Once per quorum that admitted replicas: the source's state into theirs, over the set
+  // (what this member sent or took, and how long that lasted).
+  Handover receive_or_send_state();
   // The global batch now: the job's, or under shrink the members' shares.
   int64_t batch() const { return course_->global_batch(); }
   int64_t share_size() const { return share(*course_).rank_batch(); }

@@ -65,6 +65,8 @@ TEST_CASE("handover: joiners take the source's state over the group and end iden
     if (h.mine != (r == 3 ? 0 : state_hash({&c}))) fails.add(r, "the hash is not the state's");
     if (h.source != state_hash({&c}) && r != 3) fails.add(r, "the source's hash");
     if (h.identical() != (r != 3)) fails.add(r, "identical() is wrong");
+    // A joiner counts what it took: the weights' 12 floats and the moments' 7 doubles.
+    if (h.bytes != (joins ? 12 * 4 + 7 * 8 : 0)) fails.add(r, "the bytes taken");
   }, test::quick());
   fails.check();
 }

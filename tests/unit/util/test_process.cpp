@@ -70,4 +70,10 @@ TEST_CASE("process: a forked child's exec, and the line it says where that fails
   CHECK(test::read_bytes(err) == "dtrain: error: cannot start /no/such/dtrain: No such file or directory\n");
 }
 
+TEST_CASE("process: its age since it began, read from /proc") {
+  const double age = process_age_s();
+  CHECK(age >= 0);
+  CHECK(process_age_s() >= age);  // the clock the launcher restarts it by only goes on
+}
+
 }  // namespace unit_util_process
