@@ -413,8 +413,9 @@ struct FaultToleranceConfig {
       "what a replica's failure does to the global batch: keep (the survivors deal its share "
       "among themselves: the same batch and learning rate) or shrink (each keeps its own "
       "share: the batch shrinks by the failed replica's, the learning rate with it, "
-      "linearly, and the epoch's remaining samples go in the smaller batches); a joiner "
-      "brings it back (sync mode)");
+      "linearly, and the epoch's remaining samples go in the smaller batches; under local SGD "
+      "a local step's rate stays, its batch being the replica's own share); a joiner brings "
+      "it back");
     v("heartbeat_s", heartbeat_s,
       "a replica whose heartbeat is older than this is voted dead (a stopped or hung process)");
     v("debug_kill_rank", debug_kill_rank,

@@ -140,9 +140,6 @@ void check_fault_tolerance(const JobConfig& cfg, const ParallelDims& layout) {
   refuse(cfg.parallel.mode == "async_ps",
          "parallel.mode async_ps: its workers never wait for one another, and a failed one "
          "stops the job and restarts it from the latest checkpoint (--max-restarts) like any rank");
-  refuse(cfg.fault_tolerance.batch == "shrink" && cfg.parallel.mode == "local_sgd",
-         "fault_tolerance.batch: shrink under parallel.mode local_sgd (each replica steps on its "
-         "own share already: use keep)");
   const int64_t inside = cfg.fault_tolerance.replica_data;
   fail_if<ConfigError>(layout.data % inside != 0, "fault_tolerance.replica_data: {} does not "
                        "divide the {} data-parallel ranks into replicas", inside, layout.data);

@@ -71,7 +71,7 @@ class StepReader {
       if (auto end = log_.nonfinite(p.step, body_.culprit(p.step, s), cadence_.meets(p.step)))
         log_.diverge(*end);
     const double lr =
-        lr_at(cfg_.schedule, cfg_.optimizer.lr, p.step, cadence_.total_steps) * s.batch_scale;
+        lr_at(cfg_.schedule, cfg_.optimizer.lr, p.step, cadence_.total_steps) * s.lr_scale;
     if (holds_ && !cadence_.meets(p.step)) {  // recorded once the next meeting stands
       if (held_.empty()) held_mark_ = previous_mark;
       held_.push_back({p.step, s, lr});

@@ -151,8 +151,11 @@ class Lockstep : public Mode {
   // against an even share's: 1 unless the shares are uneven).
   virtual double loss_weight() const { return 1.0; }
   // The global batch now against data.batch_size (fault_tolerance.batch: shrink: the
-  // survivors' shares only); the learning rate is scaled by it.
+  // survivors' shares only).
   virtual double batch_scale() const { return 1.0; }
+  // The learning rate's factor: the batch's where an update is over the global batch (the
+  // linear rule); a local SGD step's is over the replica's own share, which shrink keeps.
+  virtual double lr_scale() const { return batch_scale(); }
 
   // The job's mesh over `world`; ZeRO's flat layout and gradient sync.
   // `job_ranks`: the world's ranks in the job, where it is not the job's (a fault-tolerant

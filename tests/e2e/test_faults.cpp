@@ -433,6 +433,52 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Local SGD under fault_tolerance.batch: shrink: the survivors keep their shares and
+  // their rate (a local step is on the replica's own share, which does not change), the
+  // global batch loses the failed replica's. Killed in the first interval, the run is plain
+  // local SGD at one replica fewer and the smaller global batch from the start, at the
+  // job's rate; killed later, it is the job's run up to the last average and keeps its
+  // rate after, its course from that average in the checkpoint.
+  TEST_CASE("replicas: local SGD with batch shrink: the survivors keep their shares and their rate") {
+    const auto dir = temp_dir("ft-local-shrink");
+    Job j = ft_job(24);
+    j.optimizer = "{name: adamw, lr: 0.01}";
+    j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
+    j.parallel = "{mode: local_sgd, average_every: 4, average_optimizer: true}";
+    j.extra = "fault_tolerance: {mode: replicas, batch: shrink}\n";
+    const auto job = j.write(dir);
+    const std::string plain = " --set fault_tolerance.mode=off --set fault_tolerance.batch=keep" +
+                              std::string(kQuiet);
+    run_ok(fmt::format("run {} --nproc 2 --run-dir {}/small --set data.batch_size=16{}", job, dir, plain));
+    run_ok(fmt::format("run {} --nproc 3 --run-dir {}/whole{}", job, dir, plain));
+    const auto whole = train_losses(dir + "/whole");
+    for (const int step : {3, 6}) {
+      CAPTURE(step);
+      const auto ft = fmt::format("{}/ft-{}", dir, step);
+      const auto r = e2e::dtrain(fmt::format(
+          "run {} --nproc 3 --run-dir {} --set fault_tolerance.debug_kill_rank=2 --set "
+          "fault_tolerance.debug_kill_step={}{}", job, ft, step, kQuiet));
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      const int back_to = step < 4 ? 0 : 4;
+      CHECK(r.err.find(fmt::format("steps {} to {} discarded", back_to + 1, back_to + 4)) !=
+            std::string::npos);
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == 16);
+      if (back_to == 0) check_losses_close(train_losses(dir + "/small"), got, 1e-6, "killed at 3");
+      else check_losses_close({whole.begin(), whole.upper_bound(back_to)}, got, 1e-6, "before");
+      const auto lines = of_kind(metrics(ft), "train"), job_lines = of_kind(metrics(dir + "/whole"), "train");
+      for (size_t i = 0; i < lines.size(); ++i)
+        CHECK(lines[i]["lr"].get<double>() == doctest::Approx(job_lines[i]["lr"].get<double>()).epsilon(1e-9));
+      CHECK(metrics(ft).back()["layout"]["data"] == 2);
+      const auto trainer = nlohmann::json::parse(
+          slurp(ft + "/checkpoints/step-00000016/trainer.json"));
+      CHECK(trainer["data_course"]["step"] == back_to);
+      CHECK(trainer["data_course"]["global_batch"] == 16);
+      CHECK(trainer["data_course"]["position"] == back_to * 24);
+    }
+  }
+
   // Restarted, the replica joins where the others meet, with their average.
   TEST_CASE("replicas: local SGD: a killed replica restarts and joins at an average with its peers' state") {
     const auto dir = temp_dir("ft-local-join");
@@ -510,8 +556,6 @@ TEST_SUITE("faults") {
         {"--set fault_tolerance.mode=off --set fault_tolerance.batch=shrink",
          "fault_tolerance.batch: shrink says what a replica's failure does to the batch: it needs "
          "fault_tolerance.mode: replicas"},
-        {"--nproc 2 --set fault_tolerance.batch=shrink --set parallel.mode=local_sgd",
-         with + "fault_tolerance.batch: shrink under parallel.mode local_sgd"},
         {"--nproc 2 --set parallel.mode=async_ps --set parallel.servers=1",
          with + "parallel.mode async_ps: its workers never wait for one another"},
     };

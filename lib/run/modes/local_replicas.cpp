@@ -65,13 +65,18 @@ class LocalReplicas : public Replicas, public Stateful {
     tied_ = &parts.model.tied;
     outer_.emplace(cfg_.parallel, parts.params.data());
   }
-  // The outer step's momentum, with the optimizer's state (the same on every replica).
-  Stateful* state() override { return outer_->buffer().defined() ? this : nullptr; }
+  // The outer step's momentum, with the optimizer's state (the same on every replica), and
+  // under shrink the data's course.
+  Stateful* state() override {
+    return outer_->buffer().defined() || course_state() ? this : nullptr;
+  }
   void save(StateWriter& out) const override {
-    outer_->save(out, *params_, *tied_, mesh().coord().tensor);
+    if (outer_->buffer().defined()) outer_->save(out, *params_, *tied_, mesh().coord().tensor);
+    if (const auto* course = course_state()) course->save(out);
   }
   void load(const StateReader& in) override {
-    outer_->load(in, *params_, mesh().coord().tensor);
+    if (outer_->buffer().defined()) outer_->load(in, *params_, mesh().coord().tensor);
+    if (auto* course = course_state()) course->load(in);
   }
 
   // Between averages each replica's figures are its own.
@@ -83,6 +88,11 @@ class LocalReplicas : public Replicas, public Stateful {
     return meets(n) ? Replicas::replicas(n) : mesh().dims().data;
   }
   double loss_weight() const override { return meets(now_) ? Replicas::loss_weight() : 1.0; }
+  // Under fault_tolerance.batch: shrink a local step is on the replica's own share, whose
+  // size a failure does not change: its rate stays (the synchronous start's scales).
+  double lr_scale() const override {
+    return steps_locally(cfg_.parallel, now_) ? 1.0 : Replicas::lr_scale();
+  }
 
   // An interval starts from the last average's state: kept, once a joiner has its own.
   void before_step(int64_t n) override {
@@ -98,7 +108,7 @@ class LocalReplicas : public Replicas, public Stateful {
     int64_t bytes = 0;
     if (s.count() > 1)
       bytes = average_over(*s.comm(), averaged_state(cfg_.parallel, *params_, float_buffers_, *optimizer_),
-                           batch_share(), cfg_.data.batch_size % s.count() == 0);
+                           batch_share(), even_shares());
     if (outer_->active()) outer_->step(params_->data(), kept_.params);
     if (vote(n, kept_.step + 1)) return {bytes};
     restore();

@@ -110,7 +110,7 @@ double Replicas::batch_scale() const {
   return double(batch()) / double(cfg_.data.batch_size);
 }
 
-Stateful* Replicas::state() { return shrinks() ? &course_state_ : nullptr; }
+Stateful* Replicas::state() { return course_state(); }
 
 void Replicas::CourseState::save(StateWriter& out) const {
   const Course& c = r_.course_->course();

@@ -74,6 +74,13 @@ class Replicas : public Lockstep {
   double batch_share() const {
     return double(share_size() * mesh().dims().data) / double(batch());
   }
+  // Under shrink, the course's state (trainer.json's data_course); else null.
+  Stateful* course_state() { return shrinks() ? &course_state_ : nullptr; }
+  const Stateful* course_state() const { return shrinks() ? &course_state_ : nullptr; }
+  // Whether every member's share is the same size: under shrink each keeps its own.
+  bool even_shares() const {
+    return shrinks() || cfg_.data.batch_size % set_->count() == 0;
+  }
 
  private:
   int64_t replica() const { return set_->replica(); }
