@@ -189,7 +189,18 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   p["source"] = joining.empty() || with_state == members.end() ? -1 : *with_state;
   const bool writer_stays = std::find(members.begin(), members.end(), q.writer) != members.end() &&
                             std::find(joining.begin(), joining.end(), q.writer) == joining.end();
-  p["writer"] = writer_stays ? q.writer : with_state != members.end() ? *with_state : -1;
+  // A new writer: the lowest member with state that the last quorum did not admit, else
+  // any with state. One just admitted never trained the steps before its join, so it
+  // cannot write the lines of those the failed writer had not written yet (it writes a
+  // step's line two steps on); a member from before has them all.
+  const auto before = std::find_if(with_state, members.end(), [&](int64_t m) {
+    return std::find(joining.begin(), joining.end(), m) == joining.end() &&
+           std::find(q.joining.begin(), q.joining.end(), m) == q.joining.end();
+  });
+  p["writer"] = writer_stays            ? q.writer
+                : before != members.end() ? *before
+                : with_state != members.end() ? *with_state
+                                              : -1;
   for (int64_t r : joining)
     if (std::find(members.begin(), members.end(), r) == members.end()) members.push_back(r);
   std::sort(members.begin(), members.end());

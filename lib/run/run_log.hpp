@@ -6,6 +6,7 @@
 // written here and nowhere else (the contract: docs/contract.md, "metrics.jsonl"); a mode
 // adds its own fields through `extra` and extend_summary.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -31,6 +32,7 @@ struct RunResult {
 struct EvalResult {
   double loss = 0;    // mean per item (sample or token)
   double metric = 0;  // the task's metric
+  int64_t ranks = 1;  // the data ranks the held-out set was split among
 };
 
 // What the log keeps from step to step. step, last_loss and the best are saved with a
@@ -147,8 +149,10 @@ class RunLog {
   void take_over(MetricsLog* metrics, Progress* progress) {
     root_ = true, metrics_ = metrics, progress_ = progress;
   }
-  // The last step recorded (read), 0 before any.
+  // The last step recorded (read), 0 before any; for a replica that joined a running job
+  // at step n, at least n - 1 (the lines before are the others': a takeover keeps them).
   int64_t last_read() const { return last_read_; }
+  void joined_at(int64_t n) { last_read_ = std::max(last_read_, n - 1); }
 
   RunState& state() { return state_; }
   const RunState& state() const { return state_; }

@@ -57,6 +57,7 @@ RunResult Replicas::run(TrainParts& parts) {
     }
     const double waited = ms_since(asked) / 1e3;
     const Handover h = receive_or_send_state();
+    log_->joined_at(set_->quorum().step);
     // Where a rejoin's time goes (docs/fault-tolerance.md): the start and build, the wait
     // for the step boundary the others admit it at, the state's transfer and its check.
     if (mesh().rank() == 0)
