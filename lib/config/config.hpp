@@ -398,6 +398,7 @@ struct FaultToleranceConfig {
   std::string batch = "keep";
   int64_t debug_kill_rank = -1;
   int64_t debug_kill_step = 0;
+  std::string debug_kill_in = "step";
 
   template <class V> void visit(V&& v) {
     v("mode", mode, Choices{"off", "replicas"},
@@ -422,6 +423,9 @@ struct FaultToleranceConfig {
       "testing: the world rank that kills itself (SIGKILL) as step debug_kill_step starts; "
       "-1 = none");
     v("debug_kill_step", debug_kill_step, "testing: the step debug_kill_rank dies at");
+    v("debug_kill_in", debug_kill_in, Choices{"step", "eval"},
+      "testing: where debug_kill_rank dies: as step debug_kill_step starts, or in the "
+      "evaluation after it, its part scored, before the replicas add theirs up");
   }
 };
 

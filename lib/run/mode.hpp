@@ -72,6 +72,15 @@ struct TrainParts {
   std::function<Handover(Comm& group, int64_t source, bool receive)> hand_over;
 };
 
+// How the held-out set is split for an evaluation: part `part` of `parts` on this rank,
+// the sums added over the mesh's data ranks and then by `across` (a fault-tolerant job's
+// other replicas), which says false where that failed: each rank then scores its replica's
+// share of the whole set instead (run/evaluator.cpp).
+struct EvalSplit {
+  int64_t part = 0, parts = 1;
+  std::function<bool(torch::Tensor& sums)> across;  // null: none beyond the mesh
+};
+
 class Mode {
  public:
   virtual ~Mode() = default;
@@ -101,6 +110,10 @@ class Mode {
   virtual void bind(const TrainParts& /*parts*/) {}
   // The state it carries between steps, saved under its own names (nullptr: none).
   virtual Stateful* state() { return nullptr; }
+  // The evaluation after step n: over the mesh's data ranks.
+  virtual EvalSplit eval_split(int64_t /*n*/) const {
+    return {mesh().coord().data, mesh().dims().data, nullptr};
+  }
   // This rank's whole run, once built: steps until the end or a stop. Every rank of the job
   // returns the same exit code.
   virtual RunResult run(TrainParts& parts) = 0;

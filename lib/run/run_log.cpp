@@ -142,6 +142,7 @@ void RunLog::eval(int64_t n, const EvalResult& e, double eval_ms) {
                      {"epoch", (n - 1) / facts_.steps_per_epoch},
                      {"loss", e.loss},
                      {task_.metric(), e.metric},
+                     {"ranks", e.ranks},
                      {"eval_ms", eval_ms},
                      {"time", unix_time()}});
   say(fmt::format("eval at step {}: loss {:.4f}, {} {:.4f}", n, e.loss, task_.metric(), e.metric));

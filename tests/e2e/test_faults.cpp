@@ -174,6 +174,47 @@ TEST_SUITE("faults") {
     }
   }
 
+  // The held-out set is split over every replica's data ranks (the eval line's `ranks`)
+  // and the sums added across the replicas: the evaluation a 3-rank job's without fault
+  // tolerance. A replica that dies during one, its part scored, leaves the survivors to
+  // score the whole set each; the next step, whose collectives the failure skipped, is
+  // trained again, and the run goes on as one process's, its evaluations split among the
+  // two.
+  TEST_CASE("replicas: the evaluation is split over the replicas; one a replica dies in is scored again whole") {
+    const auto dir = temp_dir("ft-eval");
+    Job j = ft_job(24);
+    j.max_steps = 12, j.eval_every = 4, j.log_every = 1;
+    const auto job = j.write(dir);
+    const std::string off = " --set fault_tolerance.mode=off" + std::string(kQuiet);
+    run_ok(fmt::format("run {} --nproc 3 --run-dir {}/sync{}", job, dir, off));
+    run_ok(fmt::format("run {} --run-dir {}/one{}", job, dir, off));
+    const auto r = e2e::dtrain(fmt::format(
+        "run {} --nproc 3 --run-dir {}/ft --set fault_tolerance.debug_kill_rank=1 --set "
+        "fault_tolerance.debug_kill_step=8 --set fault_tolerance.debug_kill_in=eval{}", job,
+        dir, kQuiet));
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err.find("rank 1 was killed by signal 9") != std::string::npos);
+    check_losses_close(train_losses(dir + "/one"), train_losses(dir + "/ft"), 1e-5, "losses");
+    const auto got = of_kind(metrics(dir + "/ft"), "eval"), sync = of_kind(metrics(dir + "/sync"), "eval"),
+               one = of_kind(metrics(dir + "/one"), "eval");
+    REQUIRE(got.size() == 3);
+    REQUIRE(sync.size() == 3);
+    REQUIRE(one.size() == 3);
+    const int ranks[] = {3, 1, 2};  // split, scored again whole, split among the survivors
+    for (size_t i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(got[i]["ranks"] == ranks[i]);
+      CHECK(sync[i]["ranks"] == 3);
+      const auto& ref = i == 0 ? sync[i] : one[i];
+      const double rtol = i == 0 ? 1e-12 : 1e-5;
+      CHECK(got[i]["loss"].get<double>() == doctest::Approx(ref["loss"].get<double>()).epsilon(rtol));
+      CHECK(got[i]["accuracy"].get<double>() ==
+            doctest::Approx(ref["accuracy"].get<double>()).epsilon(rtol));
+    }
+    CHECK(metrics(dir + "/ft").back()["layout"]["data"] == 2);
+  }
+
   // Tensor parallelism inside each replica (a small GPT with dropout, 2 replicas of 2
   // ranks): a rank's death takes its replica's other rank down with it (the supervisor
   // stops it), and the other replica goes on alone on one process's losses; restarted, the

@@ -79,6 +79,11 @@ class LocalReplicas : public Replicas, public Stateful {
     if (auto* course = course_state()) course->load(in);
   }
 
+  // Where they meet the replicas hold the same weights; between averages each its own.
+  EvalSplit eval_split(int64_t n) const override {
+    return meets(n) ? Replicas::eval_split(n) : Lockstep::eval_split(n);
+  }
+
   // Between averages each replica's figures are its own.
   void agree(int64_t n, torch::Tensor figures, ReduceOp op) override {
     if (meets(n)) return Replicas::agree(n, std::move(figures), op);

@@ -136,16 +136,31 @@ ShardedSampler Replicas::share(const ShardedSampler& job) const {
       .reshared(mesh().coord().data * set_->count() + set_->index(), data_ranks());
 }
 
-void Replicas::before_step(int64_t n) {
+bool Replicas::dies_at(int64_t n, const std::string& in) const {
   const auto& ft = cfg_.fault_tolerance;
-  if (!restarted_ && ft.debug_kill_rank == set_->options().world_rank(replica()) &&
-      n == ft.debug_kill_step)
-    std::raise(SIGKILL);
+  return !restarted_ && ft.debug_kill_in == in && n == ft.debug_kill_step &&
+         ft.debug_kill_rank == set_->options().world_rank(replica());
+}
+
+void Replicas::before_step(int64_t n) {
+  if (dies_at(n, "step")) std::raise(SIGKILL);
   if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
   // The members' batch from this step on (a joiner's course is its source's, so each
   // member continues the same one alike).
   const int64_t members_batch = data_ranks() * rank_batch_;
   if (shrinks() && batch() != members_batch) course_ = course_->continued(n - 1, members_batch);
+}
+
+EvalSplit Replicas::eval_split(int64_t n) const {
+  const Quorum& q = set_->quorum();
+  if (set_->count() == 1 || (!q.joining.empty() && handed_ != q.id)) return Lockstep::eval_split(n);
+  const int64_t d = mesh().dims().data;
+  return {set_->index() * d + mesh().coord().data, set_->count() * d,
+          [comm = set_->comm(), dies = dies_at(n, "eval")](torch::Tensor& sums) {
+            if (dies) std::raise(SIGKILL);
+            comm->all_reduce(sums);
+            return !comm->failed();
+          }};
 }
 
 bool Replicas::vote(int64_t n, int64_t again) {

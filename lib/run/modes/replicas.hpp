@@ -63,6 +63,9 @@ class Replicas : public Lockstep {
   ShardedSampler share(const ShardedSampler& job) const override;
   void before_step(int64_t n) override;
   bool commit(int64_t n) override { return vote(n, n); }
+  // Over every member's data ranks, summed across the set, where each member holds the
+  // same weights: not while replicas admitted at step n's vote wait for their state.
+  EvalSplit eval_split(int64_t n) const override;
 
  protected:
   // The set's vote on step n (ReplicaSet::commit: `again` is where a discarded one trains
@@ -93,6 +96,9 @@ class Replicas : public Lockstep {
   int64_t batch() const { return course_->global_batch(); }
   int64_t share_size() const { return share(*course_).rank_batch(); }
   bool shrinks() const { return cfg_.fault_tolerance.batch == "shrink"; }
+  // Testing (fault_tolerance.debug_kill_*): whether this rank kills itself at step n, `in`
+  // "step" (as it starts) or "eval" (the evaluation after it); not again once restarted.
+  bool dies_at(int64_t n, const std::string& in) const;
   // The course's state (fault_tolerance.batch: shrink): where its batches began.
   class CourseState : public Stateful {
    public:
