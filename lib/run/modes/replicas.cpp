@@ -46,10 +46,10 @@ bool Replicas::writes_files() const {
 
 RunResult Replicas::run(TrainParts& parts) {
   if (set_->joining()) {
-    // Admitted from a step past the last (the others saw its request in the last step's
-    // vote): they end without a step to hand it their state at.
     const double built = process_age_s();
     const auto asked = Clock::now();
+    // Admitted from a step past the last (the others saw its request in the last step's
+    // vote): they end without a step to hand it their state at.
     if (!set_->join() || set_->quorum().step > parts.total_steps) {
       std::cerr << fmt::format("dtrain: replica {}: the others completed the run before it "
                                "could join\n", replica());
