@@ -192,6 +192,26 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
   return json::parse(std::string(p, p + bytes.numel()));
 }
 
+// The group ranks that take the state: the tensors go to them alone, from the source,
+// each its own copy (a member that keeps its own state neither receives nor hashes
+// gigabytes).
+std::vector<int64_t> takers(Comm& group, bool takes) {
+  const auto flags = group.all_gather(torch::tensor({int64_t(takes)}, torch::kInt64));
+  std::vector<int64_t> out;
+  for (size_t r = 0; r < flags.size(); ++r)
+    if (flags[r].item<int64_t>() != 0) out.push_back(int64_t(r));
+  return out;
+}
+
+// Where a joiner takes a header entry's tensor: where the source keeps it, a GPU's state
+// straight onto this rank's GPU.
+torch::Tensor landing(const json& entry, c10::Device device) {
+  const bool on_device = entry.at(6).get<bool>() && device.is_cuda();
+  return torch::empty(entry.at(3).get<std::vector<int64_t>>(),
+                      torch::dtype(torch::ScalarType(entry.at(2).get<int>()))
+                          .device(on_device ? device : torch::kCPU));
+}
+
 }  // namespace
 
 uint64_t state_hash(const std::vector<Stateful*>& parts) { return hash_of(saved(parts)); }
@@ -200,12 +220,7 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
                    bool receive, const ParallelDims& layout, const std::string& config_yaml,
                    c10::Device device) {
   const bool sends = group.rank() == source, takes = receive && !sends;
-  // Who takes the state: the tensors go to them alone, from the source, each its own
-  // copy (a member that keeps its own state neither receives nor hashes gigabytes).
-  const auto flags = group.all_gather(torch::tensor({int64_t(takes)}, torch::kInt64));
-  std::vector<int64_t> joiners;
-  for (size_t r = 0; r < flags.size(); ++r)
-    if (flags[r].item<int64_t>() != 0) joiners.push_back(int64_t(r));
+  const auto joiners = takers(group, takes);
   MemoryWriter state = sends ? saved(parts) : MemoryWriter();
   state.job = config_yaml;
   const json header = header_from(group, source, state);
@@ -216,17 +231,13 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
   std::vector<P2POp> transfers;
   size_t i = 0;
   for (const auto& entry : header.value("tensors", json::array())) {
-    const auto shape = entry.at(3).get<std::vector<int64_t>>();
-    const auto type = torch::ScalarType(entry.at(2).get<int>());
     if (sends && !joiners.empty()) {
       // One for all joiners; on the device it is on (a group stages it where it must).
       const auto t = state.held[i].tensor.contiguous();
       for (int64_t j : joiners) transfers.push_back({P2POp::kSend, t, j});
     }
     if (takes) {
-      // Where the source keeps it: a GPU's state straight onto this rank's GPU.
-      const bool on_device = entry.at(6).get<bool>() && device.is_cuda();
-      auto t = torch::empty(shape, torch::dtype(type).device(on_device ? device : torch::kCPU));
+      auto t = landing(entry, device);
       transfers.push_back({P2POp::kRecv, t, source});
       out.bytes += t.numel() * t.element_size();
       got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,

@@ -166,6 +166,31 @@ Vote ReplicaAgreement::place_vote(const std::string& key, int64_t member, int64_
   return vote_named(text(store_.get(key)));
 }
 
+namespace {
+
+bool holds(const std::vector<int64_t>& v, int64_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+// Who writes after quorum `q`, whose surviving `members` admit `joining`: its writer while
+// it survives; else the lowest member with state that `q` did not admit, else any with
+// state (-1: none). One just admitted never trained the steps before its join, so it
+// cannot write the lines of those the failed writer had not written yet (it writes a
+// step's line two steps on); a member from before has them all.
+int64_t next_writer(const Quorum& q, const std::vector<int64_t>& members,
+                    const std::vector<int64_t>& joining) {
+  if (holds(members, q.writer) && !holds(joining, q.writer)) return q.writer;
+  int64_t any = -1;
+  for (int64_t m : members) {
+    if (holds(joining, m)) continue;
+    if (!holds(q.joining, m)) return m;
+    if (any < 0) any = m;
+  }
+  return any;
+}
+
+}  // namespace
+
 Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   json p;
   p["step"] = step;
@@ -187,20 +212,7 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
     return std::find(joining.begin(), joining.end(), m) == joining.end();
   });
   p["source"] = joining.empty() || with_state == members.end() ? -1 : *with_state;
-  const bool writer_stays = std::find(members.begin(), members.end(), q.writer) != members.end() &&
-                            std::find(joining.begin(), joining.end(), q.writer) == joining.end();
-  // A new writer: the lowest member with state that the last quorum did not admit, else
-  // any with state. One just admitted never trained the steps before its join, so it
-  // cannot write the lines of those the failed writer had not written yet (it writes a
-  // step's line two steps on); a member from before has them all.
-  const auto before = std::find_if(with_state, members.end(), [&](int64_t m) {
-    return std::find(joining.begin(), joining.end(), m) == joining.end() &&
-           std::find(q.joining.begin(), q.joining.end(), m) == q.joining.end();
-  });
-  p["writer"] = writer_stays            ? q.writer
-                : before != members.end() ? *before
-                : with_state != members.end() ? *with_state
-                                              : -1;
+  p["writer"] = next_writer(q, members, joining);
   for (int64_t r : joining)
     if (std::find(members.begin(), members.end(), r) == members.end()) members.push_back(r);
   std::sort(members.begin(), members.end());

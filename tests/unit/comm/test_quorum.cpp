@@ -218,6 +218,19 @@ TEST_SUITE("quorum") {
   // The writer's successor has every step's line: a member from before the last quorum,
   // not one it just admitted (which never trained the steps before its join, some of whose
   // lines the failed writer may not have written yet), unless no other is left.
+  // Members a and b vote ok on `step` under `q` (both deciding `want`) and form the next
+  // quorum from step `from`.
+  Quorum two_vote(ReplicaAgreement& a, ReplicaAgreement& b, const Quorum& q, int64_t step,
+                  Decision want, int64_t from) {
+    auto theirs = std::async(std::launch::async, [&] { return a.vote(q, step, true); });
+    CHECK(b.vote(q, step, true) == want);
+    CHECK(theirs.get() == want);
+    auto formed = std::async(std::launch::async, [&] { return a.next(q, from); });
+    const auto ours = b.next(q, from);
+    CHECK(formed.get().id == ours.id);
+    return ours;
+  }
+
   TEST_CASE("quorum: a new writer is a member from before the last quorum, not one it just admitted") {
     Replicas r;
     auto a1 = r.agreement(1), a2 = r.agreement(2);
@@ -225,35 +238,20 @@ TEST_SUITE("quorum") {
     CHECK(q0.writer == 0);
     // The writer dies: the lowest survivor writes.
     r.alive[0] = false;
-    auto v1 = std::async(std::launch::async, [&] { return a1.vote(q0, 0, true); });
-    CHECK(a2.vote(q0, 0, true) == Decision{false, true});
-    v1.get();
-    auto n1 = std::async(std::launch::async, [&] { return a1.next(q0, 0); });
-    const auto q1 = a2.next(q0, 0);
-    n1.get();
+    const auto q1 = two_vote(a1, a2, q0, 0, Decision{false, true}, 0);
     CHECK(q1.writer == 1);
     // Restarted, it is admitted; the writer stays.
     r.alive[0] = true;
     auto a0 = r.agreement(0);
     a0.ask_to_join();
     auto admitted = std::async(std::launch::async, [&] { return a0.admitted(); });
-    v1 = std::async(std::launch::async, [&] { return a1.vote(q1, 1, true); });
-    CHECK(a2.vote(q1, 1, true) == Decision{true, true});
-    v1.get();
-    n1 = std::async(std::launch::async, [&] { return a1.next(q1, 2); });
-    const auto q2 = a2.next(q1, 2);
-    n1.get();
+    const auto q2 = two_vote(a1, a2, q1, 1, Decision{true, true}, 2);
     REQUIRE(admitted.get());
     CHECK(q2.joining == std::vector<int64_t>{0});
     CHECK(q2.writer == 1);
     // The writer dies at once: 2 writes, not the lowest, 0, just admitted.
     r.alive[1] = false;
-    auto v0 = std::async(std::launch::async, [&] { return a0.vote(q2, 2, true); });
-    CHECK(a2.vote(q2, 2, true) == Decision{false, true});
-    v0.get();
-    auto n0 = std::async(std::launch::async, [&] { return a0.next(q2, 2); });
-    const auto q3 = a2.next(q2, 2);
-    CHECK(n0.get().writer == q3.writer);
+    const auto q3 = two_vote(a0, a2, q2, 2, Decision{false, true}, 2);
     CHECK(q3.members == std::vector<int64_t>{0, 2});
     CHECK(q3.writer == 2);
     // And when 2 dies too, 0 is the one left.
