@@ -7,7 +7,6 @@
 
 #include <fmt/format.h>
 
-#include "optim/schedule.hpp"
 #include "run/signals.hpp"
 #include "util/clock.hpp"
 #include "util/error.hpp"
@@ -27,8 +26,8 @@ constexpr size_t kReadLag = 2;
 // without waiting, each time a step is queued; at the latest when it is read).
 class StepReader {
  public:
-  StepReader(LoopBody& body, RunLog& log, const Cadence& cadence, const JobConfig& cfg)
-      : body_(body), log_(log), cadence_(cadence), cfg_(cfg), holds_(body.may_go_back()) {}
+  StepReader(LoopBody& body, RunLog& log, const Cadence& cadence)
+      : body_(body), log_(log), cadence_(cadence), holds_(body.may_go_back()) {}
 
   void queue(PendingStep p) {
     pending_.push_back(std::move(p));
@@ -70,28 +69,24 @@ class StepReader {
     if (s.nonfinite)
       if (auto end = log_.nonfinite(p.step, body_.culprit(p.step, s), cadence_.meets(p.step)))
         log_.diverge(*end);
-    const double lr =
-        lr_at(cfg_.schedule, cfg_.optimizer.lr, p.step, cadence_.total_steps) * s.lr_scale;
     if (holds_ && !cadence_.meets(p.step)) {  // recorded once the next meeting stands
       if (held_.empty()) held_mark_ = previous_mark;
-      held_.push_back({p.step, s, lr});
+      held_.push_back({p.step, s});
       return;
     }
-    for (const auto& h : held_) log_.record(h.step, h.stats, h.lr, cadence_.should_log(h.step));
+    for (const auto& h : held_) log_.record(h.step, h.stats, h.stats.lr, cadence_.should_log(h.step));
     held_.clear();
-    log_.record(p.step, s, lr, cadence_.should_log(p.step));
+    log_.record(p.step, s, s.lr, cadence_.should_log(p.step));
   }
 
   struct Held {
     int64_t step;
     StepStats stats;
-    double lr;
   };
 
   LoopBody& body_;
   RunLog& log_;
   const Cadence& cadence_;
-  const JobConfig& cfg_;
   const bool holds_;
   std::deque<PendingStep> pending_;  // queued, not read yet: oldest first
   std::vector<Held> held_;           // read, not recorded yet (holds_): oldest first
@@ -104,7 +99,7 @@ class StepReader {
 RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int64_t total,
                         const JobConfig& cfg) {
   auto& st = log.state();
-  StepReader reader(body, log, cadence, cfg);
+  StepReader reader(body, log, cadence);
   bool in_flight = false;  // a background checkpoint was started: one may be in flight
   try {
     while (st.step < total) {

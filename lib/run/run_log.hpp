@@ -56,9 +56,10 @@ struct RunState {
 // named otherwise.
 struct StepStats {
   double loss = 0;             // mean over the global batch
-  // The step's global batch against data.batch_size, and its learning rate's factor: below
-  // 1 after a failure under fault_tolerance.batch: shrink (Mode::lr_scale).
-  double batch_scale = 1, lr_scale = 1;
+  // The step's global batch against data.batch_size: below 1 after a failure under
+  // fault_tolerance.batch: shrink.
+  double batch_scale = 1;
+  double lr = 0;               // the learning rate its update used (the schedule's, scaled)
   double grad_norm = 0;        // NaN when not computed this step
   double data_wait_ms = 0, forward_ms = 0, backward_ms = 0, comm_ms = 0, optim_ms = 0;
   int64_t comm_bytes = 0;      // what this rank sent for the step

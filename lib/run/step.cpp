@@ -172,9 +172,9 @@ torch::Tensor update(StepParts& parts, PendingStep& p, const torch::Tensor& figu
   const double clip = parts.cfg.optimizer.grad_clip;
   // A batch that shrank with its replicas takes a step as much smaller (the linear rule).
   s.batch_scale = parts.mode.batch_scale();
-  s.lr_scale = parts.mode.lr_scale();
-  const double lr = lr_at(parts.cfg.schedule, parts.cfg.optimizer.lr, p.step, parts.total_steps) *
-                    s.lr_scale;
+  s.lr = lr_at(parts.cfg.schedule, parts.cfg.optimizer.lr, p.step, parts.total_steps) *
+         parts.mode.lr_scale();
+  const double lr = s.lr;
   torch::Tensor skip;  // train.on_nonfinite: skip: 1 when the step makes no update
   if (parts.scaler) {
     take_figures(parts, p);

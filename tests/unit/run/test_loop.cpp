@@ -55,6 +55,7 @@ class StandIn : public LoopBody {
     s.nonfinite_rank = s.nonfinite ? 1 : -1;
     s.stop = p.step == stop_vote_at;
     s.comm_bytes = 100;
+    s.lr = 0.1;  // the job's constant rate, as a step's update would say it
     return s;
   }
   Culprit culprit(int64_t n, const StepStats& s) const override {
