@@ -18,6 +18,10 @@ const char* kJoins = "ft/joins";  // a count: every request adds one
 const char* kFinished = "ft/finished";  // the run is complete
 
 std::string quorum_key(int64_t id) { return fmt::format("ft/quorum/{}", id); }
+
+bool holds(const std::vector<int64_t>& v, int64_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
 std::string join_key(int64_t replica, int64_t place) {
   return fmt::format("ft/join/{}/{}", replica, place);
 }
@@ -94,7 +98,7 @@ bool ReplicaAgreement::wait_until_left_out() {
     const auto members = newest > 0
                              ? from_record(newest, json::parse(get(quorum_key(newest)))).members
                              : starting_quorum(0).members;
-    if (std::find(members.begin(), members.end(), replica_) == members.end()) return true;
+    if (!holds(members, replica_)) return true;
     if (stored(kFinished)) return false;
     if (Clock::now() > until)
       throw DistError(fmt::format("fault tolerance: replica {} restarted, but its peers have not "
@@ -115,8 +119,7 @@ std::optional<Quorum> ReplicaAgreement::admitted() {
     }
     const auto record = json::parse(get(quorum_key(id)));
     auto out = from_record(id, record);
-    if (std::find(out.joining.begin(), out.joining.end(), replica_) == out.joining.end())
-      continue;
+    if (!holds(out.joining, replica_)) continue;
     joins_seen_ = record.at("joins").get<int64_t>();
     store_.deleteKey(join_key(replica_, place_.index));
     return out;
@@ -168,10 +171,6 @@ Vote ReplicaAgreement::place_vote(const std::string& key, int64_t member, int64_
 
 namespace {
 
-bool holds(const std::vector<int64_t>& v, int64_t x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
-}
-
 // Who writes after quorum `q`, whose surviving `members` admit `joining`: its writer while
 // it survives; else the lowest member with state that `q` did not admit, else any with
 // state (-1: none). One just admitted never trained the steps before its join, so it
@@ -208,13 +207,12 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   for (int64_t r = 0; r < replicas_; ++r)
     if (asked(r) && live_(r)) joining.push_back(r);
   // The proposer is a member with state (it voted), so there is a source.
-  const auto with_state = std::find_if(members.begin(), members.end(), [&](int64_t m) {
-    return std::find(joining.begin(), joining.end(), m) == joining.end();
-  });
+  const auto with_state = std::find_if(members.begin(), members.end(),
+                                       [&](int64_t m) { return !holds(joining, m); });
   p["source"] = joining.empty() || with_state == members.end() ? -1 : *with_state;
   p["writer"] = next_writer(q, members, joining);
   for (int64_t r : joining)
-    if (std::find(members.begin(), members.end(), r) == members.end()) members.push_back(r);
+    if (!holds(members, r)) members.push_back(r);
   std::sort(members.begin(), members.end());
   p["members"] = members;
   p["joining"] = joining;

@@ -7,11 +7,11 @@
 #include "data/dataset.hpp"
 #include "parallel/mesh.hpp"
 #include "pipeline/runner.hpp"
-#include "run/mode.hpp"
 #include "run/run_log.hpp"
 
 namespace dtrain {
 
+struct EvalSplit;
 struct ModelParts;
 struct Run;
 

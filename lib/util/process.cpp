@@ -10,13 +10,13 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "util/error.hpp"
+#include "util/files.hpp"
 
 extern char** environ;
 
@@ -25,8 +25,13 @@ namespace dtrain {
 double process_age_s() {
   // /proc/self/stat's 22nd field, after the command's parenthesised name: the start, in
   // clock ticks since boot; /proc/uptime's first, seconds since boot.
-  std::ifstream stat("/proc/self/stat"), uptime("/proc/uptime");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  std::string text;
+  try {
+    text = read_file("/proc/self/stat");
+  } catch (const std::exception&) {
+    return -1;
+  }
+  std::ifstream uptime("/proc/uptime");
   const auto name_end = text.rfind(')');
   double up = 0;
   if (name_end == std::string::npos || !(uptime >> up)) return -1;

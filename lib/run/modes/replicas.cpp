@@ -152,8 +152,7 @@ void Replicas::before_step(int64_t n) {
 }
 
 EvalSplit Replicas::eval_split(int64_t n) const {
-  const Quorum& q = set_->quorum();
-  if (set_->count() == 1 || (!q.joining.empty() && handed_ != q.id)) return Lockstep::eval_split(n);
+  if (set_->count() == 1 || joiners_wait()) return Lockstep::eval_split(n);
   const int64_t d = mesh().dims().data;
   return {set_->index() * d + mesh().coord().data, set_->count() * d,
           [comm = set_->comm(), dies = dies_at(n, "eval")](torch::Tensor& sums) {
@@ -175,8 +174,8 @@ bool Replicas::vote(int64_t n, int64_t again) {
 // A failure on the way (a member gone) fails the joiners, which cannot train without the
 // state; the others go on, and the next step's vote forms a quorum without the dead.
 Handover Replicas::receive_or_send_state() {
+  if (!joiners_wait()) return {};
   const Quorum& q = set_->quorum();
-  if (q.joining.empty() || handed_ == q.id) return {};
   handed_ = q.id;
   const auto& m = q.members;
   const int64_t source = std::find(m.begin(), m.end(), q.source) - m.begin();

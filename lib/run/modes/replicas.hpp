@@ -89,6 +89,11 @@ class Replicas : public Lockstep {
   int64_t replica() const { return set_->replica(); }
   // The data ranks that train now: each member's.
   int64_t data_ranks() const { return set_->count() * mesh().dims().data; }
+  // Whether replicas the quorum admitted still wait for their state (before_step hands
+  // it over as the quorum's first step starts).
+  bool joiners_wait() const {
+    return !set_->quorum().joining.empty() && handed_ != set_->quorum().id;
+  }
   // Once per quorum that admitted replicas: the source's state into theirs, over the set
   // (what this member sent or took, and how long that lasted).
   Handover receive_or_send_state();
