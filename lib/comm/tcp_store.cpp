@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -23,7 +24,7 @@ namespace {
 
 // The wire format: a message is a u32 length then its bytes. A request's bytes are an op
 // then its arguments, each a u32 length then bytes; a reply's bytes depend on the op.
-enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet, kOnClose };
+enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet, kOnClose, kTryGetMany };
 constexpr uint32_t kMaxMessage = 64u << 20;  // nothing a rendezvous sends comes near
 
 using Bytes = std::vector<uint8_t>;
@@ -154,7 +155,9 @@ bool connected_to_itself(int fd) {
          address_str(s, /*with_port=*/true) == address_str(p, /*with_port=*/true);
 }
 
-// Rank 0's side: one thread, poll() over the listening socket and every client.
+// Rank 0's side: one thread, epoll over the listening socket and every client. (poll()
+// looked at every client on each wake: with a rank's heartbeat a second, a job of N ranks
+// cost the server N x N looks a second, a whole core at 2048 ranks.)
 class StoreServer {
  public:
   // `remote_note`, when given, is printed once, when the first client connects from
@@ -190,6 +193,10 @@ class StoreServer {
     port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     if (::pipe2(wake_, O_CLOEXEC) != 0) throw std::runtime_error("store: cannot create a pipe");
+    epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (epoll_ < 0) throw std::runtime_error("store: cannot create an epoll instance");
+    watch(EPOLL_CTL_ADD, wake_[0], EPOLLIN);
+    watch(EPOLL_CTL_ADD, listen_fd_, EPOLLIN);
     thread_ = std::thread([this] { serve(); });
   }
 
@@ -199,6 +206,7 @@ class StoreServer {
     thread_.join();
     for (auto& [fd, c] : clients_) ::close(fd);
     ::close(listen_fd_);
+    ::close(epoll_);
     ::close(wake_[0]);
     ::close(wake_[1]);
   }
@@ -206,46 +214,67 @@ class StoreServer {
   int port() const { return port_; }
 
  private:
+  void watch(int op, int fd, uint32_t events) {
+    epoll_event e{};
+    e.events = events;
+    e.data.fd = fd;
+    ::epoll_ctl(epoll_, op, fd, &e);
+  }
+
   void serve() {
+    std::vector<epoll_event> ready(256);
     while (true) {
-      std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
-      for (const auto& [fd, c] : clients_)
-        fds.push_back({fd, short(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
-      if (::poll(fds.data(), fds.size(), -1) < 0) {
+      const int n = ::epoll_wait(epoll_, ready.data(), int(ready.size()), -1);
+      if (n < 0) {
         if (errno == EINTR) continue;
         return;
       }
-      if (fds[0].revents) return;
-      if (fds[1].revents & POLLIN) {
-        // Non-blocking: a reply that does not fit the socket waits in the client's buffer
-        // for POLLOUT, so one client that stops reading never holds up the others.
-        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd >= 0) {
-          int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          clients_[fd];
-          note_if_remote(fd);
-        }
-      }
-      for (size_t i = 2; i < fds.size(); ++i) {
-        const int fd = fds[i].fd;
-        bool keep = true;
-        try {
-          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) keep = read_from(fd);
-          if (keep && !clients_[fd].out.empty()) keep = write_to(fd);
-        } catch (const std::exception&) {  // out of memory for one client's request
-          keep = false;
-        }
-        if (!keep) {
-          for (const auto& [key, value] : clients_[fd].on_close) {
-            if (value.empty()) data_.erase(key);
-            else data_[key] = value;
-          }
-          ::close(fd);
-          clients_.erase(fd);
-        }
+      for (int i = 0; i < n; ++i) {
+        const int fd = ready[size_t(i)].data.fd;
+        if (fd == wake_[0]) return;
+        if (fd == listen_fd_) accept_one();
+        else serve_client(fd, ready[size_t(i)].events);
       }
     }
+  }
+
+  void accept_one() {
+    // Non-blocking: a reply that does not fit the socket waits in the client's buffer for
+    // EPOLLOUT, so one client that stops reading never holds up the others.
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return;
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    clients_[fd];
+    watch(EPOLL_CTL_ADD, fd, EPOLLIN);
+    note_if_remote(fd);
+  }
+
+  void serve_client(int fd, uint32_t events) {
+    auto it = clients_.find(fd);
+    if (it == clients_.end()) return;
+    bool keep = true;
+    try {
+      if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) keep = read_from(fd);
+      if (keep && !it->second.out.empty()) keep = write_to(fd);
+    } catch (const std::exception&) {  // out of memory for one client's request
+      keep = false;
+    }
+    auto& c = it->second;
+    if (keep) {
+      if (c.writing != !c.out.empty()) {  // EPOLLOUT only while replies wait
+        c.writing = !c.out.empty();
+        watch(EPOLL_CTL_MOD, fd, EPOLLIN | (c.writing ? EPOLLOUT : 0u));
+      }
+      return;
+    }
+    for (const auto& [key, value] : c.on_close) {
+      if (value.empty()) data_.erase(key);
+      else data_[key] = value;
+    }
+    ::epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
+    ::close(fd);
+    clients_.erase(it);
   }
 
   void note_if_remote(int fd) {
@@ -289,7 +318,7 @@ class StoreServer {
     while (!out.empty()) {
       const ssize_t n = ::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // later, on POLLOUT
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // later, on EPOLLOUT
       if (n <= 0) return false;
       out.erase(out.begin(), out.begin() + n);
     }
@@ -315,6 +344,13 @@ class StoreServer {
         if (it != data_.end()) reply.insert(reply.end(), it->second.begin(), it->second.end());
         return true;
       }
+      case kTryGetMany:  // for each key, a byte that says whether it holds one, then the value
+        for (const auto& k : a) {
+          auto it = data_.find(as_key(k));
+          reply.push_back(it != data_.end());
+          if (it != data_.end()) put_blob(reply, it->second);
+        }
+        return true;
       case kAdd: {
         if (a.size() != 2 || a[1].size() != 8) return false;
         auto& v = data_[as_key(a[0])];  // stored as decimal text, as c10d's TCPStore does
@@ -355,12 +391,13 @@ class StoreServer {
     }
   }
 
-  int listen_fd_ = -1, port_ = 0;
+  int listen_fd_ = -1, port_ = 0, epoll_ = -1;
   int wake_[2] = {-1, -1};
   std::string remote_note_;
   struct Client {
     Bytes in;   // received, not yet a whole request
     Bytes out;  // replies the socket has not taken yet
+    bool writing = false;  // epoll watches for room to send them
     // What the client asked done once its connection closes (TcpStore::on_close): a key
     // set, or deleted where the value is empty.
     std::vector<std::pair<std::string, Bytes>> on_close;
@@ -508,6 +545,28 @@ int64_t TcpStore::add(const std::string& key, int64_t value) {
   const auto reply = request(op_message(kAdd, key, i64_bytes(value)));
   if (reply.size() != 8) throw std::runtime_error("store: malformed reply to add");
   return i64_of(reply.data());
+}
+
+std::vector<std::optional<Bytes>> TcpStore::values_now(const std::vector<std::string>& keys) {
+  Bytes m{uint8_t(kTryGetMany)};
+  for (const auto& k : keys) put_blob(m, k);
+  const auto reply = request(m);
+  std::vector<std::optional<Bytes>> values;
+  values.reserve(keys.size());
+  size_t at = 0;
+  while (values.size() < keys.size()) {
+    if (at >= reply.size()) throw std::runtime_error("store: malformed reply to values_now");
+    if (!reply[at++]) {
+      values.emplace_back();
+      continue;
+    }
+    if (reply.size() - at < 4 || reply.size() - at - 4 < u32_of(reply.data() + at))
+      throw std::runtime_error("store: malformed reply to values_now");
+    const uint32_t len = u32_of(reply.data() + at);
+    values.emplace_back(Bytes(reply.begin() + long(at + 4), reply.begin() + long(at + 4 + len)));
+    at += 4 + len;
+  }
+  return values;
 }
 
 void TcpStore::on_close(const std::string& key, const std::vector<uint8_t>& value) {

@@ -212,6 +212,40 @@ TEST_CASE("TcpStore: a client that breaks the protocol is dropped; the others go
   CHECK(other.get("still") == bytes("works"));
 }
 
+TEST_CASE("TcpStore: values_now reads many keys at once, an absent one as none, without waiting") {
+  TcpStore server(opts(0, true));
+  TcpStore client(opts(server.port(), false, std::chrono::milliseconds(300)));
+  const std::vector<uint8_t> binary{0, 0xff, 0, 7};
+  server.set("a", bytes("one"));
+  server.set("empty", {});
+  server.set("binary", binary);
+  auto v = client.values_now({"a", "missing", "empty", "binary", "a"});
+  REQUIRE(v.size() == 5);
+  CHECK(v[0] == bytes("one"));
+  CHECK_FALSE(v[1].has_value());  // absent: at once, not after the store's timeout
+  REQUIRE(v[2].has_value());      // present, and empty
+  CHECK(v[2]->empty());
+  CHECK(v[3] == binary);
+  CHECK(v[4] == bytes("one"));
+  CHECK(client.values_now({}).empty());
+
+  // A launcher's read of a large job: thousands of keys, every other one absent.
+  std::vector<std::string> keys;
+  for (int i = 0; i < 4000; ++i) {
+    keys.push_back(std::string("k").append(std::to_string(i)));
+    if (i % 2 == 0) server.set(keys.back(), bytes(std::string(100, char('a' + i % 26))));
+  }
+  const auto many = client.values_now(keys);
+  REQUIRE(many.size() == keys.size());
+  for (int i = 0; i < 4000; ++i) {
+    CAPTURE(i);
+    if (i % 2 == 0) CHECK(many[size_t(i)] == bytes(std::string(100, char('a' + i % 26))));
+    else CHECK_FALSE(many[size_t(i)].has_value());
+  }
+  client.set("after", bytes("x"));  // the connection is in step after the large reply
+  CHECK(server.get("after") == bytes("x"));
+}
+
 TEST_CASE("TcpStore: a client gives up on an absent server after its timeout") {
   TcpStore::Options o = opts(1, false, std::chrono::milliseconds(300));  // port 1: nobody
   CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("timed out connecting to 127.0.0.1:1"));
@@ -245,8 +279,8 @@ TEST_CASE("TcpStore: a client that never reads its replies holds up nobody else"
   for (int i = 0; i < 64; ++i) CHECK(::send(fd, req.data(), req.size(), 0) == ssize_t(req.size()));
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 50; ++i) {
-    client.set("k" + std::to_string(i), bytes("v"));
-    CHECK(client.get("k" + std::to_string(i)) == bytes("v"));
+    client.set(std::string("k").append(std::to_string(i)), bytes("v"));
+    CHECK(client.get(std::string("k").append(std::to_string(i))) == bytes("v"));
   }
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CHECK(took < 2.0);
