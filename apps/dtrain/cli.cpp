@@ -146,7 +146,7 @@ SupervisorOptions::HostedStore host_store(int port, int64_t nproc, const JobConf
   if (cfg.fault_tolerance.mode == "replicas") {
     auto live = std::make_shared<Liveness>(
         store, std::chrono::seconds(cfg.fault_tolerance.heartbeat_s), /*none_alive=*/true);
-    hosted.silent = [live](int64_t rank) { return !(*live)(rank); };
+    hosted.silent = [live](const std::vector<int64_t>& ranks) { return live->dead_among(ranks); };
   }
   const auto after = hang_report_after(dist);
   if (after.count() <= 0) return hosted;

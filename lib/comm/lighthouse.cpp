@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -46,17 +47,21 @@ void end_silent(c10d::Store& store, int64_t rank, const std::string& here,
 }
 
 // What the lighthouse knows of each rank of the job, from the store: whether it came (it
-// left word of its process), has ended, and was found silent. Each look says what changed.
+// left word of its process), has ended, and was found silent. Each look reads every rank's
+// word in one request and says what changed.
 class RankLog {
  public:
   RankLog(c10::intrusive_ptr<c10d::Store> store, const LighthouseOptions& o, int64_t world)
       : store_(std::move(store)), o_(o), live_(store_, o.silent, /*none_alive=*/true),
-        here_(host_name()), ranks_(size_t(world)) {}
+        here_(host_name()), ranks_(size_t(world)), numbers_(size_t(world)) {
+    std::iota(numbers_.begin(), numbers_.end(), int64_t(0));
+  }
 
   // Looks at every rank once; true while one that came runs.
   bool look() {
+    const auto words = read_words(*store_, numbers_);
     bool running = false;
-    for (int64_t r = 0; r < int64_t(ranks_.size()); ++r) running = look_at(r) || running;
+    for (int64_t r : numbers_) running = look_at(r, words[size_t(r)]) || running;
     return running;
   }
   bool any_came() const {
@@ -67,21 +72,20 @@ class RankLog {
   struct Rank {
     bool came = false, ended = false, silent = false;
   };
-  bool look_at(int64_t r) {
+  bool look_at(int64_t r, const RankWord& word) {
     auto& k = ranks_[size_t(r)];
-    k.came = k.came || its_process(*store_, r).has_value();
+    k.came = k.came || word.process.has_value();
     if (!k.came) return false;
-    const bool ended = has_ended(*store_, r);
-    if (ended != k.ended) {
+    if (word.ended != k.ended) {
       o_.say(fmt::format("dtrain lighthouse: rank {} (replica {}) {}", r, r / o_.replica_size,
-                         ended ? "has ended" : "runs again"));
-      k.ended = ended, k.silent = false;
+                         word.ended ? "has ended" : "runs again"));
+      k.ended = word.ended, k.silent = false;
     }
-    if (!ended && !k.silent && !live_(r)) {
+    if (!word.ended && !k.silent && !live_(r, word)) {
       end_silent(*store_, r, here_, o_.say);
       k.silent = true;
     }
-    return !ended;
+    return !word.ended;
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -89,6 +93,7 @@ class RankLog {
   Liveness live_;
   std::string here_;
   std::vector<Rank> ranks_;
+  std::vector<int64_t> numbers_;  // 0 .. world - 1
 };
 
 }  // namespace

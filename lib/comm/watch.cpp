@@ -45,15 +45,37 @@ std::vector<uint8_t> value_now(c10d::Store& store, const std::string& key) {
   return v;
 }
 
+// The values `keys` hold now, empty where none, without waiting: in one request where the
+// store is dtrain's own, else one a key.
+std::vector<std::vector<uint8_t>> values_now(c10d::Store& store, const std::vector<std::string>& keys) {
+  std::vector<std::vector<uint8_t>> values;
+  values.reserve(keys.size());
+  if (auto* ours = dynamic_cast<TcpStore*>(&store)) {
+    for (auto& v : ours->values_now(keys)) values.push_back(v ? std::move(*v) : std::vector<uint8_t>{});
+  } else {
+    for (const auto& k : keys) values.push_back(value_now(store, k));
+  }
+  return values;
+}
+
+std::optional<std::pair<std::string, int64_t>> process_of(const std::vector<uint8_t>& v) {
+  const std::string word(v.begin(), v.end());
+  const auto space = word.rfind(' ');
+  if (space == std::string::npos) return std::nullopt;
+  return std::pair{word.substr(0, space), std::stoll(word.substr(space + 1))};
+}
+
 // Every rank's heartbeat the store holds (a rank without one is left out); throws when the
 // store does not answer.
 std::map<int64_t, json> read_heartbeats(c10d::Store& store, const std::vector<int64_t>& ranks) {
+  std::vector<std::string> keys;
+  for (int64_t r : ranks) keys.push_back(heartbeat_key(r));
+  const auto values = values_now(store, keys);
   std::map<int64_t, json> beats;
-  for (int64_t r : ranks) {
-    const auto bytes = value_now(store, heartbeat_key(r));
-    if (bytes.empty()) continue;
-    auto parsed = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
-    if (!parsed.is_discarded()) beats[r] = std::move(parsed);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (values[i].empty()) continue;
+    auto parsed = json::parse(values[i].begin(), values[i].end(), nullptr, /*allow_exceptions=*/false);
+    if (!parsed.is_discarded()) beats[ranks[i]] = std::move(parsed);
   }
   return beats;
 }
@@ -144,30 +166,57 @@ void leave_word(TcpStore& store, int64_t rank) {
 }
 
 std::optional<std::pair<std::string, int64_t>> its_process(c10d::Store& store, int64_t rank) {
-  const auto v = value_now(store, process_key(rank));
-  const std::string word(v.begin(), v.end());
-  const auto space = word.rfind(' ');
-  if (space == std::string::npos) return std::nullopt;
-  return std::pair{word.substr(0, space), std::stoll(word.substr(space + 1))};
+  return process_of(value_now(store, process_key(rank)));
+}
+
+std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>& ranks) {
+  std::vector<std::string> keys;
+  for (int64_t r : ranks)
+    for (auto* key : {process_key, ended_key, heartbeat_key}) keys.push_back(key(r));
+  auto values = values_now(store, keys);
+  std::vector<RankWord> words(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    words[i].process = process_of(values[3 * i]);
+    words[i].ended = !values[3 * i + 1].empty();
+    words[i].beat = std::move(values[3 * i + 2]);
+  }
+  return words;
 }
 
 bool Liveness::operator()(int64_t rank) {
-  std::vector<uint8_t> beat;
+  RankWord word;
   try {
-    // The launcher's own view (none_alive) is of the processes it started: its mark is of
-    // an earlier one.
-    if (!none_alive_ && store_->check({ended_key(rank)})) return false;
-    beat = value_now(*store_, heartbeat_key(rank));
+    auto v = values_now(*store_, {ended_key(rank), heartbeat_key(rank)});
+    word.ended = !v[0].empty(), word.beat = std::move(v[1]);
   } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
   }
+  return (*this)(rank, word);
+}
+
+std::vector<int64_t> Liveness::dead_among(const std::vector<int64_t>& ranks) {
+  std::vector<RankWord> words(ranks.size());
+  try {
+    words = read_words(*store_, ranks);
+  } catch (...) {  // as above
+  }
+  std::vector<int64_t> dead;
+  for (size_t i = 0; i < ranks.size(); ++i)
+    if (!(*this)(ranks[i], words[i])) dead.push_back(ranks[i]);
+  return dead;
+}
+
+bool Liveness::operator()(int64_t rank, const RankWord& word) {
+  // The launcher's own view (none_alive) is of the processes it started: its mark is of an
+  // earlier one.
+  if (!none_alive_ && word.ended) return false;
   const auto now = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
-  if (none_alive_ && beat.empty()) {  // starting, or restarted: not judged until it beats
+  if (none_alive_ && word.beat.empty()) {  // starting, or restarted: not judged until it beats
     seen_.erase(rank);
     return true;
   }
-  auto [it, first] = seen_.try_emplace(rank, Seen{beat, now});
-  if (!first && !beat.empty() && beat != it->second.beat) it->second = Seen{beat, now};
+  auto [it, first] = seen_.try_emplace(rank, Seen{word.beat, now});
+  if (!first && !word.beat.empty() && word.beat != it->second.beat) it->second = Seen{word.beat, now};
   return now - it->second.changed < silent_;
 }
 

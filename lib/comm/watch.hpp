@@ -117,6 +117,17 @@ std::optional<std::pair<std::string, int64_t>> its_process(c10d::Store& store, i
 // Whether the store marks rank `rank` ended.
 bool has_ended(c10d::Store& store, int64_t rank);
 
+// What the store holds of a rank now: its process's word (leave_word), whether it is
+// marked ended, and its heartbeat (empty: none).
+struct RankWord {
+  std::optional<std::pair<std::string, int64_t>> process;
+  bool ended = false;
+  std::vector<uint8_t> beat;
+};
+// Every rank's of `ranks`, read together: one request where the store is dtrain's own,
+// however many ranks (a launcher reads them all each tick).
+std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>& ranks);
+
 // Whether job ranks are alive, from their heartbeats: a rank is alive while its heartbeat
 // has changed within `silent`, timed by this process's clock (no clock is compared across
 // machines); a rank with none yet, for `silent` from the first question about it (or, for
@@ -128,6 +139,10 @@ class Liveness {
            bool none_alive = false)
       : store_(std::move(store)), silent_(silent), none_alive_(none_alive) {}
   bool operator()(int64_t rank);
+  // Judged from its word, read with others' (read_words).
+  bool operator()(int64_t rank, const RankWord& word);
+  // Those of `ranks` that are not alive, from one read of the store.
+  std::vector<int64_t> dead_among(const std::vector<int64_t>& ranks);
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

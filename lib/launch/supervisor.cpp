@@ -302,17 +302,21 @@ void replace_lost_replicas(const SupervisorOptions& o, std::vector<Worker>& ws, 
 
 // A replica that has stopped answering holds its peers in their collectives until their
 // timeout: killed, it closes its connections, and its peers go on at once.
-void kill_silent_replicas(std::vector<Worker>& ws, const std::function<bool(int64_t)>& silent) {
+void kill_silent_replicas(std::vector<Worker>& ws,
+                          const std::function<std::vector<int64_t>(const std::vector<int64_t>&)>& silent) {
   if (!silent) return;
+  std::vector<int64_t> running;
   for (size_t i = 0; i < ws.size(); ++i)
-    if (!ws[i].status && silent(int64_t(i))) {
-      std::cerr << fmt::format("dtrain: rank {} stopped answering (its heartbeat is stale, the "
-                               "process {}): killing it\n", i,
-                               proc_state(ws[i].pid) == 'T' ? "stopped" : "still there");
-      ::kill(ws[i].pid, SIGKILL);
-      int st = 0;
-      if (::waitpid(ws[i].pid, &st, 0) == ws[i].pid) ws[i].status = st;
-    }
+    if (!ws[i].status) running.push_back(int64_t(i));
+  for (const int64_t r : silent(running)) {
+    auto& w = ws[size_t(r)];
+    std::cerr << fmt::format("dtrain: rank {} stopped answering (its heartbeat is stale, the "
+                             "process {}): killing it\n", r,
+                             proc_state(w.pid) == 'T' ? "stopped" : "still there");
+    ::kill(w.pid, SIGKILL);
+    int st = 0;
+    if (::waitpid(w.pid, &st, 0) == w.pid) w.status = st;
+  }
 }
 
 bool all_failed(const std::vector<Worker>& ws) {

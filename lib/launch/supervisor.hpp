@@ -38,9 +38,10 @@ struct SupervisorOptions {
   struct HostedStore {
     std::function<void()> tick;
     std::function<void(int64_t rank)> ended;
-    // Under `replicas`: whether rank r has stopped answering (its heartbeat stale: a
-    // stopped process, a machine gone), which the supervisor then kills and replaces.
-    std::function<bool(int64_t rank)> silent;
+    // Under `replicas`: those of `ranks` that have stopped answering (their heartbeat
+    // stale: a stopped process, a machine gone), which the supervisor then kills and
+    // replaces; read together, one request a tick however many ranks.
+    std::function<std::vector<int64_t>(const std::vector<int64_t>& ranks)> silent;
   };
   std::function<HostedStore(int port)> host_store;
   // fault_tolerance: replicas, the ranks in each (the job's in runs of that many; 0: off).

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "comm/watch.hpp"
+#include "util/process.hpp"
 #include "ranks.hpp"
 
 namespace unit_comm_watch {
@@ -110,6 +111,52 @@ TEST_SUITE("watch") {
     CHECK_FALSE(live(3));  // dead at once, not after 30 s
     clear_ended(*server, 3);  // restarted: it runs again
     CHECK_FALSE(has_ended(*server, 3));
+  }
+
+  TEST_CASE("watch: every rank's word is read at once, and judged as one rank's alone would be") {
+    TcpStore::Options o;
+    o.host = "127.0.0.1", o.server = true, o.timeout = std::chrono::seconds(10);
+    auto server = c10::make_intrusive<TcpStore>(o);
+    o.server = false, o.port = server->port();
+    auto one = std::make_unique<TcpStore>(o), two = std::make_unique<TcpStore>(o);
+    leave_word(*one, 1);
+    leave_word(*two, 2);
+    two.reset();  // rank 2's process ends
+    for (int i = 0; i < 200 && !has_ended(*server, 2); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const std::string beat = R"({"at":1,"step":4})";
+    server->set("dtrain/heartbeat/1", std::vector<uint8_t>(beat.begin(), beat.end()));
+
+    const auto words = read_words(*server, {0, 1, 2});
+    REQUIRE(words.size() == 3);
+    CHECK_FALSE(words[0].process);  // never came
+    CHECK_FALSE(words[0].ended);
+    CHECK(words[0].beat.empty());
+    REQUIRE(words[1].process);
+    CHECK(words[1].process->second == ::getpid());
+    CHECK(words[1].process->first == host_name());
+    CHECK_FALSE(words[1].ended);
+    CHECK(words[1].beat == std::vector<uint8_t>(beat.begin(), beat.end()));
+    REQUIRE(words[2].process);  // its word stays; it is marked ended, its heartbeat gone
+    CHECK(words[2].ended);
+    CHECK(words[2].beat.empty());
+
+    // The peers' view: an ended rank is dead at once, the others alive for `silent`.
+    Liveness peers(server, std::chrono::seconds(30));
+    CHECK(peers.dead_among({0, 1, 2}) == std::vector<int64_t>{2});
+    Liveness alone(server, std::chrono::seconds(30));
+    CHECK(alone(0));
+    CHECK(alone(1));
+    CHECK_FALSE(alone(2));
+
+    // The launcher's view (none_alive): judged once it beats; rank 1's beat goes stale.
+    Liveness launcher(server, std::chrono::milliseconds(200), /*none_alive=*/true);
+    CHECK(launcher.dead_among({0, 1, 2}).empty());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    CHECK(launcher.dead_among({0, 1, 2}) == std::vector<int64_t>{1});
+    const std::string next = R"({"at":2,"step":5})";  // it beats again
+    server->set("dtrain/heartbeat/1", std::vector<uint8_t>(next.begin(), next.end()));
+    CHECK(launcher.dead_among({0, 1, 2}).empty());
   }
 }
 
