@@ -1,11 +1,13 @@
 #include "comm/quorum.hpp"
 
 #include <algorithm>
+#include <numeric>
 #include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "comm/tcp_store.hpp"
 #include "util/clock.hpp"
 #include "util/error.hpp"
 
@@ -130,12 +132,11 @@ Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
   const bool joins = ok && store_.add(kJoins, 0) > joins_seen_;
   const Vote mine = !ok ? Vote::kFailed : joins ? Vote::kOkJoin : Vote::kOk;
   store_.compareSet(vote_key(q.id, step, replica_, place_.index), {}, bytes(kVoteNames[int(mine)]));
-  last_votes_.clear();
+  last_votes_ = votes_on(q, step);
   Decision d{true, false};
-  for (int64_t m : q.members) {
-    last_votes_.push_back(vote_of(q, step, m));
-    d.commit = d.commit && (last_votes_.back() == Vote::kOk || last_votes_.back() == Vote::kOkJoin);
-    d.reform = d.reform || last_votes_.back() != Vote::kOk;
+  for (const Vote v : last_votes_) {
+    d.commit = d.commit && (v == Vote::kOk || v == Vote::kOkJoin);
+    d.reform = d.reform || v != Vote::kOk;
   }
   // A vote two steps back is read by nobody now (every member has read it before voting on
   // the step after it): the store keeps a few keys per member, however long the run.
@@ -143,30 +144,49 @@ Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
   return d;
 }
 
-Vote ReplicaAgreement::vote_of(const Quorum& q, int64_t step, int64_t member) {
-  Vote worst = Vote::kOk;  // the enum's order: ok, ok+join, failed, dead
-  for (int64_t p = 0; p < place_.count; ++p)
-    worst = std::max(worst, place_vote(vote_key(q.id, step, member, p), member, step));
-  return worst;
-}
-
-// A place's stored vote, else kDead written for it once its replica has gone silent:
-// compareSet makes the first of its own vote and ours the one everybody reads.
-Vote ReplicaAgreement::place_vote(const std::string& key, int64_t member, int64_t step) {
+// Every place's vote is read together (one request to dtrain's store, however many
+// members), then those still missing, until each is stored or its replica has gone silent
+// and kDead is written for it: compareSet makes the first of its own vote and ours the one
+// everybody reads. A member's vote is the worst of its places' (the enum's order: ok,
+// ok+join, failed, dead).
+std::vector<Vote> ReplicaAgreement::votes_on(const Quorum& q, int64_t step) {
+  std::vector<std::string> keys;
+  for (int64_t m : q.members)
+    for (int64_t p = 0; p < place_.count; ++p) keys.push_back(vote_key(q.id, step, m, p));
+  std::vector<std::optional<Vote>> got(keys.size());
+  std::vector<size_t> missing(keys.size());
+  std::iota(missing.begin(), missing.end(), size_t(0));
   const auto until = Clock::now() + timeout_;
   // The members vote within a moment of each other (they have just reduced together):
   // look again soon, then less often, up to `poll_`.
   auto pause = std::min<std::chrono::microseconds>(std::chrono::microseconds(50), poll_);
-  while (!stored(key)) {
-    if (!live_(member)) return vote_named(text(store_.compareSet(key, {}, bytes("dead"))));
+  for (;;) {
+    std::vector<std::string> asked;
+    for (size_t i : missing) asked.push_back(keys[i]);
+    const auto values = values_now(store_, asked);
+    std::vector<size_t> still;
+    for (size_t k = 0; k < missing.size(); ++k) {
+      const size_t i = missing[k];
+      const int64_t member = q.members[i / size_t(place_.count)];
+      if (values[k]) got[i] = vote_named(text(*values[k]));
+      else if (!live_(member)) got[i] = vote_named(text(store_.compareSet(keys[i], {}, bytes("dead"))));
+      else still.push_back(i);
+    }
+    missing = std::move(still);
+    if (missing.empty()) break;
     if (Clock::now() > until)
       throw DistError(fmt::format(
-          "fault tolerance: replica {} is alive but has not voted on step {} in {} s", member,
-          step, timeout_.count() / 1000.0));
+          "fault tolerance: replica {} is alive but has not voted on step {} in {} s",
+          q.members[missing[0] / size_t(place_.count)], step, timeout_.count() / 1000.0));
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(2 * pause, poll_);
   }
-  return vote_named(text(store_.get(key)));
+  std::vector<Vote> votes(q.members.size(), Vote::kOk);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto& v = votes[i / size_t(place_.count)];
+    v = std::max(v, *got[i]);
+  }
+  return votes;
 }
 
 namespace {

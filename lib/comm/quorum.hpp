@@ -84,9 +84,8 @@ class ReplicaAgreement {
   Quorum next(const Quorum& q, int64_t step);
 
  private:
-  // Member's vote: the worst of its places' (dead, failed, a join seen, ok).
-  Vote vote_of(const Quorum& q, int64_t step, int64_t member);
-  Vote place_vote(const std::string& key, int64_t member, int64_t step);
+  // Each member's vote on `step`: the worst of its places' (dead, failed, a join seen, ok).
+  std::vector<Vote> votes_on(const Quorum& q, int64_t step);
   std::string get(const std::string& key);  // waits for it up to the timeout
   bool stored(const std::string& key);
   // The id of the newest quorum stored, looking from quorum `from` on (0: none stored).

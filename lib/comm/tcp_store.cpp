@@ -597,4 +597,18 @@ void TcpStore::wait(const std::vector<std::string>& keys, const std::chrono::mil
   poll_until(timeout, fmt::format("{} key(s)", keys.size()), [&] { return check(keys); });
 }
 
+std::vector<std::optional<Bytes>> values_now(c10d::Store& store, const std::vector<std::string>& keys) {
+  if (auto* ours = dynamic_cast<TcpStore*>(&store)) return ours->values_now(keys);
+  // check() then get() would wait (up to the store's timeout) for a key deleted in
+  // between. A compareSet whose expected value no key holds changes nothing and answers
+  // with the value, or with that expected value when there is no key.
+  static const Bytes none{0xff, 'n', 'o', 'n', 'e'};  // never a value dtrain sets
+  std::vector<std::optional<Bytes>> values;
+  for (const auto& k : keys) {
+    auto v = store.compareSet(k, none, none);
+    values.push_back(v == none ? std::nullopt : std::optional<Bytes>(std::move(v)));
+  }
+  return values;
+}
+
 }  // namespace dtrain

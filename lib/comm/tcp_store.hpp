@@ -75,4 +75,9 @@ class TcpStore : public c10d::Store {
   int port_ = 0;
 };
 
+// The values `keys` hold now in any store, none where a key holds none, without waiting:
+// one request where the store is dtrain's own, else one a key.
+std::vector<std::optional<std::vector<uint8_t>>> values_now(c10d::Store& store,
+                                                            const std::vector<std::string>& keys);
+
 }  // namespace dtrain

@@ -33,29 +33,15 @@ double silent_after_s(std::chrono::milliseconds after) {
   return 2.5 * std::chrono::duration<double>(beat_period(after)).count();
 }
 
-// The value `key` holds now, empty when it holds none, in one request that never waits.
-// check() then get() would wait (up to the store's timeout) for a key deleted in between:
-// a rank's heartbeat, which the launcher deletes when the rank ends. A compareSet whose
-// expected value no key holds changes nothing and answers with the value, or with that
-// expected value when there is no key.
-std::vector<uint8_t> value_now(c10d::Store& store, const std::string& key) {
-  static const std::vector<uint8_t> none{0xff, 'n', 'o', 'n', 'e'};  // never a value dtrain sets
-  auto v = store.compareSet(key, none, none);
-  if (v == none) v.clear();
-  return v;
-}
-
-// The values `keys` hold now, empty where none, without waiting: in one request where the
-// store is dtrain's own, else one a key.
-std::vector<std::vector<uint8_t>> values_now(c10d::Store& store, const std::vector<std::string>& keys) {
+// The values `keys` hold now, empty where none (dtrain sets no empty value in these).
+std::vector<std::vector<uint8_t>> words_now(c10d::Store& store, const std::vector<std::string>& keys) {
   std::vector<std::vector<uint8_t>> values;
   values.reserve(keys.size());
-  if (auto* ours = dynamic_cast<TcpStore*>(&store)) {
-    for (auto& v : ours->values_now(keys)) values.push_back(v ? std::move(*v) : std::vector<uint8_t>{});
-  } else {
-    for (const auto& k : keys) values.push_back(value_now(store, k));
-  }
+  for (auto& v : values_now(store, keys)) values.push_back(v ? std::move(*v) : std::vector<uint8_t>{});
   return values;
+}
+std::vector<uint8_t> value_now(c10d::Store& store, const std::string& key) {
+  return std::move(words_now(store, {key})[0]);
 }
 
 std::optional<std::pair<std::string, int64_t>> process_of(const std::vector<uint8_t>& v) {
@@ -70,7 +56,7 @@ std::optional<std::pair<std::string, int64_t>> process_of(const std::vector<uint
 std::map<int64_t, json> read_heartbeats(c10d::Store& store, const std::vector<int64_t>& ranks) {
   std::vector<std::string> keys;
   for (int64_t r : ranks) keys.push_back(heartbeat_key(r));
-  const auto values = values_now(store, keys);
+  const auto values = words_now(store, keys);
   std::map<int64_t, json> beats;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (values[i].empty()) continue;
@@ -173,7 +159,7 @@ std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>&
   std::vector<std::string> keys;
   for (int64_t r : ranks)
     for (auto* key : {process_key, ended_key, heartbeat_key}) keys.push_back(key(r));
-  auto values = values_now(store, keys);
+  auto values = words_now(store, keys);
   std::vector<RankWord> words(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
     words[i].process = process_of(values[3 * i]);
@@ -186,7 +172,7 @@ std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>&
 bool Liveness::operator()(int64_t rank) {
   RankWord word;
   try {
-    auto v = values_now(*store_, {ended_key(rank), heartbeat_key(rank)});
+    auto v = words_now(*store_, {ended_key(rank), heartbeat_key(rank)});
     word.ended = !v[0].empty(), word.beat = std::move(v[1]);
   } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
   }

@@ -13,6 +13,7 @@
 
 #include "comm/comm.hpp"
 #include "comm/quorum.hpp"
+#include "comm/tcp_store.hpp"
 #include "ranks.hpp"
 #include "util/error.hpp"
 
@@ -21,7 +22,10 @@ using namespace dtrain;
 using namespace std::chrono_literals;
 
 struct Replicas {
-  c10::intrusive_ptr<c10d::HashStore> store = c10::make_intrusive<c10d::HashStore>();
+  // c10's in-memory store (a request a key read), or dtrain's own (a vote's keys read in one).
+  explicit Replicas(c10::intrusive_ptr<c10d::Store> s = c10::make_intrusive<c10d::HashStore>())
+      : store(std::move(s)) {}
+  c10::intrusive_ptr<c10d::Store> store;
   std::array<std::atomic<bool>, 4> alive{true, true, true, true};
   ReplicaAgreement agreement(int64_t r, std::chrono::milliseconds timeout = 10s) {
     return ReplicaAgreement(*store, r, 4, [this](int64_t m) { return alive[m].load(); },
@@ -46,34 +50,93 @@ std::vector<Decision> vote_all(Replicas& r, const Quorum& q, int64_t step,
   return out;
 }
 
+void all_ok_then_failed(Replicas& r) {
+  const auto q = ReplicaAgreement::first(3, 5);
+  CHECK(q.members == std::vector<int64_t>{0, 1, 2});
+  for (auto d : vote_all(r, q, 5, {0, 1, 2})) CHECK(d == Decision{true, false});
+  for (auto d : vote_all(r, q, 6, {0, 1, 2}, /*failing=*/1)) CHECK(d == Decision{false, true});
+}
+
+void silent_voted_dead(Replicas& r) {
+  const auto q = ReplicaAgreement::first(3, 0);
+  r.alive[2] = false;  // it never votes
+  auto a0 = r.agreement(0), a1 = r.agreement(1);
+  auto d1 = std::async(std::launch::async, [&] { return a1.vote(q, 0, true); });
+  CHECK(a0.vote(q, 0, true) == Decision{false, true});
+  CHECK(d1.get() == Decision{false, true});
+  // Its late vote cannot change what was decided: the first word on its key stands.
+  r.alive[2] = true;
+  CHECK(r.agreement(2).vote(q, 0, true) == Decision{false, true});
+  r.alive[2] = false;
+  auto n1 = std::async(std::launch::async, [&] { return a1.next(q, 0); });
+  const auto n0 = a0.next(q, 0);
+  CHECK(n0.id == 1);
+  CHECK(n0.step == 0);  // the step is trained again
+  CHECK(n0.members == std::vector<int64_t>{0, 1});
+  CHECK(n0.joining.empty());
+  CHECK(n1.get().members == n0.members);
+}
+
+void two_rank_replica(Replicas& r) {
+  // Replica m's rank at place p: each votes for its place, all read one quorum.
+  auto at = [&](int64_t m, int64_t p) {
+    return ReplicaAgreement(*r.store, m, 4, [&r](int64_t k) { return r.alive[k].load(); }, 10s,
+                            1ms, Place{p, 2});
+  };
+  std::vector<ReplicaAgreement> ranks;
+  for (int64_t m = 0; m < 2; ++m)
+    for (int64_t p = 0; p < 2; ++p) ranks.push_back(at(m, p));
+  auto all = [&](auto&& each) {  // every member rank at once, in order
+    std::vector<std::future<decltype(each(ranks[0], 0))>> fs;
+    for (size_t i = 0; i < ranks.size(); ++i)
+      fs.push_back(std::async(std::launch::async, [&, i] { return each(ranks[i], int64_t(i)); }));
+    std::vector<decltype(each(ranks[0], 0))> out;
+    for (auto& f : fs) out.push_back(f.get());
+    return out;
+  };
+  auto q = ReplicaAgreement::first(2, 0);
+  // Replica 1's second rank saw its reduction fail; its first did not: every rank of
+  // both replicas discards the step.
+  for (auto d : all([&](ReplicaAgreement& a, int64_t i) { return a.vote(q, 0, i != 3); }))
+    CHECK(d == Decision{false, true});
+  for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 0); }))
+    CHECK(n.members == std::vector<int64_t>{0, 1});
+  q = ranks[0].next(q, 0);  // the stored one, as every rank read it
+
+  // A third replica's first rank asks to join: the members see it, but it is not admitted
+  // until its second rank has asked too (both are built and waiting).
+  auto j0 = at(2, 0), j1 = at(2, 1);
+  j0.ask_to_join();
+  auto admitted0 = std::async(std::launch::async, [&] { return j0.admitted(); });
+  for (auto d : all([&](ReplicaAgreement& a, int64_t) { return a.vote(q, 1, true); }))
+    CHECK(d == Decision{true, true});
+  for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 2); }))
+    CHECK(n.joining.empty());
+  q = ranks[0].next(q, 2);
+  j1.ask_to_join();
+  auto admitted1 = std::async(std::launch::async, [&] { return j1.admitted(); });
+  for (auto d : all([&](ReplicaAgreement& a, int64_t) { return a.vote(q, 2, true); }))
+    CHECK(d == Decision{true, true});
+  for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 3); })) {
+    CHECK(n.members == std::vector<int64_t>{0, 1, 2});
+    CHECK(n.joining == std::vector<int64_t>{2});
+  }
+  const auto seen0 = admitted0.get(), seen1 = admitted1.get();
+  REQUIRE(seen0);
+  REQUIRE(seen1);
+  CHECK(seen0->id == seen1->id);
+  CHECK(seen0->id == q.id + 1);
+}
+
 TEST_SUITE("quorum") {
   TEST_CASE("quorum: all ok commits; one failed reduction and every member discards the step") {
     Replicas r;
-    const auto q = ReplicaAgreement::first(3, 5);
-    CHECK(q.members == std::vector<int64_t>{0, 1, 2});
-    for (auto d : vote_all(r, q, 5, {0, 1, 2})) CHECK(d == Decision{true, false});
-    for (auto d : vote_all(r, q, 6, {0, 1, 2}, /*failing=*/1)) CHECK(d == Decision{false, true});
+    all_ok_then_failed(r);
   }
 
   TEST_CASE("quorum: a silent member is voted dead by whoever sees it first, and left out") {
     Replicas r;
-    const auto q = ReplicaAgreement::first(3, 0);
-    r.alive[2] = false;  // it never votes
-    auto a0 = r.agreement(0), a1 = r.agreement(1);
-    auto d1 = std::async(std::launch::async, [&] { return a1.vote(q, 0, true); });
-    CHECK(a0.vote(q, 0, true) == Decision{false, true});
-    CHECK(d1.get() == Decision{false, true});
-    // Its late vote cannot change what was decided: the first word on its key stands.
-    r.alive[2] = true;
-    CHECK(r.agreement(2).vote(q, 0, true) == Decision{false, true});
-    r.alive[2] = false;
-    auto n1 = std::async(std::launch::async, [&] { return a1.next(q, 0); });
-    const auto n0 = a0.next(q, 0);
-    CHECK(n0.id == 1);
-    CHECK(n0.step == 0);  // the step is trained again
-    CHECK(n0.members == std::vector<int64_t>{0, 1});
-    CHECK(n0.joining.empty());
-    CHECK(n1.get().members == n0.members);
+    silent_voted_dead(r);
   }
 
   TEST_CASE("quorum: a replica that asks to join is admitted at the next boundary, with a source") {
@@ -141,54 +204,7 @@ TEST_SUITE("quorum") {
 
   TEST_CASE("quorum: a replica of two ranks fails when either of them did, and joins once both ask") {
     Replicas r;
-    // Replica m's rank at place p: each votes for its place, all read one quorum.
-    auto at = [&](int64_t m, int64_t p) {
-      return ReplicaAgreement(*r.store, m, 4, [&r](int64_t k) { return r.alive[k].load(); }, 10s,
-                              1ms, Place{p, 2});
-    };
-    std::vector<ReplicaAgreement> ranks;
-    for (int64_t m = 0; m < 2; ++m)
-      for (int64_t p = 0; p < 2; ++p) ranks.push_back(at(m, p));
-    auto all = [&](auto&& each) {  // every member rank at once, in order
-      std::vector<std::future<decltype(each(ranks[0], 0))>> fs;
-      for (size_t i = 0; i < ranks.size(); ++i)
-        fs.push_back(std::async(std::launch::async, [&, i] { return each(ranks[i], int64_t(i)); }));
-      std::vector<decltype(each(ranks[0], 0))> out;
-      for (auto& f : fs) out.push_back(f.get());
-      return out;
-    };
-    auto q = ReplicaAgreement::first(2, 0);
-    // Replica 1's second rank saw its reduction fail; its first did not: every rank of
-    // both replicas discards the step.
-    for (auto d : all([&](ReplicaAgreement& a, int64_t i) { return a.vote(q, 0, i != 3); }))
-      CHECK(d == Decision{false, true});
-    for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 0); }))
-      CHECK(n.members == std::vector<int64_t>{0, 1});
-    q = ranks[0].next(q, 0);  // the stored one, as every rank read it
-
-    // A third replica's first rank asks to join: the members see it, but it is not admitted
-    // until its second rank has asked too (both are built and waiting).
-    auto j0 = at(2, 0), j1 = at(2, 1);
-    j0.ask_to_join();
-    auto admitted0 = std::async(std::launch::async, [&] { return j0.admitted(); });
-    for (auto d : all([&](ReplicaAgreement& a, int64_t) { return a.vote(q, 1, true); }))
-      CHECK(d == Decision{true, true});
-    for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 2); }))
-      CHECK(n.joining.empty());
-    q = ranks[0].next(q, 2);
-    j1.ask_to_join();
-    auto admitted1 = std::async(std::launch::async, [&] { return j1.admitted(); });
-    for (auto d : all([&](ReplicaAgreement& a, int64_t) { return a.vote(q, 2, true); }))
-      CHECK(d == Decision{true, true});
-    for (const auto& n : all([&](ReplicaAgreement& a, int64_t) { return a.next(q, 3); })) {
-      CHECK(n.members == std::vector<int64_t>{0, 1, 2});
-      CHECK(n.joining == std::vector<int64_t>{2});
-    }
-    const auto seen0 = admitted0.get(), seen1 = admitted1.get();
-    REQUIRE(seen0);
-    REQUIRE(seen1);
-    CHECK(seen0->id == seen1->id);
-    CHECK(seen0->id == q.id + 1);
+    two_rank_replica(r);
   }
 
   // Restarted, a replica beats its heartbeat at once: asked too early, its peers would take
@@ -350,6 +366,15 @@ TEST_SUITE("quorum") {
     }, opts);
     fails.check();
     CHECK(failed == 2);
+  }
+
+  TEST_CASE("quorum: the same over dtrain's store, where a vote's keys are read in one request") {
+    for (auto scenario : {all_ok_then_failed, silent_voted_dead, two_rank_replica}) {
+      TcpStore::Options o;
+      o.host = "127.0.0.1", o.server = true, o.timeout = 10s;
+      Replicas r(c10::make_intrusive<TcpStore>(o));
+      scenario(r);
+    }
   }
 }
 
