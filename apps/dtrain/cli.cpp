@@ -202,10 +202,13 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   o.place = {place, size};
   o.ranks = ranks;
   o.world_rank = [size, place](int64_t r) { return r * size + place; };
-  o.live = [live = link.live, size](int64_t r) {
-    for (int64_t p = 0; p < size; ++p)
-      if (!live(r * size + p)) return false;
-    return true;
+  o.dead = [dead = link.dead, size](const std::vector<int64_t>& replicas) {
+    std::vector<int64_t> ranks, out;  // a replica has gone when any of its ranks has
+    for (int64_t r : replicas)
+      for (int64_t p = 0; p < size; ++p) ranks.push_back(r * size + p);
+    for (int64_t rank : dead(ranks))
+      if (out.empty() || out.back() != rank / size) out.push_back(rank / size);
+    return out;
   };
   o.make_group = link.group;
   // Not before: the store says this rank ended (its former self) until its peers have

@@ -548,8 +548,8 @@ JobLink link_job(const WorldInfo& world, const CommOptions& opts, std::chrono::m
     scoped->store = c10::make_intrusive<c10d::PrefixStore>(scope + "/", ctx->store);
     return group(scoped, "world", members);
   };
-  link.live = [liveness = std::make_shared<Liveness>(ctx->store, silent)](int64_t rank) {
-    return (*liveness)(rank);
+  link.dead = [liveness = std::make_shared<Liveness>(ctx->store, silent)](const std::vector<int64_t>& ranks) {
+    return liveness->dead_among(ranks);
   };
   return link;
 }

@@ -22,8 +22,9 @@ struct JobLink {
   // A world of job ranks `members` (this one among them) whose own groups (Comm::new_group)
   // are named under `scope`: a replica's ranks, whose groups' names every replica uses.
   std::function<std::shared_ptr<Comm>(const std::string& scope, const std::vector<int64_t>& members)> world;
-  // Whether job rank r's heartbeat has moved within the last `silent`.
-  std::function<bool(int64_t r)> live;
+  // Those of job ranks `ranks` that have ended or whose heartbeat has not moved within the
+  // last `silent`, from one read of the store.
+  std::function<std::vector<int64_t>(const std::vector<int64_t>& ranks)> dead;
 };
 
 // Connects to the job's store as make_c10d_comm does; `opts.hang_after` must be set (the

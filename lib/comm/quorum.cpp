@@ -24,6 +24,12 @@ std::string quorum_key(int64_t id) { return fmt::format("ft/quorum/{}", id); }
 bool holds(const std::vector<int64_t>& v, int64_t x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
+std::vector<int64_t> sorted_union(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  std::sort(a.begin(), a.end());
+  a.erase(std::unique(a.begin(), a.end()), a.end());
+  return a;
+}
 std::string join_key(int64_t replica, int64_t place) {
   return fmt::format("ft/join/{}/{}", replica, place);
 }
@@ -50,11 +56,11 @@ Quorum from_record(int64_t id, const json& j) {
 }  // namespace
 
 ReplicaAgreement::ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
-                                   std::function<bool(int64_t)> live,
+                                   DeadAmong dead,
                                    std::chrono::milliseconds timeout,
                                    std::chrono::milliseconds poll, Place place, int64_t starting)
     : store_(store), replica_(replica), replicas_(replicas),
-      starting_(starting > 0 ? starting : replicas), place_(place), live_(std::move(live)),
+      starting_(starting > 0 ? starting : replicas), place_(place), dead_(std::move(dead)),
       timeout_(timeout), poll_(poll) {}
 
 Quorum ReplicaAgreement::first(int64_t starting, int64_t step) {
@@ -164,13 +170,20 @@ std::vector<Vote> ReplicaAgreement::votes_on(const Quorum& q, int64_t step) {
     std::vector<std::string> asked;
     for (size_t i : missing) asked.push_back(keys[i]);
     const auto values = values_now(store_, asked);
-    std::vector<size_t> still;
+    std::vector<int64_t> silent;  // the members some of whose votes are missing
     for (size_t k = 0; k < missing.size(); ++k) {
-      const size_t i = missing[k];
-      const int64_t member = q.members[i / size_t(place_.count)];
-      if (values[k]) got[i] = vote_named(text(*values[k]));
-      else if (!live_(member)) got[i] = vote_named(text(store_.compareSet(keys[i], {}, bytes("dead"))));
-      else still.push_back(i);
+      const int64_t member = q.members[missing[k] / size_t(place_.count)];
+      if (values[k]) got[missing[k]] = vote_named(text(*values[k]));
+      else if (silent.empty() || silent.back() != member) silent.push_back(member);
+    }
+    const auto dead = silent.empty() ? silent : dead_(silent);
+    std::vector<size_t> still;
+    for (size_t i : missing) {
+      if (got[i]) continue;
+      if (holds(dead, q.members[i / size_t(place_.count)]))
+        got[i] = vote_named(text(store_.compareSet(keys[i], {}, bytes("dead"))));
+      else
+        still.push_back(i);
     }
     missing = std::move(still);
     if (missing.empty()) break;
@@ -214,18 +227,24 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   json p;
   p["step"] = step;
   p["joins"] = store_.add(kJoins, 0);  // before the requests: see ask_to_join
-  std::vector<int64_t> members, joining;
+  std::vector<int64_t> voted, asked;
   for (size_t i = 0; i < q.members.size(); ++i)
-    if (i < last_votes_.size() && last_votes_[i] != Vote::kDead && live_(q.members[i]))
-      members.push_back(q.members[i]);
+    if (i < last_votes_.size() && last_votes_[i] != Vote::kDead) voted.push_back(q.members[i]);
   // A replica joins once every one of its ranks has asked (each is built and waiting).
-  const auto asked = [&](int64_t r) {
-    for (int64_t at = 0; at < place_.count; ++at)
-      if (!stored(join_key(r, at))) return false;
-    return true;
-  };
+  std::vector<std::string> requests;
   for (int64_t r = 0; r < replicas_; ++r)
-    if (asked(r) && live_(r)) joining.push_back(r);
+    for (int64_t at = 0; at < place_.count; ++at) requests.push_back(join_key(r, at));
+  const auto requested = values_now(store_, requests);
+  for (int64_t r = 0; r < replicas_; ++r)
+    if (std::all_of(requested.begin() + r * place_.count, requested.begin() + (r + 1) * place_.count,
+                    [](const auto& v) { return v.has_value(); }))
+      asked.push_back(r);
+  const auto dead = dead_(sorted_union(voted, asked));
+  std::vector<int64_t> members, joining;
+  for (int64_t r : voted)
+    if (!holds(dead, r)) members.push_back(r);
+  for (int64_t r : asked)
+    if (!holds(dead, r)) joining.push_back(r);
   // The proposer is a member with state (it voted), so there is a source.
   const auto with_state = std::find_if(members.begin(), members.end(),
                                        [&](int64_t m) { return !holds(joining, m); });

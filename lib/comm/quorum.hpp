@@ -45,16 +45,20 @@ struct Place {
   int64_t index = 0, count = 1;
 };
 
+// Those of `replicas` that are not alive (a rank of theirs ended, or its heartbeat is
+// stale), from one look at the store however many are asked about.
+using DeadAmong = std::function<std::vector<int64_t>(const std::vector<int64_t>& replicas)>;
+
 class ReplicaAgreement {
  public:
   // `replicas`: the most replicas the job can have (the join requests looked for).
-  // `live(r)`: whether replica r's heartbeat is fresh. `timeout`: how long a quorum or a
-  // live member's vote may take before DistError. `place`: this rank's in its replica (each
-  // of a replica's ranks votes, asks to join and reads the same quorums; `live(r)` must
-  // then say whether all of replica r's ranks are). `starting`: the replicas in the first
-  // quorum (0: all); the others join later, as one more (scale-up).
+  // `dead`: which replicas have gone. `timeout`: how long a quorum or a live member's vote
+  // may take before DistError. `place`: this rank's in its replica (each of a replica's
+  // ranks votes, asks to join and reads the same quorums; a replica is dead when any of
+  // its ranks is). `starting`: the replicas in the first quorum (0: all); the others join
+  // later, as one more (scale-up).
   ReplicaAgreement(c10d::Store& store, int64_t replica, int64_t replicas,
-                   std::function<bool(int64_t)> live, std::chrono::milliseconds timeout,
+                   DeadAmong dead, std::chrono::milliseconds timeout,
                    std::chrono::milliseconds poll = std::chrono::milliseconds(5), Place place = {},
                    int64_t starting = 0);
 
@@ -94,7 +98,7 @@ class ReplicaAgreement {
   c10d::Store& store_;
   int64_t replica_, replicas_, starting_;
   Place place_;
-  std::function<bool(int64_t)> live_;
+  DeadAmong dead_;
   std::chrono::milliseconds timeout_, poll_;
   std::vector<Vote> last_votes_;  // the members' votes on the last step voted
   int64_t joins_seen_ = 0;        // the join requests counted when the quorum formed

@@ -22,7 +22,7 @@ std::shared_ptr<Comm> group_of(const Quorum& q, const ReplicaSet::Options& o) {
 
 ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining)
     : opts_(std::move(opts)),
-      agreement_(store, opts_.replica, opts_.replicas, opts_.live, opts_.timeout, opts_.poll,
+      agreement_(store, opts_.replica, opts_.replicas, opts_.dead, opts_.timeout, opts_.poll,
                  opts_.place, opts_.starting),
       quorum_(agreement_.starting_quorum(step)),
       comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_))),

@@ -34,7 +34,7 @@ class ReplicaSet {
     Place place;
     std::function<int64_t(int64_t r)> world_rank = [](int64_t r) { return r; };
     std::vector<int64_t> ranks;  // this replica's job ranks, in place order
-    std::function<bool(int64_t r)> live;  // whether every rank of replica r beats its heartbeat
+    DeadAmong dead;  // the replicas among those asked about that a rank of has gone
     // A restarted replica's: says this rank lives again (its former self's end, which the
     // launcher marked, cleared), once its peers have left that self out.
     std::function<void()> revive = [] {};

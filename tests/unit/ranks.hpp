@@ -19,6 +19,17 @@
 
 namespace dtrain::test {
 
+// A DeadAmong (comm/quorum.hpp) from a test's own word on each replica.
+inline std::function<std::vector<int64_t>(const std::vector<int64_t>&)> dead_unless(
+    std::function<bool(int64_t)> alive) {
+  return [alive = std::move(alive)](const std::vector<int64_t>& replicas) {
+    std::vector<int64_t> dead;
+    for (int64_t r : replicas)
+      if (!alive(r)) dead.push_back(r);
+    return dead;
+  };
+}
+
 inline void run_ranks_as_threads(int64_t n, const std::function<void(std::shared_ptr<Comm>)>& body,
                                  const CommOptions& opts = {}) {
   static std::atomic<int> calls{0};

@@ -28,7 +28,7 @@ struct Replicas {
   c10::intrusive_ptr<c10d::Store> store;
   std::array<std::atomic<bool>, 4> alive{true, true, true, true};
   ReplicaAgreement agreement(int64_t r, std::chrono::milliseconds timeout = 10s) {
-    return ReplicaAgreement(*store, r, 4, [this](int64_t m) { return alive[m].load(); },
+    return ReplicaAgreement(*store, r, 4, test::dead_unless([this](int64_t m) { return alive[size_t(m)].load(); }),
                             timeout, 1ms);
   }
 };
@@ -80,7 +80,7 @@ void silent_voted_dead(Replicas& r) {
 void two_rank_replica(Replicas& r) {
   // Replica m's rank at place p: each votes for its place, all read one quorum.
   auto at = [&](int64_t m, int64_t p) {
-    return ReplicaAgreement(*r.store, m, 4, [&r](int64_t k) { return r.alive[k].load(); }, 10s,
+    return ReplicaAgreement(*r.store, m, 4, test::dead_unless([&r](int64_t k) { return r.alive[size_t(k)].load(); }), 10s,
                             1ms, Place{p, 2});
   };
   std::vector<ReplicaAgreement> ranks;
@@ -280,7 +280,7 @@ TEST_SUITE("quorum") {
   TEST_CASE("quorum: one more replica than the job started with is left out at once and admitted at the next boundary") {
     Replicas r;
     auto agreement = [&](int64_t m) {
-      return ReplicaAgreement(*r.store, m, 4, [&r](int64_t x) { return r.alive[x].load(); }, 10s,
+      return ReplicaAgreement(*r.store, m, 4, test::dead_unless([&r](int64_t x) { return r.alive[size_t(x)].load(); }), 10s,
                               1ms, Place{}, /*starting=*/2);
     };
     auto a0 = agreement(0), a1 = agreement(1), a3 = agreement(3);

@@ -70,7 +70,7 @@ std::vector<torch::Tensor> train(const Problem& pb, int64_t replicas, std::vecto
     const int64_t r = world->rank();
     ReplicaSet::Options o;
     o.replica = r, o.replicas = replicas;
-    o.live = [&](int64_t m) { return alive[size_t(m)].load(); };
+    o.dead = test::dead_unless([&](int64_t m) { return alive[size_t(m)].load(); });
     o.timeout = 30s, o.poll = 1ms;
     o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
       return world->new_group(name, members);
@@ -144,7 +144,7 @@ TEST_SUITE("replica_set") {
       const int64_t r = world->rank();
       ReplicaSet::Options o;
       o.replica = r, o.replicas = 2;
-      o.live = [&](int64_t m) { return m == 0 || one_alive.load(); };
+      o.dead = test::dead_unless([&](int64_t m) { return m == 0 || one_alive.load(); });
       o.timeout = 30s, o.poll = 1ms;
       o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
         return world->new_group(name, members);
