@@ -1,7 +1,6 @@
 #include "comm/quorum.hpp"
 
 #include <algorithm>
-#include <numeric>
 #include <thread>
 
 #include <fmt/format.h>
@@ -151,46 +150,22 @@ Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
 }
 
 // Every place's vote is read together (one request to dtrain's store, however many
-// members), then those still missing, until each is stored or its replica has gone silent
-// and kDead is written for it: compareSet makes the first of its own vote and ours the one
-// everybody reads. A member's vote is the worst of its places' (the enum's order: ok,
-// ok+join, failed, dead).
+// members), then those still missing, until each is stored or its replica has gone silent.
+// A member's vote is the worst of its places' (the enum's order: ok, ok+join, failed, dead).
 std::vector<Vote> ReplicaAgreement::votes_on(const Quorum& q, int64_t step) {
-  std::vector<std::string> keys;
+  std::vector<std::string> keys;  // place p of member i at i x places + p
   for (int64_t m : q.members)
     for (int64_t p = 0; p < place_.count; ++p) keys.push_back(vote_key(q.id, step, m, p));
   std::vector<std::optional<Vote>> got(keys.size());
-  std::vector<size_t> missing(keys.size());
-  std::iota(missing.begin(), missing.end(), size_t(0));
   const auto until = Clock::now() + timeout_;
   // The members vote within a moment of each other (they have just reduced together):
   // look again soon, then less often, up to `poll_`.
   auto pause = std::min<std::chrono::microseconds>(std::chrono::microseconds(50), poll_);
-  for (;;) {
-    std::vector<std::string> asked;
-    for (size_t i : missing) asked.push_back(keys[i]);
-    const auto values = values_now(store_, asked);
-    std::vector<int64_t> silent;  // the members some of whose votes are missing
-    for (size_t k = 0; k < missing.size(); ++k) {
-      const int64_t member = q.members[missing[k] / size_t(place_.count)];
-      if (values[k]) got[missing[k]] = vote_named(text(*values[k]));
-      else if (silent.empty() || silent.back() != member) silent.push_back(member);
-    }
-    const auto dead = silent.empty() ? silent : dead_(silent);
-    std::vector<size_t> still;
-    for (size_t i : missing) {
-      if (got[i]) continue;
-      if (holds(dead, q.members[i / size_t(place_.count)]))
-        got[i] = vote_named(text(store_.compareSet(keys[i], {}, bytes("dead"))));
-      else
-        still.push_back(i);
-    }
-    missing = std::move(still);
-    if (missing.empty()) break;
+  for (int64_t waiting; (waiting = look_at_votes(q, keys, got)) >= 0;) {
     if (Clock::now() > until)
       throw DistError(fmt::format(
-          "fault tolerance: replica {} is alive but has not voted on step {} in {} s",
-          q.members[missing[0] / size_t(place_.count)], step, timeout_.count() / 1000.0));
+          "fault tolerance: replica {} is alive but has not voted on step {} in {} s", waiting,
+          step, timeout_.count() / 1000.0));
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(2 * pause, poll_);
   }
@@ -200,6 +175,32 @@ std::vector<Vote> ReplicaAgreement::votes_on(const Quorum& q, int64_t step) {
     v = std::max(v, *got[i]);
   }
   return votes;
+}
+
+// One look at the votes `got` still lacks: those stored are taken, and kDead is written for
+// the places of members that have gone (compareSet makes the first of its own vote and
+// ours the one everybody reads). The first live member still missing one, else -1.
+int64_t ReplicaAgreement::look_at_votes(const Quorum& q, const std::vector<std::string>& keys,
+                                        std::vector<std::optional<Vote>>& got) {
+  const auto member = [&](size_t i) { return q.members[i / size_t(place_.count)]; };
+  std::vector<size_t> missing;
+  std::vector<std::string> asked;
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (!got[i]) missing.push_back(i), asked.push_back(keys[i]);
+  const auto values = values_now(store_, asked);
+  std::vector<int64_t> silent;  // the members some of whose votes are missing, ascending
+  for (size_t k = 0; k < missing.size(); ++k) {
+    if (values[k]) got[missing[k]] = vote_named(text(*values[k]));
+    else if (silent.empty() || silent.back() != member(missing[k])) silent.push_back(member(missing[k]));
+  }
+  if (silent.empty()) return -1;
+  const auto dead = dead_(silent);
+  for (size_t i : missing)
+    if (!got[i] && holds(dead, member(i)))
+      got[i] = vote_named(text(store_.compareSet(keys[i], {}, bytes("dead"))));
+  for (int64_t m : silent)
+    if (!holds(dead, m)) return m;
+  return -1;
 }
 
 namespace {
@@ -223,22 +224,30 @@ int64_t next_writer(const Quorum& q, const std::vector<int64_t>& members,
 
 }  // namespace
 
+// A replica joins once every one of its ranks has asked (each is built and waiting): every
+// replica's requests are read in one request to dtrain's store.
+std::vector<int64_t> ReplicaAgreement::asking_to_join() {
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < replicas_; ++r)
+    for (int64_t at = 0; at < place_.count; ++at) keys.push_back(join_key(r, at));
+  const auto requests = values_now(store_, keys);
+  std::vector<int64_t> asked;
+  for (int64_t r = 0; r < replicas_; ++r) {
+    const auto first = requests.begin() + r * place_.count;
+    if (std::all_of(first, first + place_.count, [](const auto& v) { return v.has_value(); }))
+      asked.push_back(r);
+  }
+  return asked;
+}
+
 Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   json p;
   p["step"] = step;
   p["joins"] = store_.add(kJoins, 0);  // before the requests: see ask_to_join
-  std::vector<int64_t> voted, asked;
+  std::vector<int64_t> voted;
   for (size_t i = 0; i < q.members.size(); ++i)
     if (i < last_votes_.size() && last_votes_[i] != Vote::kDead) voted.push_back(q.members[i]);
-  // A replica joins once every one of its ranks has asked (each is built and waiting).
-  std::vector<std::string> requests;
-  for (int64_t r = 0; r < replicas_; ++r)
-    for (int64_t at = 0; at < place_.count; ++at) requests.push_back(join_key(r, at));
-  const auto requested = values_now(store_, requests);
-  for (int64_t r = 0; r < replicas_; ++r)
-    if (std::all_of(requested.begin() + r * place_.count, requested.begin() + (r + 1) * place_.count,
-                    [](const auto& v) { return v.has_value(); }))
-      asked.push_back(r);
+  const auto asked = asking_to_join();
   const auto dead = dead_(sorted_union(voted, asked));
   std::vector<int64_t> members, joining;
   for (int64_t r : voted)

@@ -90,6 +90,10 @@ class ReplicaAgreement {
  private:
   // Each member's vote on `step`: the worst of its places' (dead, failed, a join seen, ok).
   std::vector<Vote> votes_on(const Quorum& q, int64_t step);
+  int64_t look_at_votes(const Quorum& q, const std::vector<std::string>& keys,
+                        std::vector<std::optional<Vote>>& got);
+  // The replicas every one of whose ranks has asked to join.
+  std::vector<int64_t> asking_to_join();
   std::string get(const std::string& key);  // waits for it up to the timeout
   bool stored(const std::string& key);
   // The id of the newest quorum stored, looking from quorum `from` on (0: none stored).

@@ -325,6 +325,17 @@ class StoreServer {
     return true;
   }
 
+  // For each key, a byte that says whether it holds a value, then the value.
+  Bytes values_of(const std::vector<Bytes>& keys) const {
+    Bytes reply;
+    for (const auto& k : keys) {
+      auto it = data_.find(as_key(k));
+      reply.push_back(it != data_.end());
+      if (it != data_.end()) put_blob(reply, it->second);
+    }
+    return reply;
+  }
+
   bool handle(int fd, const uint8_t* p, size_t n, Bytes& reply) {
     std::vector<Bytes> a;
     if (!parse_args(p + 1, n - 1, a)) return false;
@@ -344,12 +355,8 @@ class StoreServer {
         if (it != data_.end()) reply.insert(reply.end(), it->second.begin(), it->second.end());
         return true;
       }
-      case kTryGetMany:  // for each key, a byte that says whether it holds one, then the value
-        for (const auto& k : a) {
-          auto it = data_.find(as_key(k));
-          reply.push_back(it != data_.end());
-          if (it != data_.end()) put_blob(reply, it->second);
-        }
+      case kTryGetMany:
+        reply = values_of(a);
         return true;
       case kAdd: {
         if (a.size() != 2 || a[1].size() != 8) return false;
