@@ -555,23 +555,29 @@ int64_t TcpStore::add(const std::string& key, int64_t value) {
 }
 
 std::vector<std::optional<Bytes>> TcpStore::values_now(const std::vector<std::string>& keys) {
-  Bytes m{uint8_t(kTryGetMany)};
-  for (const auto& k : keys) put_blob(m, k);
-  const auto reply = request(m);
+  // In requests of up to 4096 keys: a reply stays far below kMaxMessage whatever the job's
+  // size (a heartbeat is a few hundred bytes).
+  constexpr size_t kKeysARequest = 4096;
   std::vector<std::optional<Bytes>> values;
   values.reserve(keys.size());
-  size_t at = 0;
-  while (values.size() < keys.size()) {
-    if (at >= reply.size()) throw std::runtime_error("store: malformed reply to values_now");
-    if (!reply[at++]) {
-      values.emplace_back();
-      continue;
+  for (size_t first = 0; first < keys.size(); first += kKeysARequest) {
+    const size_t last = std::min(keys.size(), first + kKeysARequest);
+    Bytes m{uint8_t(kTryGetMany)};
+    for (size_t i = first; i < last; ++i) put_blob(m, keys[i]);
+    const auto reply = request(m);
+    size_t at = 0;
+    while (values.size() < last) {
+      if (at >= reply.size()) throw std::runtime_error("store: malformed reply to values_now");
+      if (!reply[at++]) {
+        values.emplace_back();
+        continue;
+      }
+      if (reply.size() - at < 4 || reply.size() - at - 4 < u32_of(reply.data() + at))
+        throw std::runtime_error("store: malformed reply to values_now");
+      const uint32_t len = u32_of(reply.data() + at);
+      values.emplace_back(Bytes(reply.begin() + long(at + 4), reply.begin() + long(at + 4 + len)));
+      at += 4 + len;
     }
-    if (reply.size() - at < 4 || reply.size() - at - 4 < u32_of(reply.data() + at))
-      throw std::runtime_error("store: malformed reply to values_now");
-    const uint32_t len = u32_of(reply.data() + at);
-    values.emplace_back(Bytes(reply.begin() + long(at + 4), reply.begin() + long(at + 4 + len)));
-    at += 4 + len;
   }
   return values;
 }

@@ -169,21 +169,11 @@ std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>&
   return words;
 }
 
-bool Liveness::operator()(int64_t rank) {
-  RankWord word;
-  try {
-    auto v = words_now(*store_, {ended_key(rank), heartbeat_key(rank)});
-    word.ended = !v[0].empty(), word.beat = std::move(v[1]);
-  } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
-  }
-  return (*this)(rank, word);
-}
-
 std::vector<int64_t> Liveness::dead_among(const std::vector<int64_t>& ranks) {
   std::vector<RankWord> words(ranks.size());
   try {
     words = read_words(*store_, ranks);
-  } catch (...) {  // as above
+  } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
   }
   std::vector<int64_t> dead;
   for (size_t i = 0; i < ranks.size(); ++i)

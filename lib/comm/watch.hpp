@@ -138,11 +138,10 @@ class Liveness {
   Liveness(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds silent,
            bool none_alive = false)
       : store_(std::move(store)), silent_(silent), none_alive_(none_alive) {}
-  bool operator()(int64_t rank);
-  // Judged from its word, read with others' (read_words).
-  bool operator()(int64_t rank, const RankWord& word);
   // Those of `ranks` that are not alive, from one read of the store.
   std::vector<int64_t> dead_among(const std::vector<int64_t>& ranks);
+  // Whether rank `rank` is, judged from its word (read with others' by read_words).
+  bool operator()(int64_t rank, const RankWord& word);
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

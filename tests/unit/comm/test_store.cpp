@@ -229,15 +229,16 @@ TEST_CASE("TcpStore: values_now reads many keys at once, an absent one as none, 
   CHECK(v[4] == bytes("one"));
   CHECK(client.values_now({}).empty());
 
-  // A launcher's read of a large job: thousands of keys, every other one absent.
+  // A launcher's read of a large job: thousands of keys (more than one request takes),
+  // every other one absent.
   std::vector<std::string> keys;
-  for (int i = 0; i < 4000; ++i) {
+  for (int i = 0; i < 10000; ++i) {
     keys.push_back(std::string("k").append(std::to_string(i)));
     if (i % 2 == 0) server.set(keys.back(), bytes(std::string(100, char('a' + i % 26))));
   }
   const auto many = client.values_now(keys);
   REQUIRE(many.size() == keys.size());
-  for (int i = 0; i < 4000; ++i) {
+  for (int i = 0; i < 10000; ++i) {
     CAPTURE(i);
     if (i % 2 == 0) CHECK(many[size_t(i)] == bytes(std::string(100, char('a' + i % 26))));
     else CHECK_FALSE(many[size_t(i)].has_value());
