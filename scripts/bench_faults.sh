@@ -17,7 +17,7 @@
 #
 #   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
 #                           [--save-every N] [--launchers "nproc torchrun replicas lighthouse"]
-#                           [--signal KILL|STOP] [--mode sync|local_sgd]
+#                           [--signal KILL|STOP] [--mode sync|local_sgd] [--set KEY=VALUE]...
 # Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
 # steps, mlp 20000 steps (gpt 1200; gpt2, GPT-2 small's 124M weights at a 256-token
 # context and one window per process, which a CPU trains in seconds a step: 40), the
@@ -25,6 +25,8 @@
 # which the restart paths notice only at dist.timeout_s). torchrun needs scripts/setup.sh
 # --test (.venv's torch). --mode local_sgd trains every run as local SGD (averages every 8
 # steps): under replicas a failure between averages costs the interval since the last one.
+# --set passes a job key to every run (on one GPU, several replicas share it:
+# --set train.device=cuda:0 --set dist.backend=gloo, as NCCL takes one rank a GPU).
 # DTRAIN_BIN=PATH benchmarks another binary. Results:
 # $OUT_DIR/faults.jsonl.
 set -euo pipefail
@@ -33,6 +35,7 @@ OUT_DIR="${OUT_DIR:-/tmp/dtrain-bench-faults}"
 BIN="${DTRAIN_BIN:-$ROOT/build/dtrain}"
 PY="${DTRAIN_PYTHON:-$ROOT/.venv/bin/python}"
 MODEL=mlp NPROC=4 EVERY=30 STEPS="" SAVE_EVERY=500 LAUNCHERS="nproc torchrun replicas" SIGNAL=KILL
+USER_SETS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL=$2; shift 2 ;;
@@ -43,9 +46,10 @@ while [ $# -gt 0 ]; do
     --launchers) LAUNCHERS=$2; shift 2 ;;
     --signal) SIGNAL=$2; shift 2 ;;
     --mode) MODE=$2; shift 2 ;;
+    --set) USER_SETS+=(--set "$2"); shift 2 ;;
     *) echo "usage: scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S]" \
             "[--steps N] [--save-every N] [--launchers \"nproc torchrun replicas\"]" \
-            "[--signal KILL|STOP] [--mode sync|local_sgd]" >&2; exit 2 ;;
+            "[--signal KILL|STOP] [--mode sync|local_sgd] [--set KEY=VALUE]..." >&2; exit 2 ;;
   esac
 done
 case "$MODEL" in
@@ -70,6 +74,7 @@ case "${MODE:-sync}" in
   local_sgd) SETS+=(--set parallel.mode=local_sgd --set parallel.average_every=8) ;;
   *) echo "bench_faults.sh: --mode is sync or local_sgd" >&2; exit 2 ;;
 esac
+SETS+=(${USER_SETS[@]+"${USER_SETS[@]}"})
 export OMP_NUM_THREADS=1
 
 # LAUNCHER RUN_DIR MAX_RESTARTS: the job's command line under that launcher.
