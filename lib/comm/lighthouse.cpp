@@ -19,15 +19,18 @@
 namespace dtrain {
 namespace {
 
-// What the lighthouse tells the ranks: "STARTING SIZE MOST" (replicas, ranks in each).
+// What the lighthouse tells the ranks: "STARTING SIZE MOST PROTOCOL" (replicas, ranks in
+// each, its store's kStoreProtocol: 1 where a lighthouse from before the number says none).
 const char* kServedKey = "dtrain/lighthouse";
 
 struct Served {
-  int64_t starting = 0, size = 0, most = 0;
+  int64_t starting = 0, size = 0, most = 0, protocol = 1;
 };
 Served served_by(const std::vector<uint8_t>& v) {
   Served s;
-  std::istringstream(std::string(v.begin(), v.end())) >> s.starting >> s.size >> s.most;
+  std::istringstream in(std::string(v.begin(), v.end()));
+  in >> s.starting >> s.size >> s.most;
+  if (int64_t protocol = 0; in >> protocol) s.protocol = protocol;
   return s;
 }
 
@@ -104,7 +107,7 @@ int serve_lighthouse(const LighthouseOptions& o) {
   so.other_machines = o.host.rfind("127.", 0) != 0 && o.host != "localhost";
   auto store = c10::make_intrusive<TcpStore>(so);
   const int64_t most = std::max(o.most, o.replicas);
-  const std::string shape = fmt::format("{} {} {}", o.replicas, o.replica_size, most);
+  const std::string shape = fmt::format("{} {} {} {}", o.replicas, o.replica_size, most, kStoreProtocol);
   store->set(kServedKey, std::vector<uint8_t>(shape.begin(), shape.end()));
   o.say(fmt::format("dtrain lighthouse: {} replica(s) of {} rank(s){} meet at {}:{} "
                     "(DTRAIN_LIGHTHOUSE={}:{}, DTRAIN_REPLICA=0..{})", o.replicas,
@@ -165,6 +168,9 @@ WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address
     throw DistError(fmt::format("rank {}: no lighthouse answered at {} (DTRAIN_LIGHTHOUSE): {}",
                                 launched.rank, address, first_line(e.what())));
   }
+  fail_if<ConfigError>(shape.protocol != kStoreProtocol, "the lighthouse at {} speaks store "
+                       "protocol {}, this rank {}: start the lighthouse and the ranks from the "
+                       "same dtrain", address, shape.protocol, kStoreProtocol);
   const int64_t replicas = shape.most, size = shape.size;
   fail_if<ConfigError>(index < 0 || index >= replicas, "DTRAIN_REPLICA: expected a replica "
                        "from 0 to {}, as the lighthouse at {} serves {} (got '{}')",

@@ -26,6 +26,8 @@ namespace {
 // then its arguments, each a u32 length then bytes; a reply's bytes depend on the op.
 enum Op : uint8_t { kSet = 1, kTryGet, kAdd, kCheck, kDelete, kNumKeys, kCompareSet, kOnClose, kTryGetMany };
 constexpr uint32_t kMaxMessage = 64u << 20;  // nothing a rendezvous sends comes near
+// The most a many-key request or its answer holds: a large job's read takes a few.
+constexpr size_t kManyBytes = 16u << 20;
 
 using Bytes = std::vector<uint8_t>;
 
@@ -214,11 +216,11 @@ class StoreServer {
   int port() const { return port_; }
 
  private:
-  void watch(int op, int fd, uint32_t events) {
+  bool watch(int op, int fd, uint32_t events) {
     epoll_event e{};
     e.events = events;
     e.data.fd = fd;
-    ::epoll_ctl(epoll_, op, fd, &e);
+    return ::epoll_ctl(epoll_, op, fd, &e) == 0;
   }
 
   void serve() {
@@ -245,8 +247,11 @@ class StoreServer {
     if (fd < 0) return;
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (!watch(EPOLL_CTL_ADD, fd, EPOLLIN)) {  // out of watches: refused, not left unserved
+      ::close(fd);
+      return;
+    }
     clients_[fd];
-    watch(EPOLL_CTL_ADD, fd, EPOLLIN);
     note_if_remote(fd);
   }
 
@@ -261,13 +266,11 @@ class StoreServer {
       keep = false;
     }
     auto& c = it->second;
-    if (keep) {
-      if (c.writing != !c.out.empty()) {  // EPOLLOUT only while replies wait
-        c.writing = !c.out.empty();
-        watch(EPOLL_CTL_MOD, fd, EPOLLIN | (c.writing ? EPOLLOUT : 0u));
-      }
-      return;
+    if (keep && c.writing != !c.out.empty()) {  // EPOLLOUT only while replies wait
+      c.writing = !c.out.empty();
+      keep = watch(EPOLL_CTL_MOD, fd, EPOLLIN | (c.writing ? EPOLLOUT : 0u));
     }
+    if (keep) return;
     for (const auto& [key, value] : c.on_close) {
       if (value.empty()) data_.erase(key);
       else data_[key] = value;
@@ -325,11 +328,14 @@ class StoreServer {
     return true;
   }
 
-  // For each key, a byte that says whether it holds a value, then the value.
+  // For each key, a byte that says whether it holds a value, then the value; the first keys
+  // only, where the answer would pass kManyBytes (the client asks again for the rest).
   Bytes values_of(const std::vector<Bytes>& keys) const {
     Bytes reply;
     for (const auto& k : keys) {
       auto it = data_.find(as_key(k));
+      const size_t size = it == data_.end() ? 1 : 5 + it->second.size();
+      if (!reply.empty() && reply.size() + size > kManyBytes) break;
       reply.push_back(it != data_.end());
       if (it != data_.end()) put_blob(reply, it->second);
     }
@@ -555,29 +561,33 @@ int64_t TcpStore::add(const std::string& key, int64_t value) {
 }
 
 std::vector<std::optional<Bytes>> TcpStore::values_now(const std::vector<std::string>& keys) {
-  // In requests of up to 4096 keys: a reply stays far below kMaxMessage whatever the job's
-  // size (a heartbeat is a few hundred bytes).
-  constexpr size_t kKeysARequest = 4096;
   std::vector<std::optional<Bytes>> values;
   values.reserve(keys.size());
-  for (size_t first = 0; first < keys.size(); first += kKeysARequest) {
-    const size_t last = std::min(keys.size(), first + kKeysARequest);
+  while (values.size() < keys.size()) {
+    // The keys not answered yet, as many as kManyBytes holds; the answer covers the first
+    // of them, as many as its own kManyBytes holds (at least one).
     Bytes m{uint8_t(kTryGetMany)};
-    for (size_t i = first; i < last; ++i) put_blob(m, keys[i]);
+    size_t asked = 0;
+    for (size_t i = values.size(); i < keys.size(); ++i, ++asked) {
+      if (asked > 0 && m.size() + 4 + keys[i].size() > kManyBytes) break;
+      put_blob(m, keys[i]);
+    }
     const auto reply = request(m);
-    size_t at = 0;
-    while (values.size() < last) {
-      if (at >= reply.size()) throw std::runtime_error("store: malformed reply to values_now");
-      if (!reply[at++]) {
+    const size_t before = values.size();
+    for (size_t at = 0; at < reply.size();) {
+      const bool held = reply[at++];
+      if (held && (reply.size() - at < 4 || reply.size() - at - 4 < u32_of(reply.data() + at)))
+        throw std::runtime_error("store: malformed reply to values_now");
+      if (!held) {
         values.emplace_back();
         continue;
       }
-      if (reply.size() - at < 4 || reply.size() - at - 4 < u32_of(reply.data() + at))
-        throw std::runtime_error("store: malformed reply to values_now");
       const uint32_t len = u32_of(reply.data() + at);
       values.emplace_back(Bytes(reply.begin() + long(at + 4), reply.begin() + long(at + 4 + len)));
       at += 4 + len;
     }
+    if (values.size() == before || values.size() - before > asked)
+      throw std::runtime_error("store: malformed reply to values_now");
   }
   return values;
 }

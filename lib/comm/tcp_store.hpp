@@ -27,6 +27,11 @@ class StoreServer;
 // with the request. The client drops such a socket and tries again.
 bool connected_to_itself(int fd);
 
+// The requests a store answers, numbered: one that asks more of it than an older store
+// knows (values_now) is refused there, so a store hosted apart from the ranks (the
+// lighthouse) says its number and a rank checks it.
+constexpr int kStoreProtocol = 2;
+
 class TcpStore : public c10d::Store {
  public:
   struct Options {
@@ -53,9 +58,9 @@ class TcpStore : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
-  // Each key's value now, none where the key is absent, in one request (of up to 4096
-  // keys) that never waits: a launcher reads every rank's word each tick, so its cost is
-  // a round trip, not one a key and rank.
+  // Each key's value now, none where the key is absent, in one request that never waits
+  // (a few where the keys or their values pass 16 MiB): a launcher reads every rank's word
+  // each tick, so its cost is a round trip, not one a key and rank.
   std::vector<std::optional<std::vector<uint8_t>>> values_now(const std::vector<std::string>& keys);
   // When this connection closes (the process ended, however it ended: the kernel closes
   // its sockets), the server sets `key` to `value`, or deletes it where `value` is empty:

@@ -1,6 +1,7 @@
 #include "comm/watch.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <numeric>
 
 #include <unistd.h>
@@ -44,11 +45,15 @@ std::vector<uint8_t> value_now(c10d::Store& store, const std::string& key) {
   return std::move(words_now(store, {key})[0]);
 }
 
+// "HOST PID", as leave_word writes it; nothing where the value is not that.
 std::optional<std::pair<std::string, int64_t>> process_of(const std::vector<uint8_t>& v) {
   const std::string word(v.begin(), v.end());
   const auto space = word.rfind(' ');
+  int64_t pid = 0;
   if (space == std::string::npos) return std::nullopt;
-  return std::pair{word.substr(0, space), std::stoll(word.substr(space + 1))};
+  const auto [end, error] = std::from_chars(word.data() + space + 1, word.data() + word.size(), pid);
+  if (error != std::errc() || end != word.data() + word.size()) return std::nullopt;
+  return std::pair{word.substr(0, space), pid};
 }
 
 // Every rank's heartbeat the store holds (a rank without one is left out); throws when the
@@ -171,8 +176,12 @@ std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>&
 
 std::vector<int64_t> Liveness::dead_among(const std::vector<int64_t>& ranks) {
   std::vector<RankWord> words(ranks.size());
-  try {
-    words = read_words(*store_, ranks);
+  try {  // what it judges by: each rank's end mark and heartbeat
+    std::vector<std::string> keys;
+    for (int64_t r : ranks) keys.push_back(ended_key(r)), keys.push_back(heartbeat_key(r));
+    auto values = words_now(*store_, keys);
+    for (size_t i = 0; i < ranks.size(); ++i)
+      words[i].ended = !values[2 * i].empty(), words[i].beat = std::move(values[2 * i + 1]);
   } catch (...) {  // the store's host is gone: nobody's heartbeat can be read, judge by age
   }
   std::vector<int64_t> dead;

@@ -124,8 +124,9 @@ struct RankWord {
   bool ended = false;
   std::vector<uint8_t> beat;
 };
-// Every rank's of `ranks`, read together: one request where the store is dtrain's own,
-// however many ranks (a launcher reads them all each tick).
+// Every rank's of `ranks`, read together: one request where the store is dtrain's own
+// (one per 16 MiB of words: tens of thousands of ranks), not one a key and rank (a
+// launcher reads them all each tick).
 std::vector<RankWord> read_words(c10d::Store& store, const std::vector<int64_t>& ranks);
 
 // Whether job ranks are alive, from their heartbeats: a rank is alive while its heartbeat
