@@ -21,7 +21,6 @@
 #include <map>
 #include <cstdlib>
 #include <mutex>
-#include <numeric>
 #include <optional>
 
 #include <sys/resource.h>
@@ -128,12 +127,6 @@ struct GroupContext {
 // The group of world ranks `members` (this rank at `rank` among them), under `name`.
 std::shared_ptr<Comm> make_group(const std::shared_ptr<GroupContext>& ctx, const std::string& name,
                                  int64_t rank, std::vector<int64_t> members);
-
-std::vector<int64_t> world_ranks(int64_t world) {
-  std::vector<int64_t> ranks(size_t(world), 0);
-  std::iota(ranks.begin(), ranks.end(), int64_t(0));
-  return ranks;
-}
 
 // The watch over a rank's waits (dist.hang_report_s) through `store`: a connection of its
 // own, whose short timeout lets it say that the store's host is silent.

@@ -3,7 +3,6 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <numeric>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -56,9 +55,7 @@ class RankLog {
  public:
   RankLog(c10::intrusive_ptr<c10d::Store> store, const LighthouseOptions& o, int64_t world)
       : store_(std::move(store)), o_(o), live_(store_, o.silent, /*none_alive=*/true),
-        here_(host_name()), ranks_(size_t(world)), numbers_(size_t(world)) {
-    std::iota(numbers_.begin(), numbers_.end(), int64_t(0));
-  }
+        here_(host_name()), ranks_(size_t(world)), numbers_(world_ranks(world)) {}
 
   // Looks at every rank once; true while one that came runs.
   bool look() {

@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <charconv>
-#include <numeric>
 
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "launch/world.hpp"
 #include "util/clock.hpp"  // unix_time: heartbeats compare wall-clock times across processes
 #include "util/process.hpp"
 #include "util/units.hpp"
@@ -292,10 +292,8 @@ void Watch::check() {
 
 JobWatch::JobWatch(c10::intrusive_ptr<c10d::Store> store, int64_t world,
                    std::chrono::milliseconds after, std::function<void(const std::string&)> say)
-    : store_(std::move(store)), world_(world), ranks_(size_t(world), 0), after_(after),
-      say_(std::move(say)) {
-  std::iota(ranks_.begin(), ranks_.end(), int64_t(0));
-}
+    : store_(std::move(store)), world_(world), ranks_(world_ranks(world)), after_(after),
+      say_(std::move(say)) {}
 
 void JobWatch::tick() {
   const auto now = std::chrono::steady_clock::now();

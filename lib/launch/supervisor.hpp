@@ -40,7 +40,7 @@ struct SupervisorOptions {
     std::function<void(int64_t rank)> ended;
     // Under `replicas`: those of `ranks` that have stopped answering (their heartbeat
     // stale: a stopped process, a machine gone), which the supervisor then kills and
-    // replaces; read together (comm/watch.hpp's read_words), not a request a rank.
+    // replaces; read together (comm/watch.hpp's Liveness::dead_among), not a request a rank.
     std::function<std::vector<int64_t>(const std::vector<int64_t>& ranks)> silent;
   };
   std::function<HostedStore(int port)> host_store;

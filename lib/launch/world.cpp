@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -131,6 +132,12 @@ std::string first_slurm_host(const std::string& nodelist) {
     }
   }
   return expand_hostlist(nodelist).front();
+}
+
+std::vector<int64_t> world_ranks(int64_t world) {
+  std::vector<int64_t> ranks(size_t(world), 0);
+  std::iota(ranks.begin(), ranks.end(), int64_t(0));
+  return ranks;
 }
 
 void clear_launcher_env() {

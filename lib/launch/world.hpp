@@ -39,6 +39,9 @@ Env map_env(std::map<std::string, std::string> vars);  // for tests
 // The launcher whose variables are set: env | slurm | openmpi | pmi, or single.
 std::string detect_launcher(const Env& env);
 
+// Job ranks 0 .. world - 1, in order.
+std::vector<int64_t> world_ranks(int64_t world);
+
 // Unsets every launcher's rank and world variables (and torchrun's elastic ones) in this
 // process, so that a dtrain it starts is a world of its own (`dtrain verify`'s runs).
 void clear_launcher_env();

@@ -74,9 +74,9 @@ class StepReader {
       held_.push_back({p.step, s});
       return;
     }
-    for (const auto& h : held_) log_.record(h.step, h.stats, h.stats.lr, cadence_.should_log(h.step));
+    for (const auto& h : held_) log_.record(h.step, h.stats, cadence_.should_log(h.step));
     held_.clear();
-    log_.record(p.step, s, s.lr, cadence_.should_log(p.step));
+    log_.record(p.step, s, cadence_.should_log(p.step));
   }
 
   struct Held {

@@ -59,7 +59,7 @@ RunLog::RunLog(const JobConfig& cfg, const Task& task, RunFacts facts, bool root
                Progress* progress)
     : cfg_(cfg), task_(task), facts_(std::move(facts)), root_(root), progress_(progress) {}
 
-void RunLog::record(int64_t n, const StepStats& s, double lr, bool logged,
+void RunLog::record(int64_t n, const StepStats& s, bool logged,
                     const nlohmann::json& extra) {
   last_read_ = n;
   if (!s.nonfinite) state_.skipped_in_a_row = 0, state_.last_loss = s.loss;
@@ -71,13 +71,13 @@ void RunLog::record(int64_t n, const StepStats& s, double lr, bool logged,
   data_wait_ms_ += s.data_wait_ms;
   state_.bytes_sent += s.comm_bytes;
   if (logged) {
-    auto line = train_line(n, s, lr);
+    auto line = train_line(n, s);
     line.update(extra);
     rate_ = line["samples_per_s"].get<double>();
     if (metrics_) metrics_->write(line);
     window_ = Window{};
   }
-  if (root_) progress_->step(n, state_.last_loss, lr, rate_, logged);
+  if (root_) progress_->step(n, state_.last_loss, s.lr, rate_, logged);
 }
 
 std::optional<Divergence> RunLog::nonfinite(int64_t n, const Culprit& c, bool meets) {
@@ -192,7 +192,7 @@ void RunLog::write_summary(const nlohmann::json& summary) const {
   metrics_->write(summary);
 }
 
-nlohmann::json RunLog::train_line(int64_t n, const StepStats& last, double lr) const {
+nlohmann::json RunLog::train_line(int64_t n, const StepStats& last) const {
   const Window& w = window_;
   const double steps = double(w.steps);
   const double samples_per_s = w.batches * double(cfg_.data.batch_size) / (w.step_ms / 1000);
@@ -205,7 +205,7 @@ nlohmann::json RunLog::train_line(int64_t n, const StepStats& last, double lr) c
                       {"step", n},
                       {"epoch", (n - 1) / facts_.steps_per_epoch},
                       {"loss", finite_or_null(last.loss)},
-                      {"lr", lr},
+                      {"lr", last.lr},
                       {"grad_norm", finite_or_null(last.grad_norm)},
                       {"samples_per_s", samples_per_s},
                       {"step_ms", w.step_ms / steps},

@@ -161,7 +161,7 @@ class RunLog {
   // A step's figures, read (every rank, every step, in order): the window, the line when
   // `logged` (with `extra` fields), progress, and the loss it ends at. A step whose
   // figures are not finite is nonfinite()'s first.
-  void record(int64_t n, const StepStats& s, double lr, bool logged,
+  void record(int64_t n, const StepStats& s, bool logged,
               const nlohmann::json& extra = nlohmann::json::object());
   // train.on_nonfinite for a non-finite step n: skip goes on until train.max_skipped in a
   // row; stop ends the run. Where the ranks do not meet after n (`meets` false) a step that
@@ -212,7 +212,7 @@ class RunLog {
   bool root() const { return root_; }
 
  private:
-  nlohmann::json train_line(int64_t n, const StepStats& last, double lr) const;
+  nlohmann::json train_line(int64_t n, const StepStats& last) const;
   void write_summary(const nlohmann::json& summary) const;
 
   const JobConfig& cfg_;

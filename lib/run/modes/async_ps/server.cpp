@@ -357,9 +357,9 @@ class Sequencer {
     bytes_ = 0;
     sums_ = StepSums{};
     const auto& cfg = parts_.cfg;
-    const double lr = lr_at(cfg.schedule, cfg.optimizer.lr, n, parts_.total_steps);
+    s.lr = lr_at(cfg.schedule, cfg.optimizer.lr, n, parts_.total_steps);
     const bool log_now = cadence_.should_log(n);
-    parts_.log.record(n, s, lr, log_now, log_now ? window_fields() : nlohmann::json::object());
+    parts_.log.record(n, s, log_now, log_now ? window_fields() : nlohmann::json::object());
     const bool eval_now = cadence_.should_eval(n), save_now = cadence_.should_save(n);
     const int sig = stop_signal() ? stop_signal() : stop_votes_ ? SIGTERM : 0;
     const auto paused = Clock::now();
