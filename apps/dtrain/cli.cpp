@@ -214,6 +214,7 @@ ReplicaWorld join_replicas(const JobConfig& cfg, const ParallelDims& dims, const
   // Not before: the store says this rank ended (its former self) until its peers have
   // seen that self gone, and a fresh heartbeat would then stand for the dead one.
   o.revive = [store = link.store, rank = world.rank] { clear_ended(*store, rank); };
+  o.stopping = [] { return stop_signal() != 0; };
   o.timeout = std::chrono::seconds(cfg.dist.timeout_s);
   o.poll = std::chrono::milliseconds(20);
   out.set = std::make_shared<ReplicaSet>(*link.store, o, /*step=*/1, joining);

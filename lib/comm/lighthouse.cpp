@@ -175,10 +175,16 @@ WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address
   fail_if<ConfigError>(size != size_here, "the lighthouse at {} serves replicas of {} rank(s); "
                        "this job's parallel.tensor x parallel.pipeline is {}: start both from "
                        "the same job spec", address, size, size_here);
-  fail_if<ConfigError>(launched.world != size, "replica {}: its launcher started {} rank(s); "
-                       "a replica here is {} (parallel.tensor x parallel.pipeline): one "
-                       "launcher a replica, e.g. torchrun --nproc-per-node {}",
+  fail_if<ConfigError>(launched.world % size != 0, "replica {}: its launcher started {} "
+                       "rank(s); a replica here is {} (parallel.tensor x parallel.pipeline): a "
+                       "launcher starts whole replicas, e.g. torchrun --nproc-per-node {}",
                        index, launched.world, size, size);
+  // A launcher of several replicas starts DTRAIN_REPLICA and those after it.
+  const int64_t here = launched.world / size;
+  fail_if<ConfigError>(index + here > replicas, "DTRAIN_REPLICA {}: its launcher starts {} "
+                       "replicas ({} ranks of {}), {} to {}, past the {} the lighthouse at {} "
+                       "serves", index, here, launched.world, size, index, index + here - 1,
+                       replicas, address);
   WorldInfo w = launched;
   w.rank = index * size + launched.rank;
   w.world = replicas * size;

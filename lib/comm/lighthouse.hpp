@@ -37,11 +37,12 @@ struct LighthouseOptions {
 // no rank came within the timeout.
 int serve_lighthouse(const LighthouseOptions& o);
 
-// The job's world for a rank its launcher started as one of a replica's (`launched`: its
-// rank among that replica's ranks and their number), replica `replica` of those the
-// lighthouse at `address` (HOST:PORT) serves: rank replica x size + its own, of the most
-// replicas x size, the store the lighthouse's. `size_here`: the ranks per replica this
-// rank's job spec makes, which must be the lighthouse's.
+// The job's world for a rank its launcher started as one of a replica's ranks, or of
+// several whole replicas' (`launched`: its rank among the launcher's and their number),
+// the first of them replica `replica` of those the lighthouse at `address` (HOST:PORT)
+// serves: rank replica x size + its own, of the most replicas x size, the store the
+// lighthouse's. `size_here`: the ranks per replica this rank's job spec makes, which must
+// be the lighthouse's.
 WorldInfo lighthouse_world(const WorldInfo& launched, const std::string& address,
                            const std::string& replica, int64_t size_here,
                            std::chrono::milliseconds timeout);

@@ -39,9 +39,9 @@ std::string vote_key(int64_t quorum, int64_t step, int64_t member, int64_t place
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
-const char* kVoteNames[] = {"ok", "ok+join", "failed", "dead"};
+const char* kVoteNames[] = {"ok", "ok+join", "leave", "leaving", "failed", "dead"};
 Vote vote_named(const std::string& s) {
-  for (int v = 0; v < 4; ++v)
+  for (int v = 0; v < 6; ++v)
     if (s == kVoteNames[v]) return Vote(v);
   throw DistError(fmt::format("fault tolerance: a vote reads '{}' in the store", s));
 }
@@ -95,9 +95,13 @@ void ReplicaAgreement::ask_to_join() {
   store_.add(kJoins, 1);
 }
 
-void ReplicaAgreement::finished() { store_.set(kFinished, bytes("1")); }
+void ReplicaAgreement::finished(const std::string& how) { store_.set(kFinished, bytes(how)); }
 
-bool ReplicaAgreement::wait_until_left_out() {
+std::string ReplicaAgreement::ended() {
+  return stored(kFinished) ? text(store_.get(kFinished)) : std::string();
+}
+
+bool ReplicaAgreement::wait_until_left_out(const std::function<bool()>& give_up) {
   int64_t newest = 0;  // quorum 0, the starting replicas, is the one nothing stores
   const auto until = Clock::now() + timeout_;
   for (;;) {
@@ -106,7 +110,7 @@ bool ReplicaAgreement::wait_until_left_out() {
                              ? from_record(newest, json::parse(get(quorum_key(newest)))).members
                              : starting_quorum(0).members;
     if (!holds(members, replica_)) return true;
-    if (stored(kFinished)) return false;
+    if (stored(kFinished) || (give_up && give_up())) return false;
     if (Clock::now() > until)
       throw DistError(fmt::format("fault tolerance: replica {} restarted, but its peers have not "
                                   "left its former self out of their quorum in {} s",
@@ -115,12 +119,16 @@ bool ReplicaAgreement::wait_until_left_out() {
   }
 }
 
-std::optional<Quorum> ReplicaAgreement::admitted() {
+std::optional<Quorum> ReplicaAgreement::admitted(const std::function<bool()>& give_up) {
   for (int64_t id = join_after_ + 1;; ++id) {
-    // Each quorum in turn, looking for the run's end between short waits.
+    // Each quorum in turn, looking for the run's end (or a stop signal) between short waits.
     const auto until = Clock::now() + timeout_;
     while (!stored(quorum_key(id))) {
       if (stored(kFinished)) return std::nullopt;
+      if (give_up && give_up()) {  // withdrawn, so that no quorum admits a replica that has gone
+        store_.deleteKey(join_key(replica_, place_.index));
+        return std::nullopt;
+      }
       if (Clock::now() > until) get(quorum_key(id));  // the timeout's error
       std::this_thread::sleep_for(poll_);
     }
@@ -133,16 +141,31 @@ std::optional<Quorum> ReplicaAgreement::admitted() {
   }
 }
 
-Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok) {
+Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok, bool stop) {
   const bool joins = ok && store_.add(kJoins, 0) > joins_seen_;
-  const Vote mine = !ok ? Vote::kFailed : joins ? Vote::kOkJoin : Vote::kOk;
+  const Vote mine = !ok                ? Vote::kFailed
+                    : asked_to_stop_   ? Vote::kLeaving
+                    : stop             ? Vote::kLeave
+                    : joins            ? Vote::kOkJoin
+                                       : Vote::kOk;
+  asked_to_stop_ = asked_to_stop_ || stop;
   store_.compareSet(vote_key(q.id, step, replica_, place_.index), {}, bytes(kVoteNames[int(mine)]));
   last_votes_ = votes_on(q, step);
-  Decision d{true, false};
-  for (const Vote v : last_votes_) {
-    d.commit = d.commit && (v == Vote::kOk || v == Vote::kOkJoin);
-    d.reform = d.reform || v != Vote::kOk;
+  // Commit: every member finished the reduction. Stop: every one was asked to. Else those
+  // asked before this vote leave, and a quorum forms for the rest (as for any vote but ok
+  // and a first ask, which changes nothing yet).
+  Decision d{true, false, true, {}};
+  for (size_t i = 0; i < last_votes_.size(); ++i) {
+    const Vote v = last_votes_[i];
+    d.commit = d.commit && v <= Vote::kLeaving;
+    d.stop = d.stop && (v == Vote::kLeave || v == Vote::kLeaving);
+    d.reform = d.reform || (v != Vote::kOk && v != Vote::kLeave);
+    if (v == Vote::kLeaving) d.leaving.push_back(q.members[i]);
   }
+  d.stop = d.stop && d.commit;
+  if (!d.commit || d.stop) d.leaving.clear();  // a discarded step is trained again by all
+  d.reform = d.reform && !d.stop;
+  last_committed_ = d.commit;
   // A vote two steps back is read by nobody now (every member has read it before voting on
   // the step after it): the store keeps a few keys per member, however long the run.
   if (step >= 2) store_.deleteKey(vote_key(q.id, step - 2, replica_, place_.index));
@@ -244,9 +267,11 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   json p;
   p["step"] = step;
   p["joins"] = store_.add(kJoins, 0);  // before the requests: see ask_to_join
-  std::vector<int64_t> voted;
-  for (size_t i = 0; i < q.members.size(); ++i)
-    if (i < last_votes_.size() && last_votes_[i] != Vote::kDead) voted.push_back(q.members[i]);
+  std::vector<int64_t> voted;  // the members that go on: alive, and not leaving
+  for (size_t i = 0; i < q.members.size(); ++i) {
+    const Vote v = i < last_votes_.size() ? last_votes_[i] : Vote::kDead;
+    if (v != Vote::kDead && !(last_committed_ && v == Vote::kLeaving)) voted.push_back(q.members[i]);
+  }
   const auto asked = asking_to_join();
   const auto dead = dead_(sorted_union(voted, asked));
   std::vector<int64_t> members, joining;

@@ -30,13 +30,22 @@ struct Quorum {
 };
 
 // A member's word on a step: it finished the reduction (and whether it saw a replica ask to
-// join), its reduction failed, or it was silent and voted for. Worse is later.
-enum class Vote { kOk, kOkJoin, kFailed, kDead };
+// join; whether a stop signal came to it, first at this step or already at an earlier
+// vote), its reduction failed, or it was silent and voted for. Worse is later.
+enum class Vote { kOk, kOkJoin, kLeave, kLeaving, kFailed, kDead };
 
-// What every member concludes from the same votes: apply the step's update, and whether to
-// form a new quorum before the next step (a vote that was not kOk).
+// What every member concludes from the same votes: apply the step's update; whether the
+// job stops after it (every member was asked to stop); which members leave after it (those
+// asked at an earlier vote, while others go on); whether to form a new quorum before the
+// next step (a join, a failure, a silence, a leaver).
+//
+// Why a stop leaves only at the vote after the one it was first asked at: a stop that
+// reaches every rank (a preemption, the launcher's stop) reaches them a moment apart, and
+// a step boundary may fall between. A step's notice lets them all be asked by the vote
+// that stops the job, so that the job stops whole instead of losing replicas one by one.
 struct Decision {
-  bool commit = false, reform = false;
+  bool commit = false, reform = false, stop = false;
+  std::vector<int64_t> leaving;  // members, ascending; only where the step commits
 };
 
 // Where this rank sits in its replica: a replica of several ranks (tensor parallelism
@@ -69,22 +78,26 @@ class ReplicaAgreement {
   Quorum starting_quorum(int64_t step) const { return first(starting_, step); }
 
   // This replica (restarted, or one more) asks to be in the next quorum; admitted() waits
-  // for the first quorum that takes it, or returns nothing once the run has been finished
-  // by the others (finished()).
+  // for the first quorum that takes it, or returns nothing once the run has been ended
+  // by the others (finished()) or `give_up` says so (a stop signal came: its request is
+  // withdrawn).
   void ask_to_join();
-  std::optional<Quorum> admitted();
+  std::optional<Quorum> admitted(const std::function<bool()>& give_up = {});
   // A restarted replica, before it asks: waits until the newest quorum no longer holds its
   // former self (its peers have seen it gone). Until then a heartbeat of its own would
-  // tell them the dead one lives. False when the run was finished meanwhile.
-  bool wait_until_left_out();
-  // The run is complete: a replica still waiting to join has nothing left to train.
-  void finished();
+  // tell them the dead one lives. False when the run was ended meanwhile, or `give_up`.
+  bool wait_until_left_out(const std::function<bool()>& give_up = {});
+  // The run has ended, `how` ("completed", "stopped"): a replica still waiting to join has
+  // nothing left to train. ended(): that word, or "" while the run goes on.
+  void finished(const std::string& how = "completed");
+  std::string ended();
 
-  // This replica's vote on `step` under `q`, then everyone's, and what they decide.
-  Decision vote(const Quorum& q, int64_t step, bool ok);
+  // This replica's vote on `step` under `q` (`ok`: its reduction finished; `stop`: a stop
+  // signal came to this rank), then everyone's, and what they decide.
+  Decision vote(const Quorum& q, int64_t step, bool ok, bool stop = false);
   // The quorum after `q` from `step`, formed when a vote said so: the members whose vote
-  // was not kDead and whose heartbeat is fresh, and every replica asking to join. Each
-  // member proposes one; the first stored is everyone's.
+  // was not kDead (nor kLeaving on a step that committed) and whose heartbeat is fresh, and
+  // every replica asking to join. Each member proposes one; the first stored is everyone's.
   Quorum next(const Quorum& q, int64_t step);
 
  private:
@@ -105,6 +118,8 @@ class ReplicaAgreement {
   DeadAmong dead_;
   std::chrono::milliseconds timeout_, poll_;
   std::vector<Vote> last_votes_;  // the members' votes on the last step voted
+  bool last_committed_ = false;   // and whether that step committed
+  bool asked_to_stop_ = false;    // this rank voted kLeave once: kLeaving from then on
   int64_t joins_seen_ = 0;        // the join requests counted when the quorum formed
   int64_t join_after_ = 0;        // a joiner: the newest quorum stored when it asked
 };

@@ -30,10 +30,10 @@ ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool join
 
 bool ReplicaSet::join() {
   if (!joining_) return true;
-  if (!agreement_.wait_until_left_out()) return false;
+  if (!agreement_.wait_until_left_out(opts_.stopping)) return false;
   opts_.revive();
   agreement_.ask_to_join();
-  const auto admitted = agreement_.admitted();
+  const auto admitted = agreement_.admitted(opts_.stopping);
   if (!admitted) return false;
   quorum_ = *admitted;
   comm_->reform(group_of(quorum_, opts_));
@@ -46,9 +46,15 @@ int64_t ReplicaSet::index() const {
   return std::find(m.begin(), m.end(), opts_.replica) - m.begin();
 }
 
+bool ReplicaSet::leaves() const {
+  return decided_.stop || std::find(decided_.leaving.begin(), decided_.leaving.end(),
+                                    opts_.replica) != decided_.leaving.end();
+}
+
 bool ReplicaSet::commit(int64_t n, int64_t again) {
-  const Decision d = agreement_.vote(quorum_, n, !comm_->failed());
-  if (!d.reform) return d.commit;
+  decided_ = agreement_.vote(quorum_, n, !comm_->failed(), opts_.stopping());
+  const Decision& d = decided_;
+  if (!d.reform || leaves()) return d.commit;  // a leaver forms no quorum: it is in none
   const std::string why = comm_->failed() ? comm_->error() : "a member was silent";
   quorum_ = agreement_.next(quorum_, d.commit ? n + 1 : again);
   if (index() == count())

@@ -38,6 +38,9 @@ class ReplicaSet {
     // A restarted replica's: says this rank lives again (its former self's end, which the
     // launcher marked, cleared), once its peers have left that self out.
     std::function<void()> revive = [] {};
+    // Whether a stop signal came to this rank: a replica waiting to join then gives up,
+    // and one training asks to leave in its votes.
+    std::function<bool()> stopping = [] { return false; };
     // Makes the group of job ranks `members` named `name` (comm/job_link.hpp's JobLink).
     std::function<std::shared_ptr<Comm>(const std::string& name, const std::vector<int64_t>& members)>
         make_group;
@@ -52,10 +55,12 @@ class ReplicaSet {
   // A joining replica, once ready to train: waits for its peers to leave its former self
   // out, revives, asks to join and waits (up to the timeout) for the quorum that admits
   // it, whose members then hand it their state (hand_over). False when the others
-  // finished the run first.
+  // ended the run first (ended() says how) or a stop signal came meanwhile.
   bool join();
-  // The run is complete (a replica waiting to join then stops).
-  void finished() { agreement_.finished(); }
+  // The run has ended, `how` ("completed", "stopped"): a replica waiting to join then
+  // stops. ended(): that word, or "" while the run goes on.
+  void finished(const std::string& how) { agreement_.finished(how); }
+  std::string ended() { return agreement_.ended(); }
   bool joining() const { return joining_; }
 
   // The group across the quorum's members, the same object for the whole run.
@@ -71,9 +76,16 @@ class ReplicaSet {
   // update. False: the step is discarded, the quorum has changed, and the new members
   // train again from step `again` (n, or an earlier step whose state they went back to:
   // local SGD's last average). DistError when this replica is no longer a member (its
-  // peers voted it dead) or an agreement timed out.
+  // peers voted it dead) or an agreement timed out. A stop signal on this rank (stopping)
+  // goes into the vote: see leaves().
   bool commit(int64_t n, int64_t again);
   bool commit(int64_t n) { return commit(n, n); }
+  // What the last commit decided of stop signals: whether the job stops after that step
+  // (every member was asked to), or this replica leaves it (asked at an earlier vote; the
+  // others go on without it); and the members that leave.
+  bool stops() const { return decided_.stop; }
+  bool leaves() const;
+  const std::vector<int64_t>& leaving() const { return decided_.leaving; }
 
  private:
   Options opts_;
@@ -81,6 +93,7 @@ class ReplicaSet {
   Quorum quorum_;
   std::shared_ptr<ReplicaComm> comm_;
   bool joining_;
+  Decision decided_;  // the last commit's
 };
 
 }  // namespace dtrain

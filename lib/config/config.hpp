@@ -399,6 +399,7 @@ struct FaultToleranceConfig {
   int64_t debug_kill_rank = -1;
   int64_t debug_kill_step = 0;
   std::string debug_kill_in = "step";
+  std::string debug_kill_signal = "KILL";
 
   template <class V> void visit(V&& v) {
     v("mode", mode, Choices{"off", "replicas"},
@@ -426,6 +427,9 @@ struct FaultToleranceConfig {
     v("debug_kill_in", debug_kill_in, Choices{"step", "eval"},
       "testing: where debug_kill_rank dies: as step debug_kill_step starts, or in the "
       "evaluation after it, its part scored, before the replicas add theirs up");
+    v("debug_kill_signal", debug_kill_signal, Choices{"KILL", "TERM"},
+      "testing: the signal debug_kill_rank sends itself: KILL (a failure) or TERM (a stop: "
+      "its replica leaves the job)");
   }
 };
 

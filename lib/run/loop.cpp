@@ -112,9 +112,19 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
         log.went_back(p.back_to);
         continue;
       }
+      const bool leaves = p.leaves, stops = p.stats.stop;
       reader.queue(std::move(p));
       st.step = n;
-      if (eval_now || save_now || log.stop_voted() || cadence.parts(n)) reader.read_all();
+      if (leaves) {
+        // This replica leaves the job (fault tolerance): its lines up to here read (where
+        // it writes them, its successor takes over after them) and its checkpoint in flight
+        // written; no evaluation (the others' group is without it) and no checkpoint.
+        reader.read_all();
+        if (in_flight) body.finish_save();
+        const int sig = stop_signal() ? stop_signal() : SIGTERM;
+        return {exit_code_for_signal(sig), nlohmann::json()};
+      }
+      if (eval_now || save_now || stops || log.stop_voted() || cadence.parts(n)) reader.read_all();
       if (eval_now) reader.not_training([&] { body.evaluate(n); });
       if (cadence.meets(n) && in_flight) reader.not_training([&] { body.poll_save(n); });
       if (save_now) {
@@ -123,8 +133,9 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
         in_flight = in_flight || background;
       }
       if (log.stop_voted()) {
-        // A stop signal (here or on a peer), acted on at a step boundary where every rank
-        // is: a checkpoint first, once the one in flight is written.
+        // A stop signal (here or on a peer; under fault tolerance, on every member), acted
+        // on at a step boundary where every rank is: a checkpoint first, once the one in
+        // flight is written.
         if (in_flight) body.finish_save();
         if (st.last_saved != st.step) body.save(st.step, false, false);
         return body.stop(stop_signal() ? stop_signal() : SIGTERM);

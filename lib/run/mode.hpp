@@ -158,6 +158,15 @@ class Lockstep : public Mode {
   // Whether step n's update is made, asked after its reductions: false where a replica
   // failed and the survivors train step n again (fault tolerance).
   virtual bool commit(int64_t /*n*/) { return true; }
+  // How a stop signal (SIGTERM, SIGINT, SIGUSR1) on this rank is voted on: in the step's
+  // figures, so that every rank stops after the same step with a checkpoint (true); or,
+  // under fault tolerance, in the replicas' vote on the step (false): see ending_after().
+  virtual bool stop_in_figures() const { return true; }
+  // What the replicas' vote on step n made of stop signals, asked after its update: the
+  // job's stop (every member was asked: a checkpoint, then every rank exits), this
+  // replica's leaving the job (the others go on without it), or nothing.
+  enum class Ending { kNone, kJob, kReplica };
+  virtual Ending ending_after(int64_t /*n*/) const { return Ending::kNone; }
   // This rank's share of each global batch now: the job's sampler's, or the survivors'.
   virtual ShardedSampler share(const ShardedSampler& job) const { return job; }
   // How much this rank's loss counts in the figures' sum over replicas(n) (its share's size

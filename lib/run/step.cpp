@@ -128,7 +128,7 @@ void take_figures(const StepParts& parts, PendingStep& p) {
   const bool meets = parts.mode.meets(p.step);
   p.stats.loss = f[Figures::kLossSum] / replicas;  // each data replica's counts once
   // A stop, or a replica's divergence, is acted on only where every rank agrees on it.
-  p.stats.stop = meets && f[Figures::kStopVotes] > 0;
+  p.stats.stop = p.stats.stop || (meets && f[Figures::kStopVotes] > 0);  // or the mode's vote
   p.stats.replica_diverged = meets && f[Figures::kEndVotes] > 0;
   for (int64_t stage = 0; stage < layout.stages; ++stage) {  // each stage's ranks' mean
     p.stats.stage_bubble.push_back(f[layout.bubble(stage)] / (replicas * tensor));
@@ -254,8 +254,8 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   // to stop votes so: every rank stops after the same step, whatever the layout.
   const bool counts = parts.mesh.coord().tensor == 0 && parts.runner.holds_last();
   const Figures layout = figures_of(parts);
-  auto figures = assemble_figures(parts, layout, losses, counts, stop_signal() != 0, apart_diverged,
-                                  norm, s);
+  const bool stop = stop_signal() != 0 && parts.mode.stop_in_figures();
+  auto figures = assemble_figures(parts, layout, losses, counts, stop, apart_diverged, norm, s);
   parts.mode.agree(n, figures.narrow(0, 0, layout.summed()), ReduceOp::kSum);
   send_to_host(figures, p);
   if (!parts.mode.commit(n)) {  // a replica failed: the survivors train step n again
@@ -275,6 +275,11 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
     p.back_to = after.back_to;
     return p;
   }
+  // A stop the replicas voted on with the step (fault tolerance): acted on at once, where
+  // the members that voted are.
+  const auto ending = parts.mode.ending_after(n);
+  s.stop = ending == Lockstep::Ending::kJob;
+  p.leaves = ending == Lockstep::Ending::kReplica;
   s.comm_bytes = parts.sync.bytes_per_step() + after.bytes + model_traffic(parts.mesh);
   settle();
   s.optim_ms = ms_since(t_opt);

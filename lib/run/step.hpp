@@ -64,6 +64,9 @@ struct PendingStep {
   // Discarded with every step since this one, whose state the ranks hold again (local SGD
   // under fault tolerance: Lockstep::after_update); -1 when only the step itself is.
   int64_t back_to = -1;
+  // This rank's replica leaves the job after the step (fault tolerance: a stop signal came
+  // to it; the others go on): the loop ends here, with no checkpoint of its own.
+  bool leaves = false;
   std::optional<c10::Event> ready;  // on a GPU: when `figures` is on the host
   // When the host first saw the step finished (the loop's clock for its step time).
   std::optional<std::chrono::steady_clock::time_point> finished_at;

@@ -583,6 +583,44 @@ TEST_SUITE("faults") {
     CHECK(end["layout"]["data"] == 3);
   }
 
+  // A stop signal to one replica's rank (SIGTERM at step 5, as a launcher stopping its
+  // workers would send it): a step's notice, then the replica leaves after step 6 and the
+  // others train on without it, the batch dealt among them; the supervisor restarts
+  // nothing. The writer among them (rank 0), and a replica of two tensor ranks of which one
+  // was reached (both leave).
+  TEST_CASE("replicas: a stop signal to one replica: it leaves after a step's notice; the others finish on one process's losses") {
+    const auto dir = temp_dir("ft-leave");
+    struct Case {
+      int procs, rank, replica;
+      std::string args;
+    };
+    for (const Case& c : {Case{3, 0, 0, ""}, Case{4, 3, 1, "--set parallel.tensor=2"}}) {
+      const std::string name = fmt::format("p{}-r{}", c.procs, c.rank);
+      CAPTURE(name);
+      const auto job = ft_job(30).write(dir, name + ".yaml");
+      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+      const auto r = e2e::dtrain(fmt::format(
+          "run {} --nproc {} {} --max-restarts 1 --run-dir {} --set fault_tolerance.debug_kill_rank={} "
+          "--set fault_tolerance.debug_kill_step=5 --set fault_tolerance.debug_kill_signal=TERM{}",
+          job, c.procs, c.args, ft, c.rank, kQuiet));
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      CHECK(r.err.find(fmt::format("replica {} leaves the job after step 6 (a stop signal came to "
+                                   "it); the others go on without it", c.replica)) != std::string::npos);
+      CHECK(r.err.find(fmt::format("replica(s) {} left the job after step 6", c.replica)) !=
+            std::string::npos);
+      CHECK(r.err.find("restarts to join") == std::string::npos);
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == 24);
+      check_losses_close(train_losses(one), got, 1e-5, name);
+      const auto end = metrics(ft).back();
+      CHECK(end["status"] == "completed");
+      CHECK(end["layout"]["data"] == (c.procs == 3 ? 2 : 1));
+      CHECK(std::filesystem::exists(last_checkpoint(ft, false) + "/manifest.json"));
+    }
+  }
+
   TEST_CASE("replicas: what it does not run yet is refused before any worker starts") {
     const auto dir = temp_dir("ft-refuse");
     const auto job = ft_job(32).write(dir);

@@ -16,6 +16,10 @@
 #  6. local SGD (averages every 4 steps) under the same two agents: replica 1's worker
 #     killed at step 6, replica 0 discards the interval since the average after step 4 and
 #     trains it again alone, replica 1 restarts and joins at an average, each line once.
+#  7. four replicas under two agents, two replicas each: replica 1's worker killed at step
+#     6; its agent stops replica 0's worker (SIGTERM), which leaves the job after a step's
+#     notice (the writer: replica 2 takes the run directory over), and restarts both, which
+#     join replicas 2 and 3; those never restart, and the losses are one process's.
 # Exit 77 (skipped) without .venv's torch. Usage: test_replicas.sh DTRAIN_BINARY
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -179,4 +183,20 @@ joined=$(grep -ho "replica(s) 1 joined at step [0-9]*" "$work/local.r0" "$work/l
 [ $(( (joined - 1) % 4 )) -eq 0 ] || fail "replica 1 joined at step $joined, not after an average"
 [ "$(grep -c '"kind":"train"' "$work/local/metrics.jsonl")" -eq 30 ] || fail "not every train line once"
 tail -n 1 "$work/local/metrics.jsonl" | grep -q '"status":"completed"' || fail "the local SGD run did not complete"
+# 7. Two agents of two replicas each (HSDP's one-process reference above: batch 32).
+timeout 200 "$root/scripts/torchrun_replicas.sh" --replicas 4 --per-agent 2 --max-restarts 1 --python "$py" \
+  "$dtrain" "$job" --run-dir "$work/pairs" --set data.batch_size=32 --set fault_tolerance.debug_kill_rank=1 \
+  --set fault_tolerance.debug_kill_step=6 --set train.debug_slow_rank=2 --set train.debug_slow_ms=20 \
+  > "$work/pairs.out" 2>&1
+rc=$?
+grep -v '"step"\|step [0-9]' "$work/pairs.out" | tail -n 30
+[ $rc -eq 0 ] || fail "torchrun_replicas.sh --per-agent 2 exited $rc"
+grep -q "dtrain: replica 0 leaves the job after step" "$work/pairs.out" || fail "replica 0 did not leave when its agent stopped it"
+grep -q "replica(s) 0 left the job after step" "$work/pairs.out" || fail "the new writer did not say replica 0 left"
+grep -q "dtrain: replica 0 joined at step" "$work/pairs.out" || fail "replica 0 did not join again"
+grep -q "dtrain: replica 1 joined at step" "$work/pairs.out" || fail "replica 1 did not join again"
+grep -q "rank 2 (replica 2) runs again\|rank 3 (replica 3) runs again" "$work/pairs.out" && fail "the other agent's replicas restarted"
+same_losses "$py" "$work/one32" "$work/pairs" 30 1e-5 "one process" || fail "the two-agent run's losses are not one process's"
+[ "$(grep -c '"kind":"train"' "$work/pairs/metrics.jsonl")" -eq 30 ] || fail "not every train line once"
+tail -n 1 "$work/pairs/metrics.jsonl" | grep -q '"data":4' || fail "the run did not end with all four replicas"
 echo "PASS"

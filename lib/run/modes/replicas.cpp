@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "grad/zero.hpp"
+#include "run/signals.hpp"
 #include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/process.hpp"
@@ -51,8 +52,13 @@ RunResult Replicas::run(TrainParts& parts) {
     // Admitted from a step past the last (the others saw its request in the last step's
     // vote): they end without a step to hand it their state at.
     if (!set_->join() || set_->quorum().step > parts.total_steps) {
-      std::cerr << fmt::format("dtrain: replica {}: the others completed the run before it "
-                               "could join\n", replica());
+      if (const int sig = stop_signal()) {
+        std::cerr << fmt::format("dtrain: replica {} was stopped before it joined\n", replica());
+        return {exit_code_for_signal(sig), nlohmann::json()};
+      }
+      const auto how = set_->ended();
+      std::cerr << fmt::format("dtrain: replica {}: the others {} the run before it could "
+                               "join\n", replica(), how.empty() ? "completed" : how);
       return {0, nlohmann::json()};
     }
     const double waited = ms_since(asked) / 1e3;
@@ -69,7 +75,9 @@ RunResult Replicas::run(TrainParts& parts) {
                                h.seconds, h.hash_seconds);
   }
   RunResult r = Lockstep::run(parts);
-  if (r.exit_code == 0) set_->finished();
+  // A replica still waiting to join then has nothing left to train.
+  if (r.exit_code == 0) set_->finished("completed");
+  else if (set_->stops()) set_->finished("stopped");
   return r;
 }
 
@@ -143,7 +151,8 @@ bool Replicas::dies_at(int64_t n, const std::string& in) const {
 }
 
 void Replicas::before_step(int64_t n) {
-  if (dies_at(n, "step")) std::raise(SIGKILL);
+  if (dies_at(n, "step"))  // a failure, or a stop (its replica leaves)
+    std::raise(cfg_.fault_tolerance.debug_kill_signal == "TERM" ? SIGTERM : SIGKILL);
   if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
   // The members' batch from this step on (a joiner's course is its source's, so each
   // member continues the same one alike).
@@ -167,8 +176,23 @@ bool Replicas::vote(int64_t n, int64_t again) {
   trained_by_[n] = set_->count();
   trained_by_.erase(trained_by_.begin(), trained_by_.lower_bound(n - 8));  // long read
   const bool ok = set_->commit(n, again);
+  if (set_->leaves()) {
+    if (!set_->stops() && mesh().rank() == 0)
+      std::cerr << fmt::format("dtrain: replica {} leaves the job after step {} (a stop "
+                               "signal came to it); the others go on without it\n",
+                               replica(), n);
+    return ok;
+  }
   if (!wrote && writes_files() && take_over_) take_over_();
+  if (!set_->leaving().empty())
+    log_->say(fmt::format("replica(s) {} left the job after step {} (a stop signal came to "
+                          "them); {} replica(s) go on", fmt::join(set_->leaving(), ", "), n,
+                          set_->count()));
   return ok;
+}
+
+Lockstep::Ending Replicas::ending_after(int64_t /*n*/) const {
+  return set_->stops() ? Ending::kJob : set_->leaves() ? Ending::kReplica : Ending::kNone;
 }
 
 // A failure on the way (a member gone) fails the joiners, which cannot train without the

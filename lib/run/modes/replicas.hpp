@@ -63,6 +63,11 @@ class Replicas : public Lockstep {
   ShardedSampler share(const ShardedSampler& job) const override;
   void before_step(int64_t n) override;
   bool commit(int64_t n) override { return vote(n, n); }
+  // A stop signal goes into the vote on the step: a replica asked leaves the job after the
+  // next vote and the others go on; when every member has been asked, the job stops (its
+  // checkpoint, then every rank exits) as without fault tolerance.
+  bool stop_in_figures() const override { return false; }
+  Ending ending_after(int64_t n) const override;
   // Over every member's data ranks, summed across the set, where each member holds the
   // same weights: not while replicas admitted at step n's vote wait for their state.
   EvalSplit eval_split(int64_t n) const override;

@@ -39,6 +39,25 @@ TEST_CASE("lighthouse: a rank's world is its replica's place in the most replica
   CHECK(w.master_port == store->port());
 }
 
+TEST_CASE("lighthouse: a launcher of several whole replicas starts DTRAIN_REPLICA and those after it") {
+  auto store = serving(fmt::format("4 2 4 {}", kStoreProtocol));
+  WorldInfo launched;
+  launched.rank = 3, launched.world = 4;  // two replicas of two ranks: the second's second
+  const auto w = lighthouse_world(launched, address(store), "2", 2, std::chrono::seconds(5));
+  CHECK(w.rank == 7);  // replica 3's second rank
+  CHECK(w.world == 8);
+  // Part of a replica, or replicas past those served: refused, naming both.
+  launched.world = 3;
+  CHECK_THROWS_WITH_AS(lighthouse_world(launched, address(store), "0", 2, std::chrono::seconds(5)),
+                       doctest::Contains("its launcher started 3 rank(s); a replica here is 2"),
+                       ConfigError);
+  launched.world = 4;
+  CHECK_THROWS_WITH_AS(lighthouse_world(launched, address(store), "3", 2, std::chrono::seconds(5)),
+                       doctest::Contains("DTRAIN_REPLICA 3: its launcher starts 2 replicas (4 "
+                                         "ranks of 2), 3 to 4, past the 4 the lighthouse"),
+                       ConfigError);
+}
+
 TEST_CASE("lighthouse: one from a dtrain whose store protocol differs is refused, naming both") {
   auto old = serving("2 1 2");  // a lighthouse from before the protocol's number
   WorldInfo launched;

@@ -34,7 +34,7 @@ struct Replicas {
 };
 
 bool operator==(const Decision& a, const Decision& b) {
-  return a.commit == b.commit && a.reform == b.reform;
+  return a.commit == b.commit && a.reform == b.reform && a.stop == b.stop && a.leaving == b.leaving;
 }
 
 // Each of `who` votes on `step` under `q` at once; their decisions, in order.
@@ -128,7 +128,97 @@ void two_rank_replica(Replicas& r) {
   CHECK(seen0->id == q.id + 1);
 }
 
+// Each of `as` votes on `step` under `q` at once (`stop`: whom a stop signal has reached,
+// `failing`: whose reduction failed); their decisions, in order. The agreements persist:
+// each remembers that it was asked to stop.
+std::vector<Decision> vote_each(std::vector<ReplicaAgreement>& as, const Quorum& q, int64_t step,
+                                const std::vector<bool>& stop, int64_t failing = -1) {
+  std::vector<std::future<Decision>> votes;
+  for (size_t i = 0; i < as.size(); ++i)
+    votes.push_back(std::async(std::launch::async, [&, i] {
+      return as[i].vote(q, step, int64_t(i) != failing, stop[i]);
+    }));
+  std::vector<Decision> out;
+  for (auto& v : votes) out.push_back(v.get());
+  return out;
+}
+
+// A stop signal is a notice at the vote it first reaches a member at, and that member
+// leaves at its next (the others go on, without forming a quorum for the notice); when
+// every member has been reached the job stops, whichever vote each was first reached at.
+void stop_signals(Replicas& r) {
+  std::vector<ReplicaAgreement> as;
+  for (int64_t m = 0; m < 3; ++m) as.push_back(r.agreement(m));
+  auto q = ReplicaAgreement::first(3, 0);
+  for (auto d : vote_each(as, q, 0, {false, true, false})) CHECK(d == Decision{true, false});
+  // Replica 1 leaves; replica 2 is reached now.
+  for (auto d : vote_each(as, q, 1, {false, true, true}))
+    CHECK(d == Decision{true, true, false, {1}});
+  std::vector<ReplicaAgreement> rest;
+  rest.push_back(std::move(as[0])), rest.push_back(std::move(as[2]));
+  auto n2 = std::async(std::launch::async, [&, q] { return rest[1].next(q, 2); });
+  q = rest[0].next(q, 2);
+  CHECK(n2.get().id == q.id);
+  CHECK(q.members == std::vector<int64_t>{0, 2});
+  CHECK(q.writer == 0);
+  // Replica 0 reached a step after replica 2: every member has been, and the job stops.
+  for (auto d : vote_each(rest, q, 2, {true, true})) CHECK(d == Decision{true, false, true, {}});
+  rest[0].finished("stopped");
+  CHECK(r.agreement(1).ended() == "stopped");
+}
+
+// A leaver whose step is discarded (another member failed) trains it again with the others
+// and leaves at its vote; the writer, leaving, hands the run directory on.
+void leaver_in_a_discarded_step(Replicas& r) {
+  std::vector<ReplicaAgreement> as;
+  for (int64_t m = 0; m < 3; ++m) as.push_back(r.agreement(m));
+  auto q = ReplicaAgreement::first(3, 4);
+  for (auto d : vote_each(as, q, 4, {true, false, false})) CHECK(d == Decision{true, false});
+  for (auto d : vote_each(as, q, 5, {true, false, false}, /*failing=*/2))
+    CHECK(d == Decision{false, true});
+  std::vector<std::future<Quorum>> next;
+  for (auto& a : as) next.push_back(std::async(std::launch::async, [&] { return a.next(q, 5); }));
+  for (auto& n : next) CHECK(n.get().members == std::vector<int64_t>{0, 1, 2});
+  q = as[1].next(q, 5);
+  for (auto d : vote_each(as, q, 5, {true, false, false})) CHECK(d == Decision{true, true, false, {0}});
+  auto n2 = std::async(std::launch::async, [&] { return as[2].next(q, 6); });
+  const auto after = as[1].next(q, 6);
+  CHECK(n2.get().id == after.id);
+  CHECK(after.members == std::vector<int64_t>{1, 2});
+  CHECK(after.writer == 1);
+}
+
 TEST_SUITE("quorum") {
+  TEST_CASE("quorum: a stop signal is a step's notice, then its replica leaves; all reached and the job stops") {
+    Replicas r;
+    stop_signals(r);
+  }
+
+  TEST_CASE("quorum: a leaver in a discarded step trains it again, then leaves; its writing moves on") {
+    Replicas r;
+    leaver_in_a_discarded_step(r);
+  }
+
+  TEST_CASE("quorum: a joiner reached by a stop signal withdraws its request and is admitted by no quorum") {
+    Replicas r;
+    auto a0 = r.agreement(0), a1 = r.agreement(1);
+    const auto q = ReplicaAgreement::first(2, 0);
+    auto j = r.agreement(3);
+    j.ask_to_join();
+    std::atomic<bool> stop{false};
+    auto admitted = std::async(std::launch::async, [&] { return j.admitted([&] { return stop.load(); }); });
+    CHECK(admitted.wait_for(50ms) == std::future_status::timeout);
+    stop = true;
+    CHECK_FALSE(admitted.get());
+    // The members see that a request came (a count only goes up), but none stands.
+    auto t = std::async(std::launch::async, [&] { return a1.vote(q, 0, true); });
+    CHECK(a0.vote(q, 0, true) == Decision{true, true});
+    t.get();
+    auto n1 = std::async(std::launch::async, [&] { return a1.next(q, 1); });
+    CHECK(a0.next(q, 1).joining.empty());
+    CHECK(n1.get().members == std::vector<int64_t>{0, 1});
+  }
+
   TEST_CASE("quorum: all ok commits; one failed reduction and every member discards the step") {
     Replicas r;
     all_ok_then_failed(r);
@@ -369,7 +459,8 @@ TEST_SUITE("quorum") {
   }
 
   TEST_CASE("quorum: the same over dtrain's store, where a vote's keys are read in one request") {
-    for (auto scenario : {all_ok_then_failed, silent_voted_dead, two_rank_replica}) {
+    for (auto scenario : {all_ok_then_failed, silent_voted_dead, two_rank_replica, stop_signals,
+                          leaver_in_a_discarded_step}) {
       TcpStore::Options o;
       o.host = "127.0.0.1", o.server = true, o.timeout = 10s;
       Replicas r(c10::make_intrusive<TcpStore>(o));
