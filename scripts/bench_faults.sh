@@ -5,7 +5,9 @@
 # supervisor, `--nproc N --max-restarts`, or torchrun's elastic agent, `--max-restarts`),
 # or, `replicas`, the others training on while the failed replica restarts alone and joins
 # with their state (fault_tolerance: replicas; `lighthouse`: the same under torchrun, an
-# agent a replica beside a `dtrain lighthouse`, scripts/torchrun_replicas.sh). Per failure: the steps trained again (those
+# agent a replica beside a `dtrain lighthouse`, scripts/torchrun_replicas.sh; `lighthouse2`:
+# two agents of half the replicas each, whose agent stops a failed worker's agent-mates,
+# which leave the job after a step's notice and join again with it). Per failure: the steps trained again (those
 # since the checkpoint; under replicas the step in flight, trained again inside the same
 # step), the stall (the kill to the next step logged), the time until the run is back past
 # the step it had reached, and under replicas the detection (the kill to the supervisor's
@@ -16,7 +18,7 @@
 # time and final accuracy against the uninterrupted run.
 #
 #   scripts/bench_faults.sh [--model mlp|gpt|gpt2] [--nproc N] [--every S] [--steps N]
-#                           [--save-every N] [--launchers "nproc torchrun replicas lighthouse"]
+#                           [--save-every N] [--launchers "nproc torchrun replicas lighthouse lighthouse2"]
 #                           [--signal KILL|STOP] [--mode sync|local_sgd] [--set KEY=VALUE]...
 # Defaults: mlp (the README's job), 4 processes, a kill every 30 s, a checkpoint every 500
 # steps, mlp 20000 steps (gpt 1200; gpt2, GPT-2 small's 124M weights at a 256-token
@@ -87,6 +89,9 @@ command_for() {
                    "--max_restarts $3 --no_python $BIN run $JOB --run-dir $2" ;;
     lighthouse) echo "$ROOT/scripts/torchrun_replicas.sh --replicas $NPROC --max-restarts $3" \
                      "--python $PY $BIN $JOB --run-dir $2 --set fault_tolerance.mode=replicas" ;;
+    lighthouse2) echo "$ROOT/scripts/torchrun_replicas.sh --replicas $NPROC --per-agent $((NPROC / 2))" \
+                      "--max-restarts $3 --python $PY $BIN $JOB --run-dir $2" \
+                      "--set fault_tolerance.mode=replicas" ;;
   esac
 }
 
@@ -154,7 +159,8 @@ for t, reached in kills:
     after = [l for l in train if l["time"] > t]
     if not after:
         continue
-    lost.append(reached - (after[0]["step"] - 1))
+    # A line written between reading the step reached and the kill is a step not lost.
+    lost.append(max(0, reached - (after[0]["step"] - 1)))
     stall.append(after[0]["time"] - t)
     past = [l for l in after if l["step"] > reached]
     if past:
@@ -176,6 +182,8 @@ discarded = [int(m.group(2)) - int(m.group(1)) + 1
 if discarded:
     lost = discarded
 rejoin = [min([j for j in joined if j >= r], default=r) - r for r in restarted if any(j >= r for j in joined)]
+# Replicas that left at a step boundary when their agent stopped them (an agent of several).
+leavers = sum(1 for _, l in said if "leaves the job after step" in l)
 # Where each rejoin's time went, as the joiner says: its start and build, the wait for the
 # others' vote, the state's transfer and load, its hash.
 parts = [m.groups() for _, l in said
@@ -186,7 +194,7 @@ rejoin_parts = {k: mean([float(p[i]) for p in parts])
 print(json.dumps({"run": label, "failures": len(kills), "steps": max(l["step"] for l in train),
                   "lost_steps_per_failure": mean(lost), "stall_s_per_failure": mean(stall),
                   "back_past_s_per_failure": mean(back), "detect_s": mean(detect),
-                  "rejoin_s": mean(rejoin), "rejoin_parts_s": rejoin_parts,
+                  "rejoin_s": mean(rejoin), "rejoin_parts_s": rejoin_parts, "leavers": leavers,
                   "wall_s": round(lines[-1]["time"] - start, 1),
                   "accuracy": evals[-1].get("accuracy") if evals else None,
                   "eval_loss": evals[-1].get("loss") if evals else None}))
@@ -208,6 +216,7 @@ for launcher in $LAUNCHERS; do
   label="restart ($launcher)"
   [ "$launcher" = replicas ] && label="replicas (fault tolerance)"
   [ "$launcher" = lighthouse ] && label="replicas under torchrun"
+  [ "$launcher" = lighthouse2 ] && label="replicas under 2 torchruns"
   figures "$OUT_DIR/$launcher" "$label" >> "$OUT_DIR/faults.jsonl"
 done
 "$PY" - "$OUT_DIR/faults.jsonl" "$SAVE_EVERY" <<'EOF'
@@ -215,7 +224,7 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"checkpoint every {sys.argv[2]} steps")
 cols = ["run", "failures", "steps", "lost_steps_per_failure", "stall_s_per_failure",
-        "back_past_s_per_failure", "detect_s", "rejoin_s", "wall_s", "accuracy"]
+        "back_past_s_per_failure", "detect_s", "rejoin_s", "leavers", "wall_s", "accuracy"]
 print("  ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
 for r in rows:
     print("  ".join(f"{str(r[c]):>24}" if i == 0 else f"{str(r[c]):>12}" for i, c in enumerate(cols)))

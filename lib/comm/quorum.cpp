@@ -141,30 +141,39 @@ std::optional<Quorum> ReplicaAgreement::admitted(const std::function<bool()>& gi
   }
 }
 
-Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok, bool stop) {
-  const bool joins = ok && store_.add(kJoins, 0) > joins_seen_;
-  const Vote mine = !ok                ? Vote::kFailed
-                    : asked_to_stop_   ? Vote::kLeaving
-                    : stop             ? Vote::kLeave
-                    : joins            ? Vote::kOkJoin
-                                       : Vote::kOk;
-  asked_to_stop_ = asked_to_stop_ || stop;
-  store_.compareSet(vote_key(q.id, step, replica_, place_.index), {}, bytes(kVoteNames[int(mine)]));
-  last_votes_ = votes_on(q, step);
-  // Commit: every member finished the reduction. Stop: every one was asked to. Else those
-  // asked before this vote leave, and a quorum forms for the rest (as for any vote but ok
-  // and a first ask, which changes nothing yet).
+namespace {
+
+// What the members' `votes` decide. Commit: every member finished the reduction. Stop:
+// every one was asked to. Else those asked before this vote leave (a discarded step is
+// trained again by all), and a quorum forms for the rest, as for any vote but ok and a
+// first ask, which changes nothing yet.
+Decision decide(const Quorum& q, const std::vector<Vote>& votes) {
   Decision d{true, false, true, {}};
-  for (size_t i = 0; i < last_votes_.size(); ++i) {
-    const Vote v = last_votes_[i];
+  for (size_t i = 0; i < votes.size(); ++i) {
+    const Vote v = votes[i];
+    const bool asked = v == Vote::kLeave || v == Vote::kLeaving;
     d.commit = d.commit && v <= Vote::kLeaving;
-    d.stop = d.stop && (v == Vote::kLeave || v == Vote::kLeaving);
+    d.stop = d.stop && asked;
     d.reform = d.reform || (v != Vote::kOk && v != Vote::kLeave);
     if (v == Vote::kLeaving) d.leaving.push_back(q.members[i]);
   }
-  d.stop = d.stop && d.commit;
-  if (!d.commit || d.stop) d.leaving.clear();  // a discarded step is trained again by all
-  d.reform = d.reform && !d.stop;
+  if (!d.commit) return {false, d.reform, false, {}};
+  if (d.stop) return {true, false, true, {}};
+  return d;
+}
+
+}  // namespace
+
+Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok, bool stop) {
+  const bool joins = ok && store_.add(kJoins, 0) > joins_seen_;
+  const Vote mine = !ok ? Vote::kFailed
+                    : asked_to_stop_ ? Vote::kLeaving  // a notice given at an earlier vote
+                    : stop ? Vote::kLeave
+                    : joins ? Vote::kOkJoin : Vote::kOk;
+  asked_to_stop_ = asked_to_stop_ || stop;
+  store_.compareSet(vote_key(q.id, step, replica_, place_.index), {}, bytes(kVoteNames[int(mine)]));
+  last_votes_ = votes_on(q, step);
+  const Decision d = decide(q, last_votes_);
   last_committed_ = d.commit;
   // A vote two steps back is read by nobody now (every member has read it before voting on
   // the step after it): the store keeps a few keys per member, however long the run.

@@ -94,6 +94,16 @@ class StepReader {
   Clock::time_point held_mark_;            // mark_ before the first held step was read
 };
 
+// This replica leaves the job (fault tolerance: a stop signal; the others go on): its lines
+// up to here read (where it writes them, its successor takes over after them) and its
+// checkpoint in flight written; no evaluation (the others' group is without it) and no
+// checkpoint of its own.
+RunResult leave_job(StepReader& reader, LoopBody& body, bool in_flight) {
+  reader.read_all();
+  if (in_flight) body.finish_save();
+  return {exit_code_for_signal(stop_signal() ? stop_signal() : SIGTERM), nlohmann::json()};
+}
+
 }  // namespace
 
 RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int64_t total,
@@ -115,15 +125,7 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
       const bool leaves = p.leaves, stops = p.stats.stop;
       reader.queue(std::move(p));
       st.step = n;
-      if (leaves) {
-        // This replica leaves the job (fault tolerance): its lines up to here read (where
-        // it writes them, its successor takes over after them) and its checkpoint in flight
-        // written; no evaluation (the others' group is without it) and no checkpoint.
-        reader.read_all();
-        if (in_flight) body.finish_save();
-        const int sig = stop_signal() ? stop_signal() : SIGTERM;
-        return {exit_code_for_signal(sig), nlohmann::json()};
-      }
+      if (leaves) return leave_job(reader, body, in_flight);
       if (eval_now || save_now || stops || log.stop_voted() || cadence.parts(n)) reader.read_all();
       if (eval_now) reader.not_training([&] { body.evaluate(n); });
       if (cadence.meets(n) && in_flight) reader.not_training([&] { body.poll_save(n); });

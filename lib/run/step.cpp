@@ -278,7 +278,7 @@ PendingStep train_step(StepParts& parts, int64_t n, const Batch& host_batch, dou
   // A stop the replicas voted on with the step (fault tolerance): acted on at once, where
   // the members that voted are.
   const auto ending = parts.mode.ending_after(n);
-  s.stop = ending == Lockstep::Ending::kJob;
+  s.stop = s.stop || ending == Lockstep::Ending::kJob;  // fp16 has read its figures' already
   p.leaves = ending == Lockstep::Ending::kReplica;
   s.comm_bytes = parts.sync.bytes_per_step() + after.bytes + model_traffic(parts.mesh);
   settle();

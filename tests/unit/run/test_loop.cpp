@@ -31,6 +31,8 @@ class StandIn : public LoopBody {
   std::vector<std::string> saves;  // under checkpoint.async: "bgN", "syncN", "pollN", "wait"
   std::map<int64_t, double> loss;  // steps with another loss (NaN: non-finite)
   int64_t stop_vote_at = 0;        // a step whose figures say a rank was asked to stop
+  int64_t leave_at = 0;            // a step after which this replica leaves (fault tolerance)
+  int64_t job_stop_at = 0;         // a step whose vote stops the job (fault tolerance)
   std::map<int64_t, int64_t> back; // a meeting's step that sends the ranks back (once) to a step
   int stopped_with = 0;
   RunState* state = nullptr;       // given: each save sets its last_saved, as a run's does
@@ -39,6 +41,8 @@ class StandIn : public LoopBody {
     stepped.push_back(n);
     PendingStep p;
     p.step = n;
+    p.leaves = n == leave_at;
+    p.stats.stop = n == job_stop_at;
     if (const auto it = back.find(n); it != back.end()) {
       p.discarded = true, p.back_to = it->second;
       back.erase(it);
@@ -53,7 +57,7 @@ class StandIn : public LoopBody {
     s.grad_norm = 1;
     s.nonfinite = !std::isfinite(s.loss);
     s.nonfinite_rank = s.nonfinite ? 1 : -1;
-    s.stop = p.step == stop_vote_at;
+    s.stop = p.stats.stop || p.step == stop_vote_at;
     s.comm_bytes = 100;
     s.lr = 0.1;  // the job's constant rate, as a step's update would say it
     return s;
@@ -223,6 +227,39 @@ TEST_CASE("loop: a stop vote is acted on where it is read: a checkpoint, then th
   CHECK(body.saved == std::vector<std::pair<int64_t, bool>>{{8, false}});
   CHECK(body.stopped_with == SIGTERM);  // a peer's vote: this process had no signal
   CHECK(result.exit_code == 128 + SIGTERM);
+}
+
+// Fault tolerance: the replicas' vote on a step says it at once, not two steps on.
+TEST_CASE("loop: a replica that leaves ends after its step: lines read, the save in flight written, nothing of its own") {
+  test::TempDir dir;
+  auto cfg = job(1, 5, 3);
+  cfg.checkpoint.async = true;
+  Logged l(cfg, dir.path().string(), 20);
+  StandIn body;
+  body.state = &l.log.state();
+  body.leave_at = 5;
+  const auto result = lockstep_loop(body, l.log, Cadence{cfg, 100, 20}, 20, cfg);
+  CHECK(body.stepped.back() == 5);
+  CHECK(body.read_steps.back() == 5);
+  CHECK(body.evaluated.empty());  // step 5's evaluation is the others'
+  CHECK(body.saves == std::vector<std::string>{"bg3", "poll4", "wait"});
+  CHECK(body.stopped_with == 0);
+  CHECK(result.exit_code == 128 + SIGTERM);
+  CHECK(lines(dir.path().string() + "/metrics.jsonl").back()["step"] == 5);  // no summary
+}
+
+TEST_CASE("loop: a job stop voted with its step is acted on at that step: evaluation, checkpoint, stop") {
+  test::TempDir dir;
+  const auto cfg = job(1, 5, 100);
+  Logged l(cfg, dir.path().string(), 20);
+  StandIn body;
+  body.state = &l.log.state();
+  body.job_stop_at = 5;
+  lockstep_loop(body, l.log, Cadence{cfg, 100, 20}, 20, cfg);
+  CHECK(body.stepped.back() == 5);
+  CHECK(body.evaluated == std::vector<int64_t>{5});
+  CHECK(body.saved == std::vector<std::pair<int64_t, bool>>{{5, false}});
+  CHECK(body.stopped_with == SIGTERM);
 }
 
 TEST_CASE("loop: checkpoint.async saves in the background, polls where the ranks meet, waits at the end") {
