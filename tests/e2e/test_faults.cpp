@@ -474,6 +474,39 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Local SGD: the replicas vote where they meet, so a stop signal at step 5 is a notice at
+  // the average after step 8 and the replica leaves after the one after step 12, its
+  // interval kept: plain local SGD of 3 up to there, then of 2 resumed from that average.
+  TEST_CASE("replicas: local SGD: a stop signal's replica leaves at the second average after it") {
+    const auto dir = temp_dir("ft-local-leave");
+    Job j = ft_job(24);
+    j.optimizer = "{name: adamw, lr: 0.01}";
+    j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
+    j.parallel = "{mode: local_sgd, average_every: 4, average_optimizer: true}";
+    j.checkpoint = "{every_steps: 4, keep_last: 20}";
+    const auto job = j.write(dir);
+    const auto r = e2e::dtrain(fmt::format(
+        "run {} --nproc 3 --run-dir {}/ft --set fault_tolerance.debug_kill_rank=2 --set "
+        "fault_tolerance.debug_kill_step=5 --set fault_tolerance.debug_kill_signal=TERM{}",
+        job, dir, kQuiet));
+    INFO(r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err.find("replica 2 leaves the job after step 12") != std::string::npos);
+    const std::string plain = " --set fault_tolerance.mode=off" + std::string(kQuiet);
+    run_ok(fmt::format("run {} --nproc 3 --run-dir {}/ref{}", job, dir, plain));
+    std::filesystem::copy(dir + "/ref", dir + "/smaller", std::filesystem::copy_options::recursive);
+    run_ok(fmt::format("run {} --nproc 2 --run-dir {}/smaller --resume {}/smaller/checkpoints/"
+                       "step-00000012{}", job, dir, dir, plain));
+    const auto got = train_losses(dir + "/ft");
+    REQUIRE(got.size() == 16);
+    auto before = train_losses(dir + "/ref"), after = train_losses(dir + "/smaller");
+    before.erase(before.upper_bound(12), before.end());
+    after.erase(after.begin(), after.upper_bound(12));
+    check_losses_close(before, got, 1e-6, "before");
+    check_losses_close(after, got, 1e-6, "after");
+    CHECK(metrics(dir + "/ft").back()["layout"]["data"] == 2);
+  }
+
   // Local SGD under fault_tolerance.batch: shrink: the survivors keep their shares and
   // their rate (a local step is on the replica's own share, which does not change), the
   // global batch loses the failed replica's. Killed in the first interval, the run is plain
