@@ -120,7 +120,9 @@ void validate_elastic(const JobConfig& cfg, int64_t min_nodes, int64_t max_nodes
 }
 
 void check_model_fits_data(const JobConfig& cfg, const DataSplits& data) {
-  model_spec(cfg.model.arch).fits(cfg.model, ModelContext{data.sample_shape, data.classes, data.vocab});
+  ModelContext shape;  // the data's shape alone: no groups
+  shape.sample_shape = data.sample_shape, shape.classes = data.classes, shape.vocab = data.vocab;
+  model_spec(cfg.model.arch).fits(cfg.model, shape);
 }
 
 namespace {
