@@ -174,7 +174,6 @@ Decision ReplicaAgreement::vote(const Quorum& q, int64_t step, bool ok, bool sto
   store_.compareSet(vote_key(q.id, step, replica_, place_.index), {}, bytes(kVoteNames[int(mine)]));
   last_votes_ = votes_on(q, step);
   const Decision d = decide(q, last_votes_);
-  last_committed_ = d.commit;
   // A vote two steps back is read by nobody now (every member has read it before voting on
   // the step after it): the store keeps a few keys per member, however long the run.
   if (step >= 2) store_.deleteKey(vote_key(q.id, step - 2, replica_, place_.index));
@@ -276,11 +275,11 @@ Quorum ReplicaAgreement::next(const Quorum& q, int64_t step) {
   json p;
   p["step"] = step;
   p["joins"] = store_.add(kJoins, 0);  // before the requests: see ask_to_join
+  const auto leaving = decide(q, last_votes_).leaving;  // none where the step was discarded
   std::vector<int64_t> voted;  // the members that go on: alive, and not leaving
-  for (size_t i = 0; i < q.members.size(); ++i) {
-    const Vote v = i < last_votes_.size() ? last_votes_[i] : Vote::kDead;
-    if (v != Vote::kDead && !(last_committed_ && v == Vote::kLeaving)) voted.push_back(q.members[i]);
-  }
+  for (size_t i = 0; i < q.members.size(); ++i)
+    if (i < last_votes_.size() && last_votes_[i] != Vote::kDead && !holds(leaving, q.members[i]))
+      voted.push_back(q.members[i]);
   const auto asked = asking_to_join();
   const auto dead = dead_(sorted_union(voted, asked));
   std::vector<int64_t> members, joining;

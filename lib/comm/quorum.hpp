@@ -118,7 +118,6 @@ class ReplicaAgreement {
   DeadAmong dead_;
   std::chrono::milliseconds timeout_, poll_;
   std::vector<Vote> last_votes_;  // the members' votes on the last step voted
-  bool last_committed_ = false;   // and whether that step committed
   bool asked_to_stop_ = false;    // this rank voted kLeave once: kLeaving from then on
   int64_t joins_seen_ = 0;        // the join requests counted when the quorum formed
   int64_t join_after_ = 0;        // a joiner: the newest quorum stored when it asked

@@ -94,6 +94,10 @@ class StepReader {
   Clock::time_point held_mark_;            // mark_ before the first held step was read
 };
 
+// The signal a stop is acted on for: this process's, or SIGTERM where only a peer's vote
+// asked for it.
+int stop_acted_on() { return stop_signal() ? stop_signal() : SIGTERM; }
+
 // This replica leaves the job (fault tolerance: a stop signal; the others go on): its lines
 // up to here read (where it writes them, its successor takes over after them) and its
 // checkpoint in flight written; no evaluation (the others' group is without it) and no
@@ -101,7 +105,7 @@ class StepReader {
 RunResult leave_job(StepReader& reader, LoopBody& body, bool in_flight) {
   reader.read_all();
   if (in_flight) body.finish_save();
-  return {exit_code_for_signal(stop_signal() ? stop_signal() : SIGTERM), nlohmann::json()};
+  return {exit_code_for_signal(stop_acted_on()), nlohmann::json()};
 }
 
 }  // namespace
@@ -140,7 +144,7 @@ RunResult lockstep_loop(LoopBody& body, RunLog& log, const Cadence& cadence, int
         // flight is written.
         if (in_flight) body.finish_save();
         if (st.last_saved != st.step) body.save(st.step, false, false);
-        return body.stop(stop_signal() ? stop_signal() : SIGTERM);
+        return body.stop(stop_acted_on());
       }
     }
     if (in_flight) body.finish_save();

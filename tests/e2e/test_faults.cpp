@@ -29,6 +29,16 @@ Job ft_job(int64_t batch) {
   return j;
 }
 
+// ft_job under local SGD, averaged every 4 steps with the optimizer's state: 16 steps,
+// every one logged, an evaluation at 8; `more`: further parallel keys (", key: value").
+Job local_sgd_job(const std::string& more = "") {
+  Job j = ft_job(24);
+  j.optimizer = "{name: adamw, lr: 0.01}";
+  j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
+  j.parallel = "{mode: local_sgd, average_every: 4, average_optimizer: true" + more + "}";
+  return j;
+}
+
 // A job of replicas of two ranks each (`procs` of them in all, `args` making the replica's
 // layout) whose rank `rank` is killed at `step`: its replica stopped, and where `restart`
 // started again to rejoin (200 steps, every step 20 ms longer so that the run outlasts the
@@ -431,13 +441,9 @@ TEST_SUITE("faults") {
                                            c.local_after, c.gpt ? "-gpt" : "",
                                            c.diloco ? "-diloco" : "");
       CAPTURE(name);
-      Job j = ft_job(24);
-      j.optimizer = "{name: adamw, lr: 0.01}";
-      j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
-      j.parallel = fmt::format("{{mode: local_sgd, average_every: 4, local_after: {}, "
-                               "average_optimizer: true{}{}}}", c.local_after,
-                               c.gpt ? ", tensor: 2" : "",
-                               c.diloco ? ", outer_lr: 0.7, outer_momentum: 0.9" : "");
+      Job j = local_sgd_job(fmt::format(", local_after: {}{}{}", c.local_after,
+                                        c.gpt ? ", tensor: 2" : "",
+                                        c.diloco ? ", outer_lr: 0.7, outer_momentum: 0.9" : ""));
       j.checkpoint = "{every_steps: 2, keep_last: 20}";
       if (c.gpt) {
         j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
@@ -479,10 +485,7 @@ TEST_SUITE("faults") {
   // interval kept: plain local SGD of 3 up to there, then of 2 resumed from that average.
   TEST_CASE("replicas: local SGD: a stop signal's replica leaves at the second average after it") {
     const auto dir = temp_dir("ft-local-leave");
-    Job j = ft_job(24);
-    j.optimizer = "{name: adamw, lr: 0.01}";
-    j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
-    j.parallel = "{mode: local_sgd, average_every: 4, average_optimizer: true}";
+    Job j = local_sgd_job();
     j.checkpoint = "{every_steps: 4, keep_last: 20}";
     const auto job = j.write(dir);
     const auto r = e2e::dtrain(fmt::format(
@@ -515,10 +518,7 @@ TEST_SUITE("faults") {
   // rate after, its course from that average in the checkpoint.
   TEST_CASE("replicas: local SGD with batch shrink: the survivors keep their shares and their rate") {
     const auto dir = temp_dir("ft-local-shrink");
-    Job j = ft_job(24);
-    j.optimizer = "{name: adamw, lr: 0.01}";
-    j.max_steps = 16, j.eval_every = 8, j.log_every = 1;
-    j.parallel = "{mode: local_sgd, average_every: 4, average_optimizer: true}";
+    Job j = local_sgd_job();
     j.extra = "fault_tolerance: {mode: replicas, batch: shrink}\n";
     const auto job = j.write(dir);
     const std::string plain = " --set fault_tolerance.mode=off --set fault_tolerance.batch=keep" +
