@@ -261,7 +261,8 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
         : ctx_(comm.ctx_), name_(comm.name_), op_(op), work_(std::move(work)), keep_(std::move(keep)),
           divide_(divide), back_(std::move(back)), what_(std::move(what)) {}
     void wait() override {
-      Watch::Waiting watched(ctx_->watch.get(), what_);
+      if (finished_) return;
+      watch();
       bool done = false;
       try {
         done = work_->wait(std::chrono::duration_cast<std::chrono::milliseconds>(ctx_->opts.timeout));
@@ -269,12 +270,42 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
         throw failure_in(*ctx_, name_, op_, describe(std::current_exception()));
       }
       if (!done) throw failure_in(*ctx_, name_, op_, "did not complete");
-      if (divide_ != 1.0)
-        for (auto& t : keep_) t.div_(divide_);
-      if (back_.defined()) back_.copy_(keep_[0]);  // a staged CPU tensor gets the result
+      finish();
+    }
+    // A timed wait of c10d's throws when the time is up, as when the operation fails; only
+    // the work says which. (The backend's own timeout, dist.timeout_s, still ends it.)
+    bool wait_for(std::chrono::milliseconds slice) override {
+      if (finished_) return true;
+      if (ctx_->opts.backend == "nccl") {  // its timed wait would abort the communicator
+        wait();
+        return true;
+      }
+      watch();
+      bool done = false;
+      try {
+        done = work_->wait(slice);
+      } catch (...) {
+        if (!work_->isCompleted()) return false;
+        throw failure_in(*ctx_, name_, op_, describe(std::current_exception()));
+      }
+      if (!done) return false;
+      finish();
+      return true;
     }
 
    private:
+    // Named to the watch from the first wait until the result is in, across timed waits.
+    void watch() {
+      if (!watched_) watched_.emplace(ctx_->watch.get(), what_);
+    }
+    void finish() {
+      if (divide_ != 1.0)
+        for (auto& t : keep_) t.div_(divide_);
+      if (back_.defined()) back_.copy_(keep_[0]);  // a staged CPU tensor gets the result
+      finished_ = true;
+      watched_.reset();
+    }
+
     std::shared_ptr<GroupContext> ctx_;
     std::string name_;
     const char* op_;
@@ -283,6 +314,8 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     double divide_;
     torch::Tensor back_;
     WaitedOp what_;  // for the watch
+    std::optional<Watch::Waiting> watched_;
+    bool finished_ = false;
   };
 
 

@@ -25,6 +25,15 @@ class Pending {
  public:
   virtual ~Pending() = default;
   virtual void wait() = 0;
+  // Waits up to about `slice` for each of its parts: true once the operation has completed
+  // (as wait() leaves it), false while it still runs, to be asked again or given up on (a
+  // fault-tolerant job's replicas stop waiting on a member that has gone,
+  // comm/replica_comm.hpp). What cannot wait a while (NCCL's blocking wait aborts its
+  // communicator at a timeout) waits it out here, as wait() does.
+  virtual bool wait_for(std::chrono::milliseconds /*slice*/) {
+    wait();
+    return true;
+  }
 };
 
 // Several operations as one.
@@ -33,6 +42,11 @@ class PendingAll : public Pending {
   std::vector<std::unique_ptr<Pending>> parts;
   void wait() override {
     for (auto& p : parts) p->wait();
+  }
+  bool wait_for(std::chrono::milliseconds slice) override {
+    for (auto& p : parts)
+      if (!p->wait_for(slice)) return false;
+    return true;
   }
 };
 
@@ -45,6 +59,11 @@ class PendingThen : public Pending {
   void wait() override {
     op_->wait();
     if (then_) std::exchange(then_, nullptr)();
+  }
+  bool wait_for(std::chrono::milliseconds slice) override {
+    if (!op_->wait_for(slice)) return false;
+    if (then_) std::exchange(then_, nullptr)();
+    return true;
   }
 
  private:

@@ -1,5 +1,6 @@
 #include "comm/replica_comm.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 #include <thread>
 
@@ -13,28 +14,35 @@ class Skipped : public Pending {
   void wait() override {}
 };
 
+constexpr size_t kPooled = 8;  // copies kept for reuse: a step's buckets in flight, and a few
+
+using Staged = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
+
+}  // namespace
+
 // A collective in flight whose failure is remembered, not thrown.
-class Guarded : public Pending {
+class ReplicaComm::Guarded : public Pending {
  public:
-  Guarded(std::unique_ptr<Pending> op, ReplicaComm& comm) : op_(std::move(op)), comm_(comm) {}
+  Guarded(std::unique_ptr<Pending> op, ReplicaComm& comm, Staged staged)
+      : op_(std::move(op)), comm_(comm), staged_(std::move(staged)) {}
   void wait() override {
     if (!op_) return;
-    try {
-      op_->wait();
-    } catch (const std::exception& e) {
-      comm_.fail(first_line(e.what()));
-    }
+    if (comm_.wait_out(*op_)) comm_.give_back(staged_);
+    // Given up on, it runs on in the backend, which holds what it writes into.
     op_.reset();
+    staged_.clear();
   }
 
  private:
   std::unique_ptr<Pending> op_;
   ReplicaComm& comm_;
+  Staged staged_;
 };
 
-}  // namespace
-
-ReplicaComm::ReplicaComm(std::shared_ptr<Comm> group) { reform(std::move(group)); }
+ReplicaComm::ReplicaComm(std::shared_ptr<Comm> group, Gone gone, std::chrono::milliseconds every)
+    : gone_(std::move(gone)), every_(every) {
+  reform(std::move(group));
+}
 
 bool ReplicaComm::failed() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -82,8 +90,44 @@ std::shared_ptr<Comm> ReplicaComm::live_group() const {
   return group_;
 }
 
+bool ReplicaComm::wait_out(Pending& op) {
+  try {
+    while (!failed()) {
+      if (op.wait_for(every_)) return true;
+      const std::string gone = gone_ ? gone_() : "";
+      if (!gone.empty()) fail(gone);
+    }
+  } catch (const std::exception& e) {
+    fail(first_line(e.what()));
+  }
+  return false;
+}
+
+torch::Tensor ReplicaComm::stage(const torch::Tensor& t, bool fill) {
+  torch::Tensor s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(pool_.begin(), pool_.end(), [&](const torch::Tensor& p) {
+      return p.numel() == t.numel() && p.scalar_type() == t.scalar_type() && p.device() == t.device();
+    });
+    if (it != pool_.end()) s = std::move(*it), pool_.erase(it);
+  }
+  s = s.defined() ? s.view(t.sizes()) : torch::empty(t.sizes(), t.options());
+  if (fill) s.copy_(t);
+  return s;
+}
+
+void ReplicaComm::give_back(Staged& staged) {
+  for (auto& [copy, caller] : staged) caller.copy_(copy);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [copy, caller] : staged) {
+    if (pool_.size() == kPooled) pool_.erase(pool_.begin());  // the oldest
+    pool_.push_back(std::move(copy));
+  }
+}
+
 template <class Post>
-std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post) {
+std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post, Staged staged) {
   const auto group = live_group();
   if (!group) return std::make_unique<Skipped>();
   std::unique_ptr<Pending> op;
@@ -94,23 +138,29 @@ std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post) {
     return std::make_unique<Skipped>();
   }
   count_sent(group->take_sent());
-  return std::make_unique<Guarded>(std::move(op), *this);
+  return std::make_unique<Guarded>(std::move(op), *this, std::move(staged));
 }
 
 std::unique_ptr<Pending> ReplicaComm::all_reduce_async(torch::Tensor t, ReduceOp op) {
-  return guarded([&](Comm& g) { return g.all_reduce_async(std::move(t), op); });
+  auto s = stage(t, /*fill=*/true);
+  return guarded([&](Comm& g) { return g.all_reduce_async(s, op); }, {{s, t}});
 }
 
 std::unique_ptr<Pending> ReplicaComm::reduce_async(torch::Tensor t, int64_t root) {
-  return guarded([&](Comm& g) { return g.reduce_async(std::move(t), root); });
+  auto s = stage(t, /*fill=*/true);
+  return guarded([&](Comm& g) { return g.reduce_async(s, root); }, {{s, t}});
 }
 
+// The root's tensor is only read: it goes as it is.
 std::unique_ptr<Pending> ReplicaComm::broadcast_async(torch::Tensor t, int64_t root) {
-  return guarded([&](Comm& g) { return g.broadcast_async(std::move(t), root); });
+  if (rank() == root) return guarded([&](Comm& g) { return g.broadcast_async(t, root); });
+  auto s = stage(t, /*fill=*/false);
+  return guarded([&](Comm& g) { return g.broadcast_async(s, root); }, {{s, t}});
 }
 
 std::unique_ptr<Pending> ReplicaComm::all_gather_async(torch::Tensor out, const torch::Tensor& in) {
-  return guarded([&](Comm& g) { return g.all_gather_async(std::move(out), in); });
+  auto s = stage(out, /*fill=*/false);
+  return guarded([&](Comm& g) { return g.all_gather_async(s, in); }, {{s, out}});
 }
 
 // Through all_gather_async: one path for the failure. A failed step's copies are zeros.
@@ -130,6 +180,8 @@ void ReplicaComm::barrier() {
   })->wait();
 }
 
+// Not staged: the replicas' only transfers carry a joiner's state to it, and a joiner
+// whose group fails ends (run/modes/replicas.cpp); a copy would double gigabytes of it.
 std::unique_ptr<Pending> ReplicaComm::exchange_async(std::vector<P2POp> ops) {
   return guarded([&](Comm& g) { return g.exchange_async(std::move(ops)); });
 }

@@ -7,15 +7,25 @@
 // is garbage, which is sound only because a failed step is discarded whole; reform() then
 // puts the survivors' new group in the old one's place.
 //
-// The failed group is dropped at once, on a thread of its own (its process group closes
-// its connections once its own operations have ended): a member waiting for data from
-// this one, not from the one that died, then fails too instead of waiting out the group's
-// timeout. Gloo has no abort of its own (LibTorch 2.15's ProcessGroupGloo aborts single
-// transfers only); a member that dies closes its connections the same way.
+// A member that dies closes its connections, and its peers' collectives with it fail. But
+// Gloo has no abort (LibTorch 2.15's ProcessGroupGloo aborts single transfers only), and a
+// group closes its own connections only once its operations have ended: with several
+// collectives in flight (a gradient's buckets), survivors could wait on one another until
+// the group's timeout. So a wait here gives up once the step has failed, or when the
+// liveness (`gone`: the launcher's word, a stale heartbeat) says a member has gone; the
+// failed group is dropped on a thread of its own. A collective given up on runs on in the
+// backend until it ends, and may still write its result: every tensor a collective writes
+// into is a staged copy, whose result reaches the caller's tensor only from a collective
+// that completed (a transfer's is not: see exchange_async). NCCL's waits are not given up
+// on: see Pending::wait_for.
 #pragma once
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/comm.hpp"
 
@@ -23,7 +33,10 @@ namespace dtrain {
 
 class ReplicaComm : public Comm {
  public:
-  explicit ReplicaComm(std::shared_ptr<Comm> group);
+  // Says which member has gone ("" while none has); asked every `every` of a wait.
+  using Gone = std::function<std::string()>;
+  explicit ReplicaComm(std::shared_ptr<Comm> group, Gone gone = nullptr,
+                       std::chrono::milliseconds every = std::chrono::milliseconds(100));
 
   // In the quorum's group (kept past a failure: a failed step still weighs its shares).
   int64_t rank() const override { return rank_; }
@@ -37,6 +50,9 @@ class ReplicaComm : public Comm {
   void reform(std::shared_ptr<Comm> group);
   // Marks the step failed from outside (a member seen dead before anything was posted).
   void fail(const std::string& why);
+  // Waits for `op`: false (the step marked failed) where it failed, or was given up on
+  // because the step had failed or a member had gone.
+  bool wait_out(Pending& op);
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override;
   std::unique_ptr<Pending> reduce_async(torch::Tensor t, int64_t root) override;
@@ -54,9 +70,17 @@ class ReplicaComm : public Comm {
  private:
   // Posts `op` on the group unless the step has failed; a failure, at post or at wait,
   // is remembered instead of thrown.
+  // `staged`: the copies the operation writes into, and the caller's tensor each goes
+  // back to once it has completed.
   template <class Post>
-  std::unique_ptr<Pending> guarded(Post&& post);
+  std::unique_ptr<Pending> guarded(Post&& post, std::vector<std::pair<torch::Tensor, torch::Tensor>> staged = {});
   std::shared_ptr<Comm> live_group() const;
+  // A copy of `t` for the backend to write into (holding t's values where `fill`): from
+  // the pool of those a completed collective gave back, or new.
+  torch::Tensor stage(const torch::Tensor& t, bool fill);
+  // A completed collective's copies: their results to the callers' tensors, then the pool.
+  void give_back(std::vector<std::pair<torch::Tensor, torch::Tensor>>& staged);
+  class Guarded;  // a collective in flight, waited as wait_out() says
 
   // Null once failed. Under mu_: a failure may be seen on any thread that waits.
   std::shared_ptr<Comm> group_;
@@ -64,6 +88,9 @@ class ReplicaComm : public Comm {
   bool sums_half_ = true, sums_bf16_ = true;  // the group's can_sum, kept like its size
   mutable std::mutex mu_;
   std::string error_;
+  Gone gone_;
+  std::chrono::milliseconds every_;
+  std::vector<torch::Tensor> pool_;  // under mu_; a few, the sizes a step's buckets take
 };
 
 }  // namespace dtrain

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "util/error.hpp"
 
@@ -25,8 +26,22 @@ ReplicaSet::ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool join
       agreement_(store, opts_.replica, opts_.replicas, opts_.dead, opts_.timeout, opts_.poll,
                  opts_.place, opts_.starting),
       quorum_(agreement_.starting_quorum(step)),
-      comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_))),
+      comm_(std::make_shared<ReplicaComm>(joining ? make_local_comm() : group_of(quorum_, opts_),
+                                          [this] { return gone(); })),
       joining_(joining) {}
+
+// Asked while a collective of the step waits (on the thread that waits; the quorum changes
+// only at a vote, once the step's collectives are waited).
+std::string ReplicaSet::gone() const {
+  if (!opts_.dead) return "";
+  std::vector<int64_t> others;
+  for (int64_t m : quorum_.members)
+    if (m != opts_.replica) others.push_back(m);
+  const auto dead = opts_.dead(others);
+  if (dead.empty()) return "";
+  return fmt::format("replica(s) {} gone (the launcher's word, or a heartbeat older than "
+                     "fault_tolerance.heartbeat_s)", fmt::join(dead, ", "));
+}
 
 bool ReplicaSet::join() {
   if (!joining_) return true;

@@ -51,6 +51,8 @@ class ReplicaSet {
   // starts together, in the first quorum (all of them) from `step`; or, `joining`, this
   // one starts later (restarted, or one more) and is in no quorum until join().
   ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining = false);
+  ReplicaSet(const ReplicaSet&) = delete;  // its group asks it who has gone
+  ReplicaSet& operator=(const ReplicaSet&) = delete;
 
   // A joining replica, once ready to train: waits for its peers to leave its former self
   // out, revives, asks to join and waits (up to the timeout) for the quorum that admits
@@ -88,6 +90,8 @@ class ReplicaSet {
   const std::vector<int64_t>& leaving() const { return decided_.leaving; }
 
  private:
+  std::string gone() const;  // which members have gone, for comm()'s waits ("": none)
+
   Options opts_;
   ReplicaAgreement agreement_;
   Quorum quorum_;

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -81,6 +82,29 @@ TEST_CASE("comm: collectives over ranks as threads") {
     if (x.item<double>() != (r == 1 ? 1.0 : 2.0)) fail("sub-group");
     if (g->size() != (r == 1 ? 1 : 2)) fail("sub-group size");
     c->barrier();
+  }, quick());
+  failures.check();
+}
+
+TEST_CASE("comm: a timed wait says whether the collective has completed, and finishes it once") {
+  RankFailures failures;
+  std::atomic<bool> waited{false};
+  test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> c) {
+    const int64_t r = c->rank();
+    auto t = torch::full({5}, double(r + 1), torch::kFloat64);
+    if (r == 1) {  // posts only once rank 0 has seen its collective still running
+      for (int i = 0; i < 3000 && !waited; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      c->all_reduce(t, ReduceOp::kAvg);
+      return;
+    }
+    auto op = c->all_reduce_async(t, ReduceOp::kAvg);
+    if (op->wait_for(std::chrono::milliseconds(20))) failures.add(r, "completed before its peer posted");
+    waited = true;
+    int slices = 0;
+    while (!op->wait_for(std::chrono::milliseconds(20)))
+      if (++slices > 1500) return failures.add(r, "never completed");
+    op->wait();  // already finished: not divided again
+    if (!torch::equal(t, torch::full({5}, 1.5, torch::kFloat64))) failures.add(r, "not the mean");
   }, quick());
   failures.check();
 }

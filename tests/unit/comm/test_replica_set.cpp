@@ -8,6 +8,7 @@
 
 #include <array>
 #include <atomic>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
@@ -134,6 +135,67 @@ TEST_SUITE("replica_set") {
       CHECK(counts[r] == 3);
       CHECK(torch::allclose(w[r], pb.reference(), 1e-12, 1e-14));
     }
+  }
+
+  // Replica 2 stops answering with its connections open (a stopped process before its
+  // launcher kills it; or a survivor held in a collective of its own, as Gloo's groups
+  // hold one another when several buckets are in flight): the others, told by the liveness
+  // that it has gone, stop waiting at once rather than at the group's timeout, and train
+  // the step again without it. Their collectives given up on still run in Gloo and
+  // complete when replica 2 posts late: what they write must not reach the tensors the
+  // step was given (which the step trained again reuses: a gradient's buckets).
+  TEST_CASE("replicas: a member the liveness says has gone is not waited for, and late results stay out") {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::atomic<int> reformed{0};
+    std::atomic<bool> late_done{false};
+    test::RankFailures fails;
+    auto until = [](const std::function<bool()>& done) {
+      for (int i = 0; i < 4000 && !done(); ++i) std::this_thread::sleep_for(5ms);
+      return done();
+    };
+    test::run_ranks_as_threads(3, [&](std::shared_ptr<Comm> world) {
+      const int64_t r = world->rank();
+      ReplicaSet::Options o;
+      o.replica = r, o.replicas = 3;
+      o.dead = test::dead_unless([](int64_t m) { return m != 2; });
+      o.timeout = 30s, o.poll = 1ms;
+      o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
+        return world->new_group(name, members);
+      };
+      ReplicaSet set(*store, o, 1);
+      auto a = torch::full({1000}, double(r + 1), torch::kFloat64);
+      auto b = torch::full({300}, double(10 * (r + 1)), torch::kFloat64);
+      if (r == 2) {
+        if (!until([&] { return reformed == 2; })) return fails.add(r, "the others never went on");
+        set.comm()->all_reduce(a);  // with the others' collectives that gave up
+        set.comm()->all_reduce(b);
+        if (set.comm()->failed()) return fails.add(r, set.comm()->error());
+        if (!torch::equal(a, torch::full({1000}, 6.0, torch::kFloat64)))
+          fails.add(r, "the late all-reduce is not the three's sum");
+        late_done = true;
+        return;
+      }
+      const auto a0 = a.clone(), b0 = b.clone();
+      auto pa = set.comm()->all_reduce_async(a, ReduceOp::kSum);
+      auto pb = set.comm()->all_reduce_async(b, ReduceOp::kSum);
+      pa->wait();
+      pb->wait();
+      const std::string error = set.comm()->error();
+      if (error.find("replica(s) 2 gone") == std::string::npos)
+        fails.add(r, "the wait did not end on the liveness' word: " + error);
+      if (set.commit(1)) fails.add(r, "a failed step committed");
+      if (set.count() != 2) fails.add(r, "replica 2 is still a member");
+      auto c = torch::full({4}, double(r + 1), torch::kFloat64);
+      set.comm()->all_reduce(c);  // the step again, in the new group
+      if (!torch::equal(c, torch::full({4}, 3.0, torch::kFloat64))) fails.add(r, "the new group's sum");
+      if (!set.commit(1)) fails.add(r, "the step trained again did not commit");
+      ++reformed;
+      if (!until([&] { return late_done.load(); })) return fails.add(r, "replica 2 never finished");
+      for (int i = 0; i < 60; ++i, std::this_thread::sleep_for(5ms))
+        if (!torch::equal(a, a0) || !torch::equal(b, b0))
+          return fails.add(r, "a collective given up on wrote into the step's tensors");
+    }, test::quick());
+    fails.check();
   }
 
   TEST_CASE("replicas: a replica its peers voted dead is told so, not left training alone") {
