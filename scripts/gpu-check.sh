@@ -2,8 +2,9 @@
 # On a GPU machine whose LibTorch is the one inside Python's torch (2.x with CUDA): builds
 # dtrain against it, runs the CUDA tests, the GPU benchmark against PyTorch
 # (scripts/bench_gpu.sh), the plan's time and memory against runs (scripts/bench_plan.sh
-# --gpu) and the whole CPU suite with the GPU hidden, in that order, each bounded, logs
-# under $OUT (default /tmp/dtrain-gpu-check). About 8 minutes on 16 cores.
+# --gpu), a fault-tolerant replica's rejoin (scripts/bench_faults.sh) and the whole CPU
+# suite with the GPU hidden, in that order, each bounded, logs under $OUT (default
+# /tmp/dtrain-gpu-check). About 8 minutes on 16 cores; more where BUDGET allows.
 #   scripts/gpu-check.sh
 # Brings along (a machine without a package manager or network): third_party/debs
 # (third_party/fetch.sh, run on a Debian 13 machine) and .devdata/ holding the
@@ -77,6 +78,19 @@ cp $OUT/bench/bench_gpu.jsonl $OUT/ 2>/dev/null
 step "the plan against runs on the GPU (its profile measured first; scripts/bench_plan.sh --gpu)"
 DTRAIN_BIN=build-gpu/dtrain OUT_DIR=$OUT/plan timeout 180 scripts/bench_plan.sh --gpu 2>&1 | tail -12
 cp $OUT/plan/machine.json $OUT/machine.json 2>/dev/null
+
+step "fault tolerance: a killed replica's rejoin at GPT-2 small's shape (target: 5 s; four replicas share the GPU over Gloo)"
+# The rejoin column is the restarted process's start to its joining with the others' state.
+# Before the CPU suite, which CI runs anyway: up to 200 s of what is left of BUDGET.
+FT_TIME=$(( $(left) < 200 ? $(left) - 20 : 200 ))
+if [ "$FT_TIME" -gt 90 ]; then
+  OUT_DIR=$OUT/faults DTRAIN_BIN=build-gpu/dtrain timeout $FT_TIME \
+    scripts/bench_faults.sh --model gpt2 --launchers replicas --steps 80 --every 10 \
+    --set train.device=cuda:0 --set dist.backend=gloo 2>&1 | tail -8
+  cp $OUT/faults/faults.jsonl $OUT/faults.jsonl 2>/dev/null
+else
+  echo "skipped: $(left) s of BUDGET left"
+fi
 
 step "the whole suite on the CPU (GPU hidden), in what is left of BUDGET"
 [ "$(left)" -gt 60 ] || { step "no time left for it"; exit 0; }

@@ -14,8 +14,6 @@ class Skipped : public Pending {
   void wait() override {}
 };
 
-constexpr size_t kPooled = 8;  // copies kept for reuse: a step's buckets in flight, and a few
-
 using Staged = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
 
 }  // namespace
@@ -27,8 +25,8 @@ class ReplicaComm::Guarded : public Pending {
       : op_(std::move(op)), comm_(comm), staged_(std::move(staged)) {}
   void wait() override {
     if (!op_) return;
-    if (comm_.wait_out(*op_)) comm_.give_back(staged_);
     // Given up on, it runs on in the backend, which holds what it writes into.
+    comm_.unstage(staged_, comm_.wait_out(*op_));
     op_.reset();
     staged_.clear();
   }
@@ -105,24 +103,36 @@ bool ReplicaComm::wait_out(Pending& op) {
 
 torch::Tensor ReplicaComm::stage(const torch::Tensor& t, bool fill) {
   torch::Tensor s;
+  const int64_t bytes = t.numel() * int64_t(t.element_size());
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = std::find_if(pool_.begin(), pool_.end(), [&](const torch::Tensor& p) {
       return p.numel() == t.numel() && p.scalar_type() == t.scalar_type() && p.device() == t.device();
     });
-    if (it != pool_.end()) s = std::move(*it), pool_.erase(it);
+    if (it != pool_.end()) s = std::move(*it), pool_.erase(it), pooled_bytes_ -= bytes;
+    staged_bytes_ += bytes;
+    peak_bytes_ = std::max(peak_bytes_, staged_bytes_);
   }
   s = s.defined() ? s.view(t.sizes()) : torch::empty(t.sizes(), t.options());
   if (fill) s.copy_(t);
   return s;
 }
 
-void ReplicaComm::give_back(Staged& staged) {
-  for (auto& [copy, caller] : staged) caller.copy_(copy);
+void ReplicaComm::unstage(Staged& staged, bool completed) {
+  if (completed)
+    for (auto& [copy, caller] : staged) caller.copy_(copy);
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [copy, caller] : staged) {
-    if (pool_.size() == kPooled) pool_.erase(pool_.begin());  // the oldest
+    const int64_t bytes = copy.numel() * int64_t(copy.element_size());
+    staged_bytes_ -= bytes;
+    if (!completed) continue;
     pool_.push_back(std::move(copy));
+    pooled_bytes_ += bytes;
+  }
+  // At most what was ever in flight at once: the sizes a step takes stay, others age out.
+  while (pooled_bytes_ > peak_bytes_) {
+    pooled_bytes_ -= pool_.front().numel() * int64_t(pool_.front().element_size());
+    pool_.erase(pool_.begin());
   }
 }
 

@@ -78,8 +78,9 @@ class ReplicaComm : public Comm {
   // A copy of `t` for the backend to write into (holding t's values where `fill`): from
   // the pool of those a completed collective gave back, or new.
   torch::Tensor stage(const torch::Tensor& t, bool fill);
-  // A completed collective's copies: their results to the callers' tensors, then the pool.
-  void give_back(std::vector<std::pair<torch::Tensor, torch::Tensor>>& staged);
+  // A collective's copies once it is over: where it `completed`, their results to the
+  // callers' tensors and the copies to the pool; else left to the backend.
+  void unstage(std::vector<std::pair<torch::Tensor, torch::Tensor>>& staged, bool completed);
   class Guarded;  // a collective in flight, waited as wait_out() says
 
   // Null once failed. Under mu_: a failure may be seen on any thread that waits.
@@ -90,7 +91,10 @@ class ReplicaComm : public Comm {
   std::string error_;
   Gone gone_;
   std::chrono::milliseconds every_;
-  std::vector<torch::Tensor> pool_;  // under mu_; a few, the sizes a step's buckets take
+  // Under mu_: the copies free for reuse, oldest first, and the bytes of copies pooled, in
+  // flight now, and at most in flight at once (the pool's bound: a step's buckets).
+  std::vector<torch::Tensor> pool_;
+  int64_t pooled_bytes_ = 0, staged_bytes_ = 0, peak_bytes_ = 0;
 };
 
 }  // namespace dtrain
