@@ -1,6 +1,7 @@
 #include "comm/replica_comm.hpp"
 
 #include <algorithm>
+#include <csignal>
 #include <stdexcept>
 #include <thread>
 
@@ -148,6 +149,7 @@ std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post, Staged staged) {
     return std::make_unique<Skipped>();
   }
   count_sent(group->take_sent());
+  if (die_after_ > 0 && --die_after_ == 0) std::raise(SIGKILL);
   return std::make_unique<Guarded>(std::move(op), *this, std::move(staged));
 }
 

@@ -19,6 +19,7 @@
 // that completed (a transfer's is not: see exchange_async). NCCL's waits are not given up
 // on: see Pending::wait_for.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -53,6 +54,9 @@ class ReplicaComm : public Comm {
   // Waits for `op`: false (the step marked failed) where it failed, or was given up on
   // because the step had failed or a member had gone.
   bool wait_out(Pending& op);
+  // Testing (fault_tolerance.debug_kill_in: reduce): this process kills itself (SIGKILL)
+  // once it has posted `n` more collectives, the others' own still in flight.
+  void die_after_posts(int64_t n) { die_after_ = n; }
 
   std::unique_ptr<Pending> all_reduce_async(torch::Tensor t, ReduceOp op) override;
   std::unique_ptr<Pending> reduce_async(torch::Tensor t, int64_t root) override;
@@ -90,6 +94,7 @@ class ReplicaComm : public Comm {
   mutable std::mutex mu_;
   std::string error_;
   Gone gone_;
+  std::atomic<int64_t> die_after_{0};
   std::chrono::milliseconds every_;
   // Under mu_: the copies free for reuse, oldest first, and the bytes of copies pooled, in
   // flight now, and at most in flight at once (the pool's bound: a step's buckets).

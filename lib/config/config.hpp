@@ -424,9 +424,10 @@ struct FaultToleranceConfig {
       "testing: the world rank that kills itself (SIGKILL) as step debug_kill_step starts; "
       "-1 = none");
     v("debug_kill_step", debug_kill_step, "testing: the step debug_kill_rank dies at");
-    v("debug_kill_in", debug_kill_in, Choices{"step", "eval"},
-      "testing: where debug_kill_rank dies: as step debug_kill_step starts, or in the "
-      "evaluation after it, its part scored, before the replicas add theirs up");
+    v("debug_kill_in", debug_kill_in, Choices{"step", "reduce", "eval"},
+      "testing: where debug_kill_rank dies: as step debug_kill_step starts; in its "
+      "reduction, its first bucket posted across the replicas (the others' in flight); or "
+      "in the evaluation after it, its part scored, before the replicas add theirs up");
     v("debug_kill_signal", debug_kill_signal, Choices{"KILL", "TERM"},
       "testing: the signal debug_kill_rank sends itself: KILL (a failure) or TERM (a stop: "
       "its replica leaves the job)");

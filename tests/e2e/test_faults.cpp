@@ -141,6 +141,51 @@ TEST_SUITE("faults") {
     }
   }
 
+  // Killed inside its reduction, its first bucket posted: the others are waiting in
+  // several buckets' all-reduces at once, which Gloo cannot abort. They must give up on
+  // them when the supervisor's word comes (not wait for dist.timeout_s: the hang report,
+  // at 10 s here, would name the wait), and the step trained again must not take what
+  // the abandoned all-reduces may still write (staged copies): one process's losses.
+  TEST_CASE("replicas: a replica killed inside its reduction, many buckets in flight: no wait for the timeout, one process's losses") {
+    const auto dir = temp_dir("ft-reduce");
+    struct Case {
+      int replicas, rank, step;
+      bool gpt;
+    };
+    for (const Case& c : {Case{3, 1, 5, true}, Case{4, 3, 8, true}, Case{4, 0, 3, true},
+                          Case{2, 1, 6, false}}) {
+      const std::string name = fmt::format("r{}-k{}-s{}-{}", c.replicas, c.rank, c.step,
+                                           c.gpt ? "gpt" : "mlp");
+      CAPTURE(name);
+      Job j = ft_job(12);
+      j.train = "grad_accum: 1";
+      j.dist = "{timeout_s: 20}";
+      j.parallel = "{bucket_mb: 0.01}";  // a few thousand values a bucket: many in flight
+      if (c.gpt) {
+        j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+        j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
+                 " workers: 1}";
+      }
+      const auto job = j.write(dir, name + ".yaml");
+      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
+      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
+      const auto r = e2e::dtrain(fmt::format(
+          "run {} --nproc {} --run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
+          "fault_tolerance.debug_kill_step={} --set fault_tolerance.debug_kill_in=reduce{}",
+          job, c.replicas, ft, c.rank, c.step, kQuiet));
+      INFO(r.err);
+      REQUIRE(r.code == 0);
+      CHECK(r.err.find(fmt::format("rank {} was killed by signal 9", c.rank)) != std::string::npos);
+      CHECK(r.err.find(" has waited ") == std::string::npos);
+      CHECK(r.err.find("dist.timeout_s") == std::string::npos);
+      const auto got = train_losses(ft);
+      REQUIRE(got.size() == 24);
+      check_losses_close(train_losses(one), got, 1e-5, name);
+      CHECK(metrics(ft).back()["status"] == "completed");
+      CHECK(metrics(ft).back()["layout"]["data"] == c.replicas - 1);
+    }
+  }
+
   // The failed replica restarted (exec'd: kExec runs the binary itself, whose
   // /proc/self/exe the supervisor starts again) joins the others at a step boundary with
   // their state, taken over the group with no checkpoint read, and hashed alike.
