@@ -39,6 +39,32 @@ Job local_sgd_job(const std::string& more = "") {
   return j;
 }
 
+// The small GPT with dropout, on text: a model of many parameters for its few values.
+constexpr const char* kSmallGpt = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+void small_gpt(Job& j) {
+  j.model = kSmallGpt;
+  j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
+           " workers: 1}";
+}
+
+// `j` written as NAME.yaml in `dir` and run twice: on one process without fault tolerance
+// (NAME-one), then on `replicas` processes whose rank `rank` kills itself at `step` (NAME-ft;
+// `how`: more of the kill's keys, " --set KEY=VALUE").
+struct Killed {
+  std::string one, ft;
+  Result r;
+};
+Killed run_killed(const std::string& dir, const std::string& name, const Job& j, int replicas,
+                  int rank, int step, const std::string& how = "") {
+  const auto job = j.write(dir, name + ".yaml");
+  Killed k{dir + "/" + name + "-one", dir + "/" + name + "-ft", {}};
+  run_ok("run " + job + " --run-dir " + k.one + " --set fault_tolerance.mode=off");
+  k.r = e2e::dtrain(fmt::format(
+      "run {} --nproc {} --run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
+      "fault_tolerance.debug_kill_step={}{}{}", job, replicas, k.ft, rank, step, how, kQuiet));
+  return k;
+}
+
 // A job of replicas of two ranks each (`procs` of them in all, `args` making the replica's
 // layout) whose rank `rank` is killed at `step`: its replica stopped, and where `restart`
 // started again to rejoin (200 steps, every step 20 ms longer so that the run outlasts the
@@ -105,7 +131,7 @@ TEST_SUITE("faults") {
     // survivor of 2 takes all 32, two of 3 share 30 as 15 and 15, three of 4 share 32
     // unevenly, as 11, 11 and 10. With dropout too, whose masks follow each sample's place
     // in the global batch however it is dealt: the MLP's, and a small GPT's on text.
-    const std::string gpt = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
+    const std::string gpt = kSmallGpt;
     for (const Case& c : {Case{2, 32, 1, 5}, Case{3, 30, 0, 4}, Case{4, 32, 2, 9}, Case{4, 32, 0, 17},
                           Case{4, 32, 1, 7, "{arch: mlp, hidden: [64, 32], dropout: 0.2}"},
                           Case{3, 12, 2, 6, gpt},
@@ -117,15 +143,8 @@ TEST_SUITE("faults") {
       Job j = ft_job(c.batch);
       if (!c.model.empty()) j.model = c.model;
       j.train = fmt::format("grad_accum: {}", c.accum);
-      if (c.model == gpt)
-        j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
-                 " workers: 1}";
-      const auto job = j.write(dir, name + ".yaml");
-      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
-      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
-      const auto r = e2e::dtrain(fmt::format(
-          "run {} --nproc {} --run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
-          "fault_tolerance.debug_kill_step={}{}", job, c.replicas, ft, c.rank, c.step, kQuiet));
+      if (c.model == gpt) small_gpt(j);
+      const auto [one, ft, r] = run_killed(dir, name, j, c.replicas, c.rank, c.step);
       INFO(r.err);
       REQUIRE(r.code == 0);
       CHECK(r.err.find(fmt::format("rank {} was killed by signal 9 (Killed); the other replicas "
@@ -161,18 +180,9 @@ TEST_SUITE("faults") {
       j.train = "grad_accum: 1";
       j.dist = "{timeout_s: 20}";
       j.parallel = "{bucket_mb: 0.01}";  // a few thousand values a bucket: many in flight
-      if (c.gpt) {
-        j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
-        j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
-                 " workers: 1}";
-      }
-      const auto job = j.write(dir, name + ".yaml");
-      const auto one = dir + "/" + name + "-one", ft = dir + "/" + name + "-ft";
-      run_ok("run " + job + " --run-dir " + one + " --set fault_tolerance.mode=off");
-      const auto r = e2e::dtrain(fmt::format(
-          "run {} --nproc {} --run-dir {} --set fault_tolerance.debug_kill_rank={} --set "
-          "fault_tolerance.debug_kill_step={} --set fault_tolerance.debug_kill_in=reduce{}",
-          job, c.replicas, ft, c.rank, c.step, kQuiet));
+      if (c.gpt) small_gpt(j);
+      const auto [one, ft, r] = run_killed(dir, name, j, c.replicas, c.rank, c.step,
+                                           " --set fault_tolerance.debug_kill_in=reduce");
       INFO(r.err);
       REQUIRE(r.code == 0);
       CHECK(r.err.find(fmt::format("rank {} was killed by signal 9", c.rank)) != std::string::npos);
@@ -490,11 +500,7 @@ TEST_SUITE("faults") {
                                         c.gpt ? ", tensor: 2" : "",
                                         c.diloco ? ", outer_lr: 0.7, outer_momentum: 0.9" : ""));
       j.checkpoint = "{every_steps: 2, keep_last: 20}";
-      if (c.gpt) {
-        j.model = "{arch: gpt, layers: 2, heads: 4, dim: 32, seq_len: 32, dropout: 0.1}";
-        j.data = "{dataset: text, path: /usr/share/games/fortunes, batch_size: 12, seq_len: 32,"
-                 " workers: 1}";
-      }
+      if (c.gpt) small_gpt(j);
       const auto job = j.write(dir, name + ".yaml");
       const int per = c.gpt ? 2 : 1;  // ranks per replica
       const auto ft = dir + "/" + name + "-ft", ref = dir + "/" + name + "-ref",
