@@ -203,6 +203,9 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   bool can_sum(torch::ScalarType type) const override {
     return ctx_->opts.backend == "nccl" || type == torch::kFloat32 || type == torch::kFloat64;
   }
+  // Gloo's collectives only: a timed wait on its send or recv fails the transfer (its
+  // buffer's wait closes the pairs), and NCCL's aborts the communicator.
+  bool can_give_up() const override { return ctx_->opts.backend == "gloo"; }
   std::unique_ptr<Pending> all_gather_async(torch::Tensor out, const torch::Tensor& in) override {
     auto flat_in = staged(in).dev.reshape(-1).contiguous();
     const int64_t n = flat_in.numel();
@@ -257,9 +260,10 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
   class WorkPending : public Pending {
    public:
     WorkPending(const C10dComm& comm, const char* op, c10::intrusive_ptr<c10d::Work> work,
-                std::vector<torch::Tensor> keep, double divide, torch::Tensor back, WaitedOp what)
+                std::vector<torch::Tensor> keep, double divide, torch::Tensor back, WaitedOp what,
+                bool sliced)
         : ctx_(comm.ctx_), name_(comm.name_), op_(op), work_(std::move(work)), keep_(std::move(keep)),
-          divide_(divide), back_(std::move(back)), what_(std::move(what)) {}
+          divide_(divide), back_(std::move(back)), what_(std::move(what)), sliced_(sliced) {}
     void wait() override {
       if (finished_) return;
       watch();
@@ -267,28 +271,31 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
       try {
         done = work_->wait(std::chrono::duration_cast<std::chrono::milliseconds>(ctx_->opts.timeout));
       } catch (...) {
+        watched_.reset();
         throw failure_in(*ctx_, name_, op_, describe(std::current_exception()));
       }
+      watched_.reset();
       if (!done) throw failure_in(*ctx_, name_, op_, "did not complete");
       finish();
     }
     // A timed wait of c10d's throws when the time is up, as when the operation fails; only
-    // the work says which. (The backend's own timeout, dist.timeout_s, still ends it.)
+    // the work says which (and it may have ended since: wait() then finishes it or throws
+    // its own error). The backend's own timeout, dist.timeout_s, still ends it.
     bool wait_for(std::chrono::milliseconds slice) override {
       if (finished_) return true;
-      if (ctx_->opts.backend == "nccl") {  // its timed wait would abort the communicator
+      if (!sliced_) {
         wait();
         return true;
       }
       watch();
-      bool done = false;
       try {
-        done = work_->wait(slice);
+        if (!work_->wait(slice)) return false;
       } catch (...) {
         if (!work_->isCompleted()) return false;
-        throw failure_in(*ctx_, name_, op_, describe(std::current_exception()));
+        wait();
+        return true;
       }
-      if (!done) return false;
+      watched_.reset();
       finish();
       return true;
     }
@@ -303,7 +310,6 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
         for (auto& t : keep_) t.div_(divide_);
       if (back_.defined()) back_.copy_(keep_[0]);  // a staged CPU tensor gets the result
       finished_ = true;
-      watched_.reset();
     }
 
     std::shared_ptr<GroupContext> ctx_;
@@ -314,10 +320,10 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     double divide_;
     torch::Tensor back_;
     WaitedOp what_;  // for the watch
+    const bool sliced_;  // whether a timed wait leaves the operation be (see pending())
     std::optional<Watch::Waiting> watched_;
     bool finished_ = false;
   };
-
 
   // An operation just posted; `peer`: a transfer's group rank (-1: a collective, which
   // takes the next number of the group's posted count).
@@ -330,7 +336,8 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
               keep.empty() ? 0 : bytes(keep[0]), peer < 0 ? -1 : members_->at(size_t(peer))};
     }
     return std::make_unique<WorkPending>(*this, op, std::move(w), std::move(keep), divide,
-                                         std::move(back), std::move(what));
+                                         std::move(back), std::move(what),
+                                         peer < 0 && can_give_up());
   }
 
   // The tensor the backend operates on, and the one its result is copied back to: for

@@ -28,8 +28,8 @@ class Pending {
   // Waits up to about `slice` for each of its parts: true once the operation has completed
   // (as wait() leaves it), false while it still runs, to be asked again or given up on (a
   // fault-tolerant job's replicas stop waiting on a member that has gone,
-  // comm/replica_comm.hpp). What cannot wait a while (NCCL's blocking wait aborts its
-  // communicator at a timeout) waits it out here, as wait() does.
+  // comm/replica_comm.hpp). What cannot wait a while (Comm::can_give_up) waits it out
+  // here, as wait() does.
   virtual bool wait_for(std::chrono::milliseconds /*slice*/) {
     wait();
     return true;
@@ -116,6 +116,9 @@ class Comm {
   // fp16 all-reduce of the MLP's gradient ran 3x slower, when measured, than gathering the
   // fp16 values and summing them here).
   virtual bool can_sum(torch::ScalarType type) const = 0;
+  // Whether a wait on its collectives can return while they run (Pending::wait_for), to
+  // be given up on.
+  virtual bool can_give_up() const { return false; }
   virtual void barrier() = 0;
   // Sends and receives posted together and completed together, so two peers that each send
   // to and receive from the other cannot deadlock on the order they post them in.

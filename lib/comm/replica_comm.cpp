@@ -16,6 +16,7 @@ class Skipped : public Pending {
 };
 
 using Staged = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
+using Written = std::vector<std::pair<torch::Tensor, bool>>;
 
 }  // namespace
 
@@ -24,12 +25,14 @@ class ReplicaComm::Guarded : public Pending {
  public:
   Guarded(std::unique_ptr<Pending> op, ReplicaComm& comm, Staged staged)
       : op_(std::move(op)), comm_(comm), staged_(std::move(staged)) {}
+  ~Guarded() override {
+    if (op_) comm_.unstage(staged_, false);  // never waited: left to the backend
+  }
   void wait() override {
     if (!op_) return;
     // Given up on, it runs on in the backend, which holds what it writes into.
     comm_.unstage(staged_, comm_.wait_out(*op_));
     op_.reset();
-    staged_.clear();
   }
 
  private:
@@ -39,8 +42,13 @@ class ReplicaComm::Guarded : public Pending {
 };
 
 ReplicaComm::ReplicaComm(std::shared_ptr<Comm> group, Gone gone, std::chrono::milliseconds every)
-    : gone_(std::move(gone)), every_(every) {
-  reform(std::move(group));
+    : gone_(std::move(gone)), every_(std::max(every, std::chrono::milliseconds(1))) {
+  reform(std::move(group));  // (0 would be c10d's "no timeout")
+}
+
+void ReplicaComm::watch_members(Gone gone) {
+  std::lock_guard<std::mutex> lock(mu_);
+  gone_ = std::move(gone);
 }
 
 bool ReplicaComm::failed() const {
@@ -93,7 +101,12 @@ bool ReplicaComm::wait_out(Pending& op) {
   try {
     while (!failed()) {
       if (op.wait_for(every_)) return true;
-      const std::string gone = gone_ ? gone_() : "";
+      Gone ask;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ask = gone_;
+      }
+      const std::string gone = ask ? ask() : "";
       if (!gone.empty()) fail(gone);
     }
   } catch (const std::exception& e) {
@@ -111,17 +124,22 @@ torch::Tensor ReplicaComm::stage(const torch::Tensor& t, bool fill) {
       return p.numel() == t.numel() && p.scalar_type() == t.scalar_type() && p.device() == t.device();
     });
     if (it != pool_.end()) s = std::move(*it), pool_.erase(it), pooled_bytes_ -= bytes;
-    staged_bytes_ += bytes;
-    peak_bytes_ = std::max(peak_bytes_, staged_bytes_);
   }
   s = s.defined() ? s.view(t.sizes()) : torch::empty(t.sizes(), t.options());
   if (fill) s.copy_(t);
+  std::lock_guard<std::mutex> lock(mu_);
+  staged_bytes_ += bytes;
+  peak_bytes_ = std::max(peak_bytes_, staged_bytes_);
   return s;
 }
 
 void ReplicaComm::unstage(Staged& staged, bool completed) {
-  if (completed)
-    for (auto& [copy, caller] : staged) caller.copy_(copy);
+  try {
+    if (completed)
+      for (auto& [copy, caller] : staged) caller.copy_(copy);
+  } catch (const std::exception& e) {
+    fail(first_line(e.what()));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [copy, caller] : staged) {
     const int64_t bytes = copy.numel() * int64_t(copy.element_size());
@@ -130,6 +148,7 @@ void ReplicaComm::unstage(Staged& staged, bool completed) {
     pool_.push_back(std::move(copy));
     pooled_bytes_ += bytes;
   }
+  staged.clear();
   // At most what was ever in flight at once: the sizes a step takes stay, others age out.
   while (pooled_bytes_ > peak_bytes_) {
     pooled_bytes_ -= pool_.front().numel() * int64_t(pool_.front().element_size());
@@ -137,14 +156,27 @@ void ReplicaComm::unstage(Staged& staged, bool completed) {
   }
 }
 
+// Where the group's waits can be given up on, the tensors in `written` (each with whether
+// the collective reads its values too) go to `post` as staged copies; else as they are.
 template <class Post>
-std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post, Staged staged) {
+std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post, const Written& written) {
   const auto group = live_group();
   if (!group) return std::make_unique<Skipped>();
+  Staged staged;
+  std::vector<torch::Tensor> given;
+  for (const auto& [t, read] : written) {
+    if (!group->can_give_up()) {
+      given.push_back(t);
+      continue;
+    }
+    given.push_back(stage(t, read));
+    staged.emplace_back(given.back(), t);
+  }
   std::unique_ptr<Pending> op;
   try {
-    op = post(*group);
+    op = post(*group, given);
   } catch (const std::exception& e) {
+    unstage(staged, false);
     fail(first_line(e.what()));
     return std::make_unique<Skipped>();
   }
@@ -153,26 +185,24 @@ std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post, Staged staged) {
   return std::make_unique<Guarded>(std::move(op), *this, std::move(staged));
 }
 
+using Given = const std::vector<torch::Tensor>&;
+
 std::unique_ptr<Pending> ReplicaComm::all_reduce_async(torch::Tensor t, ReduceOp op) {
-  auto s = stage(t, /*fill=*/true);
-  return guarded([&](Comm& g) { return g.all_reduce_async(s, op); }, {{s, t}});
+  return guarded([&](Comm& g, Given s) { return g.all_reduce_async(s[0], op); }, {{t, true}});
 }
 
 std::unique_ptr<Pending> ReplicaComm::reduce_async(torch::Tensor t, int64_t root) {
-  auto s = stage(t, /*fill=*/true);
-  return guarded([&](Comm& g) { return g.reduce_async(s, root); }, {{s, t}});
+  return guarded([&](Comm& g, Given s) { return g.reduce_async(s[0], root); }, {{t, true}});
 }
 
-// The root's tensor is only read: it goes as it is.
+// The root's tensor too: Gloo's CUDA broadcast writes it back from its own buffer.
 std::unique_ptr<Pending> ReplicaComm::broadcast_async(torch::Tensor t, int64_t root) {
-  if (rank() == root) return guarded([&](Comm& g) { return g.broadcast_async(t, root); });
-  auto s = stage(t, /*fill=*/false);
-  return guarded([&](Comm& g) { return g.broadcast_async(s, root); }, {{s, t}});
+  return guarded([&](Comm& g, Given s) { return g.broadcast_async(s[0], root); },
+                 {{t, rank() == root}});
 }
 
 std::unique_ptr<Pending> ReplicaComm::all_gather_async(torch::Tensor out, const torch::Tensor& in) {
-  auto s = stage(out, /*fill=*/false);
-  return guarded([&](Comm& g) { return g.all_gather_async(s, in); }, {{s, out}});
+  return guarded([&](Comm& g, Given s) { return g.all_gather_async(s[0], in); }, {{out, false}});
 }
 
 // Through all_gather_async: one path for the failure. A failed step's copies are zeros.
@@ -186,16 +216,17 @@ std::vector<torch::Tensor> ReplicaComm::all_gather(const torch::Tensor& t) {
 }
 
 void ReplicaComm::barrier() {
-  guarded([](Comm& g) {
+  guarded([](Comm& g, Given) {
     g.barrier();
     return std::unique_ptr<Pending>(std::make_unique<Skipped>());
   })->wait();
 }
 
-// Not staged: the replicas' only transfers carry a joiner's state to it, and a joiner
-// whose group fails ends (run/modes/replicas.cpp); a copy would double gigabytes of it.
+// Not staged, and waited out whole (Gloo's timed wait on a transfer fails it): the
+// replicas' only transfers carry a joiner's state to it, and a joiner whose group fails
+// ends (run/modes/replicas.cpp); a copy would double gigabytes of it.
 std::unique_ptr<Pending> ReplicaComm::exchange_async(std::vector<P2POp> ops) {
-  return guarded([&](Comm& g) { return g.exchange_async(std::move(ops)); });
+  return guarded([&](Comm& g, Given) { return g.exchange_async(std::move(ops)); });
 }
 
 std::shared_ptr<Comm> ReplicaComm::new_group(const std::string& name, const std::vector<int64_t>&) {

@@ -54,6 +54,8 @@ class ReplicaComm : public Comm {
   // Waits for `op`: false (the step marked failed) where it failed, or was given up on
   // because the step had failed or a member had gone.
   bool wait_out(Pending& op);
+  // Who is asked from now on (nullptr: nobody; an owner that goes before this group).
+  void watch_members(Gone gone);
   // Testing (fault_tolerance.debug_kill_in: reduce): this process kills itself (SIGKILL)
   // once it has posted `n` more collectives, the others' own still in flight.
   void die_after_posts(int64_t n) { die_after_ = n; }
@@ -74,10 +76,10 @@ class ReplicaComm : public Comm {
  private:
   // Posts `op` on the group unless the step has failed; a failure, at post or at wait,
   // is remembered instead of thrown.
-  // `staged`: the copies the operation writes into, and the caller's tensor each goes
-  // back to once it has completed.
+  // `written`: the tensors the operation writes into, each with whether it reads them too.
   template <class Post>
-  std::unique_ptr<Pending> guarded(Post&& post, std::vector<std::pair<torch::Tensor, torch::Tensor>> staged = {});
+  std::unique_ptr<Pending> guarded(Post&& post,
+                                   const std::vector<std::pair<torch::Tensor, bool>>& written = {});
   std::shared_ptr<Comm> live_group() const;
   // A copy of `t` for the backend to write into (holding t's values where `fill`): from
   // the pool of those a completed collective gave back, or new.
@@ -93,7 +95,7 @@ class ReplicaComm : public Comm {
   bool sums_half_ = true, sums_bf16_ = true;  // the group's can_sum, kept like its size
   mutable std::mutex mu_;
   std::string error_;
-  Gone gone_;
+  Gone gone_;  // under mu_
   std::atomic<int64_t> die_after_{0};
   std::chrono::milliseconds every_;
   // Under mu_: the copies free for reuse, oldest first, and the bytes of copies pooled, in

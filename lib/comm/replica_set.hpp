@@ -51,6 +51,7 @@ class ReplicaSet {
   // starts together, in the first quorum (all of them) from `step`; or, `joining`, this
   // one starts later (restarted, or one more) and is in no quorum until join().
   ReplicaSet(c10d::Store& store, Options opts, int64_t step, bool joining = false);
+  ~ReplicaSet() { comm_->watch_members(nullptr); }  // comm() may outlive it
   ReplicaSet(const ReplicaSet&) = delete;  // its group asks it who has gone
   ReplicaSet& operator=(const ReplicaSet&) = delete;
 

@@ -153,8 +153,8 @@ bool Replicas::dies_at(int64_t n, const std::string& in) const {
 void Replicas::before_step(int64_t n) {
   if (dies_at(n, "step"))  // a failure, or a stop (its replica leaves)
     std::raise(cfg_.fault_tolerance.debug_kill_signal == "TERM" ? SIGTERM : SIGKILL);
-  if (dies_at(n, "reduce")) set_->comm()->die_after_posts(1);
   if (set_->quorum().step == n) receive_or_send_state();  // a quorum with joiners starts
+  if (dies_at(n, "reduce")) set_->comm()->die_after_posts(1);
   // The members' batch from this step on (a joiner's course is its source's, so each
   // member continues the same one alike).
   const int64_t members_batch = data_ranks() * rank_batch_;

@@ -191,9 +191,31 @@ TEST_SUITE("replica_set") {
       if (!set.commit(1)) fails.add(r, "the step trained again did not commit");
       ++reformed;
       if (!until([&] { return late_done.load(); })) return fails.add(r, "replica 2 never finished");
-      for (int i = 0; i < 60; ++i, std::this_thread::sleep_for(5ms))
+      for (int i = 0; i < 200; ++i, std::this_thread::sleep_for(5ms))
         if (!torch::equal(a, a0) || !torch::equal(b, b0))
           return fails.add(r, "a collective given up on wrote into the step's tensors");
+    }, test::quick());
+    fails.check();
+  }
+
+  // Waits of many slices (1 ms here) on a peer that is late, not gone: an all-reduce is
+  // waited out slice by slice, a transfer whole (a timed wait on Gloo's send or recv fails
+  // it), and neither fails the step.
+  TEST_CASE("replicas: collectives and transfers outlasting a wait's slice complete") {
+    test::RankFailures fails;
+    test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> world) {
+      const int64_t r = world->rank();
+      ReplicaComm comm(world, [] { return std::string(); }, 1ms);
+      auto sum = torch::full({500}, double(r + 1), torch::kFloat64);
+      auto moved = torch::full({20000}, double(r == 1 ? 7 : 0), torch::kFloat64);
+      if (r == 1) std::this_thread::sleep_for(150ms);
+      comm.all_reduce(sum, ReduceOp::kAvg);
+      if (r == 0) std::this_thread::sleep_for(150ms);
+      if (r == 1) comm.send(moved, 0);
+      else comm.recv(moved, 1);
+      if (comm.failed()) return fails.add(r, comm.error());
+      if (!torch::equal(sum, torch::full({500}, 1.5, torch::kFloat64))) fails.add(r, "the mean");
+      if (!torch::equal(moved, torch::full({20000}, 7.0, torch::kFloat64))) fails.add(r, "the transfer");
     }, test::quick());
     fails.check();
   }
