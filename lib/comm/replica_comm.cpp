@@ -117,7 +117,7 @@ bool ReplicaComm::wait_out(Pending& op) {
 
 torch::Tensor ReplicaComm::stage(const torch::Tensor& t, bool fill) {
   torch::Tensor s;
-  const int64_t bytes = t.numel() * int64_t(t.element_size());
+  const auto bytes = int64_t(t.nbytes());
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = std::find_if(pool_.begin(), pool_.end(), [&](const torch::Tensor& p) {
@@ -142,7 +142,7 @@ void ReplicaComm::unstage(Staged& staged, bool completed) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [copy, caller] : staged) {
-    const int64_t bytes = copy.numel() * int64_t(copy.element_size());
+    const auto bytes = int64_t(copy.nbytes());
     staged_bytes_ -= bytes;
     if (!completed) continue;
     pool_.push_back(std::move(copy));
@@ -151,7 +151,7 @@ void ReplicaComm::unstage(Staged& staged, bool completed) {
   staged.clear();
   // At most what was ever in flight at once: the sizes a step takes stay, others age out.
   while (pooled_bytes_ > peak_bytes_) {
-    pooled_bytes_ -= pool_.front().numel() * int64_t(pool_.front().element_size());
+    pooled_bytes_ -= int64_t(pool_.front().nbytes());
     pool_.erase(pool_.begin());
   }
 }
@@ -162,15 +162,12 @@ template <class Post>
 std::unique_ptr<Pending> ReplicaComm::guarded(Post&& post, const Written& written) {
   const auto group = live_group();
   if (!group) return std::make_unique<Skipped>();
+  const bool stages = group->can_give_up();
   Staged staged;
   std::vector<torch::Tensor> given;
   for (const auto& [t, read] : written) {
-    if (!group->can_give_up()) {
-      given.push_back(t);
-      continue;
-    }
-    given.push_back(stage(t, read));
-    staged.emplace_back(given.back(), t);
+    given.push_back(stages ? stage(t, read) : t);
+    if (stages) staged.emplace_back(given.back(), t);
   }
   std::unique_ptr<Pending> op;
   try {

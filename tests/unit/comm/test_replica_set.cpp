@@ -8,6 +8,7 @@
 
 #include <array>
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -51,6 +52,20 @@ struct Problem {
   }
 };
 
+// The options of replica `world->rank()` among `replicas`, its groups made within `world`,
+// each replica dead where `alive` says it is not.
+ReplicaSet::Options options_for(const std::shared_ptr<Comm>& world, int64_t replicas,
+                                std::function<bool(int64_t)> alive) {
+  ReplicaSet::Options o;
+  o.replica = world->rank(), o.replicas = replicas;
+  o.dead = test::dead_unless(std::move(alive));
+  o.timeout = 30s, o.poll = 1ms;
+  o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
+    return world->new_group(name, members);
+  };
+  return o;
+}
+
 // When a replica dies: at the start of a step (before its share of the reduction: the
 // others' fails) or after the reduction, before its vote (theirs succeeded).
 struct Death {
@@ -69,14 +84,8 @@ std::vector<torch::Tensor> train(const Problem& pb, int64_t replicas, std::vecto
   test::RankFailures fails;
   test::run_ranks_as_threads(replicas, [&](std::shared_ptr<Comm> world) {
     const int64_t r = world->rank();
-    ReplicaSet::Options o;
-    o.replica = r, o.replicas = replicas;
-    o.dead = test::dead_unless([&](int64_t m) { return alive[size_t(m)].load(); });
-    o.timeout = 30s, o.poll = 1ms;
-    o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
-      return world->new_group(name, members);
-    };
-    ReplicaSet set(*store, o, /*step=*/1);
+    const auto alive_now = [&](int64_t m) { return alive[size_t(m)].load(); };
+    ReplicaSet set(*store, options_for(world, replicas, alive_now), /*step=*/1);
     auto dies = [&](int64_t n, bool after_reduce) {
       for (const auto& d : deaths)
         if (d.replica == r && d.step == n && d.after_reduce == after_reduce) return true;
@@ -155,14 +164,7 @@ TEST_SUITE("replica_set") {
     };
     test::run_ranks_as_threads(3, [&](std::shared_ptr<Comm> world) {
       const int64_t r = world->rank();
-      ReplicaSet::Options o;
-      o.replica = r, o.replicas = 3;
-      o.dead = test::dead_unless([](int64_t m) { return m != 2; });
-      o.timeout = 30s, o.poll = 1ms;
-      o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
-        return world->new_group(name, members);
-      };
-      ReplicaSet set(*store, o, 1);
+      ReplicaSet set(*store, options_for(world, 3, [](int64_t m) { return m != 2; }), 1);
       auto a = torch::full({1000}, double(r + 1), torch::kFloat64);
       auto b = torch::full({300}, double(10 * (r + 1)), torch::kFloat64);
       if (r == 2) {
@@ -226,14 +228,8 @@ TEST_SUITE("replica_set") {
     test::RankFailures fails;
     test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> world) {
       const int64_t r = world->rank();
-      ReplicaSet::Options o;
-      o.replica = r, o.replicas = 2;
-      o.dead = test::dead_unless([&](int64_t m) { return m == 0 || one_alive.load(); });
-      o.timeout = 30s, o.poll = 1ms;
-      o.make_group = [world](const std::string& name, const std::vector<int64_t>& members) {
-        return world->new_group(name, members);
-      };
-      ReplicaSet set(*store, o, 1);
+      const auto alive = [&](int64_t m) { return m == 0 || one_alive.load(); };
+      ReplicaSet set(*store, options_for(world, 2, alive), 1);
       if (r == 1) {
         // Seen silent (a stopped process, say) while it still runs: replica 0 votes for it.
         one_alive = false;
