@@ -233,9 +233,9 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
     return guard("send/recv", [&] {
       auto all = std::make_unique<PendingAll>();
       for (auto& op : ops) {
-        const Staged st = p2p_staged(op.tensor);
-        std::vector<torch::Tensor> ts{st.dev};
         const bool send = op.kind == P2POp::kSend;
+        const Staged st = p2p_staged(op.tensor, send);
+        std::vector<torch::Tensor> ts{st.dev};
         if (send) count_sent(bytes(op.tensor));
         auto work = send ? pg_->send(ts, int(op.peer), op.tag) : pg_->recv(ts, int(op.peer), op.tag);
         all->parts.push_back(pending(send ? "send" : "recv", work, ts, 1.0,
@@ -363,10 +363,12 @@ class C10dComm : public Comm, public std::enable_shared_from_this<C10dComm<PG>> 
 
   // A point-to-point transfer's tensor: as staged(); and a CUDA tensor through host memory
   // for Gloo, whose send and recv hand the tensor's pointer to TCP as it is (its
-  // collectives have CUDA paths of their own).
-  Staged p2p_staged(const torch::Tensor& t) const {
-    if (stage_ || !t.is_cuda()) return staged(t);
-    return {t.to(torch::kCPU), t};
+  // collectives have CUDA paths of their own). What a recv stages into needs none of the
+  // tensor's bytes (a join's gigabytes are not copied over first).
+  Staged p2p_staged(const torch::Tensor& t, bool send) const {
+    const auto to = stage_ ? *stage_ : c10::Device(torch::kCPU);
+    if (t.device() == to || (!stage_ && !t.is_cuda())) return {t, torch::Tensor()};
+    return {send ? t.to(to) : torch::empty(t.sizes(), t.options().device(to)), t};
   }
 
   template <class F>
