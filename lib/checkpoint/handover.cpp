@@ -169,6 +169,13 @@ uint64_t hash_of(const MemoryWriter& state) {
   return h;
 }
 
+// A held tensor's header entry: its file, name, type, shape, split and range, and whether
+// it is on a GPU (last).
+json entry_of(const Held& held) {
+  return {int(held.file), held.name, int(held.tensor.scalar_type()), held.tensor.sizes().vec(),
+          placement_record(held.part), range_record(held.range), held.tensor.is_cuda()};
+}
+
 // `source`'s header (every tensor's file, name, type, shape and split, and whether it is on
 // a GPU; the trainer entries) on every member.
 json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
@@ -177,10 +184,7 @@ json header_from(Comm& group, int64_t source, const MemoryWriter& mine) {
     json h;
     h["trainer"] = mine.trainer;
     h["job"] = mine.job;
-    for (const auto& held : mine.held)
-      h["tensors"].push_back({int(held.file), held.name, int(held.tensor.scalar_type()),
-                              held.tensor.sizes().vec(), placement_record(held.part),
-                              range_record(held.range), held.tensor.is_cuda()});
+    for (const auto& held : mine.held) h["tensors"].push_back(entry_of(held));
     text = h.dump();
   }
   auto length = torch::tensor({int64_t(text.size())}, torch::kInt64);
@@ -203,13 +207,58 @@ std::vector<int64_t> takers(Comm& group, bool takes) {
   return out;
 }
 
-// Where a joiner takes a header entry's tensor: where the source keeps it, a GPU's state
-// straight onto this rank's GPU.
-torch::Tensor landing(const json& entry, c10::Device device) {
+// Where a joiner takes a header entry's tensor: into the tensor its own save gave for it
+// where that is the same tensor (its file, name, type, shape, split and range alike,
+// contiguous, on the device the source's is taken to): a view of its live state where the
+// component saves one (the weights', the optimizer's flat buffers), so a join needs no
+// second copy of the state on the device (a GPU filled by a large model's state would not
+// hold one) and the load's copies are onto themselves. Elsewhere (a channels-last weight,
+// a tensor a component makes as it saves) a new tensor where the source keeps it, a GPU's
+// state straight onto this rank's GPU. (Over Gloo a GPU's state still passes through host
+// memory, every tensor's at once; a ZeRO shard's piece is placed in a whole tensor of its
+// own as it loads, one at a time.)
+torch::Tensor landing(const json& entry, c10::Device device, const Held* own) {
   const bool on_device = entry.at(6).get<bool>() && device.is_cuda();
+  if (own != nullptr && own->tensor.is_contiguous() && own->tensor.is_cuda() == on_device) {
+    const json mine = entry_of(*own);  // the same entry but for the device it lies on
+    if (std::equal(mine.begin(), mine.end() - 1, entry.begin())) return own->tensor;
+  }
   return torch::empty(entry.at(3).get<std::vector<int64_t>>(),
                       torch::dtype(torch::ScalarType(entry.at(2).get<int>()))
                           .device(on_device ? device : torch::kCPU));
+}
+
+// The source's transfers: each tensor once for all joiners, on the device it is on (a
+// group stages it where it must).
+void add_sends(const MemoryWriter& state, const std::vector<int64_t>& joiners,
+               std::vector<P2POp>& transfers) {
+  if (joiners.empty()) return;
+  for (const auto& held : state.held) {
+    const auto t = held.tensor.contiguous();
+    for (int64_t j : joiners) transfers.push_back({P2POp::kSend, t, j});
+  }
+}
+
+// A joiner's transfers from `source`, of every tensor the header lists, each into the
+// tensor landing() picks (its own state's, as it stands, where that is the same): what it
+// takes goes into `got` as the source saved it, its bytes counted in `out`.
+void add_receives(const json& header, const std::vector<Stateful*>& parts, int64_t source,
+                  c10::Device device, MemoryWriter& got, Handover& out,
+                  std::vector<P2POp>& transfers) {
+  const MemoryWriter own = saved(parts);
+  std::map<std::pair<int, std::string>, const Held*> places;
+  for (const auto& h : own.held) places[{int(h.file), h.name}] = &h;
+  for (const auto& entry : header.value("tensors", json::array())) {
+    const auto file = StateFile(entry.at(0).get<int>());
+    const auto name = entry.at(1).get<std::string>();
+    const auto place = places.find({int(file), name});
+    const Held* mine = place != places.end() ? place->second : nullptr;
+    auto t = landing(entry, device, mine);
+    transfers.push_back({P2POp::kRecv, t, source});
+    out.bytes += t.nbytes();
+    if (mine != nullptr && t.is_same(mine->tensor)) out.in_place += t.nbytes();
+    got.held.push_back({file, name, t, part_from(entry.at(4)), range_from(entry.at(5))});
+  }
 }
 
 }  // namespace
@@ -229,22 +278,8 @@ Handover hand_over(const std::vector<Stateful*>& parts, Comm& group, int64_t sou
   got.job = header.at("job").get<std::string>();
   Handover out;
   std::vector<P2POp> transfers;
-  size_t i = 0;
-  for (const auto& entry : header.value("tensors", json::array())) {
-    if (sends && !joiners.empty()) {
-      // One for all joiners; on the device it is on (a group stages it where it must).
-      const auto t = state.held[i].tensor.contiguous();
-      for (int64_t j : joiners) transfers.push_back({P2POp::kSend, t, j});
-    }
-    if (takes) {
-      auto t = landing(entry, device);
-      transfers.push_back({P2POp::kRecv, t, source});
-      out.bytes += t.numel() * t.element_size();
-      got.held.push_back({StateFile(entry.at(0).get<int>()), entry.at(1).get<std::string>(), t,
-                          part_from(entry.at(4)), range_from(entry.at(5))});
-    }
-    ++i;
-  }
+  if (sends) add_sends(state, joiners, transfers);
+  if (takes) add_receives(header, parts, source, device, got, out, transfers);
   const auto started = Clock::now();
   std::unique_ptr<Pending> moving;
   if (!transfers.empty()) moving = group.exchange_async(std::move(transfers));

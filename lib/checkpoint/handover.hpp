@@ -3,9 +3,10 @@
 // checkpoint read (TorchFT's recovery from a peer). The source saves its components into
 // memory as it would into a checkpoint (checkpoint/stateful.hpp), broadcasts a header of
 // names, types and shapes and sends each tensor to each joiner; the joiners load them back
-// in the same order, the other members take part in the header's collectives only and keep
-// their own. The source hashes the state it sends as it goes, the joiners theirs once
-// loaded: a joiner whose hash is not the source's must not train.
+// in the same order (straight into the joiner's own state's memory where it holds the same
+// tensors), the other members take part in the header's collectives only and keep their own.
+// The source hashes the state it sends as it goes, the joiners theirs once loaded: a joiner
+// whose hash is not the source's must not train.
 //
 // Where a replica's own ranks split its state (tensor parallelism inside it), each rank
 // hands over its part over its place's group to the joiner's rank at the same place, whose
@@ -23,10 +24,11 @@ namespace dtrain {
 
 // The hashes a hand-over ends with: this member's state's (where it sent or took the state;
 // 0 for a member that only took part) and the source's; and, for a joiner, what it took
-// and how long taking (the transfer and the load) and hashing it lasted.
+// (and of that, what went into the tensors its own save gave, its live state where they
+// are views of it) and how long taking (the transfer and the load) and hashing it lasted.
 struct Handover {
   uint64_t mine = 0, source = 0;
-  int64_t bytes = 0;
+  int64_t bytes = 0, in_place = 0;
   double seconds = 0, hash_seconds = 0;
   bool identical() const { return mine == source; }
 };

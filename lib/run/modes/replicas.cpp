@@ -69,9 +69,12 @@ RunResult Replicas::run(TrainParts& parts) {
     if (mesh().rank() == 0)
       std::cerr << fmt::format("dtrain: replica {} joined at step {}, {:.2f} s after its "
                                "process began: built in {:.2f} s, admitted {:.2f} s later "
-                               "(the others' next vote), took {:.2f} GB of state in {:.2f} s, "
-                               "hashed it in {:.2f} s\n", replica(), set_->quorum().step,
-                               process_age_s(), built, waited, double(h.bytes) / 1e9,
+                               "(the others' next vote), took {:.2f} GB of state ({}) in "
+                               "{:.2f} s, hashed it in {:.2f} s\n", replica(),
+                               set_->quorum().step, process_age_s(), built, waited,
+                               double(h.bytes) / 1e9,
+                               h.in_place == h.bytes ? "all in place"
+                                   : fmt::format("{:.2f} GB in place", double(h.in_place) / 1e9),
                                h.seconds, h.hash_seconds);
   }
   RunResult r = Lockstep::run(parts);
@@ -197,7 +200,9 @@ Lockstep::Ending Replicas::ending_after(int64_t /*n*/) const {
 }
 
 // A failure on the way (a member gone) fails the joiners, which cannot train without the
-// state; the others go on, and the next step's vote forms a quorum without the dead.
+// state (and must not: they take it straight into their own, which a failed hand-over
+// leaves part theirs, part the source's); the others go on, and the next step's vote forms
+// a quorum without the dead.
 Handover Replicas::receive_or_send_state() {
   if (!joiners_wait()) return {};
   const Quorum& q = set_->quorum();

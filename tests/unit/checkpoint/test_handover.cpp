@@ -30,8 +30,11 @@ class Component : public Stateful {
     out.set("step", step);
   }
   void load(const StateReader& in) override {
-    weight.copy_(in.tensors(StateFile::kModel).at("w", {3, 4}));
-    moment.copy_(in.tensors(StateFile::kOptimizer).at("w.m", {7}));
+    const auto w = in.tensors(StateFile::kModel).at("w", {3, 4});
+    const auto m = in.tensors(StateFile::kOptimizer).at("w.m", {7});
+    loaded_in_place = w.is_alias_of(weight) && m.is_alias_of(moment);
+    weight.copy_(w);
+    moment.copy_(m);
     step = in.trainer().at("step").get<int64_t>();
     if (corrupt_) weight[0][0] += 1;
     CHECK(!in.has(StateFile::kReplica));
@@ -39,6 +42,7 @@ class Component : public Stateful {
   }
   torch::Tensor weight, moment, residual;
   int64_t step = 0;
+  bool loaded_in_place = false;  // what it loaded was its own tensors' memory
 
  private:
   bool corrupt_;
@@ -67,6 +71,46 @@ TEST_CASE("handover: joiners take the source's state over the group and end iden
     if (h.identical() != (r != 3)) fails.add(r, "identical() is wrong");
     // A joiner counts what it took: the weights' 12 floats and the moments' 7 doubles.
     if (h.bytes != (joins ? 12 * 4 + 7 * 8 : 0)) fails.add(r, "the bytes taken");
+    // ... straight into its own tensors' memory, which the load then reads: no second copy.
+    if (h.in_place != h.bytes) fails.add(r, "not all taken in place");
+    if (c.loaded_in_place != joins) fails.add(r, "the load did not read its own memory");
+  }, test::quick());
+  fails.check();
+}
+
+// A component whose state is not its own tensors' until loaded (a weight the joiner keeps
+// transposed, a moment it has not made yet): the joiner takes those into new memory.
+class Unlike : public Stateful {
+ public:
+  explicit Unlike(double v, bool source) {
+    // Distinct values: a transfer into the transposed memory would put them out of order.
+    weight = source ? torch::arange(12, torch::kFloat32).view({3, 4}) + v
+                    : torch::full({4, 3}, v).t();
+    if (source) moment = torch::full({7}, v);
+  }
+  void save(StateWriter& out) const override {
+    out.add(StateFile::kModel, {{"w", weight}});
+    if (moment.defined()) out.add(StateFile::kOptimizer, {{"w.m", moment}});
+  }
+  void load(const StateReader& in) override {
+    weight.copy_(in.tensors(StateFile::kModel).at("w", {3, 4}));
+    moment = in.tensors(StateFile::kOptimizer).at("w.m", {7}).clone();
+  }
+  torch::Tensor weight, moment;
+};
+
+TEST_CASE("handover: state the joiner does not hold alike is taken into new memory") {
+  test::RankFailures fails;
+  test::run_ranks_as_threads(2, [&](std::shared_ptr<Comm> group) {
+    const int64_t r = group->rank();
+    Unlike u(r == 0 ? 1.5 : 0.0, /*source=*/r == 0);
+    const Handover h = hand_over({&u}, *group, 0, /*receive=*/r == 1, ParallelDims{}, "job: source");
+    if (!torch::equal(u.weight, torch::arange(12, torch::kFloat32).view({3, 4}) + 1.5))
+      fails.add(r, "weights");
+    if (!u.moment.defined() || !torch::equal(u.moment, torch::full({7}, 1.5))) fails.add(r, "moments");
+    if (h.in_place != 0) fails.add(r, "taken in place into a tensor unlike the source's");
+    if (r == 1 && h.bytes != 12 * 4 + 7 * 4) fails.add(r, "the bytes taken");
+    if (!h.identical()) fails.add(r, "not identical");
   }, test::quick());
   fails.check();
 }
@@ -169,6 +213,8 @@ TEST_CASE("handover: each data rank's shard (ZeRO inside a replica) goes to the 
       if (!torch::equal(mine.c, source.c)) fails.add(r, "the channels-last range");
       if (!torch::equal(mine.step, source.step)) fails.add(r, "the step count");
       if (!h.identical()) fails.add(r, "not identical");
+      // A shard's pieces are the joiner's own at the same ranges: taken in place.
+      if (h.in_place != h.bytes || (r == 1 && h.bytes == 0)) fails.add(r, "not taken in place");
     }, test::quick());
     fails.check();
   }
