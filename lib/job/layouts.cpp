@@ -73,85 +73,147 @@ std::vector<int64_t> values(const std::set<std::string>& held, const std::string
   return options;
 }
 
+// A split of the trainers into tensor x pipeline x data ranks.
+struct Mesh {
+  int64_t tensor, pipeline, data;
+};
+
+// Every split of `trainers` ranks, those the job holds as it sets them.
+std::vector<Mesh> meshes(int64_t trainers, const ParallelConfig& own,
+                         const std::set<std::string>& held) {
+  std::vector<Mesh> out;
+  for (int64_t t = 1; t <= trainers; ++t) {
+    if (trainers % t || (held.count("parallel.tensor") && t != own.tensor)) continue;
+    for (int64_t p = 1; p <= trainers / t; ++p) {
+      if ((trainers / t) % p || (held.count("parallel.pipeline") && p != own.pipeline)) continue;
+      const int64_t d = trainers / t / p;
+      if (held.count("parallel.data") && own.data != 0 && d != own.data) continue;
+      out.push_back({t, p, d});
+    }
+  }
+  return out;
+}
+
+// A pipeline schedule and the model chunks each pipeline rank holds under it.
+struct Schedule {
+  std::string name;
+  int64_t chunks;
+};
+
+// The schedules a pipeline of `stages` ranks may run: one stage has none to choose (the
+// job's own stands); interleaving takes 2 chunks a rank, or the job's own count above 2.
+std::vector<Schedule> schedules(int64_t stages, const ParallelConfig& own,
+                                const std::set<std::string>& held) {
+  const bool chunks_held = held.count("parallel.virtual_stages") > 0;
+  if (stages == 1) return {{own.schedule, chunks_held ? own.virtual_stages : 1}};
+  std::vector<Schedule> out;
+  for (const std::string name : {"gpipe", "1f1b", "interleaved_1f1b"}) {
+    if (held.count("parallel.schedule") && name != own.schedule) continue;
+    std::vector<int64_t> chunks{1};
+    if (chunks_held) chunks = {own.virtual_stages};
+    else if (name == "interleaved_1f1b")
+      chunks = own.virtual_stages > 2 ? std::vector<int64_t>{2, own.virtual_stages}
+                                      : std::vector<int64_t>{2};
+    for (int64_t c : chunks) out.push_back({name, c});
+  }
+  return out;
+}
+
+// Whether to recompute the blocks' activations: both where the model has blocks, unless
+// the job holds its own choice.
+std::vector<bool> recomputes(const JobConfig& cfg, bool blocks, const std::set<std::string>& held) {
+  std::vector<bool> out;
+  for (bool r : {false, true})
+    if ((!r || blocks) && (!held.count("train.recompute") || r == (cfg.train.recompute == "blocks")))
+      out.push_back(r);
+  return out;
+}
+
+// A candidate's name: "d2 x t1 x p2, zero 1, 1f1b x2, flops split, 4 micro-batch(es), recompute".
+std::string layout_name(const JobConfig& c) {
+  const auto& par = c.parallel;
+  std::string pipeline;
+  if (par.pipeline > 1)
+    pipeline = ", " + par.schedule +
+               (par.virtual_stages > 1 ? fmt::format(" x{}", par.virtual_stages) : "") +
+               (par.balance == "flops" ? ", flops split" : "");
+  return fmt::format("d{} x t{} x p{}, zero {}{}, {} micro-batch(es){}", par.data, par.tensor,
+                     par.pipeline, par.zero, pipeline, c.train.grad_accum,
+                     c.train.recompute == "blocks" ? ", recompute" : "");
+}
+
+// A pipeline's split evened out by parameters and by FLOPs, where the two differ and the
+// job sets neither (else the job's own). Planning a split is not free: the answer is kept
+// by stages and tensor ranks.
+class Balances {
+ public:
+  Balances(const JobConfig& cfg, const std::set<std::string>& held)
+      : own_(cfg.parallel.balance),
+        held_(held.count("parallel.balance") || held.count("parallel.stages")) {}
+
+  std::vector<std::string> of(const JobConfig& c) {
+    if (c.parallel.pipeline == 1 || held_) return {own_};
+    const int64_t stages = c.parallel.pipeline * c.parallel.virtual_stages;
+    const auto key = std::make_pair(stages, c.parallel.tensor);
+    if (!differ_.count(key)) {
+      JobConfig by = c;
+      by.parallel.balance = "params";
+      const auto params = planned_split(by, stages, c.parallel.tensor);
+      by.parallel.balance = "flops";
+      differ_[key] = planned_split(by, stages, c.parallel.tensor) != params;
+    }
+    if (differ_[key]) return {"params", "flops"};
+    return {own_};
+  }
+
+ private:
+  std::string own_;
+  bool held_;
+  std::map<std::pair<int64_t, int64_t>, bool> differ_;
+};
+
+bool validates(const JobConfig& c, int64_t world, const Devices& devices) {
+  try {
+    validate(c, world, devices);
+    return true;
+  } catch (const ConfigError&) {
+    return false;
+  }
+}
+
 // Every layout the job validates for on `world` processes among `devices` (the held keys
 // as set), not yet planned.
 std::vector<Candidate> valid_layouts(const JobConfig& cfg, int64_t world, const Devices& devices = Devices::here()) {
   std::vector<Candidate> out;
   const auto held = held_keys(cfg);
-  const auto is_held = [&](const char* key) { return held.count(key) > 0; };
   const auto& own = cfg.parallel;
   const bool blocks = model_spec(cfg.model.arch).blocks;
   // The ranks that train (a mode may set some apart: parameter servers).
   const int64_t trainers = mode_spec(own.mode).trainers(cfg, world);
-  // A pipeline's split evened out by parameters and by FLOPs, where the two differ and
-  // the job sets neither (else the job's own), by stages and tensor ranks.
-  std::map<std::pair<int64_t, int64_t>, bool> differ;
-  auto balances = [&](const JobConfig& c) -> std::vector<std::string> {
-    const int64_t stages = c.parallel.pipeline * c.parallel.virtual_stages;
-    if (c.parallel.pipeline == 1 || is_held("parallel.balance") || is_held("parallel.stages"))
-      return {own.balance};
-    const auto key = std::make_pair(stages, c.parallel.tensor);
-    if (!differ.count(key)) {
-      JobConfig by = c;
-      by.parallel.balance = "params";
-      const auto params = planned_split(by, stages, c.parallel.tensor);
-      by.parallel.balance = "flops";
-      differ[key] = planned_split(by, stages, c.parallel.tensor) != params;
+  Balances balances(cfg, held);
+  for (const Mesh& m : meshes(trainers, own, held))
+    for (int64_t zero : values(held, "parallel.zero", own.zero, {0, 1, 2, 3})) {
+      if (m.data == 1 && zero > 0 && !held.count("parallel.zero")) continue;  // nothing to shard over
+      for (const Schedule& s : schedules(m.pipeline, own, held))
+        for (int64_t accum : values(held, "train.grad_accum", cfg.train.grad_accum, {1, 2, 4, 8}))
+          for (bool recompute : recomputes(cfg, blocks, held)) {
+            JobConfig c = cfg;
+            auto& par = c.parallel;
+            par.data = m.data, par.tensor = m.tensor, par.pipeline = m.pipeline, par.zero = zero;
+            par.schedule = s.name, par.virtual_stages = s.chunks;
+            if (!held.count("parallel.stages")) par.stages.clear();
+            c.train.grad_accum = accum;
+            c.train.recompute = recompute ? "blocks" : "none";
+            if (!validates(c, world, devices)) continue;  // a layout the job cannot take
+            for (const std::string& balance : balances.of(c)) {
+              Candidate cand;
+              cand.cfg = c;
+              cand.cfg.parallel.balance = balance;
+              cand.layout = layout_name(cand.cfg);
+              out.push_back(std::move(cand));
+            }
+          }
     }
-    return differ[key] ? std::vector<std::string>{"params", "flops"} : std::vector<std::string>{own.balance};
-  };
-  for (int64_t t = 1; t <= trainers; ++t) {
-    if (trainers % t || (is_held("parallel.tensor") && t != own.tensor)) continue;
-    for (int64_t p = 1; p <= trainers / t; ++p) {
-      if ((trainers / t) % p || (is_held("parallel.pipeline") && p != own.pipeline)) continue;
-      const int64_t d = trainers / t / p;
-      if (is_held("parallel.data") && own.data != 0 && d != own.data) continue;
-      for (int64_t zero : values(held, "parallel.zero", own.zero, {0, 1, 2, 3})) {
-        if (d == 1 && zero > 0 && !is_held("parallel.zero")) continue;  // nothing to shard over
-        for (const std::string schedule : {"gpipe", "1f1b", "interleaved_1f1b"}) {
-          if (p == 1 && schedule != "1f1b") continue;  // one stage: no schedule to choose
-          if (p > 1 && is_held("parallel.schedule") && schedule != own.schedule) continue;
-          const bool interleaved = p > 1 && schedule == "interleaved_1f1b";
-          std::vector<int64_t> chunks{1};  // model chunks per pipeline rank
-          if (is_held("parallel.virtual_stages")) chunks = {own.virtual_stages};
-          else if (interleaved) chunks = own.virtual_stages > 2 ? std::vector<int64_t>{2, own.virtual_stages}
-                                                                : std::vector<int64_t>{2};
-          for (int64_t virtual_stages : chunks)
-            for (int64_t accum : values(held, "train.grad_accum", cfg.train.grad_accum, {1, 2, 4, 8}))
-              for (bool recompute : {false, true}) {
-                if (recompute && !blocks) continue;
-                if (is_held("train.recompute") && recompute != (cfg.train.recompute == "blocks")) continue;
-                JobConfig c = cfg;
-                auto& par = c.parallel;
-                par.data = d, par.tensor = t, par.pipeline = p, par.zero = zero;
-                par.schedule = p > 1 ? schedule : own.schedule;
-                par.virtual_stages = virtual_stages;
-                if (!is_held("parallel.stages")) par.stages.clear();
-                c.train.grad_accum = accum;
-                c.train.recompute = recompute ? "blocks" : "none";
-                try {
-                  validate(c, world, devices);
-                } catch (const ConfigError&) {
-                  continue;  // a layout the job cannot take
-                }
-                for (const std::string& balance : balances(c)) {
-                  Candidate cand;
-                  cand.cfg = c;
-                  cand.cfg.parallel.balance = balance;
-                  cand.layout = fmt::format(
-                      "d{} x t{} x p{}, zero {}{}, {} micro-batch(es){}", d, t, p, zero,
-                      p > 1 ? ", " + par.schedule +
-                                  (virtual_stages > 1 ? fmt::format(" x{}", virtual_stages) : "") +
-                                  (balance == "flops" ? ", flops split" : "")
-                            : "",
-                      accum, recompute ? ", recompute" : "");
-                  out.push_back(std::move(cand));
-                }
-              }
-        }
-      }
-    }
-  }
   return out;
 }
 
