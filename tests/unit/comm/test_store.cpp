@@ -290,13 +290,12 @@ TEST_CASE("TcpStore: a client that never reads its replies holds up nobody else"
   // One request: u32 length, then op 2 (try-get) and the key as a u32-length blob.
   std::vector<uint8_t> req = {8, 0, 0, 0, 2, 3, 0, 0, 0, 'b', 'i', 'g'};
   for (int i = 0; i < 64; ++i) CHECK(::send(fd, req.data(), req.size(), 0) == ssize_t(req.size()));
-  const auto t0 = std::chrono::steady_clock::now();
+  // A server thread stuck writing to the raw client would leave these unanswered: the
+  // client would give up at its timeout and throw.
   for (int i = 0; i < 50; ++i) {
     client.set(std::string("k").append(std::to_string(i)), bytes("v"));
     CHECK(client.get(std::string("k").append(std::to_string(i))) == bytes("v"));
   }
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  CHECK(took < 2.0);
   ::close(fd);
 }
 
@@ -321,8 +320,11 @@ TEST_CASE("TcpStore: connecting to a host that drops the handshake gives up at t
   const auto t0 = std::chrono::steady_clock::now();
   TcpStore::Options o = opts(ntohs(a.sin_port), false, std::chrono::milliseconds(1500));
   CHECK_THROWS_WITH(TcpStore{o}, doctest::Contains("timed out connecting"));
+  // Not a speed bound: a blocking connect() would wait out the kernel's SYN retries (about
+  // 127 s at Linux's default tcp_syn_retries), which the 1.5 s timeout must cut short; 60 s
+  // tells the two apart on however busy a machine.
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  CHECK(took < 5.0);
+  CHECK(took < 60.0);
   for (int fd : fillers) ::close(fd);
   ::close(listener);
 }
