@@ -148,10 +148,14 @@ void check_parts(const Model& m, double dropout, const std::string& dtype, int64
     // Gradients in flight, where they make a stage's peak: at its last part (the loss's,
     // or a block's) while those before still hold theirs. Within 30% (fp32's count where a
     // part has no 16-bit one: 16-bit gradients are smaller), or a quarter of what the part
-    // keeps (freed meanwhile).
+    // keeps (freed meanwhile). A 16-bit loss's part on a CPU without bf16 kernels in oneDNN
+    // (no AVX512: LibTorch's own bf16 product) frees all it keeps, the logits and their
+    // log-softmax, before its peak: measured on such an EPYC with 2.15, the MLP's classifier
+    // 196 bytes a sample (sheet 316), the CNN's 88 (sheet 188), where each keeps 60.
+    const double freed = sixteen && p + 1 == costs.size() ? forward : 0.25 * forward;
     if (c.block || p + 1 == costs.size()) {
       CHECK(backward <= 1.3 * (sheet_back + converted) + 0.25 * forward);
-      CHECK(backward >= sheet_back / 1.3 - 0.25 * forward);
+      CHECK(backward >= sheet_back / 1.3 - freed);
     }
   }
 }
