@@ -195,6 +195,62 @@ struct RunResult {
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
+// The child that runs `args`, its output into the files `out` and `err`: in this process's
+// image where `here` (no exec: verify's own code, as the binary would run it), else the
+// executable's.
+pid_t start_run(const VerifyOptions& o, const Layout& l, std::vector<std::string>& args,
+                const std::string& out, const std::string& err, bool here) {
+  std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
+  pid_t pid = ::fork();
+  fail_if<RunDirError>(pid < 0, "verify: cannot start a run for layout {}", l.text);
+  if (pid != 0) return pid;
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with verify, should verify be killed outright
+  if (::getppid() == 1) ::_exit(kExitFailure);
+  int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fo >= 0) ::dup2(fo, STDOUT_FILENO);
+  if (fe >= 0) ::dup2(fe, STDERR_FILENO);
+  ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGTERM, SIG_DFL);
+  clear_launcher_env();
+  if (here) {
+    as_if_exec();
+    ::prctl(PR_SET_NAME, "dtrain");
+    // Whatever escapes ends the child as it would the binary, never unwinding into verify.
+    std::exit([&]() noexcept { return o.start_here(args); }());
+  }
+  exec_or_die(o.executable, args);
+}
+
+// The child's exit code (128 + the signal that ended it), a stop signal to verify passed
+// on to it meanwhile.
+int wait_run(pid_t pid) {
+  int status = 0;
+  bool forwarded = false;
+  for (;;) {
+    if (::waitpid(pid, &status, 0) == pid) break;
+    if (errno != EINTR) return kExitFailure;
+    if (g_stop_signal && !forwarded) ::kill(pid, g_stop_signal), forwarded = true;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// What a run left: its error line (from `err`), its train losses by step and its last
+// evaluation's loss (from its metrics file in `run_dir`).
+void read_run(const std::string& err, const std::string& run_dir, RunResult& r) {
+  std::ifstream errs(err);
+  for (std::string line; std::getline(errs, line);)
+    if (auto at = line.find("dtrain: error: "); at != std::string::npos && r.error.empty())
+      r.error = line.substr(at + 15);
+  std::ifstream metrics(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains("kind") || !j.contains("loss") || !j["loss"].is_number()) continue;
+    if (j["kind"] == "train") r.losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    if (j["kind"] == "eval") r.eval_loss = j["loss"].get<double>();
+  }
+}
+
 // `dtrain run JOB --set ... [--nproc N]` in `dir`, its output in files there.
 RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<std::string>& sets,
                      const std::vector<std::string>& layout, const std::string& dir) {
@@ -207,52 +263,10 @@ RunResult run_layout(const VerifyOptions& o, const Layout& l, const std::vector<
   const auto start = std::chrono::steady_clock::now();
   const std::string out = dir + "/stdout", err = dir + "/stderr";
   const bool here = o.start_here && !cuda_linked() && threads_here() == 1;
-  std::cout.flush(), std::cerr.flush(), std::fflush(nullptr);  // or the child repeats it
-  pid_t pid = ::fork();
-  fail_if<RunDirError>(pid < 0, "verify: cannot start a run for layout {}", l.text);
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with verify, should verify be killed outright
-    if (::getppid() == 1) ::_exit(kExitFailure);
-    int fo = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    int fe = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fo >= 0) ::dup2(fo, STDOUT_FILENO);
-    if (fe >= 0) ::dup2(fe, STDERR_FILENO);
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-    clear_launcher_env();
-    if (here) {
-      as_if_exec();
-      ::prctl(PR_SET_NAME, "dtrain");
-      // Whatever escapes ends the child as it would the binary, never unwinding into verify.
-      std::exit([&]() noexcept { return o.start_here(args); }());
-    }
-    exec_or_die(o.executable, args);
-  }
-  int status = 0;
-  bool forwarded = false;
-  for (;;) {
-    if (::waitpid(pid, &status, 0) == pid) break;
-    if (errno != EINTR) {
-      status = -1;
-      break;
-    }
-    if (g_stop_signal && !forwarded) ::kill(pid, g_stop_signal), forwarded = true;
-  }
   RunResult r;
-  r.code = status == -1 ? kExitFailure
-           : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.code = wait_run(start_run(o, l, args, out, err, here));
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::ifstream errs(err);
-  for (std::string line; std::getline(errs, line);)
-    if (auto at = line.find("dtrain: error: "); at != std::string::npos && r.error.empty())
-      r.error = line.substr(at + 15);
-  std::ifstream metrics(dir + "/run/metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);) {
-    const auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_object() || !j.contains("kind") || !j.contains("loss") || !j["loss"].is_number()) continue;
-    if (j["kind"] == "train") r.losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
-    if (j["kind"] == "eval") r.eval_loss = j["loss"].get<double>();
-  }
+  read_run(err, dir + "/run", r);
   return r;
 }
 
